@@ -1,0 +1,109 @@
+"""Real photos for calibration, accuracy and load tests, taken from files that installed packages ship.
+
+Nothing is downloaded and no binary is committed: the sources are scikit-image's `skimage/data` and
+matplotlib's `sample_data/grace_hopper.jpg`. Deterministic augmentations (random resized crop, flip,
+colour jitter) turn the ~14 sources into as many distinct images as a stage needs. Calibration and
+held-out images come from disjoint source photos, so accuracy is never measured on what calibrated.
+"""
+import io
+from importlib.resources import files
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageEnhance
+
+# (package, path inside it). Near-duplicates (the motorcycle stereo pair) stay in one split.
+CALIBRATION_SOURCES = (
+    ("skimage", "data/astronaut.png"),
+    ("skimage", "data/coffee.png"),
+    ("skimage", "data/rocket.jpg"),
+    ("skimage", "data/motorcycle_left.png"),
+    ("skimage", "data/motorcycle_right.png"),
+    ("skimage", "data/hubble_deep_field.jpg"),
+    ("skimage", "data/ihc.png"),
+    ("skimage", "data/camera.png"),
+    ("skimage", "data/coins.png"),
+)
+HELD_OUT_SOURCES = (
+    ("skimage", "data/chelsea.png"),
+    ("matplotlib", "mpl-data/sample_data/grace_hopper.jpg"),
+    ("skimage", "data/retina.jpg"),
+    ("skimage", "data/moon.png"),
+    ("skimage", "data/gravel.png"),
+)
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".gif"}
+LOAD_IMAGE_SIZE = (500, 375)  # a typical ImageNet validation photo
+LOAD_IMAGE_QUALITY = 90
+
+
+def source_photos(sources) -> list[Image.Image]:
+    photos = []
+    for package, path in sources:
+        with (files(package) / path).open("rb") as f:
+            photos.append(Image.open(f).convert("RGB"))
+    return photos
+
+
+def augment(photo: Image.Image, rng: np.random.Generator, size=None) -> Image.Image:
+    """A RandomResizedCrop(scale 0.3-1, ratio 3/4-4/3) + horizontal flip + colour jitter view."""
+    w, h = photo.size
+    for _ in range(10):
+        area = w * h * rng.uniform(0.3, 1.0)
+        ratio = np.exp(rng.uniform(np.log(3 / 4), np.log(4 / 3)))
+        cw, ch = int(round(np.sqrt(area * ratio))), int(round(np.sqrt(area / ratio)))
+        if 0 < cw <= w and 0 < ch <= h:
+            break
+    else:
+        cw, ch = min(w, h), min(w, h)
+    left, top = int(rng.integers(0, w - cw + 1)), int(rng.integers(0, h - ch + 1))
+    image = photo.crop((left, top, left + cw, top + ch))
+    if rng.random() < 0.5:
+        image = image.transpose(Image.FLIP_LEFT_RIGHT)
+    for enhancer in (ImageEnhance.Brightness, ImageEnhance.Contrast, ImageEnhance.Color):
+        image = enhancer(image).enhance(rng.uniform(0.7, 1.3))
+    if size is not None:
+        image = image.resize(size, Image.BILINEAR)
+    return image
+
+
+def augmented_views(sources, count: int, seed: int, size=None) -> list[Image.Image]:
+    """`count` distinct augmented views, cycling through the source photos."""
+    photos = source_photos(sources)
+    rng = np.random.default_rng(seed)
+    return [augment(photos[i % len(photos)], rng, size) for i in range(count)]
+
+
+def held_out_images(count: int = 64, seed: int = 1) -> list[Image.Image]:
+    return augmented_views(HELD_OUT_SOURCES, count, seed)
+
+
+def list_images(folder) -> list[Path]:
+    return sorted(p for p in Path(folder).iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+
+
+def fill_calibration_dir(folder, count: int = 200, seed: int = 0) -> list[Path]:
+    """Return the folder's images; if it has none, first write `count` generated ones into it.
+
+    Images a user put there are used as they are. Generated files are named generated_*.jpg (git-ignored).
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    existing = list_images(folder)
+    if existing:
+        return existing
+    for i, image in enumerate(augmented_views(CALIBRATION_SOURCES, count, seed)):
+        image.thumbnail((400, 400))  # calibration resizes to 256 anyway; keep the folder small
+        image.save(folder / f"generated_{i:04d}.jpg", quality=LOAD_IMAGE_QUALITY)
+    return list_images(folder)
+
+
+def encode_jpeg(image: Image.Image, quality: int = LOAD_IMAGE_QUALITY) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="JPEG", quality=quality)
+    return buffer.getvalue()
+
+
+def load_images(count: int, seed: int = 2, size=LOAD_IMAGE_SIZE, quality=LOAD_IMAGE_QUALITY) -> list[bytes]:
+    """`count` distinct JPEG bodies for load tests: every one is a cache miss."""
+    sources = CALIBRATION_SOURCES + HELD_OUT_SOURCES
+    return [encode_jpeg(image, quality) for image in augmented_views(sources, count, seed, size)]

@@ -1,0 +1,109 @@
+"""Image decoding and ImageNet preprocessing in numpy/Pillow only (the serving path has no torch).
+
+`preprocess` reproduces torchvision's `MobileNet_V3_Large_Weights.IMAGENET1K_V1.transforms()` on PIL
+images: shorter side to 256 (bilinear, antialiased as Pillow always is), centre crop 224, /255,
+ImageNet mean/std, channels first. tests/test_preprocess.py holds it to that.
+"""
+import io
+import warnings
+
+import numpy as np
+from PIL import Image, ImageOps
+
+RESIZE_SIZE = 256
+CROP_SIZE = 224
+MEAN = np.array([0.485, 0.456, 0.406], dtype=np.float32)
+STD = np.array([0.229, 0.224, 0.225], dtype=np.float32)
+# Folded into one multiply-add per pixel: (x/255 - mean)/std = x*SCALE + SHIFT.
+_SCALE = (1.0 / (255.0 * STD)).reshape(3, 1, 1)
+_SHIFT = (-MEAN / STD).reshape(3, 1, 1)
+
+DEFAULT_MAX_PIXELS = 40_000_000  # ~ a 7300x5500 photo; larger is refused before decoding
+
+
+class InvalidImage(ValueError):
+    """The bytes are not an image we can classify; the message says why, for the client."""
+
+
+def resize_shorter_side(image: Image.Image, size: int = RESIZE_SIZE) -> Image.Image:
+    w, h = image.size
+    # Same arithmetic as torchvision's _compute_resized_output_size (truncation, not rounding).
+    if w <= h:
+        new_w, new_h = size, int(size * h / w)
+    else:
+        new_w, new_h = int(size * w / h), size
+    if (new_w, new_h) == (w, h):
+        return image
+    return image.resize((new_w, new_h), Image.BILINEAR)
+
+
+def center_crop(image: Image.Image, size: int = CROP_SIZE) -> Image.Image:
+    w, h = image.size
+    if w < size or h < size:
+        # torchvision pads with zeros here; only reachable for tiny images after the resize.
+        padded = Image.new(image.mode, (max(w, size), max(h, size)))
+        padded.paste(image, ((padded.width - w) // 2, (padded.height - h) // 2))
+        image, (w, h) = padded, padded.size
+    top = int(round((h - size) / 2.0))
+    left = int(round((w - size) / 2.0))
+    return image.crop((left, top, left + size, top + size))
+
+
+def preprocess(image: Image.Image) -> np.ndarray:
+    """PIL image -> float32 array of shape (3, 224, 224), ready to stack into an NCHW batch."""
+    image = center_crop(resize_shorter_side(image.convert("RGB")))
+    chw = np.asarray(image, dtype=np.float32).transpose(2, 0, 1)
+    return chw * _SCALE + _SHIFT
+
+
+def preprocess_batch(images) -> np.ndarray:
+    """Several PIL images -> one contiguous (N, 3, 224, 224) float32 batch."""
+    return np.stack([preprocess(image) for image in images])
+
+
+def decode_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS, draft: bool = True) -> Image.Image:
+    """Decode untrusted bytes into an RGB PIL image, or raise InvalidImage with a clear reason.
+
+    - Refuses images over `max_pixels` from the header alone (decompression bombs never decode).
+    - Animated GIF/WebP/PNG: the first frame is classified.
+    - EXIF orientation is honoured, as a phone camera intends.
+    - With `draft`, large JPEGs are decoded at a reduced DCT scale that still leaves the shorter side
+      at least 256 px: much cheaper, and the resize to 256 follows anyway.
+    """
+    if not data:
+        raise InvalidImage("empty body: send an image file (JPEG, PNG, WebP, GIF, BMP, TIFF)")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))
+            w, h = image.size
+            if w * h > max_pixels:
+                raise InvalidImage(f"image is {w}x{h} = {w * h} pixels, over the limit of {max_pixels}")
+            if draft and image.format == "JPEG":
+                scale = min(w, h) / RESIZE_SIZE
+                if scale >= 2:
+                    image.draft("RGB", (int(w / scale * 1.0001) + 1, int(h / scale * 1.0001) + 1))
+            image.load()
+            image = ImageOps.exif_transpose(image)
+            return _to_rgb(image)
+    except InvalidImage:
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise InvalidImage(f"image too large to decode safely: {exc}") from exc
+    except Image.UnidentifiedImageError as exc:
+        raise InvalidImage("not a recognised image format") from exc
+    except (OSError, SyntaxError, ValueError, EOFError) as exc:
+        raise InvalidImage(f"corrupt or truncated image: {exc}") from exc
+
+
+def _to_rgb(image: Image.Image) -> Image.Image:
+    if image.mode in ("I;16", "I;16B", "I;16L", "I"):
+        # 16/32-bit grayscale: Pillow's convert('RGB') clips instead of scaling, so scale to 8 bits.
+        array = np.asarray(image, dtype=np.float64)
+        peak = array.max() or 1.0
+        image = Image.fromarray((array * (255.0 / peak)).astype(np.uint8), mode="L")
+    elif image.mode == "F":
+        array = np.asarray(image, dtype=np.float64)
+        span = (array.max() - array.min()) or 1.0
+        image = Image.fromarray(((array - array.min()) * (255.0 / span)).astype(np.uint8), mode="L")
+    return image if image.mode == "RGB" else image.convert("RGB")
