@@ -61,3 +61,25 @@ def export_onnx(model: torch.nn.Module, path, class_names_path=None) -> Path:
     if class_names_path is not None:
         Path(class_names_path).write_text(json.dumps(WEIGHTS.meta["categories"]))
     return path
+
+
+@torch.no_grad()
+def recalibrate_batchnorm(model: torch.nn.Module, images, batch_size: int = 32) -> torch.nn.Module:
+    """Re-estimate BatchNorm running statistics on `images` (PIL), leaving every weight untouched.
+
+    A random init has BN statistics (mean 0, var 1) unrelated to its activations, which shrink layer
+    by layer until the logits are ~1e-10 and INT8 comparisons mean nothing. Real statistics give the
+    stand-in network activation ranges like a trained one's. Used only for `random-init`.
+    """
+    from mnv3.preprocess import preprocess_batch
+
+    batch_norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    for bn in batch_norms:
+        bn.reset_running_stats()
+        bn.momentum = None  # cumulative average over all batches
+    model.train()
+    for start in range(0, len(images), batch_size):
+        model(torch.from_numpy(preprocess_batch(images[start:start + batch_size])))
+    for bn in batch_norms:
+        bn.momentum = 0.1
+    return model.eval()

@@ -9,11 +9,13 @@ def fp32_model_dir(tmp_path_factory):
     from torchvision.models import mobilenet_v3_large
 
     from mnv3.artifacts import CLASS_NAMES_JSON, FP32_ONNX
-    from mnv3.model import export_onnx
+    from mnv3.model import export_onnx, recalibrate_batchnorm
+    from mnv3.photos import CALIBRATION_SOURCES, augmented_views
 
     torch.manual_seed(0)
+    model = recalibrate_batchnorm(mobilenet_v3_large(weights=None), augmented_views(CALIBRATION_SOURCES, 16, 0))
     directory = tmp_path_factory.mktemp("fp32_model")
-    export_onnx(mobilenet_v3_large(weights=None).eval(), directory / FP32_ONNX, directory / CLASS_NAMES_JSON)
+    export_onnx(model, directory / FP32_ONNX, directory / CLASS_NAMES_JSON)
     return directory
 
 
