@@ -25,6 +25,10 @@ class InvalidImage(ValueError):
     """The bytes are not an image we can classify; the message says why, for the client."""
 
 
+class ImageTooLarge(InvalidImage):
+    """A valid header announcing more pixels than we will decode (a server answers 413, not 400)."""
+
+
 def resize_shorter_side(image: Image.Image, size: int = RESIZE_SIZE) -> Image.Image:
     w, h = image.size
     # Same arithmetic as torchvision's _compute_resized_output_size (truncation, not rounding).
@@ -78,7 +82,7 @@ def decode_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS, draft: bool 
             image = Image.open(io.BytesIO(data))
             w, h = image.size
             if w * h > max_pixels:
-                raise InvalidImage(f"image is {w}x{h} = {w * h} pixels, over the limit of {max_pixels}")
+                raise ImageTooLarge(f"image is {w}x{h} = {w * h} pixels, over the limit of {max_pixels}")
             if draft and image.format == "JPEG":
                 scale = min(w, h) / RESIZE_SIZE
                 if scale >= 2:
@@ -89,7 +93,7 @@ def decode_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS, draft: bool 
     except InvalidImage:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        raise InvalidImage(f"image too large to decode safely: {exc}") from exc
+        raise ImageTooLarge(f"image too large to decode safely: {exc}") from exc
     except Image.UnidentifiedImageError as exc:
         raise InvalidImage("not a recognised image format") from exc
     except (OSError, SyntaxError, ValueError, EOFError) as exc:

@@ -1,0 +1,129 @@
+"""Dynamic batching: requests that arrive close together run as one batched inference call.
+
+One worker task takes the first queued request, then collects more until `max_batch_size` or until
+`window_ms` after that first request arrived, stacks them, runs the model once and hands every
+request its own row. Under load the window has long passed by the time the worker is free again,
+so it takes what is queued without waiting: the batch grows with the load, latency does not.
+
+Inference runs in a dedicated single-thread executor. ORT already spreads one call over its
+intra-op threads (sized to the cores), so overlapping calls would only oversubscribe the CPU, and
+keeping it off the default executor means decode/preprocess work never waits behind a batch.
+"""
+import asyncio
+import math
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class QueueFull(Exception):
+    """More requests are queued than the limit allows; retry later."""
+
+
+class DeadlineExceeded(Exception):
+    """The request's deadline passed before its result was ready; its work was dropped if not yet run."""
+
+
+@dataclass(frozen=True)
+class BatchResult:
+    row: np.ndarray  # this request's output row
+    batch_size: int  # how many requests shared the inference call
+    queue_s: float  # from submit to the start of the inference call
+    inference_s: float  # the whole batch's inference call
+
+
+@dataclass
+class _Pending:
+    array: np.ndarray
+    future: asyncio.Future
+    enqueued_at: float
+    deadline: float
+
+
+class DynamicBatcher:
+    def __init__(self, run_batch: Callable[[np.ndarray], np.ndarray], max_batch_size: int = 32,
+                 window_ms: float = 20.0, queue_limit: int = 512):
+        self.run_batch = run_batch
+        self.max_batch_size = max_batch_size
+        self.window_s = window_ms / 1000.0
+        self.queue_limit = queue_limit
+        # Requests may queue before start(): they wait for the model's warm-up instead of failing.
+        self._queue: asyncio.Queue[_Pending] = asyncio.Queue(queue_limit)
+        self._worker: asyncio.Task | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mnv3-inference")
+
+    @property
+    def depth(self) -> int:
+        return self._queue.qsize()
+
+    def start(self) -> None:
+        self._worker = asyncio.create_task(self._work(), name="mnv3-batcher")
+
+    async def stop(self) -> None:
+        if self._worker is not None:
+            self._worker.cancel()
+            await asyncio.gather(self._worker, return_exceptions=True)
+        while self.depth:
+            self._queue.get_nowait().future.cancel()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def submit(self, array: np.ndarray, deadline: float = math.inf) -> BatchResult:
+        """Queue one (C, H, W) input and wait for its row. `deadline` is on the `loop.time()` clock."""
+        loop = asyncio.get_running_loop()
+        if loop.time() >= deadline:
+            raise DeadlineExceeded("deadline passed before the request was queued")
+        pending = _Pending(array, loop.create_future(), loop.time(), deadline)
+        try:
+            self._queue.put_nowait(pending)
+        except asyncio.QueueFull:
+            raise QueueFull(f"{self.queue_limit} requests already queued") from None
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await pending.future
+        except TimeoutError:
+            raise DeadlineExceeded(f"no result within the deadline ({loop.time() - pending.enqueued_at:.3f} s queued)") from None
+        finally:
+            pending.future.cancel()  # deadline or client gone: the worker skips work nobody waits for
+
+    async def _work(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = await self._collect()
+            now = loop.time()
+            live = [p for p in batch if not p.future.done() and p.deadline > now]
+            if not live:
+                continue
+            started = loop.time()
+            try:
+                outputs = await loop.run_in_executor(self._executor, self.run_batch, np.stack([p.array for p in live]))
+            except Exception as exc:  # fails this batch's requests only; the worker goes on
+                for p in live:
+                    if not p.future.done():
+                        p.future.set_exception(exc)
+                continue
+            inference_s = loop.time() - started
+            for p, row in zip(live, outputs):
+                if not p.future.done():
+                    p.future.set_result(BatchResult(row, len(live), started - p.enqueued_at, inference_s))
+
+    async def _collect(self) -> list[_Pending]:
+        """Wait for a first request, then gather more until the batch is full or its window closes."""
+        first = await self._queue.get()
+        batch = [first]
+        closes_at = first.enqueued_at + self.window_s
+        loop = asyncio.get_running_loop()
+        while len(batch) < self.max_batch_size:
+            if not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+                continue
+            remaining = closes_at - loop.time()
+            if remaining <= 0:
+                break
+            try:
+                async with asyncio.timeout(remaining):
+                    batch.append(await self._queue.get())
+            except TimeoutError:
+                break
+        return batch

@@ -1,0 +1,74 @@
+"""Results keyed by the exact image bytes and model, with single-flight for identical requests in flight."""
+import asyncio
+import hashlib
+from collections.abc import Awaitable, Callable
+
+from cachetools import LRUCache
+
+
+class ResultCache:
+    """A bounded LRU of computed results; `maxsize=0` turns caching (and single-flight) off.
+
+    Everything runs on one event loop, so the dicts need no locks.
+    """
+
+    def __init__(self, maxsize: int, model_id: str):
+        self.maxsize = maxsize
+        self.model_id = model_id
+        self._results = LRUCache(maxsize) if maxsize > 0 else None
+        self._in_flight: dict[str, asyncio.Future] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._results) if self._results is not None else 0
+
+    def key(self, data: bytes) -> str:
+        # The model id is in the key so a cache can never answer for a different model file.
+        return f"{hashlib.sha256(data).hexdigest()}:{self.model_id}"
+
+    async def get_or_compute(self, data: bytes, compute: Callable[[], Awaitable]) -> tuple[object, bool]:
+        """Return (result, hit). A hit is a stored result or one shared with an identical request in flight.
+
+        The first request for a key (the leader) computes; identical requests arriving meanwhile await
+        its future. A leader's exception reaches its followers and is not stored. A leader whose client
+        went away cancels its future, and one follower takes over as the new leader.
+        """
+        if self._results is None:
+            return await compute(), False
+        key = self.key(data)
+        while True:
+            if key in self._results:
+                self.hits += 1
+                return self._results[key], True
+            shared = self._in_flight.get(key)
+            if shared is None:
+                return await self._lead(key, compute), False
+            try:
+                result = await asyncio.shield(shared)
+            except asyncio.CancelledError:
+                if not shared.cancelled() or asyncio.current_task().cancelling():
+                    raise  # this request itself was cancelled
+                continue  # the leader was cancelled, not us: try again, perhaps as leader
+            self.hits += 1
+            return result, True
+
+    async def _lead(self, key: str, compute: Callable[[], Awaitable]):
+        self.misses += 1
+        future = asyncio.get_running_loop().create_future()
+        self._in_flight[key] = future
+        try:
+            result = await compute()
+        except asyncio.CancelledError:
+            future.cancel()
+            raise
+        except BaseException as exc:
+            future.set_exception(exc)
+            future.exception()  # marks it retrieved: with no followers asyncio would log it as lost
+            raise
+        else:
+            self._results[key] = result
+            future.set_result(result)
+            return result
+        finally:
+            del self._in_flight[key]

@@ -1,0 +1,114 @@
+"""One loaded model: an onnxruntime session, its class names and an id that names the exact file.
+
+Serving code talks only to `Engine.predict` (NCHW float32 batch -> softmax probabilities) and
+`Engine.top_k`, so another backend (OpenVINO, say) would be a second `load` branch, nothing more.
+"""
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from mnv3.artifacts import CLASS_NAMES_JSON
+from mnv3.latency import DEFAULT_INTER_OP_THREADS, DEFAULT_INTRA_OP_THREADS, make_session
+from mnv3.preprocess import CROP_SIZE
+
+BACKENDS = ("onnxruntime",)
+INPUT_SHAPE = (3, CROP_SIZE, CROP_SIZE)
+log = logging.getLogger(__name__)
+
+
+class ModelLoadError(RuntimeError):
+    """The model file cannot be served; the message is one line, fit for a CLI error."""
+
+
+class InferenceError(RuntimeError):
+    """The runtime failed on one batch; the requests in it fail, the server goes on."""
+
+
+@dataclass(frozen=True)
+class Prediction:
+    class_id: int
+    label: str
+    probability: float
+
+
+class Engine:
+    def __init__(self, session, class_names: list[str], path: Path, sha256: str):
+        self.session = session
+        self.class_names = class_names
+        self.path = path
+        self.sha256 = sha256
+        self.model_id = f"{path.name}:{sha256[:12]}"
+        self.input_name = session.get_inputs()[0].name
+        self.input_shape = session.get_inputs()[0].shape
+
+    @classmethod
+    def load(cls, path, backend: str = "onnxruntime", intra_op_threads: int = DEFAULT_INTRA_OP_THREADS,
+             inter_op_threads: int = DEFAULT_INTER_OP_THREADS, max_batch_size: int = 1) -> "Engine":
+        """Open, validate and name a model, or raise ModelLoadError saying what is wrong."""
+        if backend not in BACKENDS:
+            raise ModelLoadError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
+        path = Path(path)
+        if not path.is_file():
+            raise ModelLoadError(f"model file {path} not found")
+        sha256 = hashlib.sha256(path.read_bytes()).hexdigest()
+        try:
+            session = make_session(path, intra_op_threads, inter_op_threads)
+        except Exception as exc:  # onnxruntime raises its own untyped errors for bad protobufs
+            raise ModelLoadError(f"{path} is not a loadable ONNX model: {_one_line(exc)}") from exc
+        _check_input(path, session.get_inputs(), max_batch_size)
+        num_classes = session.get_outputs()[0].shape[-1]
+        return cls(session, _class_names(path.parent / CLASS_NAMES_JSON, num_classes), path, sha256)
+
+    def predict(self, batch: np.ndarray) -> np.ndarray:
+        """(N, 3, 224, 224) float32 -> (N, classes) softmax probabilities."""
+        try:
+            logits = self.session.run(None, {self.input_name: batch})[0]
+        except Exception as exc:
+            raise InferenceError(f"onnxruntime failed on a batch of {len(batch)}: {_one_line(exc)}") from exc
+        shifted = np.exp(logits - logits.max(axis=1, keepdims=True))  # max-shift: no overflow
+        return shifted / shifted.sum(axis=1, keepdims=True)
+
+    def top_k(self, probabilities: np.ndarray, k: int) -> list[Prediction]:
+        """The k most probable classes of one row, most probable first."""
+        best = np.argsort(probabilities)[::-1][:k]
+        return [Prediction(int(i), self.label(int(i)), float(probabilities[i])) for i in best]
+
+    def label(self, class_id: int) -> str:
+        if class_id < len(self.class_names):
+            return self.class_names[class_id]
+        return f"class_{class_id}"
+
+    def warm_up(self, batch_sizes) -> None:
+        """Run each batch size once so the first requests do not pay for ORT's allocations."""
+        for size in batch_sizes:
+            self.predict(np.zeros((size, *INPUT_SHAPE), dtype=np.float32))
+
+
+def _check_input(path, inputs, max_batch_size: int) -> None:
+    if len(inputs) != 1:
+        raise ModelLoadError(f"{path} has {len(inputs)} inputs; expected one image input")
+    shape = inputs[0].shape
+    if len(shape) != 4 or tuple(shape[1:]) != INPUT_SHAPE:
+        raise ModelLoadError(f"{path} takes input of shape {shape}; expected [batch, {', '.join(map(str, INPUT_SHAPE))}]")
+    # A fixed batch axis runs only batches of exactly that size; batch 1 still serves without batching.
+    if isinstance(shape[0], int) and (shape[0], max_batch_size) != (1, 1):
+        raise ModelLoadError(f"{path} has a fixed batch size of {shape[0]}; export it with a dynamic batch axis "
+                             "(a batch-1 model can be served with --max-batch-size 1)")
+
+
+def _class_names(path: Path, num_classes) -> list[str]:
+    if not path.exists():
+        log.warning("%s not found beside the model: labels will be class_<id>", path.name)
+        return []
+    names = json.loads(path.read_text())
+    if isinstance(num_classes, int) and len(names) != num_classes:
+        raise ModelLoadError(f"{path} has {len(names)} class names but the model outputs {num_classes} classes")
+    return names
+
+
+def _one_line(exc: Exception) -> str:
+    return " ".join(str(exc).split())

@@ -1,0 +1,166 @@
+"""DynamicBatcher against a fake engine: each input is a 1-element array holding a request id."""
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+
+from mnv3.batcher import DeadlineExceeded, DynamicBatcher, QueueFull
+
+BLOCK_TIMEOUT_S = 10  # a broken test fails instead of hanging
+
+
+class FakeEngine:
+    """Returns 10 x each input; records every batch; can be held inside a call to fill the queue."""
+
+    def __init__(self, poison: float | None = None):
+        self.batches: list[list[float]] = []
+        self.poison = poison
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.release.set()
+
+    def __call__(self, batch: np.ndarray) -> np.ndarray:
+        self.batches.append(batch[:, 0].tolist())
+        self.entered.set()
+        self.release.wait(BLOCK_TIMEOUT_S)
+        if self.poison in batch:
+            raise RuntimeError("poisoned batch")
+        return batch * 10
+
+    @property
+    def computed(self) -> list[float]:
+        return [x for batch in self.batches for x in batch]
+
+
+def item(request_id: float) -> np.ndarray:
+    return np.array([request_id], dtype=np.float32)
+
+
+def run(scenario):
+    """Run `scenario(batcher_factory)` on a fresh loop; every batcher made is stopped afterwards."""
+    async def main():
+        made = []
+
+        def make(engine, **kwargs):
+            batcher = DynamicBatcher(engine, **kwargs)
+            batcher.start()
+            made.append(batcher)
+            return batcher
+
+        try:
+            await asyncio.wait_for(scenario(make), BLOCK_TIMEOUT_S)
+        finally:
+            for batcher in made:
+                await batcher.stop()
+
+    asyncio.run(main())
+
+
+async def held(engine: FakeEngine, batcher: DynamicBatcher, request_id: float) -> asyncio.Task:
+    """Start a request whose inference call blocks until `engine.release` is set."""
+    engine.release.clear()
+    engine.entered.clear()
+    task = asyncio.create_task(batcher.submit(item(request_id)))
+    await asyncio.to_thread(engine.entered.wait, BLOCK_TIMEOUT_S)
+    return task
+
+
+def test_window_groups_concurrent_requests_and_rows_go_to_their_requests():
+    async def scenario(make):
+        engine = FakeEngine()
+        batcher = make(engine, max_batch_size=8, window_ms=100)
+        results = await asyncio.gather(*(batcher.submit(item(i)) for i in range(5)))
+        assert engine.batches == [[0, 1, 2, 3, 4]]
+        assert [float(r.row[0]) for r in results] == [0, 10, 20, 30, 40]
+        assert {r.batch_size for r in results} == {5}
+        assert all(r.queue_s >= 0 and r.inference_s >= 0 for r in results)
+
+    run(scenario)
+
+
+def test_max_batch_size_is_respected():
+    async def scenario(make):
+        engine = FakeEngine()
+        batcher = make(engine, max_batch_size=4, window_ms=50)
+        results = await asyncio.gather(*(batcher.submit(item(i)) for i in range(10)))
+        assert [len(b) for b in engine.batches] == [4, 4, 2]
+        assert [float(r.row[0]) for r in results] == [10 * i for i in range(10)]
+
+    run(scenario)
+
+
+def test_batch_size_one_runs_each_request_alone_without_waiting_for_the_window():
+    async def scenario(make):
+        engine = FakeEngine()
+        batcher = make(engine, max_batch_size=1, window_ms=60_000)
+        results = await asyncio.gather(*(batcher.submit(item(i)) for i in range(3)))
+        assert engine.batches == [[0], [1], [2]]
+        assert {r.batch_size for r in results} == {1}
+
+    run(scenario)
+
+
+def test_expired_request_raises_and_is_not_computed():
+    async def scenario(make):
+        engine = FakeEngine()
+        batcher = make(engine, max_batch_size=1, window_ms=0)
+        first = await held(engine, batcher, 1)
+        loop = asyncio.get_running_loop()
+        with pytest.raises(DeadlineExceeded):
+            await batcher.submit(item(2), deadline=loop.time() + 0.05)
+        engine.release.set()
+        await first
+        await batcher.submit(item(3))  # the worker has passed request 2 by the time 3 is answered
+        assert engine.computed == [1, 3]
+        with pytest.raises(DeadlineExceeded):
+            await batcher.submit(item(4), deadline=loop.time() - 1)
+
+    run(scenario)
+
+
+def test_queue_full_raises():
+    async def scenario(make):
+        engine = FakeEngine()
+        batcher = make(engine, max_batch_size=1, window_ms=0, queue_limit=1)
+        first = await held(engine, batcher, 1)
+        second = asyncio.create_task(batcher.submit(item(2)))
+        await asyncio.sleep(0)  # let it queue
+        assert batcher.depth == 1
+        with pytest.raises(QueueFull):
+            await batcher.submit(item(3))
+        engine.release.set()
+        assert float((await second).row[0]) == 20
+        await first
+
+    run(scenario)
+
+
+def test_cancelled_request_is_dropped():
+    async def scenario(make):
+        engine = FakeEngine()
+        batcher = make(engine, max_batch_size=1, window_ms=0)
+        first = await held(engine, batcher, 1)
+        abandoned = asyncio.create_task(batcher.submit(item(2)))
+        await asyncio.sleep(0)
+        abandoned.cancel()
+        engine.release.set()
+        await first
+        await batcher.submit(item(3))
+        assert engine.computed == [1, 3]
+        assert abandoned.cancelled()
+
+    run(scenario)
+
+
+def test_engine_error_fails_only_its_batch():
+    async def scenario(make):
+        engine = FakeEngine(poison=-1)
+        batcher = make(engine, max_batch_size=2, window_ms=50)
+        outcomes = await asyncio.gather(batcher.submit(item(-1)), batcher.submit(item(1)),
+                                        batcher.submit(item(2)), return_exceptions=True)
+        assert [type(o) for o in outcomes[:2]] == [RuntimeError, RuntimeError]
+        assert float(outcomes[2].row[0]) == 20
+        assert float((await batcher.submit(item(3))).row[0]) == 30  # the worker survived
+
+    run(scenario)

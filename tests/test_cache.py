@@ -1,0 +1,110 @@
+import asyncio
+
+import pytest
+
+from mnv3.cache import ResultCache
+
+
+class Computation:
+    """An async compute function that counts its calls and can be held open until released."""
+
+    def __init__(self, result="result", error: Exception | None = None):
+        self.result, self.error = result, error
+        self.calls = 0
+        self.release = asyncio.Event()
+        self.release.set()
+
+    async def __call__(self):
+        self.calls += 1
+        await self.release.wait()
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+def run(coroutine):
+    return asyncio.run(asyncio.wait_for(coroutine, 10))
+
+
+def test_hits_misses_and_lru_eviction():
+    async def scenario():
+        cache = ResultCache(maxsize=2, model_id="m:abc")
+        compute = Computation()
+        assert await cache.get_or_compute(b"a", compute) == ("result", False)
+        assert await cache.get_or_compute(b"a", compute) == ("result", True)
+        await cache.get_or_compute(b"b", compute)
+        await cache.get_or_compute(b"a", compute)  # a is now the most recently used
+        await cache.get_or_compute(b"c", compute)  # evicts b
+        assert len(cache) == 2
+        assert (await cache.get_or_compute(b"a", compute))[1] is True
+        assert (await cache.get_or_compute(b"b", compute))[1] is False
+        assert (cache.hits, cache.misses, compute.calls) == (3, 4, 4)
+
+    run(scenario())
+
+
+def test_key_names_the_model():
+    assert ResultCache(1, "a.onnx:1").key(b"x") != ResultCache(1, "b.onnx:2").key(b"x")
+
+
+def test_size_zero_disables_caching():
+    async def scenario():
+        cache = ResultCache(maxsize=0, model_id="m")
+        compute = Computation()
+        for _ in range(3):
+            assert await cache.get_or_compute(b"a", compute) == ("result", False)
+        assert (compute.calls, len(cache), cache.hits) == (3, 0, 0)
+
+    run(scenario())
+
+
+def test_concurrent_identical_requests_share_one_computation():
+    async def scenario():
+        cache = ResultCache(maxsize=8, model_id="m")
+        compute = Computation()
+        compute.release.clear()
+        tasks = [asyncio.create_task(cache.get_or_compute(b"same", compute)) for _ in range(10)]
+        await asyncio.sleep(0)
+        compute.release.set()
+        outcomes = await asyncio.gather(*tasks)
+        assert compute.calls == 1
+        assert sorted(hit for _, hit in outcomes) == [False] + [True] * 9
+        assert (cache.hits, cache.misses) == (9, 1)
+
+    run(scenario())
+
+
+def test_leader_failure_reaches_followers_and_is_not_cached():
+    async def scenario():
+        cache = ResultCache(maxsize=8, model_id="m")
+        failing = Computation(error=ValueError("bad image"))
+        failing.release.clear()
+        tasks = [asyncio.create_task(cache.get_or_compute(b"x", failing)) for _ in range(3)]
+        await asyncio.sleep(0)
+        failing.release.set()
+        outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+        assert [str(o) for o in outcomes] == ["bad image"] * 3
+        assert failing.calls == 1 and len(cache) == 0
+        assert await cache.get_or_compute(b"x", Computation("fixed")) == ("fixed", False)
+
+    run(scenario())
+
+
+def test_cancelled_leader_hands_over_to_a_follower():
+    async def scenario():
+        cache = ResultCache(maxsize=8, model_id="m")
+        compute = Computation()
+        compute.release.clear()
+        leader = asyncio.create_task(cache.get_or_compute(b"x", compute))
+        await asyncio.sleep(0)
+        follower = asyncio.create_task(cache.get_or_compute(b"x", compute))
+        await asyncio.sleep(0)
+        leader.cancel()
+        await asyncio.sleep(0)
+        compute.release.set()
+        assert await follower == ("result", False)  # it computed, as the new leader
+        assert compute.calls == 2
+        with pytest.raises(asyncio.CancelledError):
+            await leader
+
+    run(scenario())
