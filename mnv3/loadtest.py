@@ -1,0 +1,421 @@
+"""Load testing the mnv3 server: start and stop it, drive it closed- or open-loop, read its /metrics.
+
+Closed loop is the seed's method: N requests through a thread pool of `concurrency` workers using
+`requests`, each worker sending its next request as soon as its last one returns. It measures
+throughput at a fixed concurrency, but a slow server also slows the senders down, so the latency it
+reports is optimistic (coordinated omission). The open loop fixes every send time in advance (Poisson
+arrivals) and measures each latency from the request's scheduled send time, so a stalled server shows
+up as latency instead of as a politely reduced load.
+
+Also here: what the three serving stages (3-5) share, from their common flags to their error exit.
+"""
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+from tqdm import tqdm
+
+from mnv3 import report
+from mnv3.artifacts import ARTIFACTS_DIR, RESULTS_DIR, STATIC_INT8_ONNX, MissingArtifact, read_manifest, require
+from mnv3.latency import DEFAULT_INTER_OP_THREADS, DEFAULT_INTRA_OP_THREADS, LatencyStats
+from mnv3.photos import LOAD_IMAGE_QUALITY, LOAD_IMAGE_SIZE
+
+START_TIMEOUT_S = 120  # loading + warming an ORT session on a busy 2-core machine can take a while
+STOP_TIMEOUT_S = 15
+REQUEST_TIMEOUT_S = 60
+READY_POLL_S = 0.1
+OUTPUT_TAIL_LINES = 20
+SERVER_FIELDS = ("batch_size", "queue_ms", "preprocess_ms", "inference_ms")
+TIME_HISTOGRAMS = {
+    "request_ms": "mnv3_request_latency_seconds",
+    "queue_ms": "mnv3_queue_wait_seconds",
+    "preprocess_ms": "mnv3_preprocess_seconds",
+    "inference_ms": "mnv3_inference_seconds",
+}
+
+
+# ---------------------------------------------------------------------------------------- the server
+
+class ServerStartError(RuntimeError):
+    """The server exited or never became ready. `output` holds the tail of what it printed."""
+
+    def __init__(self, message: str, output: str = ""):
+        super().__init__(message)
+        self.output = output
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`with ServerProcess(model, cache_size=0) as url:` a server on a free 127.0.0.1 port, stopped on exit.
+
+    Keyword options become server flags (`max_batch_size=1` -> `--max-batch-size 1`); None keeps the
+    server's default. Entering returns once GET /readyz answers 200.
+    """
+
+    def __init__(self, model, start_timeout_s: float = START_TIMEOUT_S, **options):
+        self.url = f"http://127.0.0.1:{free_port()}"
+        self.command = [sys.executable, "-m", "mnv3.server", "--model", str(model),
+                        "--host", "127.0.0.1", "--port", self.url.rsplit(":", 1)[1]]
+        for name, value in options.items():
+            if value is not None:
+                self.command += [f"--{name.replace('_', '-')}", str(value)]
+        self.start_timeout_s = start_timeout_s
+        self.process = None
+        self._log = None
+
+    def __enter__(self) -> str:
+        # Output goes to a file, not a pipe: a pipe nobody reads fills up and blocks the server.
+        self._log = tempfile.TemporaryFile()
+        self.process = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=self._log,
+                                        stderr=subprocess.STDOUT)
+        try:
+            self._wait_until_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self.url
+
+    def __exit__(self, *exc_info):
+        self.stop()
+
+    def _wait_until_ready(self):
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                output = self.output_tail()
+                last_line = output.strip().splitlines()[-1] if output.strip() else "(no output)"
+                raise ServerStartError(f"server exited with code {self.process.returncode}: {last_line}", output)
+            try:
+                if requests.get(self.url + "/readyz", timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass  # not listening yet
+            time.sleep(READY_POLL_S)
+        raise ServerStartError(f"server not ready after {self.start_timeout_s:.0f} s (is the machine overloaded? "
+                               f"raise --start-timeout): {' '.join(self.command)}", self.output_tail())
+
+    def stop(self):
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)  # lets uvicorn finish in-flight requests and exit cleanly
+            try:
+                self.process.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(STOP_TIMEOUT_S)
+        if self._log is not None and not self._log.closed:
+            self._log.close()
+
+    def output_tail(self, lines: int = OUTPUT_TAIL_LINES) -> str:
+        self._log.seek(0)
+        return "\n".join(self._log.read().decode(errors="replace").splitlines()[-lines:])
+
+
+class PredictClient:
+    """`send(body) -> (status, json or None)` for POST /predict, with one `requests.Session` (one
+    keep-alive connection) per thread, as the seed did. Use one client per run: closing it closes
+    the connections that run's threads opened."""
+
+    def __init__(self, base_url: str, timeout_s: float = REQUEST_TIMEOUT_S):
+        self.url = base_url + "/predict"
+        self.timeout_s = timeout_s
+        self._local = threading.local()
+        self._sessions = []
+        self._lock = threading.Lock()
+
+    def __call__(self, body: bytes) -> tuple[str, dict | None]:
+        session = getattr(self._local, "session", None)
+        if session is None:
+            session = self._local.session = requests.Session()
+            with self._lock:
+                self._sessions.append(session)
+        try:
+            response = session.post(self.url, files={"file": ("image.jpg", body, "image/jpeg")},
+                                    timeout=self.timeout_s)
+        except requests.RequestException as exc:
+            return type(exc).__name__, None
+        if response.status_code != 200:
+            return str(response.status_code), None
+        return "200", response.json()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        for session in self._sessions:
+            session.close()
+
+
+# ---------------------------------------------------------------------------------------- the load
+
+@dataclass(frozen=True)
+class LoadResult:
+    mode: str  # "closed" or "open"
+    concurrency: int  # closed: worker threads; open: the most requests in flight at once
+    sent: int
+    ok: int
+    errors: dict  # status (HTTP code or exception name) -> count
+    seconds: float  # first send to last response
+    latency: LatencyStats | None  # successful requests only
+    server: dict  # means of what the server reported per request, and how many were cache hits
+    target_rps: float | None = None
+    dropped: int = 0  # open loop: not sent, because the client fell too far behind its schedule
+
+    @property
+    def rps(self) -> float:
+        return self.ok / self.seconds if self.seconds > 0 else 0.0
+
+    @classmethod
+    def from_samples(cls, mode, concurrency, samples, seconds, **extra) -> "LoadResult":
+        """samples: (status, latency in s, JSON body) per request; status "dropped" = never sent."""
+        ok = [(latency, payload) for status, latency, payload in samples if status == "200"]
+        errors = Counter(status for status, _, _ in samples if status not in ("200", "dropped"))
+        server = {f"mean_{key}": _mean([payload.get(key) for _, payload in ok]) for key in SERVER_FIELDS}
+        server["cache_hits"] = sum(bool(payload.get("cache_hit")) for _, payload in ok)
+        latency = LatencyStats.from_seconds([latency for latency, _ in ok]) if ok else None
+        dropped = sum(status == "dropped" for status, _, _ in samples)
+        return cls(mode, concurrency, len(samples) - dropped, len(ok), dict(errors), seconds, latency, server,
+                   dropped=dropped, **extra)
+
+    def as_row(self) -> dict:
+        row = {"mode": self.mode, "concurrency": self.concurrency, "sent": self.sent, "ok": self.ok,
+               "errors": sum(self.errors.values()),
+               "errors_by_status": ";".join(f"{status}:{n}" for status, n in sorted(self.errors.items())),
+               "seconds": round(self.seconds, 3), "req_per_s": round(self.rps, 2)}
+        if self.target_rps is not None:
+            row |= {"target_rps": round(self.target_rps, 2), "dropped": self.dropped}
+        latency = (self.latency or LatencyStats(*[float("nan")] * 4, 0)).as_row("latency_")
+        return row | latency | {key: _round(value) for key, value in self.server.items()}
+
+    def summary(self) -> str:
+        p = self.latency
+        percentiles = f"p50 {p.p50_ms:.0f} / p95 {p.p95_ms:.0f} / p99 {p.p99_ms:.0f} ms" if p else "no successes"
+        errors = f", {sum(self.errors.values())} errors ({self.errors})" if self.errors else ""
+        dropped = f", {self.dropped} dropped" if self.dropped else ""
+        return f"{self.rps:.1f} req/s at concurrency {self.concurrency}, {percentiles}{errors}{dropped}"
+
+
+def _mean(values):
+    values = [v for v in values if v is not None]
+    return float(np.mean(values)) if values else float("nan")
+
+
+def ratio(numerator: float, denominator: float) -> float:
+    return round(numerator / denominator, 2) if denominator else float("nan")
+
+
+def _round(value):
+    return round(value, 3) if isinstance(value, float) else value
+
+
+def run_closed_loop(send, bodies: list[bytes], concurrency: int, count: int | None = None,
+                    desc: str | None = None) -> LoadResult:
+    """`count` requests (default: one per body, cycling) through `concurrency` threads, as fast as answered."""
+    count = len(bodies) if count is None else count
+
+    def timed(body):
+        start = time.perf_counter()
+        status, payload = send(body)
+        return status, time.perf_counter() - start, payload
+
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        start = time.perf_counter()
+        futures = [pool.submit(timed, bodies[i % len(bodies)]) for i in range(count)]
+        samples = [f.result() for f in tqdm(as_completed(futures), total=count, desc=desc, leave=False,
+                                            disable=desc is None)]
+        seconds = time.perf_counter() - start
+    return LoadResult.from_samples("closed", concurrency, samples, seconds)
+
+
+def poisson_schedule(rate: float, seconds: float, max_requests: int, seed: int = 0) -> np.ndarray:
+    """Send times (s after the start) of Poisson arrivals at `rate`/s, cut at `seconds` or `max_requests`."""
+    times = np.cumsum(np.random.default_rng(seed).exponential(1.0 / rate, max_requests))
+    return times[times < seconds]
+
+
+def run_open_loop(send, bodies: list[bytes], rate: float, seconds: float, max_requests: int | None = None,
+                  max_in_flight: int = 256, max_lateness_s: float = 1.0, seed: int = 0,
+                  desc: str | None = None) -> LoadResult:
+    """Poisson arrivals at `rate`/s for `seconds`; each latency counts from the scheduled send time.
+
+    A request waits for a free thread when `max_in_flight` are outstanding (that wait is part of its
+    latency); one that could not start within `max_lateness_s` of its scheduled time is dropped and
+    counted, which keeps an overloaded run bounded in time.
+    """
+    max_requests = max_requests or int(rate * seconds * 2) + 10
+    schedule = poisson_schedule(rate, seconds, max_requests, seed)
+
+    def timed(body, scheduled):
+        if time.perf_counter() - scheduled > max_lateness_s:
+            return "dropped", None, None
+        status, payload = send(body)
+        return status, time.perf_counter() - scheduled, payload
+
+    with ThreadPoolExecutor(max_workers=max_in_flight) as pool:
+        start = time.perf_counter()
+        futures = []
+        for i, offset in enumerate(tqdm(schedule, desc=desc, leave=False, disable=desc is None)):
+            delay = start + offset - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            futures.append(pool.submit(timed, bodies[i % len(bodies)], start + offset))
+        samples = [f.result() for f in futures]
+        elapsed = time.perf_counter() - start
+    return LoadResult.from_samples("open", max_in_flight, samples, elapsed, target_rps=rate)
+
+
+# ---------------------------------------------------------------------------------------- /metrics
+
+def parse_metrics(text: str) -> dict[tuple[str, str], float]:
+    """Prometheus text -> {(sample name, le bound or ""): value}, summed over any other labels."""
+    values = Counter()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            values[(sample.name, sample.labels.get("le", ""))] += sample.value
+    return dict(values)
+
+
+def read_metrics(base_url: str) -> dict[tuple[str, str], float]:
+    response = requests.get(base_url + "/metrics", timeout=10)
+    response.raise_for_status()
+    return parse_metrics(response.text)
+
+
+def metrics_delta(before: dict, after: dict) -> dict:
+    """What happened between two reads of the (cumulative) server metrics."""
+    return {key: value - before.get(key, 0.0) for key, value in after.items()}
+
+
+def batch_size_histogram(metrics: dict) -> dict[str, int]:
+    """Batches per bucket (not cumulative), keyed by the bucket's upper bound: {"1": .., "2": .., "+Inf": ..}."""
+    cumulative = sorted((float(le), value) for (name, le), value in metrics.items() if name == "mnv3_batch_size_bucket")
+    histogram, below = {}, 0.0
+    for bound, value in cumulative:
+        histogram["+Inf" if bound == float("inf") else f"{bound:g}"] = round(value - below)
+        below = value
+    return histogram
+
+
+def metrics_row(metrics: dict) -> dict:
+    """Server-side view of a run: batches, images per batch, mean time per stage, cache counters."""
+    batches = metrics.get(("mnv3_batch_size_count", ""), 0.0)
+    row = {"metrics_batches": round(batches),
+           "metrics_mean_batch_size": _round(metrics.get(("mnv3_batch_size_sum", ""), 0.0) / batches)
+           if batches else float("nan")}
+    for key, name in TIME_HISTOGRAMS.items():
+        count = metrics.get((f"{name}_count", ""), 0.0)
+        row[f"metrics_{key}"] = _round(1000 * metrics.get((f"{name}_sum", ""), 0.0) / count) if count else float("nan")
+    row["metrics_cache_hits"] = round(metrics.get(("mnv3_cache_hits_total", ""), 0.0))
+    row["metrics_cache_misses"] = round(metrics.get(("mnv3_cache_misses_total", ""), 0.0))
+    return row
+
+
+def run_with_metrics(base_url: str, run) -> tuple[LoadResult, dict]:
+    """`run(send)` with a fresh client; returns its result and the server metrics for just that run."""
+    before = read_metrics(base_url)
+    with PredictClient(base_url) as send:
+        result = run(send)
+    return result, metrics_delta(before, read_metrics(base_url))
+
+
+# ---------------------------------------------------------------------------------------- stages 3-5
+
+def add_common_args(parser):
+    parser.add_argument("--artifacts-dir", type=Path, default=ARTIFACTS_DIR, help="where stages 1-2 wrote models")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="where CSVs and plots go")
+    parser.add_argument("--model", type=Path,
+                        help="ONNX model to serve (default: the static INT8 model stage 2 recorded)")
+    parser.add_argument("--quick", action="store_true", help="small counts: a smoke run in well under a minute")
+    parser.add_argument("--concurrency", type=int, help="concurrent requests (default 250; --quick 8)")
+    parser.add_argument("--requests", type=int, help="requests per closed-loop run (default 4x concurrency)")
+    parser.add_argument("--intra-op-threads", type=int, default=DEFAULT_INTRA_OP_THREADS, help="server's ORT intra-op threads")
+    parser.add_argument("--inter-op-threads", type=int, default=DEFAULT_INTER_OP_THREADS, help="server's ORT inter-op threads")
+    parser.add_argument("--preprocess-threads", type=int, help="server's decode/preprocess threads (default: server's)")
+    parser.add_argument("--start-timeout", type=float, default=START_TIMEOUT_S, help="seconds to wait for /readyz")
+    return parser
+
+
+def apply_defaults(args, full: dict, quick: dict):
+    """Fill each option the user left unset from `quick` under --quick, else from `full`."""
+    for name, value in (quick if args.quick else full).items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+    return args
+
+
+def load_defaults(args, full_concurrency: int = 250, quick_concurrency: int = 8):
+    """Concurrency 250 (the seed's) or 8 under --quick; 4 requests per concurrent sender, for stable numbers."""
+    if args.concurrency is None:
+        args.concurrency = quick_concurrency if args.quick else full_concurrency
+    if args.requests is None:
+        args.requests = 4 * args.concurrency
+    return args
+
+
+def server_options(args, **overrides) -> dict:
+    """Server flags from the common tuning flags, then a stage's own settings (cache, batching)."""
+    return {"intra_op_threads": args.intra_op_threads, "inter_op_threads": args.inter_op_threads,
+            "preprocess_threads": args.preprocess_threads} | overrides
+
+
+def options_row(options: dict) -> dict:
+    """Server settings as CSV columns; "default" where the server chose."""
+    return {f"server_{name}": "default" if value is None else value for name, value in options.items()}
+
+
+def serving_model(args) -> tuple[Path, str]:
+    """(model to serve, weights provenance): --model, else the static INT8 model stage 2 recorded."""
+    manifest = read_manifest(args.artifacts_dir)
+    provenance = str(manifest.get("weights", "unknown"))
+    if args.model is not None:
+        if not args.model.exists():
+            raise MissingArtifact(f"--model {args.model} not found")
+        return args.model, provenance
+    recorded = manifest.get("static_int8")
+    if isinstance(recorded, dict):
+        recorded = recorded.get("path")
+    path = Path(recorded) if recorded else args.artifacts_dir / STATIC_INT8_ONNX
+    if not path.is_absolute() and not path.exists():
+        path = args.artifacts_dir / path.name  # recorded relative to the artifacts dir
+    return require(path, 2), provenance
+
+
+def environment_row(model: Path, provenance: str) -> dict:
+    """What a reader needs to judge the numbers: which model, which images, which machine and libraries."""
+    width, height = LOAD_IMAGE_SIZE
+    return {"model": model.name, "weights": provenance, "load_image_size": f"{width}x{height}",
+            "load_image_quality": LOAD_IMAGE_QUALITY, **report.cpu_info(),
+            **{f"{name}_version": version for name, version in report.library_versions().items()}}
+
+
+def write_results(results_dir: Path, csv_name: str, rows: list[dict]) -> Path:
+    path = report.write_csv(Path(results_dir) / csv_name, rows)
+    if hasattr(report, "write_summary"):
+        report.write_summary(results_dir)
+    print(f"wrote {path}")
+    return path
+
+
+def run_stage(main, args) -> int:
+    """Run a stage's main; a missing input or a server that will not start is one line and exit 2."""
+    try:
+        main(args)
+    except (MissingArtifact, ServerStartError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
