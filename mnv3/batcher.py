@@ -11,6 +11,7 @@ keeping it off the default executor means decode/preprocess work never waits beh
 """
 import asyncio
 import math
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,8 +39,8 @@ class BatchResult:
 class _Pending:
     array: np.ndarray
     future: asyncio.Future
-    enqueued_at: float
-    deadline: float
+    queued_at: float  # time.perf_counter(): uvloop's loop.time() has only millisecond resolution
+    deadline: float  # loop.time() clock, like asyncio's timeouts
 
 
 class DynamicBatcher:
@@ -74,16 +75,17 @@ class DynamicBatcher:
         loop = asyncio.get_running_loop()
         if loop.time() >= deadline:
             raise DeadlineExceeded("deadline passed before the request was queued")
-        pending = _Pending(array, loop.create_future(), loop.time(), deadline)
+        pending = _Pending(array, loop.create_future(), time.perf_counter(), deadline)
         try:
             self._queue.put_nowait(pending)
         except asyncio.QueueFull:
-            raise QueueFull(f"{self.queue_limit} requests already queued") from None
+            raise QueueFull(f"queue full: {self.queue_limit} requests already wait for inference") from None
         try:
             async with asyncio.timeout_at(deadline):
                 return await pending.future
         except TimeoutError:
-            raise DeadlineExceeded(f"no result within the deadline ({loop.time() - pending.enqueued_at:.3f} s queued)") from None
+            waited = time.perf_counter() - pending.queued_at
+            raise DeadlineExceeded(f"deadline passed after {waited:.3f} s waiting for inference") from None
         finally:
             pending.future.cancel()  # deadline or client gone: the worker skips work nobody waits for
 
@@ -95,7 +97,7 @@ class DynamicBatcher:
             live = [p for p in batch if not p.future.done() and p.deadline > now]
             if not live:
                 continue
-            started = loop.time()
+            started = time.perf_counter()
             try:
                 outputs = await loop.run_in_executor(self._executor, self.run_batch, np.stack([p.array for p in live]))
             except Exception as exc:  # fails this batch's requests only; the worker goes on
@@ -103,22 +105,20 @@ class DynamicBatcher:
                     if not p.future.done():
                         p.future.set_exception(exc)
                 continue
-            inference_s = loop.time() - started
+            inference_s = time.perf_counter() - started
             for p, row in zip(live, outputs):
                 if not p.future.done():
-                    p.future.set_result(BatchResult(row, len(live), started - p.enqueued_at, inference_s))
+                    p.future.set_result(BatchResult(row, len(live), started - p.queued_at, inference_s))
 
     async def _collect(self) -> list[_Pending]:
         """Wait for a first request, then gather more until the batch is full or its window closes."""
         first = await self._queue.get()
         batch = [first]
-        closes_at = first.enqueued_at + self.window_s
-        loop = asyncio.get_running_loop()
         while len(batch) < self.max_batch_size:
             if not self._queue.empty():
                 batch.append(self._queue.get_nowait())
                 continue
-            remaining = closes_at - loop.time()
+            remaining = self.window_s - (time.perf_counter() - first.queued_at)
             if remaining <= 0:
                 break
             try:

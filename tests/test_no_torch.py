@@ -1,0 +1,24 @@
+"""The serving path must run where torch is not installed: build the app, serve one image, look."""
+import subprocess
+import sys
+
+SERVE_ONE_IMAGE = """
+import io, sys
+from fastapi.testclient import TestClient
+from PIL import Image
+from mnv3.server import ServerConfig, create_app
+
+image = io.BytesIO()
+Image.new("RGB", (320, 240), "orange").save(image, format="JPEG")
+with TestClient(create_app(ServerConfig(model=sys.argv[1], max_batch_size=2))) as client:
+    response = client.post("/predict", files={"file": ("a.jpg", image.getvalue(), "image/jpeg")})
+    assert response.status_code == 200, response.text
+print("torch imported:", "torch" in sys.modules)
+"""
+
+
+def test_serving_never_imports_torch(fp32_model_path):
+    result = subprocess.run([sys.executable, "-c", SERVE_ONE_IMAGE, str(fp32_model_path)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().endswith("torch imported: False")

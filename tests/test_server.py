@@ -1,0 +1,247 @@
+"""The HTTP server against the real (random-init) MobileNetV3 ONNX export from conftest."""
+import io
+import json
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from PIL import Image
+
+from mnv3.artifacts import CLASS_NAMES_JSON
+from mnv3.engine import Engine, InferenceError, ModelLoadError
+from mnv3.photos import load_images
+from mnv3.preprocess import decode_image, preprocess
+from mnv3.server import ServerConfig, create_app, parse_args
+
+WAIT_S = 30  # upper bound on any wait; a broken test fails instead of hanging
+UPLOAD_LIMIT = 1_000_000
+PIXEL_LIMIT = 1_000_000
+
+
+def wait_until(condition, what: str):
+    give_up = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < give_up, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+@contextmanager
+def serving_client(model_path, **settings):
+    with TestClient(create_app(ServerConfig(model=model_path, **settings))) as client:
+        wait_until(lambda: client.get("/readyz").status_code == 200, "warm-up")
+        yield client
+
+
+@pytest.fixture(scope="module")
+def client(fp32_model_path):
+    with serving_client(fp32_model_path, max_batch_size=8, batch_window_ms=100, cache_size=64,
+                        max_upload_bytes=UPLOAD_LIMIT, max_pixels=PIXEL_LIMIT) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def images():
+    return load_images(12, seed=3)
+
+
+def post_file(client, data: bytes, field: str = "file"):
+    return client.post("/predict", files={field: ("photo.jpg", data, "image/jpeg")})
+
+
+def post_raw(client, data, content_type: str | None = "image/jpeg"):
+    return client.post("/predict", content=data, headers={"content-type": content_type} if content_type else {})
+
+
+def png(size, mode="RGB") -> bytes:
+    buffer = io.BytesIO()
+    Image.new(mode, size).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def test_predict_multipart_and_raw_body(client, images, fp32_model_dir):
+    names = json.loads((fp32_model_dir / CLASS_NAMES_JSON).read_text())
+    multipart = post_file(client, images[0])
+    assert multipart.status_code == 200, multipart.text
+    body = multipart.json()
+    assert body["model"].startswith("fp32.onnx:") and len(body["model"].split(":")[1]) == 12
+    assert len(body["predictions"]) == 5
+    assert [p["label"] for p in body["predictions"]] == [names[p["class_id"]] for p in body["predictions"]]
+    probabilities = [p["probability"] for p in body["predictions"]]
+    assert probabilities == sorted(probabilities, reverse=True) and 0 < probabilities[0] <= 1
+    assert body["cache_hit"] is False and body["batch_size"] == 1
+    assert all(body[k] >= 0 for k in ("queue_ms", "preprocess_ms", "inference_ms")) and body["inference_ms"] > 0
+
+    raw = post_raw(client, images[1])
+    assert raw.status_code == 200, raw.text
+    assert raw.json()["cache_hit"] is False
+
+
+def test_second_identical_request_is_a_cache_hit(client, images):
+    first, second = post_file(client, images[2]).json(), post_raw(client, images[2]).json()
+    assert (first["cache_hit"], second["cache_hit"]) == (False, True)
+    assert second["predictions"] == first["predictions"]
+    assert second["batch_size"] == 0 and second["inference_ms"] == 0
+
+
+def test_concurrent_requests_are_batched_and_each_gets_its_own_answer(client, images, fp32_model_path):
+    distinct = images[4:12]
+    with ThreadPoolExecutor(len(distinct)) as pool:
+        responses = list(pool.map(lambda data: post_file(client, data), distinct))
+    assert all(r.status_code == 200 for r in responses)
+    bodies = [r.json() for r in responses]
+    assert max(b["batch_size"] for b in bodies) > 1
+
+    engine = Engine.load(fp32_model_path)
+    for data, body in zip(distinct, bodies):
+        alone = engine.predict(preprocess(decode_image(data))[None])[0]
+        assert body["predictions"][0]["class_id"] == int(alone.argmax())
+        for p in body["predictions"]:
+            assert p["probability"] == pytest.approx(float(alone[p["class_id"]]), rel=1e-4)
+
+
+@pytest.mark.parametrize("send, status, message", [
+    (lambda c, jpeg: post_raw(c, b""), 400, "empty body"),
+    (lambda c, jpeg: post_raw(c, b"hello, world", "image/png"), 400, "not a recognised image"),
+    (lambda c, jpeg: post_file(c, jpeg[: len(jpeg) // 2]), 400, "truncated"),
+    (lambda c, jpeg: post_file(c, jpeg, field="image"), 400, "'file'"),
+    (lambda c, jpeg: post_raw(c, b"--x\r\n", "multipart/form-data"), 400, "multipart"),
+    (lambda c, jpeg: post_raw(c, jpeg, None), 415, "content type"),
+    (lambda c, jpeg: post_raw(c, jpeg, "text/plain"), 415, "content type"),
+    (lambda c, jpeg: post_raw(c, bytes(UPLOAD_LIMIT + 1)), 413, "over the limit"),
+    (lambda c, jpeg: post_raw(c, iter([bytes(UPLOAD_LIMIT // 2)] * 3)), 413, "over the limit"),  # chunked
+    (lambda c, jpeg: post_file(c, png((1200, 1000), "L")), 413, "pixels"),
+])
+def test_bad_input_is_a_clear_4xx_and_the_server_keeps_serving(client, images, send, status, message):
+    response = send(client, images[3])
+    assert response.status_code == status, response.text
+    assert message in response.json()["detail"]
+    assert post_file(client, images[3]).status_code == 200
+
+
+def test_operational_endpoints(client, fp32_model_path):
+    assert client.get("/healthz").json() == {"status": "ok"}
+    assert client.get("/readyz").json() == {"status": "ready"}
+    info = client.get("/model").json()
+    assert info["file"] == "fp32.onnx" and info["variant"] == "fp32"
+    assert info["input_shape"][1:] == [3, 224, 224] and info["providers"] == ["CPUExecutionProvider"]
+    assert info["batching"]["max_batch_size"] == 8 and info["cache"]["size"] == 64
+    assert info["threads"] == {"intra_op": 2, "inter_op": 1, "preprocess": 2}
+
+    metrics = client.get("/metrics")
+    assert metrics.headers["content-type"].startswith("text/plain")
+    for name in ("mnv3_request_latency_seconds_bucket", "mnv3_queue_wait_seconds_count", "mnv3_preprocess_seconds_sum",
+                 "mnv3_inference_seconds_count", 'mnv3_batch_size_bucket{le="128.0"}', "mnv3_cache_hits_total",
+                 "mnv3_cache_misses_total", "mnv3_cache_entries", "mnv3_queue_depth",
+                 'mnv3_rejections_total{reason="queue_full"}'):
+        assert name in metrics.text
+
+    assert client.get("/docs").status_code == 200
+    predict_doc = client.get("/openapi.json").json()["paths"]["/predict"]["post"]
+    assert {"200", "400", "413", "415", "500", "503", "504"} <= set(predict_doc["responses"])
+    assert {"multipart/form-data", "image/*"} <= set(predict_doc["requestBody"]["content"])
+
+
+class Gate:
+    """Wraps Engine.predict so a test can hold an inference call open and count the calls made."""
+
+    def __init__(self, engine: Engine):
+        self.real = engine.predict
+        self.batch_sizes: list[int] = []
+        self.entered, self.release = threading.Event(), threading.Event()
+        engine.predict = self
+
+    def __call__(self, batch):
+        self.batch_sizes.append(len(batch))
+        self.entered.set()
+        self.release.wait(WAIT_S)
+        return self.real(batch)
+
+
+def test_full_queue_gives_503_with_retry_after(fp32_model_path, images):
+    with serving_client(fp32_model_path, max_batch_size=1, queue_limit=1, cache_size=0) as client, \
+            ThreadPoolExecutor(2) as pool:
+        serving = client.app.state.serving
+        gate = Gate(serving.engine)
+        running = pool.submit(post_file, client, images[0])
+        gate.entered.wait(WAIT_S)
+        queued = pool.submit(post_file, client, images[1])
+        wait_until(lambda: serving.batcher.depth == 1, "the second request to queue")
+        refused = post_file(client, images[2])
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        assert "queue full" in refused.json()["detail"]
+        gate.release.set()
+        assert running.result().status_code == queued.result().status_code == 200
+        assert 'mnv3_rejections_total{reason="queue_full"} 1.0' in client.get("/metrics").text
+
+
+def test_deadline_gives_504_and_drops_work_not_yet_run(fp32_model_path, images):
+    with serving_client(fp32_model_path, max_batch_size=1, deadline_ms=300, cache_size=0) as client, \
+            ThreadPoolExecutor(2) as pool:
+        gate = Gate(client.app.state.serving.engine)
+        running = pool.submit(post_file, client, images[0])
+        gate.entered.wait(WAIT_S)
+        queued = pool.submit(post_file, client, images[1])
+        assert running.result().status_code == queued.result().status_code == 504
+        assert "deadline" in queued.result().json()["detail"]
+        gate.release.set()
+        assert post_file(client, images[2]).status_code == 200
+        assert gate.batch_sizes == [1, 1]  # the first and the last: the expired queued request never ran
+
+
+def test_inference_error_fails_that_request_only(fp32_model_path, images):
+    with serving_client(fp32_model_path, max_batch_size=1, cache_size=0) as client:
+        engine = client.app.state.serving.engine
+        real = engine.predict
+
+        def fail_once(batch):
+            engine.predict = real
+            raise InferenceError("onnxruntime failed on a batch of 1: injected")
+
+        engine.predict = fail_once
+        failed = post_file(client, images[0])
+        assert failed.status_code == 500 and "injected" in failed.json()["detail"]
+        assert post_file(client, images[0]).status_code == 200
+
+
+def run_server(*args):
+    return subprocess.run([sys.executable, "-m", "mnv3.server", *args], capture_output=True, text=True, timeout=WAIT_S)
+
+
+def test_missing_model_exits_2_with_one_line(tmp_path):
+    result = run_server("--model", str(tmp_path / "nonexistent.onnx"), "--port", "0")
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and "not found" in result.stderr
+
+
+def test_corrupt_model_exits_2_with_one_line(tmp_path):
+    (tmp_path / "corrupt.onnx").write_bytes(b"this is not a protobuf")
+    result = run_server("--model", str(tmp_path / "corrupt.onnx"), "--port", "0")
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and "not a loadable ONNX model" in result.stderr
+
+
+def test_wrong_input_shape_is_refused(tmp_path):
+    import onnx
+    from onnx import TensorProto, helper
+
+    tensor = helper.make_tensor_value_info
+    graph = helper.make_graph([helper.make_node("Identity", ["input"], ["logits"])], "tiny",
+                              [tensor("input", TensorProto.FLOAT, ["batch", 3, 32, 32])],
+                              [tensor("logits", TensorProto.FLOAT, ["batch", 3, 32, 32])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "tiny.onnx")
+    with pytest.raises(ModelLoadError, match="expected \\[batch, 3, 224, 224\\]"):
+        Engine.load(tmp_path / "tiny.onnx")
+
+
+def test_flags_override_environment():
+    environ = {"MNV3_MODEL": "m.onnx", "MNV3_CACHE_SIZE": "0", "MNV3_BATCH_WINDOW_MS": "5"}
+    config = parse_args(["--batch-window-ms", "7"], environ)
+    assert (str(config.model), config.cache_size, config.batch_window_ms, config.max_batch_size) == ("m.onnx", 0, 7.0, 32)
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "m.onnx", "--max-batch-size", "0"], {})
