@@ -85,7 +85,8 @@ def parse_args(argv=None, environ=os.environ) -> ServerConfig:
         env = f"MNV3_{f.name.upper()}"
         default = environ.get(env, None if f.default is MISSING else f.default)
         parser.add_argument(f"--{f.name.replace('_', '-')}", type=f.type, default=default, required=default is None,
-                            choices=f.metadata.get("choices"), help=f"{f.metadata['help']} [{env}; %(default)s]")
+                            choices=f.metadata.get("choices"),
+                            help=f"{f.metadata['help']} [{env}" + ("]" if default is None else "; %(default)s]"))
     args = parser.parse_args(argv)
     try:
         return ServerConfig(**vars(args))
@@ -245,8 +246,8 @@ class Serving:
         except InferenceError as exc:
             log.error("warm-up failed: %s", exc)
             self.not_ready_reason = f"warm-up failed: {exc}"
-        finally:
-            self.batcher.start()  # after warm-up, so ORT calls never overlap; even if it failed, so requests fail fast
+        # Only now, so ORT calls never overlap; even after a failure, so requests fail with its error, not time out.
+        self.batcher.start()
 
     async def stop(self) -> None:
         await self.batcher.stop()
@@ -388,6 +389,7 @@ def create_app(config: ServerConfig, engine: Engine | None = None) -> FastAPI:
             yield
         finally:
             warm_up.cancel()
+            await asyncio.gather(warm_up, return_exceptions=True)
             await app.state.serving.stop()
 
     app = FastAPI(title="mnv3", summary="MobileNetV3-Large image classification on CPU", lifespan=lifespan)
