@@ -28,7 +28,7 @@ HISTOGRAM_PNG = "05_batch_size_histogram.png"
 MIN_SWEEP_REQUESTS = 32  # even at concurrency 1, enough requests for a median
 FULL = {"sweep": [1, 8, 32, 64, 128, 250], "open_loop_seconds": 15.0, "limit_images": 128,
         "limit_batch_sizes": list(BATCH_SIZES)}
-QUICK = {"sweep": [1, 8], "open_loop_seconds": 3.0, "limit_images": 16, "limit_batch_sizes": [1, 8]}
+QUICK = {"sweep": [1, 8], "open_loop_seconds": 2.0, "limit_images": 16, "limit_batch_sizes": [1, 8]}
 QUICK_THREAD_SPLITS = THREAD_SPLITS[:2]
 
 
@@ -42,7 +42,7 @@ def get_args_parser():
                         f"(default {FULL['sweep']}; --quick {QUICK['sweep']}); --concurrency is always added")
     parser.add_argument("--open-loop-fraction", type=float, default=0.8,
                         help="open-loop rate as a fraction of the batching server's closed-loop req/s")
-    parser.add_argument("--open-loop-seconds", type=float, help="open-loop duration (default 15; --quick 3)")
+    parser.add_argument("--open-loop-seconds", type=float, help="open-loop duration (default 15; --quick 2)")
     parser.add_argument("--limit-images", type=int, help="images per in-process limit run (default 128; --quick 16)")
     parser.add_argument("--limit-batch-sizes", type=int, nargs="+", help=f"default {list(BATCH_SIZES)}; --quick [1, 8]")
     return parser
@@ -59,29 +59,28 @@ def main(args):
     environment = loadtest.environment_row(model, provenance)
     rows = []
 
-    def closed_loop(url, options, concurrency, configuration):
-        result, metrics = loadtest.run_with_metrics(url, lambda send: loadtest.run_closed_loop(
+    def closed_loop(url, concurrency, configuration, settings):
+        result = loadtest.run_with_metrics(url, lambda send: loadtest.run_closed_loop(
             send, bodies, concurrency, requests_at[concurrency], desc=f"{configuration} c={concurrency}"))
         print(f"{configuration}: {result.summary()}")
-        rows.append({"configuration": configuration} | result.as_row() | loadtest.metrics_row(metrics)
-                    | loadtest.options_row(options))
-        return result, metrics
+        rows.append({"configuration": configuration} | result.as_row() | settings)
+        return result
 
     unbatched = loadtest.server_options(args, cache_size=0, max_batch_size=1)
     with loadtest.ServerProcess(model, args.start_timeout, **unbatched) as url:
-        baseline, _ = closed_loop(url, unbatched, args.concurrency, "no_batching")
+        baseline = closed_loop(url, args.concurrency, "no_batching", loadtest.server_settings(url))
 
     batched = loadtest.server_options(args, cache_size=0, batch_window_ms=args.batch_window_ms,
                                       max_batch_size=args.max_batch_size)
     with loadtest.ServerProcess(model, args.start_timeout, **batched) as url:
-        points = {c: closed_loop(url, batched, c, "batching") for c in sweep}
-        headline, headline_metrics = points[args.concurrency]
+        settings = loadtest.server_settings(url)
+        points = {c: closed_loop(url, c, "batching", settings) for c in sweep}
+        headline = points[args.concurrency]
         rate = args.open_loop_fraction * headline.rps
-        open_loop, metrics = loadtest.run_with_metrics(url, lambda send: loadtest.run_open_loop(
+        open_loop = loadtest.run_with_metrics(url, lambda send: loadtest.run_open_loop(
             send, bodies, rate, args.open_loop_seconds, max_in_flight=args.concurrency, desc="open loop"))
-        print(f"batching, open loop at {rate:.1f} req/s offered: {open_loop.summary()}")
-        rows.append({"configuration": "batching"} | open_loop.as_row() | loadtest.metrics_row(metrics)
-                    | loadtest.options_row(batched))
+        print(f"batching, open loop: {open_loop.summary()}")
+        rows.append({"configuration": "batching"} | open_loop.as_row() | settings)
 
     # After the servers stop, so the limit has the machine to itself.
     limits = run_limit(model, bodies[:args.limit_images], args.limit_batch_sizes,
@@ -94,7 +93,7 @@ def main(args):
     headline_row = next(row for row in rows if row["configuration"] == "batching" and row["mode"] == "closed"
                         and row["concurrency"] == args.concurrency)
     headline_row |= {"speedup_vs_no_batching": speedup, "server_to_limit_ratio": of_limit}
-    histogram = loadtest.batch_size_histogram(headline_metrics)
+    histogram = loadtest.batch_size_histogram(headline.metrics)
     plot(args.results_dir, points, baseline, best.images_per_s, histogram, args)
     loadtest.write_results(args.results_dir, CSV_NAME, [row | environment for row in rows])
 
@@ -103,8 +102,7 @@ def main(args):
     print(f"in-process limit: {best.images_per_s:.1f} images/s (batch {best.batch_size}, ORT intra-op "
           f"{best.intra_op_threads}, decode threads {best.decode_threads}); the server reaches {of_limit} of it")
     print(f"batches at concurrency {args.concurrency} (size bucket: count): {histogram}")
-    print(f"open loop at {rate:.1f} req/s: p50 {open_loop.latency.p50_ms if open_loop.latency else float('nan'):.0f} ms, "
-          f"p99 {open_loop.latency.p99_ms if open_loop.latency else float('nan'):.0f} ms from scheduled send time")
+    print(f"open loop, latency from each request's scheduled send time: {open_loop.summary()}")
 
 
 def plot(results_dir: Path, points: dict, baseline, limit_images_per_s: float, histogram: dict, args):
@@ -114,7 +112,7 @@ def plot(results_dir: Path, points: dict, baseline, limit_images_per_s: float, h
     import matplotlib.pyplot as plt
 
     concurrencies = sorted(points)
-    results = [points[c][0] for c in concurrencies]
+    results = [points[c] for c in concurrencies]
     title = f"window {args.batch_window_ms:g} ms, max batch {args.max_batch_size}, cache off"
     results_dir.mkdir(parents=True, exist_ok=True)
 

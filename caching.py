@@ -37,15 +37,14 @@ def main(args):
     runs = (("sequential", 1, bodies[:args.sequential_requests]),
             ("concurrent", args.concurrency, bodies[args.sequential_requests:]))
     options = loadtest.server_options(args, cache_size=args.cache_size or len(bodies), max_batch_size=1)
-    environment = loadtest.options_row(options) | loadtest.environment_row(model, provenance)
     rows = []
     with loadtest.ServerProcess(model, args.start_timeout, **options) as url:
+        environment = loadtest.server_settings(url) | loadtest.environment_row(model, provenance)
         for run, concurrency, images in runs:
             for phase in ("miss", "hit"):
-                result, metrics = loadtest.run_with_metrics(
+                result = loadtest.run_with_metrics(
                     url, lambda send: loadtest.run_closed_loop(send, images, concurrency, desc=f"{run} {phase}"))
-                rows.append({"run": run, "phase": phase} | result.as_row()
-                            | loadtest.metrics_row(metrics))
+                rows.append({"run": run, "phase": phase} | result.as_row())
                 print(f"{run} {phase}: {result.summary()}, {result.server['cache_hits']} cache hits")
             miss, hit = rows[-2:]
             hit["hit_speedup_p50"] = loadtest.ratio(miss["latency_p50_ms"], hit["latency_p50_ms"])

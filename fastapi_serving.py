@@ -31,11 +31,11 @@ def main(args):
     options = loadtest.server_options(args, **NO_CACHE_NO_BATCHING)
     print(f"serving {model} with cache and batching off; {args.requests} requests at concurrency {args.concurrency}")
     with loadtest.ServerProcess(model, args.start_timeout, **options) as url:
-        result, metrics = loadtest.run_with_metrics(
+        settings = loadtest.server_settings(url)
+        result = loadtest.run_with_metrics(
             url, lambda send: loadtest.run_closed_loop(send, bodies, args.concurrency, desc="no batching"))
     print(f"baseline: {result.summary()}")
-    row = ({"configuration": "no_batching"} | result.as_row() | loadtest.metrics_row(metrics)
-           | loadtest.options_row(options) | loadtest.environment_row(model, provenance))
+    row = {"configuration": "no_batching"} | result.as_row() | settings | loadtest.environment_row(model, provenance)
     loadtest.write_results(args.results_dir, CSV_NAME, [row])
 
 

@@ -9,6 +9,7 @@ up as latency instead of as a politely reduced load.
 
 Also here: what the three serving stages (3-5) share, from their common flags to their error exit.
 """
+import os
 import signal
 import socket
 import subprocess
@@ -18,7 +19,7 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +32,7 @@ from mnv3.artifacts import ARTIFACTS_DIR, RESULTS_DIR, STATIC_INT8_ONNX, Missing
 from mnv3.latency import DEFAULT_INTER_OP_THREADS, DEFAULT_INTRA_OP_THREADS, LatencyStats
 from mnv3.photos import LOAD_IMAGE_QUALITY, LOAD_IMAGE_SIZE
 
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 120  # loading + warming an ORT session on a busy 2-core machine can take a while
 STOP_TIMEOUT_S = 15
 REQUEST_TIMEOUT_S = 60
@@ -65,14 +67,15 @@ class ServerProcess:
     """`with ServerProcess(model, cache_size=0) as url:` a server on a free 127.0.0.1 port, stopped on exit.
 
     Keyword options become server flags (`max_batch_size=1` -> `--max-batch-size 1`); None keeps the
-    server's default. Entering returns once GET /readyz answers 200.
+    server's default. Entering returns once GET /readyz answers 200. Logging defaults to warnings only:
+    an access-log line per request would cost the server CPU under load.
     """
 
-    def __init__(self, model, start_timeout_s: float = START_TIMEOUT_S, **options):
+    def __init__(self, model, start_timeout_s: float = START_TIMEOUT_S, log_level: str = "warning", **options):
         self.url = f"http://127.0.0.1:{free_port()}"
         self.command = [sys.executable, "-m", "mnv3.server", "--model", str(model),
                         "--host", "127.0.0.1", "--port", self.url.rsplit(":", 1)[1]]
-        for name, value in options.items():
+        for name, value in (options | {"log_level": log_level}).items():
             if value is not None:
                 self.command += [f"--{name.replace('_', '-')}", str(value)]
         self.start_timeout_s = start_timeout_s
@@ -82,8 +85,10 @@ class ServerProcess:
     def __enter__(self) -> str:
         # Output goes to a file, not a pipe: a pipe nobody reads fills up and blocks the server.
         self._log = tempfile.TemporaryFile()
+        # The package is not installed: point the child at this checkout, whatever the working directory.
+        env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, (str(PACKAGE_ROOT), os.environ.get("PYTHONPATH"))))}
         self.process = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=self._log,
-                                        stderr=subprocess.STDOUT)
+                                        stderr=subprocess.STDOUT, env=env)
         try:
             self._wait_until_ready()
         except BaseException:
@@ -175,6 +180,7 @@ class LoadResult:
     server: dict  # means of what the server reported per request, and how many were cache hits
     target_rps: float | None = None
     dropped: int = 0  # open loop: not sent, because the client fell too far behind its schedule
+    metrics: dict = field(default_factory=dict)  # the server's /metrics for this run alone, if read
 
     @property
     def rps(self) -> float:
@@ -200,14 +206,17 @@ class LoadResult:
         if self.target_rps is not None:
             row |= {"target_rps": round(self.target_rps, 2), "dropped": self.dropped}
         latency = (self.latency or LatencyStats(*[float("nan")] * 4, 0)).as_row("latency_")
-        return row | latency | {key: _round(value) for key, value in self.server.items()}
+        server = {key: _round(value) for key, value in self.server.items()}
+        return row | latency | server | (metrics_row(self.metrics) if self.metrics else {})
 
     def summary(self) -> str:
         p = self.latency
         percentiles = f"p50 {p.p50_ms:.0f} / p95 {p.p95_ms:.0f} / p99 {p.p99_ms:.0f} ms" if p else "no successes"
+        load = (f"{self.rps:.1f} req/s at concurrency {self.concurrency}" if self.target_rps is None
+                else f"{self.rps:.1f} req/s answered of {self.target_rps:.1f} offered")
         errors = f", {sum(self.errors.values())} errors ({self.errors})" if self.errors else ""
         dropped = f", {self.dropped} dropped" if self.dropped else ""
-        return f"{self.rps:.1f} req/s at concurrency {self.concurrency}, {percentiles}{errors}{dropped}"
+        return f"{load}, {percentiles}{errors}{dropped}"
 
 
 def _mean(values):
@@ -325,12 +334,12 @@ def metrics_row(metrics: dict) -> dict:
     return row
 
 
-def run_with_metrics(base_url: str, run) -> tuple[LoadResult, dict]:
-    """`run(send)` with a fresh client; returns its result and the server metrics for just that run."""
+def run_with_metrics(base_url: str, run) -> LoadResult:
+    """`run(send)` with a fresh client; its result carries the server's metrics for just that run."""
     before = read_metrics(base_url)
     with PredictClient(base_url) as send:
         result = run(send)
-    return result, metrics_delta(before, read_metrics(base_url))
+    return replace(result, metrics=metrics_delta(before, read_metrics(base_url)))
 
 
 # ---------------------------------------------------------------------------------------- stages 3-5
@@ -346,6 +355,9 @@ def add_common_args(parser):
     parser.add_argument("--intra-op-threads", type=int, default=DEFAULT_INTRA_OP_THREADS, help="server's ORT intra-op threads")
     parser.add_argument("--inter-op-threads", type=int, default=DEFAULT_INTER_OP_THREADS, help="server's ORT inter-op threads")
     parser.add_argument("--preprocess-threads", type=int, help="server's decode/preprocess threads (default: server's)")
+    parser.add_argument("--deadline-ms", type=float, default=1000 * REQUEST_TIMEOUT_S,
+                        help="server's per-request deadline; as long as the client waits, so a load test "
+                             "measures throughput, not load shedding")
     parser.add_argument("--start-timeout", type=float, default=START_TIMEOUT_S, help="seconds to wait for /readyz")
     return parser
 
@@ -370,12 +382,17 @@ def load_defaults(args, full_concurrency: int = 250, quick_concurrency: int = 8)
 def server_options(args, **overrides) -> dict:
     """Server flags from the common tuning flags, then a stage's own settings (cache, batching)."""
     return {"intra_op_threads": args.intra_op_threads, "inter_op_threads": args.inter_op_threads,
-            "preprocess_threads": args.preprocess_threads} | overrides
+            "preprocess_threads": args.preprocess_threads, "deadline_ms": args.deadline_ms} | overrides
 
 
-def options_row(options: dict) -> dict:
-    """Server settings as CSV columns; "default" where the server chose."""
-    return {f"server_{name}": "default" if value is None else value for name, value in options.items()}
+def server_settings(base_url: str) -> dict:
+    """What the server says it runs with (GET /model), as CSV columns: the record never guesses defaults."""
+    response = requests.get(base_url + "/model", timeout=10)
+    response.raise_for_status()
+    info = response.json()
+    return ({"server_model": info["model"]} | {f"server_{name}_threads": n for name, n in info["threads"].items()}
+            | {f"server_{name}": value for name, value in info["batching"].items()}
+            | {"server_cache_size": info["cache"]["size"]})
 
 
 def serving_model(args) -> tuple[Path, str]:

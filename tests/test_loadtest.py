@@ -1,0 +1,135 @@
+import threading
+import time
+
+import numpy as np
+import pytest
+import requests
+
+from mnv3.loadtest import (ServerProcess, ServerStartError, PredictClient, batch_size_histogram, metrics_delta,
+                           metrics_row, parse_metrics, poisson_schedule, run_closed_loop, run_open_loop)
+from mnv3.photos import load_images
+
+SAMPLE_METRICS = """\
+# HELP mnv3_batch_size requests per inference call
+# TYPE mnv3_batch_size histogram
+mnv3_batch_size_bucket{le="1.0"} 2.0
+mnv3_batch_size_bucket{le="2.0"} 2.0
+mnv3_batch_size_bucket{le="4.0"} 5.0
+mnv3_batch_size_bucket{le="8.0"} 6.0
+mnv3_batch_size_bucket{le="+Inf"} 6.0
+mnv3_batch_size_count 6.0
+mnv3_batch_size_sum 20.0
+# HELP mnv3_inference_seconds one batched inference call
+# TYPE mnv3_inference_seconds histogram
+mnv3_inference_seconds_bucket{le="+Inf"} 6.0
+mnv3_inference_seconds_count 6.0
+mnv3_inference_seconds_sum 0.3
+# HELP mnv3_cache_hits_total cache hits
+# TYPE mnv3_cache_hits_total counter
+mnv3_cache_hits_total{model="a"} 3.0
+mnv3_cache_hits_total{model="b"} 4.0
+# HELP mnv3_cache_misses_total cache misses
+# TYPE mnv3_cache_misses_total counter
+mnv3_cache_misses_total 20.0
+"""
+
+
+def test_metrics_parsing_gives_histogram_breakdown_and_counters():
+    metrics = parse_metrics(SAMPLE_METRICS)
+    assert batch_size_histogram(metrics) == {"1": 2, "2": 0, "4": 3, "8": 1, "+Inf": 0}
+    row = metrics_row(metrics)
+    assert row["metrics_batches"] == 6 and row["metrics_mean_batch_size"] == pytest.approx(20 / 6, abs=1e-3)
+    assert row["metrics_inference_ms"] == pytest.approx(50.0)
+    assert row["metrics_cache_hits"] == 7  # summed over label sets
+    assert row["metrics_cache_misses"] == 20
+    assert np.isnan(row["metrics_queue_ms"])  # absent histogram: no number, not a zero
+
+
+def test_metrics_delta_isolates_one_run():
+    before = parse_metrics(SAMPLE_METRICS)
+    after = parse_metrics(SAMPLE_METRICS.replace('le="8.0"} 6.0', 'le="8.0"} 7.0')
+                          .replace('le="+Inf"} 6.0\nmnv3_batch_size_count 6.0', 'le="+Inf"} 7.0\nmnv3_batch_size_count 7.0'))
+    assert batch_size_histogram(metrics_delta(before, after)) == {"1": 0, "2": 0, "4": 0, "8": 1, "+Inf": 0}
+
+
+def test_poisson_schedule_has_the_target_rate():
+    times = poisson_schedule(rate=200.0, seconds=10.0, max_requests=10_000, seed=0)
+    assert np.all(np.diff(times) > 0) and times[-1] < 10.0
+    assert len(times) == pytest.approx(2000, rel=0.1)
+    assert len(poisson_schedule(rate=200.0, seconds=10.0, max_requests=50)) == 50  # the count bound wins
+
+
+def fake_server(service_s: float, statuses=("200",)):
+    """A `send` that takes `service_s` and answers one request at a time, like a one-worker server."""
+    lock, calls = threading.Lock(), []
+
+    def send(body):
+        with lock:
+            calls.append(body)
+            status = statuses[(len(calls) - 1) % len(statuses)]
+            time.sleep(service_s)
+        return status, {"batch_size": 1, "queue_ms": 0.0, "preprocess_ms": 1.0, "inference_ms": 2.0,
+                        "cache_hit": False}
+    return send, calls
+
+
+def test_closed_loop_counts_and_errors_by_status():
+    send, calls = fake_server(0.001, statuses=("200", "200", "503"))
+    result = run_closed_loop(send, [b"a", b"b"], concurrency=3, count=9)
+    assert len(calls) == 9 and set(calls) == {b"a", b"b"}
+    assert (result.sent, result.ok, result.errors) == (9, 6, {"503": 3})
+    assert result.latency.calls == 6 and result.rps > 0
+    assert result.server["mean_inference_ms"] == 2.0 and result.server["cache_hits"] == 0
+
+
+def test_open_loop_latency_counts_from_the_scheduled_send_time():
+    # 10 requests scheduled within ~10 ms on a server that serves one per 20 ms: the k-th waits for the
+    # k before it. A closed-loop client would report ~20 ms each; from the schedule it is ~20*(k+1) ms.
+    send, calls = fake_server(0.02)
+    result = run_open_loop(send, [b"x"], rate=1000.0, seconds=0.01, max_requests=10, max_in_flight=10,
+                           max_lateness_s=10.0)
+    n = result.sent
+    assert n == len(calls) >= 5 and result.dropped == 0 and result.ok == n
+    assert result.latency.p99_ms >= 0.8 * 20 * n
+    assert result.latency.mean_ms >= 0.8 * 20 * (n + 1) / 2
+    assert result.target_rps == 1000.0 and result.mode == "open"
+
+
+def test_open_loop_drops_what_it_cannot_send_in_time():
+    send, calls = fake_server(0.02)
+    result = run_open_loop(send, [b"x"], rate=1000.0, seconds=0.01, max_requests=10, max_in_flight=1,
+                           max_lateness_s=0.03)
+    assert result.dropped > 0 and result.sent == len(calls) and result.sent + result.dropped >= 5
+
+
+def test_server_process_serves_and_stops(fp32_model_path):
+    bodies = load_images(8)
+    server = ServerProcess(fp32_model_path, cache_size=0, max_batch_size=4, batch_window_ms=5)
+    with server as url:
+        with PredictClient(url) as send:
+            result = run_closed_loop(send, bodies, concurrency=4)
+        assert requests.get(url + "/metrics", timeout=5).status_code == 200
+    assert server.process.returncode is not None  # stopped, not orphaned
+    assert (result.ok, result.errors) == (8, {})
+    stats = result.latency
+    assert 0 < stats.p50_ms <= stats.p95_ms <= stats.p99_ms
+    assert 1 <= result.server["mean_batch_size"] <= 4 and result.server["mean_inference_ms"] > 0
+    with pytest.raises(requests.ConnectionError):
+        requests.get(url + "/readyz", timeout=2)
+
+
+def test_server_process_reports_why_the_server_failed(tmp_path):
+    bad = tmp_path / "model.onnx"
+    bad.write_bytes(b"not an onnx model")
+    with pytest.raises(ServerStartError, match="exited with code 2") as info:
+        with ServerProcess(bad):
+            pass
+    assert str(bad) in str(info.value)
+
+
+def test_server_process_gives_up_after_its_start_timeout(fp32_model_path):
+    server = ServerProcess(fp32_model_path, start_timeout_s=0.01)
+    with pytest.raises(ServerStartError, match="not ready"):
+        with server:
+            pass
+    assert server.process.returncode is not None

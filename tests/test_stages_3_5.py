@@ -1,0 +1,82 @@
+"""Stages 3-5 end to end in --quick mode against a real server on the fixture model."""
+import subprocess
+import sys
+from pathlib import Path
+
+import batching_loadtest
+import caching
+import fastapi_serving
+from mnv3.report import read_csv
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_quick(stage, model, results_dir, *extra):
+    args = stage.get_args_parser().parse_args(["--quick", "--model", str(model), "--results-dir", str(results_dir),
+                                               "--artifacts-dir", str(results_dir / "artifacts"), *extra])
+    stage.main(args)
+    return read_csv(results_dir / stage.CSV_NAME)
+
+
+def test_stage3_baseline(fp32_model_path, tmp_path):
+    [row] = run_quick(fastapi_serving, fp32_model_path, tmp_path)
+    assert row["configuration"] == "no_batching" and row["mode"] == "closed"
+    assert (int(row["concurrency"]), int(row["sent"]), int(row["ok"]), int(row["errors"])) == (8, 32, 32, 0)
+    assert float(row["req_per_s"]) > 0
+    assert 0 < float(row["latency_p50_ms"]) <= float(row["latency_p95_ms"]) <= float(row["latency_p99_ms"])
+    assert float(row["mean_batch_size"]) == 1.0 and row["server_cache_size"] == "0"
+    assert row["model"] == "fp32.onnx" and row["load_image_size"] == "500x375" and row["load_image_quality"] == "90"
+    assert row["cores"] and row["onnxruntime_version"]
+
+
+def test_stage4_cache_hits_are_faster_than_misses(fp32_model_path, tmp_path):
+    rows = run_quick(caching, fp32_model_path, tmp_path)
+    assert [(r["run"], r["phase"]) for r in rows] == [("sequential", "miss"), ("sequential", "hit"),
+                                                      ("concurrent", "miss"), ("concurrent", "hit")]
+    for miss, hit in (rows[:2], rows[2:]):
+        assert int(miss["errors"]) == int(hit["errors"]) == 0
+        assert int(miss["cache_hits"]) == 0 and int(hit["cache_hits"]) == int(hit["ok"])
+        assert int(hit["metrics_cache_hits"]) == int(hit["ok"]) and int(miss["metrics_cache_misses"]) == int(miss["ok"])
+        assert float(hit["latency_p50_ms"]) < float(miss["latency_p50_ms"])
+        assert float(hit["hit_speedup_p50"]) > 1
+
+
+def test_stage5_batching_sweep_open_loop_and_limit(fp32_model_path, tmp_path):
+    rows = run_quick(batching_loadtest, fp32_model_path, tmp_path)
+    by_kind = {}
+    for row in rows:
+        by_kind.setdefault((row["configuration"], row["mode"]), []).append(row)
+    [baseline] = by_kind[("no_batching", "closed")]
+    batched = by_kind[("batching", "closed")]
+    [open_loop] = by_kind[("batching", "open")]
+    assert sorted(int(r["concurrency"]) for r in batched) == [1, 8]
+    for row in [baseline, *batched]:
+        assert int(row["errors"]) == 0 and float(row["req_per_s"]) > 0
+    assert all(r["server_max_batch_size"] == "32" and r["server_batch_window_ms"] == "20.0" for r in batched)
+    headline = next(r for r in batched if r["concurrency"] == "8")
+    assert float(headline["speedup_vs_no_batching"]) > 0 and float(headline["server_to_limit_ratio"]) > 0
+    assert int(headline["metrics_batches"]) > 0
+    assert float(open_loop["target_rps"]) > 0 and int(open_loop["ok"]) > 0
+    assert all(float(r["images_per_s"]) > 0 for r in by_kind[("in_process_limit", "in_process")])
+    for png in (batching_loadtest.THROUGHPUT_PNG, batching_loadtest.LATENCY_PNG, batching_loadtest.HISTOGRAM_PNG):
+        assert (tmp_path / png).stat().st_size > 0
+
+
+def run_cli(script, *args):
+    return subprocess.run([sys.executable, str(REPO / script), *args], capture_output=True, text=True, timeout=120)
+
+
+def test_stage3_without_stage2_names_stage2(tmp_path):
+    result = run_cli("fastapi_serving.py", "--quick", "--artifacts-dir", str(tmp_path), "--results-dir", str(tmp_path))
+    assert result.returncode == 2
+    assert "stage 2" in result.stderr and "static_quantization.py" in result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_server_that_will_not_start_is_one_line_and_exit_2(tmp_path):
+    bad = tmp_path / "model.onnx"
+    bad.write_bytes(b"not an onnx model")
+    result = run_cli("caching.py", "--quick", "--model", str(bad), "--results-dir", str(tmp_path))
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert "error: server exited with code 2" in result.stderr and str(bad) in result.stderr
