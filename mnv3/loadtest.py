@@ -72,9 +72,10 @@ class ServerProcess:
     """
 
     def __init__(self, model, start_timeout_s: float = START_TIMEOUT_S, log_level: str = "warning", **options):
-        self.url = f"http://127.0.0.1:{free_port()}"
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
         self.command = [sys.executable, "-m", "mnv3.server", "--model", str(model),
-                        "--host", "127.0.0.1", "--port", self.url.rsplit(":", 1)[1]]
+                        "--host", "127.0.0.1", "--port", str(port)]
         for name, value in (options | {"log_level": log_level}).items():
             if value is not None:
                 self.command += [f"--{name.replace('_', '-')}", str(value)]
@@ -266,6 +267,8 @@ def run_open_loop(send, bodies: list[bytes], rate: float, seconds: float, max_re
     latency); one that could not start within `max_lateness_s` of its scheduled time is dropped and
     counted, which keeps an overloaded run bounded in time.
     """
+    if rate <= 0:
+        raise ValueError(f"open-loop rate must be positive, got {rate}")
     max_requests = max_requests or int(rate * seconds * 2) + 10
     schedule = poisson_schedule(rate, seconds, max_requests, seed)
 
@@ -397,19 +400,15 @@ def server_settings(base_url: str) -> dict:
 
 def serving_model(args) -> tuple[Path, str]:
     """(model to serve, weights provenance): --model, else the static INT8 model stage 2 recorded."""
-    manifest = read_manifest(args.artifacts_dir)
-    provenance = str(manifest.get("weights", "unknown"))
     if args.model is not None:
         if not args.model.exists():
             raise MissingArtifact(f"--model {args.model} not found")
-        return args.model, provenance
-    recorded = manifest.get("static_int8")
-    if isinstance(recorded, dict):
-        recorded = recorded.get("path")
-    path = Path(recorded) if recorded else args.artifacts_dir / STATIC_INT8_ONNX
-    if not path.is_absolute() and not path.exists():
-        path = args.artifacts_dir / path.name  # recorded relative to the artifacts dir
-    return require(path, 2), provenance
+        model = args.model
+    else:
+        recorded = read_manifest(args.artifacts_dir).get("static_int8", {})  # stage 2: {"path": file name, ...}
+        model = require(args.artifacts_dir / recorded.get("path", STATIC_INT8_ONNX), 2)
+    # Provenance only from the manifest beside the model: a model from elsewhere is "unknown", not mislabelled.
+    return model, str(read_manifest(model.parent).get("weights", "unknown"))
 
 
 def environment_row(model: Path, provenance: str) -> dict:
@@ -422,9 +421,9 @@ def environment_row(model: Path, provenance: str) -> dict:
 
 def write_results(results_dir: Path, csv_name: str, rows: list[dict]) -> Path:
     path = report.write_csv(Path(results_dir) / csv_name, rows)
-    if hasattr(report, "write_summary"):
-        report.write_summary(results_dir)
     print(f"wrote {path}")
+    if hasattr(report, "write_summary"):  # lands with the model stages; until then, CSVs only
+        print(f"wrote {report.write_summary(results_dir)}")
     return path
 
 

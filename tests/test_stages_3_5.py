@@ -6,6 +6,8 @@ from pathlib import Path
 import batching_loadtest
 import caching
 import fastapi_serving
+from mnv3.artifacts import update_manifest
+from mnv3.loadtest import serving_model
 from mnv3.report import read_csv
 
 REPO = Path(__file__).resolve().parents[1]
@@ -80,3 +82,10 @@ def test_a_server_that_will_not_start_is_one_line_and_exit_2(tmp_path):
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert "error: server exited with code 2" in result.stderr and str(bad) in result.stderr
+
+
+def test_default_model_is_the_one_stage2_recorded(tmp_path):
+    update_manifest(tmp_path, weights="random-init", static_int8={"path": "int8.onnx", "threads": 2})
+    (tmp_path / "int8.onnx").write_bytes(b"")
+    args = fastapi_serving.get_args_parser().parse_args(["--artifacts-dir", str(tmp_path)])
+    assert serving_model(args) == (tmp_path / "int8.onnx", "random-init")
