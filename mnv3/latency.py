@@ -1,4 +1,6 @@
-"""The latency harness every stage uses (the seed's method) and the one place ORT sessions are made."""
+"""The latency harness every stage uses (the seed's method), the one place ORT sessions are made, and
+the command-line flags and error handling the model stages share."""
+import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -9,6 +11,53 @@ WARMUP_CALLS = 10
 TIMED_CALLS = 100
 DEFAULT_INTRA_OP_THREADS = 2  # the machines this project is measured on have 2 cores
 DEFAULT_INTER_OP_THREADS = 1
+DEFAULT_BATCH_SIZE = 32  # for per-image throughput; single-image latency is always batch 1
+
+
+@dataclass(frozen=True)
+class Timing:
+    """How many calls a benchmark makes. Batched calls are fewer: each one is `batch_size` images."""
+    warmup: int = WARMUP_CALLS
+    iters: int = TIMED_CALLS
+    batch_warmup: int = 2
+    batch_iters: int = 10
+
+
+QUICK_TIMING = Timing(warmup=3, iters=10, batch_warmup=1, batch_iters=3)
+QUICK_BATCH_SIZE = 8
+
+
+def add_stage_args(parser, artifacts_help: str):
+    """The flags every model stage takes: where things go, how hard to measure, optional labels."""
+    from mnv3.artifacts import ARTIFACTS_DIR, RESULTS_DIR
+
+    parser.add_argument("--artifacts-dir", default=str(ARTIFACTS_DIR), help=artifacts_help)
+    parser.add_argument("--results-dir", default=str(RESULTS_DIR), help="where CSVs, plots and summary.md go")
+    parser.add_argument("--quick", action="store_true",
+                        help="few timed calls and images, small batch: a smoke run in well under a minute")
+    parser.add_argument("--threads", type=int, default=DEFAULT_INTRA_OP_THREADS,
+                        help="intra-op threads for onnxruntime and torch (recorded in the results)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help=f"batch for per-image throughput (default {DEFAULT_BATCH_SIZE}, {QUICK_BATCH_SIZE} with --quick)")
+    parser.add_argument("--labels", default=None,
+                        help="folder-per-class tree or CSV of file,class_id: adds true top-1/top-5 accuracy")
+    return parser
+
+
+def run_stage(run, args, user_errors: tuple):
+    """`run(args)`; an error the user can fix (missing input, bad flag value) is one line and exit code 2."""
+    try:
+        run(args)
+    except user_errors as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+def measurement_settings(args) -> tuple[Timing, int]:
+    """(timing, batch size) for parsed `args`."""
+    if args.quick:
+        return QUICK_TIMING, args.batch_size or QUICK_BATCH_SIZE
+    return Timing(), args.batch_size or DEFAULT_BATCH_SIZE
 
 
 @dataclass(frozen=True)
@@ -40,6 +89,25 @@ def measure_latency(call, warmup: int = WARMUP_CALLS, iters: int = TIMED_CALLS, 
         call()
         seconds.append(time.perf_counter() - start)
     return LatencyStats.from_seconds(seconds)
+
+
+def benchmark(run, images: np.ndarray, batch_size: int, timing: Timing = Timing(), desc: str = "") -> dict:
+    """Single-image latency stats plus per-image ms at `batch_size`, for `run(batch) -> logits`.
+
+    `images` is a preprocessed (N, 3, H, W) array; the batch cycles through it if N < batch_size.
+    """
+    single = images[:1]
+    batch = np.ascontiguousarray(images[np.arange(batch_size) % len(images)])
+    stats = measure_latency(lambda: run(single), timing.warmup, timing.iters, desc=f"{desc} batch 1")
+    batched = measure_latency(lambda: run(batch), timing.batch_warmup, timing.batch_iters,
+                              desc=f"{desc} batch {batch_size}")
+    return stats.as_row() | {"batch_size": batch_size, "per_image_ms": round(batched.mean_ms / batch_size, 3)}
+
+
+def ort_runner(session):
+    """`run(batch) -> logits` for a single-input, single-output session."""
+    input_name = session.get_inputs()[0].name
+    return lambda batch: session.run(None, {input_name: batch})[0]
 
 
 def make_session(model_path, intra_op_threads: int = DEFAULT_INTRA_OP_THREADS,

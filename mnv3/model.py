@@ -1,6 +1,8 @@
 """MobileNetV3-Large weights (with honest provenance) and the ONNX FP32 export. Needs torch; serving does not."""
 import hashlib
+import io
 import json
+import pickle
 import socket
 import warnings
 from pathlib import Path
@@ -14,6 +16,11 @@ WEIGHTS = MobileNet_V3_Large_Weights.IMAGENET1K_V1
 RANDOM_INIT_SEED = 0
 DOWNLOAD_TIMEOUT_S = 10  # offline machines must fall back in seconds, not hang
 OPSET = 17
+EXPORT_TOLERANCE = 1e-3  # max abs logit difference ONNX FP32 may have from PyTorch FP32
+
+
+class BadWeights(ValueError):
+    """--weights does not point at a loadable mobilenet_v3_large state_dict."""
 
 
 def load_model(weights_path=None) -> tuple[torch.nn.Module, str]:
@@ -25,9 +32,16 @@ def load_model(weights_path=None) -> tuple[torch.nn.Module, str]:
     """
     model = mobilenet_v3_large(weights=None)
     if weights_path is not None:
-        data = Path(weights_path).read_bytes()
-        state_dict = torch.load(weights_path, map_location="cpu", weights_only=True)
-        model.load_state_dict(state_dict)
+        try:
+            data = Path(weights_path).read_bytes()
+            state_dict = torch.load(weights_path, map_location="cpu", weights_only=True)
+            model.load_state_dict(state_dict)
+        except (OSError, RuntimeError, pickle.UnpicklingError, TypeError, AttributeError) as exc:
+            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise BadWeights(
+                f"--weights {weights_path}: not a loadable mobilenet_v3_large state_dict ({first_line}). "
+                "Pass the file torchvision downloads (mobilenet_v3_large-8738ca79.pth) or omit --weights."
+            ) from exc
         return model.eval(), f"file:{hashlib.sha256(data).hexdigest()[:12]}"
     previous_timeout = socket.getdefaulttimeout()
     socket.setdefaulttimeout(DOWNLOAD_TIMEOUT_S)
@@ -83,3 +97,24 @@ def recalibrate_batchnorm(model: torch.nn.Module, images, batch_size: int = 32) 
     for bn in batch_norms:
         bn.momentum = 0.1
     return model.eval()
+
+
+def torch_runner(model: torch.nn.Module):
+    """`run(batch) -> logits` on numpy arrays, the same calling convention as an ORT session's runner."""
+    def run(batch):
+        with torch.inference_mode():
+            return model(torch.from_numpy(batch)).numpy()
+    return run
+
+
+def export_max_abs_diff(model: torch.nn.Module, onnx_run, batches) -> float:
+    """Largest |ONNX - PyTorch| logit over `batches` (the export check is run at several batch sizes)."""
+    torch_run = torch_runner(model)
+    return max(float(abs(onnx_run(batch) - torch_run(batch)).max()) for batch in batches)
+
+
+def state_dict_size_mb(model: torch.nn.Module) -> float:
+    """Size of the model as torch.save writes it, comparable with the .onnx file sizes."""
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    return round(buffer.tell() / 1e6, 3)

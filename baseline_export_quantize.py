@@ -1,0 +1,101 @@
+"""Stage 1: PyTorch FP32 baseline, ONNX FP32 export checked against PyTorch, dynamic INT8, and an
+onnxruntime profile of the dynamic model showing where its time goes.
+
+Writes artifacts/{fp32,dynamic_int8}.onnx, results/01_baseline.csv, results/01_dynamic_int8_profile.csv
+and results/summary.md.
+"""
+import argparse
+from pathlib import Path
+
+import torch
+
+from mnv3.accuracy import UnreadableLabels, array_batches, evaluate, held_out_batch, load_labels, predict
+from mnv3.artifacts import CLASS_NAMES_JSON, DYNAMIC_INT8_ONNX, FP32_ONNX, update_manifest
+from mnv3.latency import add_stage_args, benchmark, make_session, measurement_settings, ort_runner, run_stage
+from mnv3.model import (EXPORT_TOLERANCE, WEIGHTS, BadWeights, export_max_abs_diff, export_onnx, load_model,
+                        recalibrate_batchnorm, state_dict_size_mb, torch_runner)
+from mnv3.photos import CALIBRATION_SOURCES, augmented_views
+from mnv3.profiling import op_type_summary, profile_model
+from mnv3.quantize import quantize_dynamic_int8, size_mb
+from mnv3.report import write_csv, write_summary
+
+# (normal, --quick)
+BN_RECALIBRATION_IMAGES = (64, 16)
+PROFILE_RUNS = (20, 3)
+EXPORT_CHECK_BATCHES = (1, 8)
+
+
+def get_args_parser(add_help=True):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=add_help)
+    parser.add_argument("--weights", default=None,
+                        help="a mobilenet_v3_large state_dict (.pth); default: torchvision's, else random init")
+    return add_stage_args(parser, artifacts_help="where models and profiles go")
+
+
+def main(args):
+    run_stage(run, args, user_errors=(BadWeights, UnreadableLabels))
+
+
+def run(args):
+    artifacts_dir, results_dir = Path(args.artifacts_dir), Path(args.results_dir)
+    timing, batch_size = measurement_settings(args)
+    pick = 1 if args.quick else 0
+    torch.set_num_threads(args.threads)  # the same intra-op count as every ORT session, so rows compare
+
+    model, provenance = load_model(args.weights)
+    labelled = load_labels(args.labels, WEIGHTS.meta["categories"]) if args.labels else None
+    bn_images = 0
+    if provenance == "random-init":
+        # Without real BN statistics a random init's logits collapse to ~0 and INT8 comparisons are noise.
+        bn_images = BN_RECALIBRATION_IMAGES[pick]
+        recalibrate_batchnorm(model, augmented_views(CALIBRATION_SOURCES, bn_images, seed=0))
+        print(f"weights: RANDOM INIT, BatchNorm statistics re-estimated on {bn_images} calibration-source photos")
+    else:
+        print(f"weights: {provenance}")
+
+    fp32_path = export_onnx(model, artifacts_dir / FP32_ONNX, artifacts_dir / CLASS_NAMES_JSON)
+    held_out = held_out_batch(args.quick)
+    fp32_run = ort_runner(make_session(fp32_path, args.threads))
+    export_diff = export_max_abs_diff(model, fp32_run, [held_out[:n] for n in EXPORT_CHECK_BATCHES])
+    if export_diff > EXPORT_TOLERANCE:
+        raise RuntimeError(f"ONNX export differs from PyTorch by {export_diff:.2e} > {EXPORT_TOLERANCE} "
+                           f"(max abs logit, batches {EXPORT_CHECK_BATCHES}): the export is wrong, not shipping it")
+    print(f"export check: max |ONNX - PyTorch| logit = {export_diff:.2e} at batch sizes {EXPORT_CHECK_BATCHES}")
+    dynamic_path = quantize_dynamic_int8(fp32_path, artifacts_dir / DYNAMIC_INT8_ONNX)
+
+    reference = predict(fp32_run, array_batches(held_out, batch_size))
+    variants = [
+        ("pytorch_fp32", torch_runner(model), state_dict_size_mb(model)),
+        ("onnx_fp32", fp32_run, size_mb(fp32_path)),
+        ("onnx_dynamic_int8", ort_runner(make_session(dynamic_path, args.threads)), size_mb(dynamic_path)),
+    ]
+    rows = []
+    for variant, run_variant, size in variants:
+        rows.append({
+            "variant": variant, **benchmark(run_variant, held_out, batch_size, timing, desc=variant),
+            "size_mb": size, "threads": args.threads, "weights": provenance,
+            "bn_recalibration_images": bn_images,
+            "export_max_abs_diff": f"{export_diff:.2e}" if variant == "onnx_fp32" else "",
+            # ONNX FP32 is the reference (it equals PyTorch to EXPORT_TOLERANCE), so it has no agreement.
+            **evaluate(run_variant, held_out, None if variant == "onnx_fp32" else reference, labelled, batch_size),
+        })
+        print(rows[-1])
+    write_csv(results_dir / "01_baseline.csv", rows)
+
+    runs = PROFILE_RUNS[pick]
+    trace = profile_model(dynamic_path, held_out[:1], runs, args.threads, artifacts_dir / "dynamic_int8_profile.json")
+    profile = op_type_summary(trace, runs)
+    write_csv(results_dir / "01_dynamic_int8_profile.csv", profile)
+    print("dynamic INT8 kernel time by op type (batch 1): "
+          + ", ".join(f"{row['op_type']} {row['share_pct']}%" for row in profile[:6]))
+
+    update_manifest(
+        artifacts_dir, weights=provenance, weights_bn_recalibration_images=bn_images,
+        fp32={"path": FP32_ONNX, "class_names": CLASS_NAMES_JSON, "export_max_abs_diff": export_diff},
+        dynamic_int8={"path": DYNAMIC_INT8_ONNX, "profile": trace.name, "threads": args.threads},
+    )
+    print(f"wrote {write_summary(results_dir)}")
+
+
+if __name__ == "__main__":
+    main(get_args_parser().parse_args())

@@ -1,0 +1,142 @@
+"""How close a variant's predictions are to FP32 on held-out photos, and true accuracy given --labels.
+
+Agreement needs no labels, so it is meaningful even for the random-init stand-in: top-1 agreement is
+the share of images whose predicted class matches FP32's, top-5 agreement the share whose FP32 class
+is among the variant's top 5, and SQNR = 10*log10(sum(ref^2) / sum((ref - x)^2)) over all logits.
+"""
+import csv
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from mnv3.photos import IMAGE_SUFFIXES, held_out_images, list_images
+from mnv3.preprocess import preprocess_batch
+
+HELD_OUT_IMAGES = 64
+QUICK_HELD_OUT_IMAGES = 16  # still >= 8, the largest export-check batch
+
+
+class UnreadableLabels(ValueError):
+    """--labels is missing, empty, or names images/classes that cannot be used."""
+
+
+def held_out_batch(quick: bool) -> np.ndarray:
+    """The preprocessed held-out photos every stage compares variants on (never calibration photos)."""
+    return preprocess_batch(held_out_images(QUICK_HELD_OUT_IMAGES if quick else HELD_OUT_IMAGES))
+
+
+def predict(run, batches) -> np.ndarray:
+    return np.concatenate([run(batch) for batch in batches])
+
+
+def array_batches(images: np.ndarray, batch_size: int):
+    return (images[i:i + batch_size] for i in range(0, len(images), batch_size))
+
+
+def path_batches(paths, batch_size: int):
+    for i in range(0, len(paths), batch_size):
+        images = []
+        for path in paths[i:i + batch_size]:
+            try:
+                with Image.open(path) as image:
+                    images.append(image.convert("RGB"))
+            except OSError as exc:
+                raise UnreadableLabels(f"labelled image {path} cannot be read ({exc})") from exc
+        yield preprocess_batch(images)
+
+
+def top_k(logits: np.ndarray, k: int) -> np.ndarray:
+    return np.argsort(-logits, axis=1)[:, :k]
+
+
+def sqnr_db(reference: np.ndarray, logits: np.ndarray) -> float:
+    reference = reference.astype(np.float64)
+    return float(10 * np.log10(np.sum(reference ** 2) / np.sum((reference - logits) ** 2)))
+
+
+def agreement(reference: np.ndarray, logits: np.ndarray) -> dict:
+    reference_top1 = reference.argmax(axis=1)
+    return {
+        "top1_agreement": round(float(np.mean(logits.argmax(axis=1) == reference_top1)), 4),
+        "top5_agreement": round(float(np.mean((top_k(logits, 5) == reference_top1[:, None]).any(axis=1))), 4),
+        "sqnr_db": round(sqnr_db(reference, logits), 2),
+    }
+
+
+def true_accuracy(logits: np.ndarray, labels: np.ndarray) -> dict:
+    return {
+        "top1_accuracy": round(float(np.mean(logits.argmax(axis=1) == labels)), 4),
+        "top5_accuracy": round(float(np.mean((top_k(logits, 5) == labels[:, None]).any(axis=1))), 4),
+    }
+
+
+def evaluate(run, held_out: np.ndarray, reference=None, labelled=None, batch_size: int = 32) -> dict:
+    """Agreement with `reference` logits on `held_out`, plus true accuracy on `labelled` (paths, labels)."""
+    row = {}
+    if reference is not None:
+        row |= agreement(reference, predict(run, array_batches(held_out, batch_size)))
+    if labelled is not None:
+        paths, labels = labelled
+        row |= true_accuracy(predict(run, path_batches(paths, batch_size)), labels)
+    return row
+
+
+def load_labels(path, class_names: list[str]) -> tuple[list[Path], np.ndarray]:
+    """(image paths, ImageNet class ids) from a folder-per-class tree or a CSV of file,class_id.
+
+    A class folder is named by its class id ("207"), its ImageNet name ("golden retriever"), or, when
+    there are 1000 folders, by anything that sorts in ImageNet order (the wnids of ILSVRC val).
+    CSV paths are relative to the CSV; a header row is optional.
+    """
+    path = Path(path)
+    if path.is_dir():
+        pairs = _folder_pairs(path, class_names)
+    elif path.is_file() and path.suffix.lower() == ".csv":
+        pairs = _csv_pairs(path)
+    else:
+        raise UnreadableLabels(f"--labels {path}: expected a folder of class folders or a .csv of file,class_id")
+    if not pairs:
+        raise UnreadableLabels(f"--labels {path}: no labelled images found")
+    for image_path, class_id in pairs:
+        if not image_path.is_file():
+            raise UnreadableLabels(f"--labels {path}: image {image_path} does not exist")
+        if not 0 <= class_id < len(class_names):
+            raise UnreadableLabels(f"--labels {path}: class id {class_id} outside 0..{len(class_names) - 1}")
+    return [p for p, _ in pairs], np.array([c for _, c in pairs])
+
+
+def _folder_pairs(root: Path, class_names: list[str]) -> list[tuple[Path, int]]:
+    folders = sorted(p for p in root.iterdir() if p.is_dir())
+    by_name = {name.lower(): i for i, name in enumerate(class_names)}
+    pairs = []
+    for index, folder in enumerate(folders):
+        if folder.name.isdigit():
+            class_id = int(folder.name)
+        elif folder.name.lower() in by_name:
+            class_id = by_name[folder.name.lower()]
+        elif len(folders) == len(class_names):
+            class_id = index
+        else:
+            raise UnreadableLabels(f"--labels {root}: folder '{folder.name}' is not a class id or ImageNet class name")
+        pairs += [(image, class_id) for image in list_images(folder)]
+    return pairs
+
+
+def _csv_pairs(csv_path: Path) -> list[tuple[Path, int]]:
+    try:
+        with csv_path.open(newline="") as f:
+            rows = list(csv.reader(f))
+    except (UnicodeDecodeError, csv.Error) as exc:
+        raise UnreadableLabels(f"--labels {csv_path}: not a readable CSV ({exc})") from exc
+    pairs = []
+    for line_number, row in enumerate(rows, start=1):
+        if not row or (line_number == 1 and not row[-1].strip().isdigit()):
+            continue  # blank line or header
+        if len(row) != 2 or not row[1].strip().isdigit():
+            raise UnreadableLabels(f"--labels {csv_path} line {line_number}: expected file,class_id, got {row}")
+        image_path = csv_path.parent / row[0].strip()
+        if image_path.suffix.lower() not in IMAGE_SUFFIXES:
+            raise UnreadableLabels(f"--labels {csv_path} line {line_number}: {row[0]} is not an image file")
+        pairs.append((image_path, int(row[1])))
+    return pairs
