@@ -33,15 +33,16 @@ QUICK_THREAD_SPLITS = THREAD_SPLITS[:2]
 
 
 def get_args_parser():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     loadtest.add_common_args(parser)
-    parser.add_argument("--batch-window-ms", type=float, default=20.0, help="how long a batch waits to fill")
-    parser.add_argument("--max-batch-size", type=int, default=32, help="most images per ORT run")
+    parser.add_argument("--batch-window-ms", type=float, default=20.0,
+                        help="how long a batch waits to fill (default %(default)s)")
+    parser.add_argument("--max-batch-size", type=int, default=32, help="most images per ORT run (default %(default)s)")
     parser.add_argument("--sweep", type=int, nargs="+", help=f"concurrencies for the batching server "
                         f"(default {FULL['sweep']}; --quick {QUICK['sweep']}); --concurrency is always added")
     parser.add_argument("--open-loop-fraction", type=float, default=0.8,
-                        help="open-loop rate as a fraction of the batching server's closed-loop req/s")
+                        help="open-loop rate, as a fraction of the batching server's closed-loop req/s "
+                             "(default %(default)s)")
     parser.add_argument("--open-loop-seconds", type=float, help="open-loop duration (default 15; --quick 2)")
     parser.add_argument("--limit-images", type=int, help="images per in-process limit run (default 128; --quick 16)")
     parser.add_argument("--limit-batch-sizes", type=int, nargs="+", help=f"default {list(BATCH_SIZES)}; --quick [1, 8]")
@@ -68,12 +69,14 @@ def main(args):
 
     unbatched = loadtest.server_options(args, cache_size=0, max_batch_size=1)
     with loadtest.ServerProcess(model, args.start_timeout, **unbatched) as url:
+        loadtest.warm_up(url, bodies, args.concurrency)
         baseline = closed_loop(url, args.concurrency, "no_batching", loadtest.server_settings(url))
 
     batched = loadtest.server_options(args, cache_size=0, batch_window_ms=args.batch_window_ms,
                                       max_batch_size=args.max_batch_size)
     with loadtest.ServerProcess(model, args.start_timeout, **batched) as url:
         settings = loadtest.server_settings(url)
+        loadtest.warm_up(url, bodies, args.concurrency)
         points = {c: closed_loop(url, c, "batching", settings) for c in sweep}
         headline = points[args.concurrency]
         rate = args.open_loop_fraction * headline.rps

@@ -19,8 +19,7 @@ CSV_NAME = "04_caching.csv"
 
 
 def get_args_parser():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     loadtest.add_common_args(parser)
     parser.add_argument("--sequential-requests", type=int, help="images sent one at a time (default 50; --quick 8)")
     parser.add_argument("--cache-size", type=int,

@@ -19,8 +19,7 @@ NO_CACHE_NO_BATCHING = {"cache_size": 0, "max_batch_size": 1}
 
 
 def get_args_parser():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     return loadtest.add_common_args(parser)
 
 
@@ -32,6 +31,7 @@ def main(args):
     print(f"serving {model} with cache and batching off; {args.requests} requests at concurrency {args.concurrency}")
     with loadtest.ServerProcess(model, args.start_timeout, **options) as url:
         settings = loadtest.server_settings(url)
+        loadtest.warm_up(url, bodies, args.concurrency)
         result = loadtest.run_with_metrics(
             url, lambda send: loadtest.run_closed_loop(send, bodies, args.concurrency, desc="no batching"))
     print(f"baseline: {result.summary()}")

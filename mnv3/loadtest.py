@@ -87,7 +87,8 @@ class ServerProcess:
         # Output goes to a file, not a pipe: a pipe nobody reads fills up and blocks the server.
         self._log = tempfile.TemporaryFile()
         # The package is not installed: point the child at this checkout, whatever the working directory.
-        env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, (str(PACKAGE_ROOT), os.environ.get("PYTHONPATH"))))}
+        python_path = os.pathsep.join(filter(None, (str(PACKAGE_ROOT), os.environ.get("PYTHONPATH"))))
+        env = os.environ | {"PYTHONPATH": python_path}
         self.process = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=self._log,
                                         stderr=subprocess.STDOUT, env=env)
         try:
@@ -337,6 +338,14 @@ def metrics_row(metrics: dict) -> dict:
     return row
 
 
+def warm_up(base_url: str, bodies: list[bytes], concurrency: int) -> None:
+    """One untimed round at `concurrency`: connections open, and ORT has met the batch sizes this load
+    makes, so a timed run measures the steady state and a server measured first is not at a disadvantage.
+    Only for a server whose cache is off: with it on, these bodies would be hits afterwards."""
+    with PredictClient(base_url) as send:
+        run_closed_loop(send, bodies, concurrency, count=concurrency, desc="warm-up")
+
+
 def run_with_metrics(base_url: str, run) -> LoadResult:
     """`run(send)` with a fresh client; its result carries the server's metrics for just that run."""
     before = read_metrics(base_url)
@@ -348,20 +357,25 @@ def run_with_metrics(base_url: str, run) -> LoadResult:
 # ---------------------------------------------------------------------------------------- stages 3-5
 
 def add_common_args(parser):
-    parser.add_argument("--artifacts-dir", type=Path, default=ARTIFACTS_DIR, help="where stages 1-2 wrote models")
-    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="where CSVs and plots go")
+    parser.add_argument("--artifacts-dir", type=Path, default=ARTIFACTS_DIR,
+                        help="where stages 1-2 wrote models (default %(default)s)")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR,
+                        help="where CSVs and plots go (default %(default)s)")
     parser.add_argument("--model", type=Path,
                         help="ONNX model to serve (default: the static INT8 model stage 2 recorded)")
     parser.add_argument("--quick", action="store_true", help="small counts: a smoke run in well under a minute")
     parser.add_argument("--concurrency", type=int, help="concurrent requests (default 250; --quick 8)")
     parser.add_argument("--requests", type=int, help="requests per closed-loop run (default 4x concurrency)")
-    parser.add_argument("--intra-op-threads", type=int, default=DEFAULT_INTRA_OP_THREADS, help="server's ORT intra-op threads")
-    parser.add_argument("--inter-op-threads", type=int, default=DEFAULT_INTER_OP_THREADS, help="server's ORT inter-op threads")
+    parser.add_argument("--intra-op-threads", type=int, default=DEFAULT_INTRA_OP_THREADS,
+                        help="server's ORT intra-op threads (default %(default)s)")
+    parser.add_argument("--inter-op-threads", type=int, default=DEFAULT_INTER_OP_THREADS,
+                        help="server's ORT inter-op threads (default %(default)s)")
     parser.add_argument("--preprocess-threads", type=int, help="server's decode/preprocess threads (default: server's)")
     parser.add_argument("--deadline-ms", type=float, default=1000 * REQUEST_TIMEOUT_S,
                         help="server's per-request deadline; as long as the client waits, so a load test "
-                             "measures throughput, not load shedding")
-    parser.add_argument("--start-timeout", type=float, default=START_TIMEOUT_S, help="seconds to wait for /readyz")
+                             "measures throughput, not load shedding (default %(default)s)")
+    parser.add_argument("--start-timeout", type=float, default=START_TIMEOUT_S,
+                        help="seconds to wait for /readyz (default %(default)s)")
     return parser
 
 

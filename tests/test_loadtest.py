@@ -47,8 +47,9 @@ def test_metrics_parsing_gives_histogram_breakdown_and_counters():
 
 def test_metrics_delta_isolates_one_run():
     before = parse_metrics(SAMPLE_METRICS)
-    after = parse_metrics(SAMPLE_METRICS.replace('le="8.0"} 6.0', 'le="8.0"} 7.0')
-                          .replace('le="+Inf"} 6.0\nmnv3_batch_size_count 6.0', 'le="+Inf"} 7.0\nmnv3_batch_size_count 7.0'))
+    one_more_batch_of_8 = (SAMPLE_METRICS.replace('le="8.0"} 6.0', 'le="8.0"} 7.0')
+                           .replace('le="+Inf"} 6.0\nmnv3_batch_size_count', 'le="+Inf"} 7.0\nmnv3_batch_size_count'))
+    after = parse_metrics(one_more_batch_of_8)
     assert batch_size_histogram(metrics_delta(before, after)) == {"1": 0, "2": 0, "4": 0, "8": 1, "+Inf": 0}
 
 
