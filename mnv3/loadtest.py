@@ -436,8 +436,7 @@ def environment_row(model: Path, provenance: str) -> dict:
 def write_results(results_dir: Path, csv_name: str, rows: list[dict]) -> Path:
     path = report.write_csv(Path(results_dir) / csv_name, rows)
     print(f"wrote {path}")
-    if hasattr(report, "write_summary"):  # lands with the model stages; until then, CSVs only
-        print(f"wrote {report.write_summary(results_dir)}")
+    print(f"wrote {report.write_summary(results_dir)}")
     return path
 
 
