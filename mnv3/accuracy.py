@@ -52,7 +52,8 @@ def top_k(logits: np.ndarray, k: int) -> np.ndarray:
 
 def sqnr_db(reference: np.ndarray, logits: np.ndarray) -> float:
     reference = reference.astype(np.float64)
-    return float(10 * np.log10(np.sum(reference ** 2) / np.sum((reference - logits) ** 2)))
+    with np.errstate(divide="ignore"):  # identical logits: infinite SQNR, not a warning
+        return float(10 * np.log10(np.sum(reference ** 2) / np.sum((reference - logits) ** 2)))
 
 
 def agreement(reference: np.ndarray, logits: np.ndarray) -> dict:

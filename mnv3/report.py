@@ -59,7 +59,7 @@ def markdown_table(rows: list[dict]) -> str:
         return "(empty)"
     header = list(rows[0])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(row.get(key, "")) for key in header) + " |" for row in rows]
+    lines += ["| " + " | ".join(str(row.get(key, "")).replace("|", "\\|") for key in header) + " |" for row in rows]
     return "\n".join(lines)
 
 

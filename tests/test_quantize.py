@@ -1,0 +1,147 @@
+"""Dynamic and static INT8 on the fixture model, the calibration reader, agreement metrics, labels, profiling."""
+import csv
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from PIL import Image
+
+from mnv3.accuracy import UnreadableLabels, agreement, load_labels, sqnr_db, true_accuracy
+from mnv3.latency import make_session, ort_runner
+from mnv3.photos import fill_calibration_dir, held_out_images
+from mnv3.preprocess import preprocess, preprocess_batch
+from mnv3.profiling import op_type_summary, profile_model
+from mnv3.quantize import RECIPES, PhotoCalibrationReader, StaticRecipe, quantize_dynamic_int8, quantize_static_int8
+
+CALIBRATION_COUNT = 32
+HELD_OUT_COUNT = 32
+# Bounds from measurement on the random-init fixture (BN re-estimated), 32 calibration / 32 held-out
+# photos: static INT8 gave top-1 agreement 0.66 and SQNR 10.9 dB; a model that always outputs FP32's
+# mean logits gets 0.02 and 0.5 dB. 20 dB is out of reach for this stand-in: even with 16-bit
+# activations (weights alone quantized) it reaches only 18.5 dB, because a random BatchNorm network
+# amplifies small perturbations layer by layer, which trained weights do not.
+MIN_TOP1_AGREEMENT = 0.45
+MIN_SQNR_DB = 8.0
+
+
+def op_types(path) -> set[str]:
+    return {node.op_type for node in onnx.load(str(path)).graph.node}
+
+
+@pytest.fixture(scope="module")
+def held_out():
+    return preprocess_batch(held_out_images(HELD_OUT_COUNT))
+
+
+@pytest.fixture(scope="module")
+def calibration_paths(tmp_path_factory):
+    return fill_calibration_dir(tmp_path_factory.mktemp("calibration"), CALIBRATION_COUNT)
+
+
+@pytest.fixture(scope="module")
+def static_model(fp32_model_path, calibration_paths, tmp_path_factory):
+    out = tmp_path_factory.mktemp("static") / "static_int8.onnx"
+    return quantize_static_int8(fp32_model_path, out, calibration_paths, RECIPES["qdq_per_channel_minmax"])
+
+
+@pytest.fixture(scope="module")
+def dynamic_model(fp32_model_path, tmp_path_factory):
+    return quantize_dynamic_int8(fp32_model_path, tmp_path_factory.mktemp("dynamic") / "dynamic_int8.onnx")
+
+
+def test_dynamic_int8_quantizes_convs_on_the_fly_and_is_small(fp32_model_path, dynamic_model):
+    assert {"ConvInteger", "DynamicQuantizeLinear"} <= op_types(dynamic_model)
+    assert dynamic_model.stat().st_size < 0.35 * fp32_model_path.stat().st_size
+
+
+def test_static_int8_agrees_with_fp32_on_held_out_photos(fp32_model_path, static_model, held_out):
+    reference = ort_runner(make_session(fp32_model_path))(held_out)
+    scores = agreement(reference, ort_runner(make_session(static_model))(held_out))
+    assert scores["top1_agreement"] >= MIN_TOP1_AGREEMENT
+    assert scores["top5_agreement"] >= scores["top1_agreement"]
+    assert scores["sqnr_db"] >= MIN_SQNR_DB
+    assert static_model.stat().st_size < 0.35 * fp32_model_path.stat().st_size
+    assert {"QuantizeLinear", "DequantizeLinear"} <= op_types(static_model)
+
+
+def test_static_int8_kernels_match_simulated_quantization(static_model, held_out):
+    """With the recipe's reduce_range, ORT's integer kernels add no error of their own (no int16
+    saturation on CPUs without VNNI): they match the same QDQ graph run in float within 1 dB."""
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    simulated = ort_runner(ort.InferenceSession(str(static_model), options, providers=["CPUExecutionProvider"]))
+    integer = ort_runner(make_session(static_model))
+    batch = held_out[:8]
+    assert sqnr_db(simulated(batch), integer(batch)) >= 20.0
+
+
+def test_another_recipe_plugs_in(fp32_model_path, calibration_paths, tmp_path):
+    recipe = StaticRecipe(quant_format="QOperator", per_channel=False)
+    path = quantize_static_int8(fp32_model_path, tmp_path / "qop.onnx", calibration_paths[:8], recipe)
+    assert "QLinearConv" in op_types(path)
+    assert recipe.record()["quant_format"] == "QOperator"
+
+
+def test_calibration_reader_feeds_every_photo_once_through_preprocess(calibration_paths):
+    reader = PhotoCalibrationReader(calibration_paths[:10], batch_size=4)
+    batches = list(iter(reader.get_next, None))
+    assert [len(batch["input"]) for batch in batches] == [4, 4, 2]
+    with Image.open(calibration_paths[9]) as image:
+        np.testing.assert_array_equal(batches[-1]["input"][-1], preprocess(image.convert("RGB")))
+
+
+def test_agreement_metrics():
+    rng = np.random.default_rng(0)
+    reference = rng.normal(size=(100, 1000)).astype(np.float32)
+    noise = rng.normal(scale=0.1, size=reference.shape)  # 20 dB below the signal
+    assert agreement(reference, reference) == {"top1_agreement": 1.0, "top5_agreement": 1.0, "sqnr_db": np.inf}
+    assert sqnr_db(reference, reference + noise) == pytest.approx(20.0, abs=0.2)
+    shuffled = agreement(reference, reference[::-1])
+    assert shuffled["top1_agreement"] < 0.1 and shuffled["sqnr_db"] < 0
+    rows, order = np.arange(100), np.argsort(-reference, axis=1)
+    swapped = reference.copy()  # FP32's first and second classes swap places
+    swapped[rows, order[:, 0]], swapped[rows, order[:, 1]] = reference[rows, order[:, 1]], reference[rows, order[:, 0]]
+    scores = agreement(reference, swapped)
+    assert scores["top1_agreement"] == 0.0 and scores["top5_agreement"] == 1.0
+
+
+def test_true_accuracy():
+    logits = np.eye(5)[[0, 1, 2, 3]] * 10 + np.arange(5) * 0.1
+    assert true_accuracy(logits, np.array([0, 1, 4, 4])) == {"top1_accuracy": 0.5, "top5_accuracy": 1.0}
+
+
+CLASS_NAMES = [f"class {i}" for i in range(1000)]
+
+
+def test_labels_from_class_folders_and_csv(tmp_path):
+    for folder in ("207", "class 3"):
+        (tmp_path / "tree" / folder).mkdir(parents=True)
+        held_out_images(1)[0].save(tmp_path / "tree" / folder / "a.jpg")
+    paths, labels = load_labels(tmp_path / "tree", CLASS_NAMES)
+    assert sorted(labels.tolist()) == [3, 207]
+    rows = [["file", "class_id"], ["tree/207/a.jpg", "207"], ["tree/class 3/a.jpg", "3"]]
+    with (tmp_path / "labels.csv").open("w", newline="") as f:
+        csv.writer(f).writerows(rows)
+    paths, labels = load_labels(tmp_path / "labels.csv", CLASS_NAMES)
+    assert labels.tolist() == [207, 3] and all(p.is_file() for p in paths)
+
+
+@pytest.mark.parametrize("content", ["missing.jpg,1\n", "a.jpg,cat\n", "a.jpg,5000\n", "", b"\xff\xfe\x00bin"])
+def test_unusable_labels_are_a_clear_error(tmp_path, content):
+    held_out_images(1)[0].save(tmp_path / "a.jpg")
+    path = tmp_path / "labels.csv"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(UnreadableLabels, match="--labels"):
+        load_labels(path, CLASS_NAMES)
+
+
+def test_profile_of_dynamic_model_attributes_time_to_op_types(dynamic_model, held_out, tmp_path):
+    trace = profile_model(dynamic_model, held_out[:1], runs=2, threads=1, trace_path=tmp_path / "trace.json")
+    assert trace == tmp_path / "trace.json" and trace.exists()
+    summary = op_type_summary(trace, runs=2)
+    by_op = {row["op_type"]: row for row in summary}
+    assert {"ConvInteger", "DynamicQuantizeLinear"} <= set(by_op)
+    assert sum(row["share_pct"] for row in summary) == pytest.approx(100, abs=0.1)
+    assert by_op["ConvInteger"]["calls_per_run"] == sum(1 for n in onnx.load(str(dynamic_model)).graph.node
+                                                       if n.op_type == "ConvInteger")

@@ -1,0 +1,35 @@
+"""summary.md is rebuilt from whatever CSVs and PNGs are in results/, so later stages need no changes."""
+from mnv3.report import cpu_info, markdown_table, plot_variants, write_csv, write_summary
+
+
+def test_summary_includes_every_csv_and_png_in_file_name_order(tmp_path):
+    write_csv(tmp_path / "02_static.csv", [{"variant": "onnx_static_int8", "mean_ms": 11.1, "weights": "file:abc"}])
+    write_csv(tmp_path / "01_baseline.csv", [{"variant": "onnx_fp32", "mean_ms": 8.5, "weights": "file:abc"}])
+    write_csv(tmp_path / "05_loadtest.csv", [{"mode": "batched", "rps": 410.1}])  # a later stage's file
+    write_csv(tmp_path / "model_variants.csv", [{"variant": "ONNX FP32", "note": "a|b"}])
+    plot_variants([{"variant": "ONNX FP32", "mean_ms": 8.5, "p95_ms": 10.7, "size_mb": 21.2}],
+                  tmp_path / "model_variants.png")
+    (tmp_path / "04_cache.png").write_bytes((tmp_path / "model_variants.png").read_bytes())  # a plot with no CSV
+    summary = write_summary(tmp_path).read_text()
+    headings = [line for line in summary.splitlines() if line.startswith("## ")]
+    assert headings == ["## 01_baseline", "## 02_static", "## 04_cache", "## 05_loadtest", "## model_variants"]
+    assert "| mode | rps |\n|---|---|\n| batched | 410.1 |" in summary
+    assert "![04_cache](04_cache.png)" in summary and "![model_variants](model_variants.png)" in summary
+    assert summary.index("| ONNX FP32 | a\\|b |") < summary.index("![model_variants]")
+    assert "file:abc" in summary and "WARNING" not in summary
+    assert cpu_info()["cpu"] in summary and "onnxruntime " in summary
+
+
+def test_summary_warns_about_random_init_weights(tmp_path):
+    write_csv(tmp_path / "01_baseline.csv", [{"variant": "onnx_fp32", "weights": "random-init"}])
+    assert "WARNING: random-init weights" in write_summary(tmp_path).read_text()
+
+
+def test_markdown_table_uses_first_row_columns():
+    assert markdown_table([{"a": 1, "b": 2}, {"a": 3}]) == "| a | b |\n|---|---|\n| 1 | 2 |\n| 3 |  |"
+
+
+def test_plot_is_a_png(tmp_path):
+    rows = [{"variant": name, "mean_ms": ms, "p95_ms": ms * 1.3, "size_mb": mb}
+            for name, ms, mb in (("ONNX FP32", 8.5, 21.2), ("ONNX Static INT8", 11.1, 5.6))]
+    assert plot_variants(rows, tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,114 @@
+"""Stages 1 and 2 end to end in --quick mode into tmp dirs, and the errors a user can cause."""
+import json
+import subprocess
+import sys
+import urllib.error
+from pathlib import Path
+
+import pytest
+import torchvision.models._api
+
+import baseline_export_quantize
+import static_quantization
+from mnv3.report import read_csv
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_stage(module, *flags):
+    module.main(module.get_args_parser().parse_args([str(flag) for flag in flags]))
+
+
+@pytest.fixture(scope="module")
+def stage_dirs(tmp_path_factory):
+    """Run stage 1 (offline: random init) then stage 2, both --quick, into fresh dirs."""
+    root = tmp_path_factory.mktemp("stages")
+    dirs = {"artifacts": root / "artifacts", "results": root / "results", "calibration": root / "calibration"}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torchvision.models._api, "load_state_dict_from_url",
+                      lambda *a, **k: (_ for _ in ()).throw(urllib.error.URLError("offline test")))
+        with pytest.warns(UserWarning, match="RANDOM INIT"):
+            run_stage(baseline_export_quantize, "--quick", "--artifacts-dir", dirs["artifacts"],
+                      "--results-dir", dirs["results"])
+    run_stage(static_quantization, "--quick", "--artifacts-dir", dirs["artifacts"], "--results-dir", dirs["results"],
+              "--calibration-dir", dirs["calibration"])
+    return dirs
+
+
+def test_stage_1_writes_sane_baseline_rows(stage_dirs):
+    rows = {row["variant"]: row for row in read_csv(stage_dirs["results"] / "01_baseline.csv")}
+    assert set(rows) == {"pytorch_fp32", "onnx_fp32", "onnx_dynamic_int8"}
+    for row in rows.values():
+        assert 0 < float(row["p50_ms"]) <= float(row["p95_ms"]) <= float(row["p99_ms"])
+        assert float(row["mean_ms"]) > 0 and float(row["per_image_ms"]) > 0
+        assert row["weights"] == "random-init" and int(row["bn_recalibration_images"]) > 0
+        assert row["threads"] == "2" and row["batch_size"] == "8"
+    assert float(rows["onnx_fp32"]["export_max_abs_diff"]) <= 1e-3
+    assert float(rows["onnx_dynamic_int8"]["size_mb"]) < 0.35 * float(rows["onnx_fp32"]["size_mb"])
+    for variant in ("pytorch_fp32", "onnx_dynamic_int8"):
+        assert 0 <= float(rows[variant]["top1_agreement"]) <= float(rows[variant]["top5_agreement"]) <= 1
+    assert float(rows["pytorch_fp32"]["sqnr_db"]) > 60  # the same FP32 network in two runtimes
+    profile = read_csv(stage_dirs["results"] / "01_dynamic_int8_profile.csv")
+    assert "ConvInteger" in {row["op_type"] for row in profile}
+    assert (stage_dirs["artifacts"] / "dynamic_int8_profile.json").exists()
+
+
+def test_stage_2_writes_static_row_and_four_variant_table(stage_dirs):
+    static = read_csv(stage_dirs["results"] / "02_static.csv")[0]
+    assert 0 <= float(static["top1_agreement"]) <= 1 and 0 <= float(static["top5_agreement"]) <= 1
+    assert 0 < float(static["sqnr_db"]) < float("inf")
+    assert static["recipe"] == "qdq_per_channel_minmax" and static["quant_format"] == "QDQ"
+    table = read_csv(stage_dirs["results"] / "model_variants.csv")
+    assert [row["variant"] for row in table] == ["PyTorch FP32", "ONNX FP32", "ONNX Dynamic INT8", "ONNX Static INT8"]
+    by_name = {row["variant"]: row for row in table}
+    assert float(by_name["ONNX FP32"]["mean_vs_onnx_fp32"]) == 1.0
+    assert float(by_name["ONNX Static INT8"]["size_mb"]) < 0.35 * float(by_name["ONNX FP32"]["size_mb"])
+    assert all(float(row["mean_ms"]) > 0 and float(row["p95_ms"]) > 0 for row in table)
+    assert (stage_dirs["results"] / "model_variants.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_manifest_records_provenance_files_and_recipe(stage_dirs):
+    manifest = json.loads((stage_dirs["artifacts"] / "manifest.json").read_text())
+    assert manifest["weights"] == "random-init"
+    for entry in ("fp32", "dynamic_int8", "static_int8"):
+        assert (stage_dirs["artifacts"] / manifest[entry]["path"]).exists()
+    recipe = manifest["static_int8"]["recipe"]
+    assert (recipe["quant_format"], recipe["per_channel"], recipe["activation_type"], recipe["weight_type"],
+            recipe["calibrate_method"]) == ("QDQ", True, "QUInt8", "QInt8", "MinMax")
+    assert "reduce_range" in recipe and recipe["nodes_to_exclude"] == []
+    assert manifest["static_int8"]["calibration_images"] == 16
+
+
+def test_summary_has_every_table_in_file_order(stage_dirs):
+    summary = (stage_dirs["results"] / "summary.md").read_text()
+    sections = ["## 01_baseline", "## 01_dynamic_int8_profile", "## 02_static", "## model_variants"]
+    assert [summary.index(s) for s in sections] == sorted(summary.index(s) for s in sections)
+    assert "| PyTorch FP32 |" in summary and "| ConvInteger |" in summary and "| onnx_static_int8 |" in summary
+    assert "![model_variants](model_variants.png)" in summary
+    assert "random-init" in summary and "onnxruntime" in summary
+
+
+def test_stage_2_without_stage_1_names_stage_1(tmp_path):
+    result = subprocess.run([sys.executable, "static_quantization.py", "--quick", "--artifacts-dir", tmp_path,
+                             "--results-dir", tmp_path], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "stage 1" in result.stderr and "baseline_export_quantize.py" in result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_bad_weights_file_exits_2_with_one_line(tmp_path, capsys):
+    (tmp_path / "bad.pth").write_bytes(b"not a checkpoint")
+    with pytest.raises(SystemExit) as exit_info:
+        run_stage(baseline_export_quantize, "--quick", "--weights", tmp_path / "bad.pth",
+                  "--artifacts-dir", tmp_path, "--results-dir", tmp_path)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.startswith("error: --weights")
+    assert not (tmp_path / "fp32.onnx").exists()
+
+
+def test_unreadable_labels_exit_2(stage_dirs, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:  # checked before any calibration or output
+        run_stage(static_quantization, "--quick", "--labels", tmp_path / "nope.csv", "--artifacts-dir",
+                  stage_dirs["artifacts"], "--results-dir", stage_dirs["results"], "--calibration-dir", tmp_path)
+    assert exit_info.value.code == 2
+    assert "--labels" in capsys.readouterr().err
