@@ -17,7 +17,7 @@ from mnv3.model import (EXPORT_TOLERANCE, WEIGHTS, BadWeights, export_max_abs_di
 from mnv3.photos import CALIBRATION_SOURCES, augmented_views
 from mnv3.profiling import op_type_summary, profile_model
 from mnv3.quantize import quantize_dynamic_int8, size_mb
-from mnv3.report import write_csv, write_summary
+from mnv3.report import markdown_table, write_csv, write_summary
 
 # (normal, --quick)
 BN_RECALIBRATION_IMAGES = (64, 16)
@@ -79,15 +79,17 @@ def run(args):
             # ONNX FP32 is the reference (it equals PyTorch to EXPORT_TOLERANCE), so it has no agreement.
             **evaluate(run_variant, held_out, None if variant == "onnx_fp32" else reference, labelled, batch_size),
         })
-        print(rows[-1])
     write_csv(results_dir / "01_baseline.csv", rows)
+    print(markdown_table(rows))
 
     runs = PROFILE_RUNS[pick]
     trace = profile_model(dynamic_path, held_out[:1], runs, args.threads, artifacts_dir / "dynamic_int8_profile.json")
     profile = op_type_summary(trace, runs)
     write_csv(results_dir / "01_dynamic_int8_profile.csv", profile)
-    print("dynamic INT8 kernel time by op type (batch 1): "
-          + ", ".join(f"{row['op_type']} {row['share_pct']}%" for row in profile[:6]))
+    shares = {row["op_type"]: row["share_pct"] for row in profile}
+    named = ("ConvInteger", "DynamicQuantizeLinear")
+    print("dynamic INT8 kernel time at batch 1: " + ", ".join(f"{op} {shares.get(op, 0)}%" for op in named)
+          + f", other op types {round(100 - sum(shares.get(op, 0) for op in named), 2)}%")
 
     update_manifest(
         artifacts_dir, weights=provenance, weights_bn_recalibration_images=bn_images,

@@ -11,10 +11,10 @@ from pathlib import Path
 from mnv3.accuracy import UnreadableLabels, array_batches, evaluate, held_out_batch, load_labels, predict
 from mnv3.artifacts import (CALIBRATION_DIR, CLASS_NAMES_JSON, FP32_ONNX, STATIC_INT8_ONNX, MissingArtifact,
                             read_manifest, require, update_manifest)
-from mnv3.latency import add_stage_args, benchmark, make_session, measurement_settings, ort_runner, run_stage
-from mnv3.photos import fill_calibration_dir
-from mnv3.quantize import DEFAULT_RECIPE, RECIPES, quantize_static_int8, size_mb
-from mnv3.report import plot_variants, read_csv, write_csv, write_summary
+from mnv3.latency import (add_stage_args, benchmark, make_session, measurement_settings, ort_runner,
+                          positive_int, run_stage)
+from mnv3.quantize import DEFAULT_RECIPE, RECIPES, calibration_photos, quantize_static_int8, size_mb
+from mnv3.report import markdown_table, plot_variants, read_csv, write_csv, write_summary
 
 CALIBRATION_IMAGES = (200, 16)  # (normal, --quick)
 VARIANT_NAMES = {
@@ -31,7 +31,7 @@ def get_args_parser(add_help=True):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=add_help)
     parser.add_argument("--calibration-dir", default=str(CALIBRATION_DIR),
                         help="calibration photos; filled with generated ones if it has none")
-    parser.add_argument("--calibration-count", type=int, default=None,
+    parser.add_argument("--calibration-count", type=positive_int, default=None,
                         help=f"photos to calibrate on (default {CALIBRATION_IMAGES[0]}, {CALIBRATION_IMAGES[1]} with --quick)")
     parser.add_argument("--recipe", default=DEFAULT_RECIPE, choices=sorted(RECIPES),
                         help="static quantization recipe (mnv3/quantize.py RECIPES)")
@@ -52,7 +52,10 @@ def run(args):
     provenance = read_manifest(artifacts_dir).get("weights", "unknown")
 
     count = args.calibration_count or CALIBRATION_IMAGES[1 if args.quick else 0]
-    calibration = fill_calibration_dir(args.calibration_dir, count)[:count]
+    calibration = calibration_photos(args.calibration_dir, count)
+    if len(calibration) < count:
+        print(f"warning: {args.calibration_dir} holds only {len(calibration)} of your images, fewer than the "
+              f"{count} asked for", file=sys.stderr)
     recipe = RECIPES[args.recipe]
     print(f"calibrating recipe {args.recipe} on {len(calibration)} photos from {args.calibration_dir}")
     static_path = quantize_static_int8(fp32_path, artifacts_dir / STATIC_INT8_ONNX, calibration, recipe)
@@ -67,14 +70,12 @@ def run(args):
         **evaluate(run_static, held_out, reference, labelled, batch_size),
         "recipe": args.recipe, **recipe_columns, "calibration_images": len(calibration),
     }
-    print(row)
     write_csv(results_dir / "02_static.csv", [row])
 
     comparison = compare_variants(baseline_rows + [row])
     write_csv(results_dir / "model_variants.csv", comparison)
     plot_variants(comparison, results_dir / "model_variants.png")
-    for line in comparison:
-        print(" | ".join(f"{value}" for value in line.values()))
+    print(markdown_table(comparison))
 
     update_manifest(artifacts_dir, static_int8={
         "path": STATIC_INT8_ONNX, "recipe_name": args.recipe, "recipe": recipe.record(),

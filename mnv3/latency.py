@@ -27,6 +27,13 @@ QUICK_TIMING = Timing(warmup=3, iters=10, batch_warmup=1, batch_iters=3)
 QUICK_BATCH_SIZE = 8
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError(text)  # argparse turns this into "invalid positive_int value" and exit code 2
+    return value
+
+
 def add_stage_args(parser, artifacts_help: str):
     """The flags every model stage takes: where things go, how hard to measure, optional labels."""
     from mnv3.artifacts import ARTIFACTS_DIR, RESULTS_DIR
@@ -35,9 +42,9 @@ def add_stage_args(parser, artifacts_help: str):
     parser.add_argument("--results-dir", default=str(RESULTS_DIR), help="where CSVs, plots and summary.md go")
     parser.add_argument("--quick", action="store_true",
                         help="few timed calls and images, small batch: a smoke run in well under a minute")
-    parser.add_argument("--threads", type=int, default=DEFAULT_INTRA_OP_THREADS,
+    parser.add_argument("--threads", type=positive_int, default=DEFAULT_INTRA_OP_THREADS,
                         help="intra-op threads for onnxruntime and torch (recorded in the results)")
-    parser.add_argument("--batch-size", type=int, default=None,
+    parser.add_argument("--batch-size", type=positive_int, default=None,
                         help=f"batch for per-image throughput (default {DEFAULT_BATCH_SIZE}, {QUICK_BATCH_SIZE} with --quick)")
     parser.add_argument("--labels", default=None,
                         help="folder-per-class tree or CSV of file,class_id: adds true top-1/top-5 accuracy")

@@ -13,6 +13,7 @@ from onnxruntime.quantization.shape_inference import quant_pre_process
 from PIL import Image
 from tqdm import tqdm
 
+from mnv3.photos import fill_calibration_dir, list_images
 from mnv3.preprocess import preprocess_batch
 
 CALIBRATION_BATCH_SIZE = 8
@@ -59,6 +60,19 @@ def quantize_dynamic_int8(fp32_path, out_path) -> Path:
         prepared = pre_process(fp32_path, Path(tmp) / "prepared.onnx")
         quantize_dynamic(str(prepared), str(out_path), weight_type=QuantType.QInt8)
     return Path(out_path)
+
+
+def calibration_photos(folder, count: int) -> list[Path]:
+    """Up to `count` calibration images from `folder`, generating them if it has none.
+
+    Generated images left by a smaller earlier run (say --quick) are regenerated rather than silently
+    calibrating on fewer photos than asked for; images a user put there are never touched.
+    """
+    existing = list_images(folder) if Path(folder).is_dir() else []
+    if existing and len(existing) < count and all(p.name.startswith("generated_") for p in existing):
+        for path in existing:
+            path.unlink()
+    return fill_calibration_dir(folder, count)[:count]
 
 
 class PhotoCalibrationReader(CalibrationDataReader):

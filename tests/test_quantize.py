@@ -12,7 +12,8 @@ from mnv3.latency import make_session, ort_runner
 from mnv3.photos import fill_calibration_dir, held_out_images
 from mnv3.preprocess import preprocess, preprocess_batch
 from mnv3.profiling import op_type_summary, profile_model
-from mnv3.quantize import RECIPES, PhotoCalibrationReader, StaticRecipe, quantize_dynamic_int8, quantize_static_int8
+from mnv3.quantize import (RECIPES, PhotoCalibrationReader, StaticRecipe, calibration_photos, quantize_dynamic_int8,
+                           quantize_static_int8)
 
 CALIBRATION_COUNT = 32
 HELD_OUT_COUNT = 32
@@ -145,3 +146,12 @@ def test_profile_of_dynamic_model_attributes_time_to_op_types(dynamic_model, hel
     assert sum(row["share_pct"] for row in summary) == pytest.approx(100, abs=0.1)
     assert by_op["ConvInteger"]["calls_per_run"] == sum(1 for n in onnx.load(str(dynamic_model)).graph.node
                                                        if n.op_type == "ConvInteger")
+
+
+def test_calibration_photos_regenerates_a_smaller_generated_set_but_keeps_user_images(tmp_path):
+    assert len(calibration_photos(tmp_path / "generated", 3)) == 3
+    assert len(calibration_photos(tmp_path / "generated", 5)) == 5  # not the 3 left by the smaller run
+    user = tmp_path / "user"
+    user.mkdir()
+    held_out_images(1)[0].save(user / "mine.jpg")
+    assert [p.name for p in calibration_photos(user, 5)] == ["mine.jpg"]

@@ -112,3 +112,10 @@ def test_unreadable_labels_exit_2(stage_dirs, tmp_path, capsys):
                   stage_dirs["artifacts"], "--results-dir", stage_dirs["results"], "--calibration-dir", tmp_path)
     assert exit_info.value.code == 2
     assert "--labels" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--batch-size", "--threads"])
+def test_non_positive_counts_are_rejected_by_argparse(flag, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        baseline_export_quantize.get_args_parser().parse_args([flag, "0"])
+    assert exit_info.value.code == 2 and flag in capsys.readouterr().err
