@@ -233,7 +233,9 @@ class Serving:
         self.config = config
         self.engine = engine
         self.cache = ResultCache(config.cache_size, engine.model_id)
-        self.batcher = DynamicBatcher(self._run_batch, config.max_batch_size, config.batch_window_ms, config.queue_limit)
+        self.preprocessing = 0  # requests being decoded: the batcher's window waits only for these
+        self.batcher = DynamicBatcher(self._run_batch, config.max_batch_size, config.batch_window_ms, config.queue_limit,
+                                      incoming=lambda: self.preprocessing)
         self.preprocess_pool = ThreadPoolExecutor(config.preprocess_threads, thread_name_prefix="mnv3-preprocess")
         self.metrics = Metrics(self.cache, self.batcher)
         self.not_ready_reason: str | None = "warming up"
@@ -255,7 +257,12 @@ class Serving:
 
     async def classify(self, data: bytes, deadline: float) -> Classified:
         started = time.perf_counter()
-        array = await asyncio.get_running_loop().run_in_executor(self.preprocess_pool, self._decode_and_preprocess, data)
+        self.preprocessing += 1  # only ever changed on the event loop, so no lock
+        try:
+            array = await asyncio.get_running_loop().run_in_executor(self.preprocess_pool, self._decode_and_preprocess,
+                                                                     data)
+        finally:
+            self.preprocessing -= 1
         preprocess_s = time.perf_counter() - started
         self.metrics.preprocess.observe(preprocess_s)
         result = await self.batcher.submit(array, deadline)

@@ -164,3 +164,23 @@ def test_engine_error_fails_only_its_batch():
         assert float((await batcher.submit(item(3))).row[0]) == 30  # the worker survived
 
     run(scenario)
+
+
+def test_window_closes_early_when_nothing_else_is_incoming_and_waits_while_something_is():
+    async def scenario(make):
+        incoming = {"count": 0}
+        engine = FakeEngine()
+        batcher = make(engine, max_batch_size=8, window_ms=60_000, incoming=lambda: incoming["count"])
+        alone = await batcher.submit(item(1))  # a 60 s window would time the test out if it were waited
+        assert alone.batch_size == 1
+
+        incoming["count"] = 1  # a second request is being decoded: the first waits for it
+        first = asyncio.create_task(batcher.submit(item(2)))
+        await asyncio.sleep(0.05)
+        assert not first.done() and batcher.depth == 0  # taken by the worker, held open by the window
+        incoming["count"] = 0
+        second = await batcher.submit(item(3))
+        assert second.batch_size == 2 and (await first).batch_size == 2
+        assert engine.batches == [[1], [2, 3]]
+
+    run(scenario)
