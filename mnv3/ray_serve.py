@@ -1,0 +1,311 @@
+"""Optional: the same FastAPI app as a Ray Serve application, one batcher, cache and ORT session per replica.
+
+    python -m mnv3.ray_serve --model artifacts/static_int8.onnx --replicas 2     # a local, loopback-only cluster
+    serve run serve_config.yaml                                                 # or `serve deploy` to a cluster
+    python -m mnv3.ray_serve --bench [--quick]     # plain server vs Ray Serve, 1 and 2 replicas -> results/06_ray_serve.csv
+
+Each replica builds its app with `mnv3.server.create_app`, so the endpoints, errors, cache and dynamic
+batcher are the plain server's code, and Ray runs the app's lifespan (model load, warm-up, batcher
+start) inside the replica. Ray adds an HTTP proxy in front that routes each request to a replica with
+free capacity, queues up to `max_queued_requests` when all are busy, and refuses beyond that with 503.
+
+Ray is an optional dependency (requirements-ray.txt): nothing else in mnv3 imports this module.
+"""
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import fields, replace
+from pathlib import Path
+
+import ray
+import requests
+from ray import serve
+from starlette.middleware import Middleware
+
+from mnv3 import loadtest, server
+from mnv3.artifacts import ARTIFACTS_DIR, RESULTS_DIR, MissingArtifact
+from mnv3.photos import load_images
+
+APP_NAME = "mnv3"
+REPLICA_HEADER = "x-mnv3-replica"  # which replica answered: lets a client (and the test) see the spread
+RESULTS_CSV = "06_ray_serve.csv"
+# The proxy is a separate Ray process; Ray calls this (from its environment) for middleware to wrap it in.
+PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
+PROXY_CALLBACK = "mnv3.ray_serve:proxy_middlewares"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# A batch fills only if a replica may hold that many requests at once: allow one batch running and one
+# filling. Autoscaling aims at one full batch in flight per replica.
+DEFAULT_MAX_ONGOING_REQUESTS = 2 * server.ServerConfig.max_batch_size
+DEFAULT_TARGET_ONGOING_REQUESTS = server.ServerConfig.max_batch_size
+DEFAULT_MAX_QUEUED_REQUESTS = server.ServerConfig.queue_limit  # Ray's proxy-side queue, beyond the replicas'
+
+
+@serve.deployment(
+    ray_actor_options={"num_cpus": 1},
+    max_ongoing_requests=DEFAULT_MAX_ONGOING_REQUESTS,
+    max_queued_requests=DEFAULT_MAX_QUEUED_REQUESTS,
+    # Ray's own rejection gets the plain server's status and Retry-After; proxy_middlewares gives it its body.
+    backpressure_config={"status_code": 503, "retry_after_s": server.RETRY_AFTER_S},
+)
+@serve.ingress()  # no app here: each replica builds its own in __serve_build_asgi_app__, with its own threads
+class MobileNetV3:
+    def __init__(self, config: server.ServerConfig):
+        self.config = config
+
+    def __serve_build_asgi_app__(self):
+        # ORT and preprocessing threads sized to the CPUs Ray reserved for this replica (ray_actor_options
+        # num_cpus), so N replicas on a machine do not each spread over all of its cores.
+        cpus = max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
+        app = server.create_app(replace(self.config, intra_op_threads=cpus, preprocess_threads=cpus))
+        app.add_middleware(ReplicaHeader, replica_id=serve.get_replica_context().replica_id.unique_id)
+        return app
+
+
+class ReplicaHeader:
+    """ASGI middleware: every response names the replica that produced it."""
+
+    def __init__(self, app, replica_id: str):
+        self.app = app
+        self.header = (REPLICA_HEADER.encode(), replica_id.encode())
+
+    async def __call__(self, scope, receive, send):
+        async def send_with_header(message):
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), self.header]
+            await send(message)
+
+        await self.app(scope, receive, send_with_header)
+
+
+class JsonErrors:
+    """ASGI middleware for Ray's proxy: its own plain-text errors (backpressure 503, timeout 408, ...) become
+    the app's `{"detail": "..."}`. Replies from the app are JSON already and pass through untouched."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        held = {}
+
+        async def send_json_errors(message):
+            if message["type"] == "http.response.start":
+                content_type = dict(message.get("headers", [])).get(b"content-type", b"")
+                if message["status"] >= 400 and content_type.startswith(b"text/plain"):
+                    held["start"], held["body"] = message, b""
+                    return
+            elif "start" in held:  # a held plain-text error: collect its body, then send it as JSON
+                held["body"] += message.get("body", b"")
+                if message.get("more_body"):
+                    return
+                body = json.dumps({"detail": held["body"].decode(errors="replace")}).encode()
+                headers = [(k, v) for k, v in held["start"].get("headers", [])
+                           if k.lower() not in (b"content-type", b"content-length")]
+                headers += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+                await send({**held.pop("start"), "headers": headers})
+                message = {"type": "http.response.body", "body": body}
+            await send(message)
+
+        await self.app(scope, receive, send_json_errors)
+
+
+def proxy_middlewares() -> list:
+    """What Ray's proxy calls via RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=mnv3.ray_serve:proxy_middlewares."""
+    return [Middleware(JsonErrors)]
+
+
+def build(config: server.ServerConfig, replicas: int = 1, num_cpus: float = 1, min_replicas: int | None = None,
+          max_replicas: int | None = None, target_ongoing_requests: float = DEFAULT_TARGET_ONGOING_REQUESTS,
+          max_ongoing_requests: int = DEFAULT_MAX_ONGOING_REQUESTS,
+          max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS) -> serve.Application:
+    """The application: `replicas` fixed replicas, or autoscaling between min and max if max_replicas is set."""
+    if max_replicas is not None:
+        scaling = {"autoscaling_config": {"min_replicas": replicas if min_replicas is None else min_replicas,
+                                          "max_replicas": max_replicas,
+                                          "target_ongoing_requests": target_ongoing_requests}}
+    else:
+        scaling = {"num_replicas": replicas}
+    # An absolute path: replicas may run in another directory, or on another node with the same layout.
+    config = replace(config, model=Path(config.model).resolve())
+    return MobileNetV3.options(ray_actor_options={"num_cpus": num_cpus}, max_ongoing_requests=max_ongoing_requests,
+                               max_queued_requests=max_queued_requests, **scaling).bind(config)
+
+
+def build_app(args: dict) -> serve.Application:
+    """For serve_config.yaml / `serve run mnv3.ray_serve:build_app model=PATH`: `args` are ServerConfig fields.
+
+    Replica count, autoscaling, CPUs and queue limits are Ray's own deployment options: set them in the
+    config file's `deployments:` section, which Ray applies on top of the defaults here.
+    """
+    types = {f.name: f.type for f in fields(server.ServerConfig)}
+    unknown = sorted(set(args) - set(types))
+    if unknown:
+        raise ValueError(f"unknown mnv3 server options {unknown}; known: {sorted(types)}")
+    # Values from `serve run ... key=value` arrive as strings; the config file's are typed already.
+    return build(server.ServerConfig(**{name: types[name](value) for name, value in args.items()}))
+
+
+# ---------------------------------------------------------------------------------------- local cluster
+
+def start_local_cluster(num_cpus: int | None = None, host: str = "127.0.0.1", port: int = 8000,
+                        log_to_driver: bool = True) -> None:
+    """A one-machine Ray cluster that listens on 127.0.0.1 only, with Serve's HTTP proxy on host:port."""
+    # Ray's single-machine mode (its default on macOS/Windows) binds and advertises loopback only; on
+    # Linux it would listen on every interface. Its processes read the variable; this one already has.
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    ray._private.ray_constants.ENABLE_RAY_CLUSTER = False
+    # Ray's processes inherit this environment: the proxy must be able to import mnv3 for its middleware.
+    os.environ[PROXY_CALLBACK_ENV] = PROXY_CALLBACK
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
+             log_to_driver=log_to_driver)
+    serve.start(http_options={"host": host, "port": port})
+
+
+def stop_local_cluster() -> None:
+    serve.shutdown()
+    ray.shutdown()
+
+
+def deploy(app: serve.Application, base_url: str, timeout_s: float = loadtest.START_TIMEOUT_S) -> None:
+    """Deploy (or replace) the app and wait until /readyz answers 200 through the proxy."""
+    serve.run(app, name=APP_NAME, route_prefix="/")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if requests.get(base_url + "/readyz", timeout=2).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(loadtest.READY_POLL_S)
+    raise loadtest.ServerStartError(f"Ray Serve app not ready at {base_url} after {timeout_s:.0f} s")
+
+
+# ---------------------------------------------------------------------------------------- benchmark
+
+def bench(model: Path, provenance: str, results_dir: Path, concurrency: int, count: int) -> list[dict]:
+    """Closed-loop load (stage 5's): the plain server, Ray Serve with 1 then 2 replicas, the plain server again.
+
+    The cache is off and the bodies distinct, so every request is decoded and classified. The machine's
+    cores are split between replicas (2 cores: 1 replica x 2 threads, 2 replicas x 1 thread).
+    """
+    cores = os.cpu_count()
+    bodies = load_images(count)
+    config = server.ServerConfig(model=model, cache_size=0)
+    environment = loadtest.environment_row(model, provenance)
+    rows = []
+
+    def measure(url: str, setup: dict) -> None:
+        with loadtest.PredictClient(url) as send:
+            loadtest.run_closed_loop(send, bodies, concurrency, count=concurrency)  # warm connections and batches
+            result = loadtest.run_closed_loop(send, bodies, concurrency, count, desc=setup["setup"])
+        print(f"{setup['setup']:>22}: {result.summary()}", flush=True)
+        rows.append(setup | result.as_row() | environment)
+
+    def measure_plain(when: str) -> None:
+        with loadtest.ServerProcess(model, cache_size=0, intra_op_threads=cores, preprocess_threads=cores) as url:
+            measure(url, {"setup": f"plain_{when}_ray", "replicas": 1, "cpus_per_replica": cores})
+
+    # The plain server with no Ray processes on the machine, before and after: on a shared machine the
+    # two plain rows show how much the load from elsewhere moved while Ray was measured.
+    measure_plain("before")
+    port = loadtest.free_port()
+    start_local_cluster(cores, port=port, log_to_driver=False)
+    try:
+        for replicas in (1, 2):
+            cpus = max(1, cores // replicas)
+            deploy(build(config, replicas=replicas, num_cpus=cpus), f"http://127.0.0.1:{port}")
+            measure(f"http://127.0.0.1:{port}", {"setup": f"ray_serve_{replicas}_replica{'s' * (replicas > 1)}",
+                                                  "replicas": replicas, "cpus_per_replica": cpus})
+            # Delete, not redeploy: a rolling update would start the new replicas while the old one
+            # still holds every CPU, and wait for each other forever.
+            serve.delete(APP_NAME)
+    finally:
+        stop_local_cluster()
+    measure_plain("after")
+    loadtest.write_results(results_dir, RESULTS_CSV, rows)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------- command line
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="python -m mnv3.ray_serve",
+        description="Serve the mnv3 app with Ray Serve (a local cluster on 127.0.0.1, or --address), or --bench it.",
+        epilog="Every `python -m mnv3.server` flag is accepted too (--cache-size, --max-batch-size, ...); "
+               "--host/--port are where Ray's HTTP proxy listens. ORT and preprocess threads per replica = --num-cpus.")
+    parser.add_argument("--model", type=Path, help="ONNX model (default: the static INT8 model stage 2 recorded)")
+    parser.add_argument("--artifacts-dir", type=Path, default=ARTIFACTS_DIR, help="where stages 1-2 wrote models")
+    parser.add_argument("--replicas", type=int, default=1, help="replicas (with --max-replicas: the initial and minimum)")
+    parser.add_argument("--num-cpus", type=float, default=1, help="CPUs Ray reserves per replica")
+    parser.add_argument("--min-replicas", type=int, help="autoscaling floor (default --replicas)")
+    parser.add_argument("--max-replicas", type=int, help="autoscale between --min-replicas and this")
+    parser.add_argument("--target-ongoing-requests", type=float, default=DEFAULT_TARGET_ONGOING_REQUESTS,
+                        help="autoscaling aims at this many requests in flight per replica")
+    parser.add_argument("--max-ongoing-requests", type=int, default=DEFAULT_MAX_ONGOING_REQUESTS,
+                        help="requests one replica holds at once (needs >= --max-batch-size for full batches)")
+    parser.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS,
+                        help="requests Ray queues for busy replicas; beyond it: 503 + Retry-After")
+    parser.add_argument("--address", help="an existing Ray cluster (e.g. auto); default: start a local one")
+    parser.add_argument("--bench", action="store_true", help="plain vs Ray Serve (1, 2 replicas) -> " + RESULTS_CSV)
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="--bench: where the CSV goes")
+    parser.add_argument("--quick", action="store_true", help="--bench: small counts, a smoke run")
+    parser.add_argument("--concurrency", type=int, help="--bench: concurrent requests (default 64; --quick 8)")
+    parser.add_argument("--requests", type=int, help="--bench: requests per run (default 8x concurrency)")
+    args, server_argv = parser.parse_known_args(argv)
+    try:
+        args.model, args.provenance = loadtest.serving_model(args)
+    except MissingArtifact as exc:
+        parser.error(str(exc))
+    args.config = server.parse_args(["--model", str(args.model), *server_argv])
+    if not (args.address or args.bench) and args.replicas * args.num_cpus > os.cpu_count():
+        # Ray would wait forever for CPUs this machine does not have.
+        parser.error(f"--replicas {args.replicas} x --num-cpus {args.num_cpus:g} is more than this machine's "
+                     f"{os.cpu_count()} CPUs; lower --num-cpus (fractions such as 0.5 work)")
+    args.concurrency = args.concurrency or (8 if args.quick else 64)
+    args.requests = args.requests or 8 * args.concurrency
+    return args
+
+
+def serve_forever(args) -> None:
+    config = args.config
+    if args.address:
+        ray.init(address=args.address)
+        serve.start(http_options={"host": config.host, "port": config.port})
+    else:
+        start_local_cluster(host=config.host, port=config.port)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stop the same way on SIGTERM as on Ctrl-C
+    try:
+        url = f"http://{config.host}:{config.port}"
+        deploy(build(config, args.replicas, args.num_cpus, args.min_replicas, args.max_replicas,
+                     args.target_ongoing_requests, args.max_ongoing_requests, args.max_queued_requests), url)
+        print(f"mnv3 on Ray Serve at {url} (Ctrl-C stops it)", flush=True)
+        while True:
+            time.sleep(3600)
+    finally:
+        if args.address:
+            serve.delete(APP_NAME)  # leave the cluster (and others' apps) running
+            ray.shutdown()
+        else:
+            stop_local_cluster()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.bench:
+        return loadtest.run_stage(lambda a: bench(a.model, a.provenance, a.results_dir, a.concurrency, a.requests),
+                                  args)
+    try:
+        serve_forever(args)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
