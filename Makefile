@@ -3,12 +3,18 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.requirements-installed
+# The tests also cover the optional Ray Serve deployment, so they install its extra.
+TEST_STAMP := $(VENV)/.requirements-ray-installed
 
 .PHONY: run test bench clean
 
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -r requirements.txt
+	touch $@
+
+$(TEST_STAMP): $(STAMP) requirements-ray.txt
+	$(PY) -m pip install -q -r requirements-ray.txt
 	touch $@
 
 run: $(STAMP)
@@ -18,7 +24,7 @@ run: $(STAMP)
 	$(PY) caching.py
 	$(PY) batching_loadtest.py
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(PY) -m pytest -q
 
 clean:
