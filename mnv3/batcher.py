@@ -11,6 +11,9 @@ batching at low concurrency.
 Inference runs in a dedicated single-thread executor. ORT already spreads one call over its
 intra-op threads (sized to the cores), so overlapping calls would only oversubscribe the CPU, and
 keeping it off the default executor means decode/preprocess work never waits behind a batch.
+
+Work nobody waits for any more (deadline passed, client gone) is dropped before it runs and counted
+in `dropped`. `stop()` drains: queued requests are still answered, new ones are refused.
 """
 import asyncio
 import math
@@ -24,6 +27,10 @@ import numpy as np
 
 class QueueFull(Exception):
     """More requests are queued than the limit allows; retry later."""
+
+
+class ShuttingDown(QueueFull):
+    """The server is stopping: it answers what it has queued but takes nothing new."""
 
 
 class DeadlineExceeded(Exception):
@@ -58,6 +65,9 @@ class DynamicBatcher:
         # Requests may queue before start(): they wait for the model's warm-up instead of failing.
         self._queue: asyncio.Queue[_Pending] = asyncio.Queue(queue_limit)
         self._worker: asyncio.Task | None = None
+        self._stopping = False
+        self._batch: list[_Pending] = []  # being collected or run
+        self.dropped = 0  # requests skipped before inference because nobody waited for them any more
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mnv3-inference")
 
     @property
@@ -67,17 +77,28 @@ class DynamicBatcher:
     def start(self) -> None:
         self._worker = asyncio.create_task(self._work(), name="mnv3-batcher")
 
-    async def stop(self) -> None:
-        if self._worker is not None:
+    async def stop(self, drain_s: float = 30.0) -> None:
+        """Refuse new requests, answer the queued ones (for up to `drain_s`), then cancel what is left."""
+        self._stopping = True
+        if self._worker is not None and not self._worker.done():
+            try:
+                async with asyncio.timeout(drain_s):
+                    await self._queue.join()
+            except TimeoutError:
+                pass
             self._worker.cancel()
             await asyncio.gather(self._worker, return_exceptions=True)
-        while self.depth:
-            self._queue.get_nowait().future.cancel()
+        left = self._batch + [self._queue.get_nowait() for _ in range(self.depth)]
+        for p in left:  # the drain ran out: these are answered 503, not left to hang
+            if not p.future.done():
+                p.future.set_exception(ShuttingDown("server stopped before this request's turn came"))
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def submit(self, array: np.ndarray, deadline: float = math.inf) -> BatchResult:
         """Queue one (C, H, W) input and wait for its row. `deadline` is on the `loop.time()` clock."""
         loop = asyncio.get_running_loop()
+        if self._stopping:
+            raise ShuttingDown("server is shutting down; retry on another instance or after restart")
         if loop.time() >= deadline:
             raise DeadlineExceeded("deadline passed before the request was queued")
         pending = _Pending(array, loop.create_future(), time.perf_counter(), deadline)
@@ -97,28 +118,37 @@ class DynamicBatcher:
     async def _work(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            batch = await self._collect()
-            now = loop.time()
-            live = [p for p in batch if not p.future.done() and p.deadline > now]
-            if not live:
-                continue
-            started = time.perf_counter()
+            batch = self._batch = []
             try:
-                outputs = await loop.run_in_executor(self._executor, self.run_batch, np.stack([p.array for p in live]))
-            except Exception as exc:  # fails this batch's requests only; the worker goes on
-                for p in live:
-                    if not p.future.done():
-                        p.future.set_exception(exc)
-                continue
-            inference_s = time.perf_counter() - started
-            for p, row in zip(live, outputs):
-                if not p.future.done():
-                    p.future.set_result(BatchResult(row, len(live), started - p.queued_at, inference_s))
+                await self._collect(batch)
+                await self._run(loop, batch)
+            finally:
+                for _ in batch:
+                    self._queue.task_done()  # what stop() waits for
 
-    async def _collect(self) -> list[_Pending]:
-        """Wait for a first request, then gather more until the batch is full or its window closes."""
+    async def _run(self, loop, batch: list[_Pending]) -> None:
+        now = loop.time()
+        live = [p for p in batch if not p.future.done() and p.deadline > now]
+        self.dropped += len(batch) - len(live)
+        if not live:
+            return
+        started = time.perf_counter()
+        try:
+            outputs = await loop.run_in_executor(self._executor, self.run_batch, np.stack([p.array for p in live]))
+        except Exception as exc:  # fails this batch's requests only; the worker goes on
+            for p in live:
+                if not p.future.done():
+                    p.future.set_exception(exc)
+            return
+        inference_s = time.perf_counter() - started
+        for p, row in zip(live, outputs):
+            if not p.future.done():
+                p.future.set_result(BatchResult(row, len(live), started - p.queued_at, inference_s))
+
+    async def _collect(self, batch: list[_Pending]) -> None:
+        """Wait for a first request, then gather more into `batch` until it is full or its window closes."""
         first = await self._queue.get()
-        batch = [first]
+        batch.append(first)
         while len(batch) < self.max_batch_size:
             if not self._queue.empty():
                 batch.append(self._queue.get_nowait())
@@ -131,4 +161,3 @@ class DynamicBatcher:
                     batch.append(await self._queue.get())
             except TimeoutError:
                 break
-        return batch

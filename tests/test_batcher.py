@@ -5,7 +5,7 @@ import threading
 import numpy as np
 import pytest
 
-from mnv3.batcher import DeadlineExceeded, DynamicBatcher, QueueFull
+from mnv3.batcher import DeadlineExceeded, DynamicBatcher, QueueFull, ShuttingDown
 
 BLOCK_TIMEOUT_S = 10  # a broken test fails instead of hanging
 
@@ -182,5 +182,61 @@ def test_window_closes_early_when_nothing_else_is_incoming_and_waits_while_somet
         second = await batcher.submit(item(3))
         assert second.batch_size == 2 and (await first).batch_size == 2
         assert engine.batches == [[1], [2, 3]]
+
+    run(scenario)
+
+
+def test_stop_drains_queued_requests_and_refuses_new_ones():
+    async def scenario(make):
+        engine = FakeEngine()
+        batcher = make(engine, max_batch_size=1, window_ms=0)
+        first = await held(engine, batcher, 1)
+        queued = [asyncio.create_task(batcher.submit(item(i))) for i in (2, 3)]
+        await asyncio.sleep(0)
+        stopping = asyncio.create_task(batcher.stop())
+        await asyncio.sleep(0)
+        with pytest.raises(ShuttingDown):
+            await batcher.submit(item(4))
+        engine.release.set()
+        await stopping
+        assert [float((await t).row[0]) for t in (first, *queued)] == [10, 20, 30]
+        assert engine.computed == [1, 2, 3]
+
+    run(scenario)
+
+
+def test_stop_answers_what_it_could_not_drain_with_shutting_down():
+    async def scenario(make):
+        engine = FakeEngine()
+        batcher = make(engine, max_batch_size=1, window_ms=0)
+        first = await held(engine, batcher, 1)
+        queued = asyncio.create_task(batcher.submit(item(2)))
+        await asyncio.sleep(0)
+        await batcher.stop(drain_s=0.05)  # the engine is still held: nothing drains
+        with pytest.raises(ShuttingDown):
+            await queued
+        with pytest.raises(ShuttingDown):
+            await first  # taken by the worker, but its batch never finished
+        engine.release.set()
+
+    run(scenario)
+
+
+def test_dropped_counts_work_skipped_for_expired_and_cancelled_requests():
+    async def scenario(make):
+        engine = FakeEngine()
+        batcher = make(engine, max_batch_size=1, window_ms=0)
+        first = await held(engine, batcher, 1)
+        loop = asyncio.get_running_loop()
+        expired = asyncio.create_task(batcher.submit(item(2), deadline=loop.time() + 0.02))
+        abandoned = asyncio.create_task(batcher.submit(item(3)))
+        await asyncio.sleep(0)
+        abandoned.cancel()
+        with pytest.raises(DeadlineExceeded):
+            await expired
+        engine.release.set()
+        await first
+        await batcher.submit(item(4))
+        assert engine.computed == [1, 4] and batcher.dropped == 2
 
     run(scenario)
