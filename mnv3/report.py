@@ -74,6 +74,9 @@ def write_summary(results_dir=RESULTS_DIR) -> Path:
     tables = {stem: read_csv(results_dir / f"{stem}.csv") for stem in stems if (results_dir / f"{stem}.csv").exists()}
     provenances = sorted({row["weights"] for rows in tables.values() for row in rows if row.get("weights")})
     machine = cpu_info()
+    # Stages record the machine and versions in every row; columns that only repeat the header go.
+    header_facts = {key: str(value) for key, value in machine.items()}
+    header_facts |= {f"{name}_version": version for name, version in library_versions().items()}
     lines = [
         "# mnv3 results",
         "",
@@ -90,13 +93,18 @@ def write_summary(results_dir=RESULTS_DIR) -> Path:
     for stem in stems:
         lines += ["", f"## {stem}", ""]
         if stem in tables:
-            lines.append(markdown_table(tables[stem]))
+            lines.append(markdown_table(_without_repeated_facts(tables[stem], header_facts)))
         if (results_dir / f"{stem}.png").exists():
             lines += ["", f"![{stem}]({stem}.png)"]
     path = results_dir / "summary.md"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def _without_repeated_facts(rows: list[dict], facts: dict) -> list[dict]:
+    same = {key for key, value in facts.items() if rows and all(row.get(key) == value for row in rows)}
+    return [{key: value for key, value in row.items() if key not in same} for row in rows]
 
 
 def plot_variants(rows: list[dict], path) -> Path:

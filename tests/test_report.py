@@ -33,3 +33,13 @@ def test_plot_is_a_png(tmp_path):
     rows = [{"variant": name, "mean_ms": ms, "p95_ms": ms * 1.3, "size_mb": mb}
             for name, ms, mb in (("ONNX FP32", 8.5, 21.2), ("ONNX Static INT8", 11.1, 5.6))]
     assert plot_variants(rows, tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_summary_drops_machine_columns_only_when_they_repeat_the_header(tmp_path):
+    machine = cpu_info()
+    write_csv(tmp_path / "03_here.csv", [{"req_per_s": 5, "cpu": machine["cpu"], "cores": machine["cores"]}])
+    write_csv(tmp_path / "04_elsewhere.csv", [{"req_per_s": 6, "cpu": "Some Other CPU"}])
+    text = write_summary(tmp_path).read_text()
+    here, elsewhere = text.split("## 03_here")[1].split("## 04_elsewhere")
+    assert "| req_per_s |" in here and "cpu" not in here and "cores" not in here
+    assert "| req_per_s | cpu |" in elsewhere and "Some Other CPU" in elsewhere
