@@ -18,7 +18,13 @@ STD = np.array([0.229, 0.224, 0.225], dtype=np.float32)
 _SCALE = (1.0 / (255.0 * STD)).reshape(3, 1, 1)
 _SHIFT = (-MEAN / STD).reshape(3, 1, 1)
 
+MAX_RESIZED_SIDE = 4096  # longer side of the full resize; beyond it, resample only the crop (aspect > 16:1)
 DEFAULT_MAX_PIXELS = 40_000_000  # ~ a 7300x5500 photo; larger is refused before decoding
+
+
+# Raster formats only, opened by Pillow's own decoders: EPS, for one, would run Ghostscript on the upload.
+# "JPEG" also opens MPO, the multi-frame JPEG many phone cameras write.
+ACCEPTED_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
 
 
 class InvalidImage(ValueError):
@@ -29,33 +35,33 @@ class ImageTooLarge(InvalidImage):
     """A valid header announcing more pixels than we will decode (a server answers 413, not 400)."""
 
 
-def resize_shorter_side(image: Image.Image, size: int = RESIZE_SIZE) -> Image.Image:
+def resize_and_crop(image: Image.Image, size: int = RESIZE_SIZE, crop: int = CROP_SIZE) -> Image.Image:
+    """Shorter side to `size`, then the centre `crop` x `crop`, as torchvision does.
+
+    For an extreme aspect ratio the full resize would be huge (1x10000 -> 256x2560000, 2 GB), so only
+    the source box that maps onto the crop is resampled: the same filter weights, but Pillow rounds
+    a few pixels 1/255 differently, so ordinary images keep the exact full-resize path.
+    """
     w, h = image.size
     # Same arithmetic as torchvision's _compute_resized_output_size (truncation, not rounding).
     if w <= h:
         new_w, new_h = size, int(size * h / w)
     else:
         new_w, new_h = int(size * w / h), size
+    # The shorter side is now `size` >= `crop`, so torchvision's zero padding never applies.
+    top, left = int(round((new_h - crop) / 2.0)), int(round((new_w - crop) / 2.0))
     if (new_w, new_h) == (w, h):
-        return image
-    return image.resize((new_w, new_h), Image.BILINEAR)
-
-
-def center_crop(image: Image.Image, size: int = CROP_SIZE) -> Image.Image:
-    w, h = image.size
-    if w < size or h < size:
-        # torchvision pads with zeros here; only reachable for tiny images after the resize.
-        padded = Image.new(image.mode, (max(w, size), max(h, size)))
-        padded.paste(image, ((padded.width - w) // 2, (padded.height - h) // 2))
-        image, (w, h) = padded, padded.size
-    top = int(round((h - size) / 2.0))
-    left = int(round((w - size) / 2.0))
-    return image.crop((left, top, left + size, top + size))
+        return image.crop((left, top, left + crop, top + crop))
+    if max(new_w, new_h) <= MAX_RESIZED_SIDE:
+        return image.resize((new_w, new_h), Image.BILINEAR).crop((left, top, left + crop, top + crop))
+    sx, sy = w / new_w, h / new_h
+    box = (left * sx, top * sy, (left + crop) * sx, (top + crop) * sy)
+    return image.resize((crop, crop), Image.BILINEAR, box=box)
 
 
 def preprocess(image: Image.Image) -> np.ndarray:
     """PIL image -> float32 array of shape (3, 224, 224), ready to stack into an NCHW batch."""
-    image = center_crop(resize_shorter_side(image.convert("RGB")))
+    image = resize_and_crop(image.convert("RGB"))
     chw = np.asarray(image, dtype=np.float32).transpose(2, 0, 1)
     return chw * _SCALE + _SHIFT
 
@@ -68,6 +74,8 @@ def preprocess_batch(images) -> np.ndarray:
 def decode_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS, draft: bool = True) -> Image.Image:
     """Decode untrusted bytes into an RGB PIL image, or raise InvalidImage with a clear reason.
 
+    - Opens only ACCEPTED_FORMATS; any image mode they carry (1-bit to 16-bit, CMYK, alpha, palette...)
+      becomes RGB.
     - Refuses images over `max_pixels` from the header alone (decompression bombs never decode).
     - Animated GIF/WebP/PNG: the first frame is classified.
     - EXIF orientation is honoured, as a phone camera intends.
@@ -75,11 +83,11 @@ def decode_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS, draft: bool 
       at least 256 px: much cheaper, and the resize to 256 follows anyway.
     """
     if not data:
-        raise InvalidImage("empty body: send an image file (JPEG, PNG, WebP, GIF, BMP, TIFF)")
+        raise InvalidImage(f"empty body: send an image file ({', '.join(ACCEPTED_FORMATS)})")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data))
+            image = Image.open(io.BytesIO(data), formats=ACCEPTED_FORMATS)
             w, h = image.size
             if w * h > max_pixels:
                 raise ImageTooLarge(f"image is {w}x{h} = {w * h} pixels, over the limit of {max_pixels}")
@@ -93,9 +101,9 @@ def decode_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS, draft: bool 
     except InvalidImage:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        raise ImageTooLarge(f"image too large to decode safely: {exc}") from exc
+        raise ImageTooLarge(f"image over the limit of {max_pixels} pixels, refused before decoding: {exc}") from exc
     except Image.UnidentifiedImageError as exc:
-        raise InvalidImage("not a recognised image format") from exc
+        raise InvalidImage(f"not a recognised image format; accepted: {', '.join(ACCEPTED_FORMATS)}") from exc
     except (OSError, SyntaxError, ValueError, EOFError) as exc:
         raise InvalidImage(f"corrupt or truncated image: {exc}") from exc
 
@@ -103,11 +111,11 @@ def decode_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS, draft: bool 
 def _to_rgb(image: Image.Image) -> Image.Image:
     if image.mode in ("I;16", "I;16B", "I;16L", "I"):
         # 16/32-bit grayscale: Pillow's convert('RGB') clips instead of scaling, so scale to 8 bits.
-        array = np.asarray(image, dtype=np.float64)
+        array = np.asarray(image, dtype=np.float32)  # float32: a 40 Mpixel image stays at 160 MB
         peak = array.max() or 1.0
         image = Image.fromarray((array * (255.0 / peak)).astype(np.uint8), mode="L")
     elif image.mode == "F":
-        array = np.asarray(image, dtype=np.float64)
+        array = np.asarray(image, dtype=np.float32)
         span = (array.max() - array.min()) or 1.0
         image = Image.fromarray(((array - array.min()) * (255.0 / span)).astype(np.uint8), mode="L")
     return image if image.mode == "RGB" else image.convert("RGB")
