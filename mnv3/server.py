@@ -1,17 +1,20 @@
 """The HTTP server: `python -m mnv3.server --model PATH [flags]`, or `create_app(ServerConfig(...))`.
 
-POST /predict: read the body (bounded, streamed) -> cache lookup by sha256 of the bytes -> on a miss,
-decode + preprocess in a thread pool -> DynamicBatcher (one ORT thread) -> top-k. Nothing here
-imports torch.
+POST /predict: admit (or 503 at once when --max-in-flight are already in) -> read the body (bounded in
+size and time, streamed) -> cache lookup by sha256 of the bytes -> on a miss, decode + preprocess in a
+thread pool -> DynamicBatcher (one ORT thread) -> top-k. A request whose client goes away or whose
+deadline passes is cancelled wherever it is, so its work is dropped, not computed. SIGTERM drains:
+no new connections, in-flight requests are answered, then the process exits 0. Nothing here imports torch.
 """
 import argparse
 import asyncio
 import logging
 import os
+import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
@@ -24,8 +27,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, Field
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
+from starlette.requests import ClientDisconnect
 
-from mnv3.batcher import DeadlineExceeded, DynamicBatcher, QueueFull
+from mnv3.batcher import DeadlineExceeded, DynamicBatcher, QueueFull, ShuttingDown
 from mnv3.cache import ResultCache
 from mnv3.engine import BACKENDS, Engine, InferenceError, ModelLoadError, Prediction
 from mnv3.latency import DEFAULT_INTER_OP_THREADS, DEFAULT_INTRA_OP_THREADS
@@ -55,6 +59,8 @@ class ServerConfig:
     cache_size: int = _option(1024, "result cache entries; 0 disables the cache", minimum=0)
     batch_window_ms: float = _option(20.0, "how long a batch waits for more requests after its first", minimum=0)
     max_batch_size: int = _option(32, "largest batch; 1 runs every request alone, with no window wait", minimum=1)
+    max_in_flight: int = _option(512, "requests admitted at once (uploading, decoding, queued or running); more get "
+                                      "503 before their body is read", minimum=1)
     queue_limit: int = _option(512, "requests waiting for inference before new ones get 503", minimum=1)
     deadline_ms: float = _option(10_000.0, "per request from arrival; past it: 504, and unrun work is dropped",
                                  minimum=1)
@@ -65,6 +71,10 @@ class ServerConfig:
     max_upload_bytes: int = _option(10 * 1024 * 1024, "largest request body in bytes (413 above)", minimum=1)
     max_pixels: int = _option(DEFAULT_MAX_PIXELS, "largest image, width x height, checked before decoding (413)",
                               minimum=1)
+    body_timeout_s: float = _option(30.0, "seconds to receive a whole request body; a slower or stalled upload "
+                                          "gets 408", minimum=0.001)
+    shutdown_timeout_s: float = _option(30.0, "on SIGTERM, how long in-flight requests may take before they are "
+                                              "cancelled", minimum=0)
     top_k: int = _option(5, "predictions per response", minimum=1)
     log_level: str = _option("info", "logging level", choices=LOG_LEVELS)
 
@@ -113,16 +123,29 @@ class BodyTooLarge(BadUpload):
     pass
 
 
+class SlowUpload(BadUpload):
+    pass
+
+
+class Busy(QueueFull):
+    """--max-in-flight requests are already admitted: refused before reading the body, so memory stays bounded."""
+
+
 # exception -> (HTTP status, mnv3_rejections_total reason or None, what it means for the API docs)
 ERRORS = {
     BadUpload: (400, "bad_input", "no multipart field 'file', or a malformed multipart body"),
     InvalidImage: (400, "bad_input", "empty body, not an image, or a corrupt/truncated image"),
-    BodyTooLarge: (413, "too_large", "body over --max-upload-bytes"),
+    SlowUpload: (408, "slow_upload", "the body did not arrive within --body-timeout-s"),
+    BodyTooLarge: (413, "too_large", "body over --max-upload-bytes (refused by its Content-Length before reading)"),
     ImageTooLarge: (413, "too_large", "image over --max-pixels, or a decompression bomb"),
     UnsupportedMediaType: (415, "bad_input", "content type is neither multipart/form-data nor image/*"),
     InferenceError: (500, None, "inference failed for the batch this request ran in"),
     QueueFull: (503, "queue_full", "inference queue full; retry after the Retry-After seconds"),
+    Busy: (503, "busy", "--max-in-flight requests already admitted; retry after the Retry-After seconds"),
+    ShuttingDown: (503, "shutting_down", "the server is stopping; retry after the Retry-After seconds"),
     DeadlineExceeded: (504, "deadline", "no result within --deadline-ms; work not yet run was dropped"),
+    # nginx's code for it: only the server's log and metrics see this, the client has gone
+    ClientDisconnect: (499, "disconnected", "the client closed the connection first; its work was dropped"),
 }
 REJECTION_REASONS = sorted({reason for _, reason, _ in ERRORS.values() if reason})
 
@@ -140,14 +163,25 @@ async def error_response(request: Request, exc: Exception) -> JSONResponse:
     status, reason, _ = next(ERRORS[t] for t in type(exc).__mro__ if t in ERRORS)
     if reason:
         request.app.state.serving.metrics.rejections.labels(reason).inc()
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
-    return JSONResponse({"detail": str(exc)}, status, headers=headers)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else {}
+    if status in (408, 413) or isinstance(exc, Busy):
+        headers["Connection"] = "close"  # the rest of the body is unread: do not take it as the next request
+    return JSONResponse({"detail": str(exc) or "client disconnected"}, status, headers=headers)
 
 
 # --------------------------------------------------------------------------------------------- uploads
 
-async def read_upload(request: Request, limit: int) -> bytes:
-    """The image bytes of a multipart 'file' field or a raw image/* body, never reading past `limit`."""
+async def read_upload(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The image bytes of a multipart 'file' field or a raw image/* body, never reading past `limit` bytes
+    nor waiting past `timeout_s` for them: a stalled client would otherwise hold its slot forever."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await _read_upload(request, limit)
+    except TimeoutError:
+        raise SlowUpload(f"the request body did not arrive within {timeout_s:g} s") from None
+
+
+async def _read_upload(request: Request, limit: int) -> bytes:
     content_type = request.headers.get("content-type", "")
     media_type = content_type.partition(";")[0].strip().lower()
     if media_type != "multipart/form-data" and not media_type.startswith("image/"):
@@ -185,7 +219,7 @@ async def _bounded(stream, limit: int):
 # ---------------------------------------------------------------------------------------------- serving
 
 class Metrics:
-    def __init__(self, cache: ResultCache, batcher: DynamicBatcher):
+    def __init__(self, serving: "Serving"):
         self.registry = CollectorRegistry()  # per app, so tests can build several
         registry = self.registry
         self.request_latency = Histogram("mnv3_request_latency_seconds", "POST /predict, arrival to response",
@@ -200,14 +234,14 @@ class Metrics:
         self.rejections = Counter("mnv3_rejections", "requests refused, by reason", ["reason"], registry=registry)
         for reason in REJECTION_REASONS:
             self.rejections.labels(reason)  # exported as 0 before the first rejection
-        registry.register(_LiveCounts(cache, batcher))
+        registry.register(_LiveCounts(serving))
 
 
 class _LiveCounts:
     """Reads counts where they are kept, at scrape time, so the cache and batcher stay the one source."""
 
-    def __init__(self, cache: ResultCache, batcher: DynamicBatcher):
-        self.cache, self.batcher = cache, batcher
+    def __init__(self, serving: "Serving"):
+        self.serving, self.cache, self.batcher = serving, serving.cache, serving.batcher
 
     def collect(self):
         yield CounterMetricFamily("mnv3_cache_hits", "answered from the cache or a shared computation",
@@ -215,6 +249,9 @@ class _LiveCounts:
         yield CounterMetricFamily("mnv3_cache_misses", "computed", value=self.cache.misses)
         yield GaugeMetricFamily("mnv3_cache_entries", "results stored", value=len(self.cache))
         yield GaugeMetricFamily("mnv3_queue_depth", "requests waiting for inference", value=self.batcher.depth)
+        yield GaugeMetricFamily("mnv3_in_flight", "requests admitted and not yet answered", value=self.serving.in_flight)
+        yield CounterMetricFamily("mnv3_dropped", "requests skipped before inference: deadline passed or client gone",
+                                  value=self.batcher.dropped)
 
 
 @dataclass(frozen=True)
@@ -237,7 +274,8 @@ class Serving:
         self.batcher = DynamicBatcher(self._run_batch, config.max_batch_size, config.batch_window_ms, config.queue_limit,
                                       incoming=lambda: self.preprocessing)
         self.preprocess_pool = ThreadPoolExecutor(config.preprocess_threads, thread_name_prefix="mnv3-preprocess")
-        self.metrics = Metrics(self.cache, self.batcher)
+        self.in_flight = 0  # admitted /predict requests, from arrival to response
+        self.metrics = Metrics(self)
         self.not_ready_reason: str | None = "warming up"
 
     async def warm_up(self) -> None:
@@ -251,16 +289,31 @@ class Serving:
         # Only now, so ORT calls never overlap; even after a failure, so requests fail with its error, not time out.
         self.batcher.start()
 
+    @contextmanager
+    def admit(self):
+        """Count a request in for its whole life, or refuse it at once when --max-in-flight are in."""
+        if self.in_flight >= self.config.max_in_flight:
+            raise Busy(f"server busy: {self.in_flight} requests in flight (limit {self.config.max_in_flight})")
+        self.in_flight += 1  # only ever changed on the event loop, so no lock
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+
     async def stop(self) -> None:
-        await self.batcher.stop()
+        await self.batcher.stop(self.config.shutdown_timeout_s)
         self.preprocess_pool.shutdown(wait=False, cancel_futures=True)
 
     async def classify(self, data: bytes, deadline: float) -> Classified:
         started = time.perf_counter()
         self.preprocessing += 1  # only ever changed on the event loop, so no lock
         try:
-            array = await asyncio.get_running_loop().run_in_executor(self.preprocess_pool, self._decode_and_preprocess,
-                                                                     data)
+            # Cancelling a decode that has not started yet removes it from the pool's queue.
+            async with asyncio.timeout_at(deadline):
+                array = await asyncio.get_running_loop().run_in_executor(self.preprocess_pool,
+                                                                         self._decode_and_preprocess, data)
+        except TimeoutError:
+            raise DeadlineExceeded("deadline passed while waiting to decode the image") from None
         finally:
             self.preprocessing -= 1
         preprocess_s = time.perf_counter() - started
@@ -313,13 +366,40 @@ async def predict(request: Request, s: Serving = Depends(serving)) -> PredictRes
     started = time.perf_counter()
     deadline = asyncio.get_running_loop().time() + s.config.deadline_ms / 1000
     try:
-        data = await read_upload(request, s.config.max_upload_bytes)
-        result, hit = await s.cache.get_or_compute(data, lambda: s.classify(data, deadline))
+        with s.admit():
+            data = await read_upload(request, s.config.max_upload_bytes, s.config.body_timeout_s)
+            result, hit = await unless_disconnected(request, s.cache.get_or_compute(
+                data, lambda: s.classify(data, deadline)))
     finally:
         s.metrics.request_latency.observe(time.perf_counter() - started)
     if hit:  # this request ran nothing: report no batch and no stage times
         result = replace(result, batch_size=0, queue_ms=0.0, preprocess_ms=0.0, inference_ms=0.0)
     return PredictResponse(model=s.engine.model_id, cache_hit=hit, **asdict(result))
+
+
+async def unless_disconnected(request: Request, work):
+    """Await `work`, cancelling it if the client goes away first, so its decode and inference are dropped.
+
+    Neither uvicorn nor Starlette cancel an endpoint whose client left; with the body read, the next
+    ASGI message can only be the disconnect (or the end of our response).
+    """
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientDisconnect()
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 class Status(BaseModel):
@@ -339,7 +419,7 @@ class ModelInfo(BaseModel):
     threads: dict[str, int]
     batching: dict[str, int | float]
     cache: dict[str, int]
-    limits: dict[str, int]
+    limits: dict[str, int | float]
     top_k: int
 
 
@@ -373,7 +453,9 @@ async def model_info(s: Serving = Depends(serving)) -> ModelInfo:
         batching={"max_batch_size": config.max_batch_size, "batch_window_ms": config.batch_window_ms,
                   "queue_limit": config.queue_limit, "deadline_ms": config.deadline_ms},
         cache={"size": config.cache_size, "entries": len(s.cache)},
-        limits={"max_upload_bytes": config.max_upload_bytes, "max_pixels": config.max_pixels},
+        limits={"max_upload_bytes": config.max_upload_bytes, "max_pixels": config.max_pixels,
+                "max_in_flight": config.max_in_flight, "body_timeout_s": config.body_timeout_s,
+                "shutdown_timeout_s": config.shutdown_timeout_s},
         top_k=config.top_k,
     )
 
@@ -415,7 +497,10 @@ def main(argv=None) -> None:
     except ModelLoadError as exc:
         print(f"mnv3.server: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    uvicorn.run(create_app(config, engine), host=config.host, port=config.port, log_level=config.log_level)
+    # uvicorn re-raises the SIGTERM it shut down gracefully on; a requested, completed stop is a success.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    uvicorn.run(create_app(config, engine), host=config.host, port=config.port, log_level=config.log_level,
+                timeout_graceful_shutdown=config.shutdown_timeout_s)
 
 
 if __name__ == "__main__":

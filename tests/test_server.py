@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 from mnv3.artifacts import CLASS_NAMES_JSON
-from mnv3.engine import Engine, InferenceError, ModelLoadError
+from mnv3.engine import Engine
 from mnv3.photos import load_images
 from mnv3.preprocess import decode_image, preprocess
 from mnv3.server import ServerConfig, create_app, parse_args
@@ -137,13 +137,14 @@ def test_operational_endpoints(client, fp32_model_path):
     assert metrics.headers["content-type"].startswith("text/plain")
     for name in ("mnv3_request_latency_seconds_bucket", "mnv3_queue_wait_seconds_count", "mnv3_preprocess_seconds_sum",
                  "mnv3_inference_seconds_count", 'mnv3_batch_size_bucket{le="128.0"}', "mnv3_cache_hits_total",
-                 "mnv3_cache_misses_total", "mnv3_cache_entries", "mnv3_queue_depth",
-                 'mnv3_rejections_total{reason="queue_full"}'):
+                 "mnv3_cache_misses_total", "mnv3_cache_entries", "mnv3_queue_depth", "mnv3_in_flight 0.0",
+                 "mnv3_dropped_total 0.0", 'mnv3_rejections_total{reason="queue_full"}',
+                 'mnv3_rejections_total{reason="busy"}', 'mnv3_rejections_total{reason="slow_upload"}'):
         assert name in metrics.text
 
     assert client.get("/docs").status_code == 200
     predict_doc = client.get("/openapi.json").json()["paths"]["/predict"]["post"]
-    assert {"200", "400", "413", "415", "500", "503", "504"} <= set(predict_doc["responses"])
+    assert {"200", "400", "408", "413", "415", "500", "503", "504"} <= set(predict_doc["responses"])
     assert {"multipart/form-data", "image/*"} <= set(predict_doc["requestBody"]["content"])
 
 
@@ -192,21 +193,42 @@ def test_deadline_gives_504_and_drops_work_not_yet_run(fp32_model_path, images):
         gate.release.set()
         assert post_file(client, images[2]).status_code == 200
         assert gate.batch_sizes == [1, 1]  # the first and the last: the expired queued request never ran
+        assert client.app.state.serving.batcher.dropped == 1
 
 
-def test_inference_error_fails_that_request_only(fp32_model_path, images):
-    with serving_client(fp32_model_path, max_batch_size=1, cache_size=0) as client:
+class FailingSession:
+    """An onnxruntime session whose `fail_call`-th run gets float64 input: a real ORT error, for that batch only."""
+
+    def __init__(self, session, fail_call: int):
+        self.session, self.fail_call, self.calls = session, fail_call, 0
+
+    def run(self, outputs, feeds):
+        self.calls += 1
+        if self.calls == self.fail_call:
+            feeds = {name: array.astype(np.float64) for name, array in feeds.items()}
+        return self.session.run(outputs, feeds)
+
+    def __getattr__(self, name):
+        return getattr(self.session, name)
+
+
+def test_onnxruntime_error_fails_only_its_batch_and_the_server_serves_on(fp32_model_path, images):
+    with serving_client(fp32_model_path, max_batch_size=4, batch_window_ms=100, cache_size=0) as client, \
+            ThreadPoolExecutor(3) as pool:
         engine = client.app.state.serving.engine
-        real = engine.predict
-
-        def fail_once(batch):
-            engine.predict = real
-            raise InferenceError("onnxruntime failed on a batch of 1: injected")
-
-        engine.predict = fail_once
-        failed = post_file(client, images[0])
-        assert failed.status_code == 500 and "injected" in failed.json()["detail"]
-        assert post_file(client, images[0]).status_code == 200
+        gate = Gate(engine)
+        engine.session = FailingSession(engine.session, fail_call=2)
+        alone = pool.submit(post_file, client, images[0])  # batch 1, held open while batch 2 queues
+        gate.entered.wait(WAIT_S)
+        together = [pool.submit(post_file, client, data) for data in images[1:3]]
+        wait_until(lambda: client.app.state.serving.batcher.depth == 2, "batch 2 to queue")
+        gate.release.set()
+        assert alone.result().status_code == 200
+        for failed in together:
+            assert failed.result().status_code == 500
+            assert "onnxruntime failed on a batch of 2" in failed.result().json()["detail"]
+        assert gate.batch_sizes == [1, 2]
+        assert post_file(client, images[3]).status_code == 200
 
 
 def run_server(*args):
@@ -226,7 +248,7 @@ def test_corrupt_model_exits_2_with_one_line(tmp_path):
     assert result.stderr.strip().count("\n") == 0 and "not a loadable ONNX model" in result.stderr
 
 
-def test_wrong_input_shape_is_refused(tmp_path):
+def test_wrong_input_shape_exits_2_with_one_line(tmp_path):
     import onnx
     from onnx import TensorProto, helper
 
@@ -235,8 +257,10 @@ def test_wrong_input_shape_is_refused(tmp_path):
                               [tensor("input", TensorProto.FLOAT, ["batch", 3, 32, 32])],
                               [tensor("logits", TensorProto.FLOAT, ["batch", 3, 32, 32])])
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "tiny.onnx")
-    with pytest.raises(ModelLoadError, match="expected \\[batch, 3, 224, 224\\]"):
-        Engine.load(tmp_path / "tiny.onnx")
+    result = run_server("--model", str(tmp_path / "tiny.onnx"), "--port", "0")
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and "expected [batch, 3, 224, 224]" in result.stderr
+    assert "Uvicorn running" not in result.stderr + result.stdout  # refused before the port was bound
 
 
 def test_flags_override_environment():
