@@ -1,0 +1,326 @@
+"""Bad and odd uploads to POST /predict: each gets a clear answer, and the server serves on.
+
+Refused (4xx, JSON {"detail": ...}, the status documented in the OpenAPI schema): no or empty body,
+not an image (text, HTML, PDF, SVG, EPS...), truncated or structurally corrupt images, images over
+the pixel limit (bombs, huge declared sizes), bodies over the byte limit or too slow to arrive,
+malformed or misnamed multipart, a wrong content type, a wrong method or path.
+Accepted (200): every image mode the accepted formats carry, tiny and extreme-aspect images,
+animated images (first frame), EXIF-rotated photos (turned upright), odd filenames and query strings,
+and JPEG scan data that libjpeg can conceal (garbage in, garbage out, as in any viewer).
+"""
+import io
+import socket
+import struct
+import time
+import warnings
+import zlib
+
+import numpy as np
+import pytest
+import requests
+from PIL import Image
+
+from mnv3.loadtest import ServerProcess
+from mnv3.photos import load_images
+from mnv3.preprocess import ACCEPTED_FORMATS, decode_image
+from test_server import WAIT_S, post_file, post_raw, serving_client, wait_until
+
+UPLOAD_LIMIT = 2_000_000
+PIXEL_LIMIT = 4_000_000
+
+
+@pytest.fixture(scope="module")
+def client(fp32_model_path):
+    # No cache: the valid request after each bad one really runs inference.
+    with serving_client(fp32_model_path, max_batch_size=4, batch_window_ms=5, cache_size=0,
+                        max_upload_bytes=UPLOAD_LIMIT, max_pixels=PIXEL_LIMIT) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def jpeg():
+    return load_images(1, seed=3)[0]
+
+
+def encode(image: Image.Image, format: str, **params) -> bytes:
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # e.g. "mode is not supported by this format"
+        image.save(buffer, format=format, **params)
+    return buffer.getvalue()
+
+
+def photo(jpeg: bytes) -> Image.Image:
+    return Image.open(io.BytesIO(jpeg)).convert("RGB")
+
+
+def png_chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def png_declaring(width: int, height: int, pixel_data: bytes = b"") -> bytes:
+    """An 8-bit grayscale PNG header announcing width x height, followed by `pixel_data` (zlib'd rows)."""
+    header = png_chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0))
+    return b"\x89PNG\r\n\x1a\n" + header + png_chunk(b"IDAT", pixel_data) + png_chunk(b"IEND", b"")
+
+
+def decompression_bomb() -> bytes:
+    """~250 KB that inflate to 10000x10000 = 100 Mpixel of zeros."""
+    rows = zlib.compress(bytes(10_001) * 10_000, 9)
+    return png_declaring(10_000, 10_000, rows)
+
+
+def corrupt_huffman_table(jpeg: bytes) -> bytes:
+    """Every code-length count of the first Huffman table set to 255: more codes than can exist."""
+    dht = jpeg.index(b"\xff\xc4")
+    counts = dht + 5  # marker (2), length (2), class/id (1)
+    return jpeg[:counts] + b"\xff" * 16 + jpeg[counts + 16:]
+
+
+def corrupt_scan_data(jpeg: bytes) -> bytes:
+    """The middle half of the entropy-coded data overwritten with noise (no 0xFF, so no fake markers)."""
+    sos = jpeg.index(b"\xff\xda")
+    start = sos + 2 + int.from_bytes(jpeg[sos + 2:sos + 4], "big")
+    length = (len(jpeg) - start) // 2
+    noise = np.random.default_rng(0).integers(0, 255, length, dtype=np.uint8).tobytes()
+    return jpeg[:start + length // 2] + noise + jpeg[start + length // 2 + length:]
+
+
+def multipart(parts: list[tuple[str, str | None, bytes]], boundary: str = "b0undary") -> bytes:
+    """A hand-made multipart body, for what an HTTP client library would not send: (field, filename, data)."""
+    body = b""
+    for field, filename, data in parts:
+        disposition = f'form-data; name="{field}"'.encode() + (b'; filename="' + filename + b'"' if filename else b"")
+        body += b"--" + boundary.encode() + b"\r\nContent-Disposition: " + disposition + b"\r\n\r\n" + data + b"\r\n"
+    return body + b"--" + boundary.encode() + b"--\r\n"
+
+
+def post_multipart(client, body: bytes, boundary: str = "b0undary"):
+    return post_raw(client, body, f"multipart/form-data; boundary={boundary}")
+
+
+# ------------------------------------------------------------------------------------------- refused
+
+REFUSED = {
+    "empty body": (lambda c, j: post_raw(c, b""), 400, "empty body"),
+    "zero-byte file": (lambda c, j: post_file(c, b""), 400, "empty body"),
+    "text as image": (lambda c, j: post_file(c, b"just some text\n" * 10), 400, "not a recognised image format"),
+    "html as image": (lambda c, j: post_raw(c, b"<!DOCTYPE html><html><body><img src=x></body></html>", "image/png"),
+                      400, "not a recognised image format"),
+    "pdf as image": (lambda c, j: post_file(c, b"%PDF-1.7\n1 0 obj <<>> endobj\ntrailer <<>>\n%%EOF\n"),
+                     400, "not a recognised image format"),
+    "svg": (lambda c, j: post_raw(c, b'<svg xmlns="http://www.w3.org/2000/svg" width="9" height="9"/>', "image/svg+xml"),
+            400, "not a recognised image format"),
+    "eps (would run ghostscript)": (lambda c, j: post_raw(c, encode(photo(j).resize((32, 32)), "EPS")), 400,
+                                    "not a recognised image format"),
+    "ico (not an accepted format)": (lambda c, j: post_raw(c, encode(photo(j), "ICO")), 400,
+                                     "not a recognised image format"),
+    "truncated jpeg": (lambda c, j: post_file(c, j[:len(j) // 2]), 400, "truncated"),
+    "truncated png": (lambda c, j: post_file(c, (lambda p: p[:len(p) // 2])(encode(photo(j), "PNG"))), 400,
+                      "corrupt or truncated"),
+    "jpeg header only": (lambda c, j: post_file(c, j[:20]), 400, "not a recognised image format"),
+    "corrupt huffman table": (lambda c, j: post_file(c, corrupt_huffman_table(j)), 400, "corrupt or truncated"),
+    "decompression bomb": (lambda c, j: post_file(c, decompression_bomb()), 413, "over the limit of"),
+    "huge declared dimensions": (lambda c, j: post_file(c, png_declaring(1_000_000, 1_000_000)), 413,
+                                 "over the limit of"),
+    "pixel limit, valid image": (lambda c, j: post_file(c, encode(Image.new("L", (2100, 2000)), "PNG")), 413,
+                                 "pixels"),
+    "wrong multipart field": (lambda c, j: post_file(c, j, field="image"), 400, "'file'"),
+    "file sent as a text field": (lambda c, j: post_multipart(c, multipart([("file", None, b"not a file")])), 400,
+                                  "'file'"),
+    "two files": (lambda c, j: c.post("/predict", files=[("file", ("a.jpg", j, "image/jpeg")),
+                                                          ("file", ("b.jpg", j, "image/jpeg"))]), 400, "Too many files"),
+    "malformed multipart": (lambda c, j: post_raw(c, b"--x\r\n", "multipart/form-data"), 400, "multipart"),
+    "multipart, wrong boundary": (lambda c, j: post_multipart(c, multipart([("file", b"a.jpg", j)]), "other"), 400,
+                                  "malformed multipart"),
+    "missing content type": (lambda c, j: post_raw(c, j, None), 415, "content type"),
+    "wrong content type": (lambda c, j: post_raw(c, j, "text/plain"), 415, "content type"),
+    "json content type": (lambda c, j: c.post("/predict", json={"file": "aGVsbG8="}), 415, "content type"),
+    "body over the limit": (lambda c, j: post_raw(c, bytes(UPLOAD_LIMIT + 1)), 413, "over the limit"),
+    "chunked body over the limit": (lambda c, j: post_raw(c, iter([bytes(UPLOAD_LIMIT // 2)] * 3)), 413,
+                                    "over the limit"),
+    "multipart file over the limit": (lambda c, j: post_file(c, bytes(UPLOAD_LIMIT)), 413, "over the limit"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_refused_with_a_clear_documented_4xx_and_the_server_serves_on(client, jpeg, case):
+    send, status, message = REFUSED[case]
+    response = send(client, jpeg)
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/json"
+    assert message in response.json()["detail"]
+    documented = client.get("/openapi.json").json()["paths"]["/predict"]["post"]["responses"]
+    assert str(status) in documented and documented[str(status)]["description"]
+    assert post_file(client, jpeg).status_code == 200
+
+
+@pytest.mark.parametrize("method, path, status", [
+    ("GET", "/predict", 405), ("PUT", "/predict", 405), ("DELETE", "/predict", 405),
+    ("POST", "/nowhere", 404), ("GET", "/predict/../../etc/passwd", 404),
+])
+def test_unsupported_method_or_path_is_json(client, jpeg, method, path, status):
+    response = client.request(method, path)
+    assert response.status_code == status
+    assert response.headers["content-type"] == "application/json" and response.json()["detail"]
+
+
+# ------------------------------------------------------------------------------------------ accepted
+
+def predictions(response) -> dict[int, float]:
+    assert response.status_code == 200, response.text
+    return {p["class_id"]: p["probability"] for p in response.json()["predictions"]}
+
+
+def same_predictions(a: dict[int, float], b: dict[int, float], rel: float = 1e-4) -> bool:
+    return a.keys() == b.keys() and all(a[k] == pytest.approx(b[k], rel=rel) for k in a)
+
+
+ACCEPTED = {
+    "1x1": lambda j: encode(Image.new("RGB", (1, 1), (200, 30, 30)), "PNG"),
+    "aspect 1x10000": lambda j: encode(photo(j).resize((1, 10_000)), "PNG"),
+    "aspect 10000x1": lambda j: encode(photo(j).resize((10_000, 1)), "PNG"),
+    "cmyk jpeg": lambda j: encode(photo(j).convert("CMYK"), "JPEG"),
+    "grayscale jpeg": lambda j: encode(photo(j).convert("L"), "JPEG"),
+    "progressive jpeg": lambda j: encode(photo(j), "JPEG", progressive=True),
+    "corrupt scan data (libjpeg conceals it)": corrupt_scan_data,
+}
+
+
+@pytest.mark.parametrize("case", ACCEPTED)
+def test_valid_but_odd_images_work(client, jpeg, case):
+    assert len(predictions(post_file(client, ACCEPTED[case](jpeg)))) == 5
+
+
+def test_odd_filename_and_query_string_are_ignored(client, jpeg):
+    expected = predictions(post_file(client, jpeg))
+    non_utf8_name = multipart([("file", b"\xff\xfe\x00caf\xe9.jpg", jpeg)])
+    assert same_predictions(predictions(post_multipart(client, non_utf8_name)), expected)
+    junk = "/predict?x=%ZZ&&=&a[]=1;drop%00table&" + "q" * 2000
+    assert same_predictions(predictions(client.post(junk, files={"file": ("a.jpg", jpeg, "image/jpeg")})), expected)
+
+
+def sixteen_bit_and_eight_bit(jpeg: bytes) -> tuple[bytes, bytes]:
+    """The same grayscale photo as a 16-bit PNG (values x 257, full range) and an 8-bit one."""
+    gray = np.asarray(photo(jpeg).convert("L"), dtype=np.uint16)
+    gray[0, 0] = 255  # full range, so scaling by the peak maps 65535 back to 255
+    return encode(Image.fromarray(gray * 257), "PNG"), encode(Image.fromarray(gray.astype(np.uint8)), "PNG")
+
+
+def test_16_bit_png_is_scaled_not_clipped(client, jpeg):
+    sixteen, eight = sixteen_bit_and_eight_bit(jpeg)
+    assert Image.open(io.BytesIO(sixteen)).mode == "I;16"
+    assert same_predictions(predictions(post_file(client, sixteen)), predictions(post_file(client, eight)))
+
+
+def frames(jpeg: bytes) -> list[Image.Image]:
+    first = photo(jpeg).resize((160, 120))
+    return [first, first.transpose(Image.Transpose.ROTATE_180), Image.new("RGB", first.size, (0, 255, 0))]
+
+
+@pytest.mark.parametrize("format, params", [("GIF", {}), ("WEBP", {"lossless": True})])
+def test_animated_image_is_classified_by_its_first_frame(client, jpeg, format, params):
+    first, *rest = frames(jpeg)
+    animated = encode(first, format, save_all=True, append_images=rest, duration=100, loop=0, **params)
+    assert getattr(Image.open(io.BytesIO(animated)), "n_frames", 1) == 3
+    alone = encode(first, format, **params)
+    assert same_predictions(predictions(post_file(client, animated)), predictions(post_file(client, alone)))
+
+
+def test_exif_orientation_is_honoured(client, jpeg):
+    upright = photo(jpeg).crop((0, 0, 480, 368))  # whole 16-px blocks: rotating re-encodes the same blocks
+    stored = upright.transpose(Image.Transpose.ROTATE_270)  # as a camera held sideways writes it
+    exif = Image.Exif()
+    exif[0x0112] = 8  # Orientation: rotate 90 degrees counter-clockwise to display
+    params = {"quality": 100, "subsampling": 0}
+    tagged, untagged = encode(stored, "JPEG", exif=exif, **params), encode(stored, "JPEG", **params)
+    assert decode_image(tagged).size == upright.size
+    expected = predictions(post_file(client, encode(upright, "JPEG", **params)))
+    assert same_predictions(predictions(post_file(client, tagged)), expected, rel=0.02)
+    assert not same_predictions(predictions(post_file(client, untagged)), expected, rel=0.02)  # the check can fail
+
+
+# --------------------------------------------------------- every mode Pillow can write, in every format
+
+def image_in_mode(mode: str) -> Image.Image:
+    rgb = Image.fromarray(np.random.default_rng(0).integers(0, 256, (48, 64, 3), dtype=np.uint8))
+    if mode in ("LAB", "HSV"):
+        return Image.merge(mode, rgb.split())  # no conversion from RGB; any bytes are valid channels
+    if mode.startswith("I;16"):
+        return Image.fromarray(np.asarray(rgb.convert("L"), dtype=np.uint16) * 257).convert(mode)
+    return rgb.convert(mode)
+
+
+MODES = ("1", "L", "LA", "La", "P", "PA", "RGB", "RGBA", "RGBa", "RGBX", "CMYK", "YCbCr", "LAB", "HSV",
+         "I", "I;16", "I;16B", "I;16L", "F")
+OTHER_FORMATS = ("PPM", "TGA", "PCX", "SGI", "IM", "SPIDER", "JPEG2000", "QOI", "DDS", "XBM", "MSP", "BLP")
+
+
+def saved_variants() -> list[tuple[str, str, bytes]]:
+    """(mode, format, bytes) for every pair Pillow can save; the format may store a converted mode."""
+    variants = []
+    for mode in MODES:
+        for format in ACCEPTED_FORMATS + OTHER_FORMATS:
+            try:
+                variants.append((mode, format, encode(image_in_mode(mode), format)))
+            except (OSError, ValueError, KeyError, TypeError):
+                pass  # this format cannot store this mode
+    return variants
+
+
+VARIANTS = saved_variants()
+
+
+@pytest.mark.parametrize("format", ACCEPTED_FORMATS + OTHER_FORMATS)
+def test_every_mode_in_every_format_works_or_fails_cleanly(client, format):
+    sent = [(mode, data) for mode, f, data in VARIANTS if f == format]
+    assert sent, f"Pillow saved no mode as {format}"
+    for mode, data in sent:
+        response = post_raw(client, data, "image/x-anything")
+        if format in ACCEPTED_FORMATS:
+            assert response.status_code == 200, (mode, response.text)
+        else:
+            assert response.status_code == 400 and "not a recognised image format" in response.json()["detail"], mode
+
+
+# ---------------------------------------------------------------------- slow, stalled and cut uploads
+
+def raw_post(url: str, content_length: int, body: bytes) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=WAIT_S)
+    sock.sendall(f"POST /predict HTTP/1.1\r\nHost: {host}\r\nContent-Type: image/jpeg\r\n"
+                 f"Content-Length: {content_length}\r\n\r\n".encode() + body)
+    return sock
+
+
+def read_response(sock: socket.socket) -> bytes:
+    received = b""
+    while chunk := sock.recv(65536):  # the server closes the connection after these errors
+        received += chunk
+    return received
+
+
+def metric(url: str, line_start: str) -> float:
+    text = requests.get(url + "/metrics", timeout=WAIT_S).text
+    return float(next(line for line in text.splitlines() if line.startswith(line_start)).split()[-1])
+
+
+def test_stalled_cut_and_oversized_uploads_never_hold_the_server(fp32_model_path, jpeg):
+    with ServerProcess(fp32_model_path, body_timeout_s=1, max_upload_bytes=UPLOAD_LIMIT, cache_size=0) as url:
+        started = time.monotonic()
+        stalled = raw_post(url, len(jpeg), jpeg[:1000])  # then nothing more: a stalled or slowloris client
+        oversized = raw_post(url, 10**12, b"")  # a terabyte announced; no byte of it is read
+        response = read_response(oversized)
+        assert response.startswith(b"HTTP/1.1 413") and b"over the limit" in response
+        assert time.monotonic() - started < 1, "refused by its Content-Length, before any wait"
+
+        cut = raw_post(url, len(jpeg), jpeg[:1000])
+        cut.close()  # the client gives up mid-upload
+        response = read_response(stalled)
+        assert response.startswith(b"HTTP/1.1 408") and b"did not arrive within 1 s" in response
+        assert 1 <= time.monotonic() - started < WAIT_S
+        stalled.close()
+
+        wait_until(lambda: metric(url, 'mnv3_rejections_total{reason="disconnected"}') == 1, "the cut upload to end")
+        wait_until(lambda: metric(url, "mnv3_in_flight") == 0, "every upload's slot to be released")
+        assert requests.post(url + "/predict", files={"file": ("a.jpg", jpeg)}, timeout=WAIT_S).status_code == 200

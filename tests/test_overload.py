@@ -1,0 +1,130 @@
+"""Overload: refusals come at once and cost nothing, abandoned work is never computed, and under twice
+the load the server can carry, accepted requests stay fast and every answer is the right one."""
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+import requests
+import uvicorn
+
+from mnv3.engine import Engine
+from mnv3.loadtest import PredictClient, ServerProcess, free_port, run_closed_loop, run_open_loop
+from mnv3.photos import load_images
+from mnv3.preprocess import decode_image, preprocess
+from mnv3.server import ServerConfig, create_app
+from test_server import WAIT_S, Gate, wait_until
+
+
+@pytest.fixture(scope="module")
+def images():
+    return load_images(16, seed=5)
+
+
+@contextmanager
+def live_server(model_path, **settings):
+    """A real uvicorn server in a thread, so a test can both hold its engine and use raw sockets on it."""
+    engine = Engine.load(model_path, max_batch_size=settings.get("max_batch_size", 32))
+    config = ServerConfig(model=model_path, cache_size=0, **settings)
+    app = create_app(config, engine)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="uvicorn")
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: server.started and requests.get(url + "/readyz", timeout=WAIT_S).status_code == 200,
+                   "the server to be ready")
+        yield url, app.state.serving
+    finally:
+        server.should_exit = True
+        thread.join(WAIT_S)
+
+
+def post(url: str, body: bytes) -> requests.Response:
+    return requests.post(url + "/predict", files={"file": ("a.jpg", body, "image/jpeg")}, timeout=WAIT_S)
+
+
+def open_socket(url: str, content_length: int, body: bytes) -> socket.socket:
+    port = int(url.rsplit(":", 1)[1])
+    sock = socket.create_connection(("127.0.0.1", port), timeout=WAIT_S)
+    sock.sendall(f"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\n"
+                 f"Content-Length: {content_length}\r\n\r\n".encode() + body)
+    return sock
+
+
+def test_in_flight_limit_refuses_at_arrival_without_reading_the_body(fp32_model_path, images):
+    with live_server(fp32_model_path, max_batch_size=1, max_in_flight=2) as (url, serving), \
+            ThreadPoolExecutor(2) as pool:
+        gate = Gate(serving.engine)
+        running = pool.submit(post, url, images[0])
+        gate.entered.wait(WAIT_S)
+        queued = pool.submit(post, url, images[1])
+        wait_until(lambda: serving.batcher.depth == 1, "the second request to queue")
+
+        with open_socket(url, 10**12, b"") as refused:  # a terabyte announced, none sent: it must not be awaited
+            response = refused.recv(65536)
+        assert response.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in response.lower()
+        assert b"2 requests in flight (limit 2)" in response
+        gate.release.set()
+        assert running.result().status_code == queued.result().status_code == 200
+        assert 'mnv3_rejections_total{reason="busy"} 1.0' in requests.get(url + "/metrics", timeout=WAIT_S).text
+        assert serving.in_flight == 0
+
+
+def test_disconnected_clients_work_is_dropped_and_nothing_leaks(fp32_model_path, images):
+    with live_server(fp32_model_path, max_batch_size=1) as (url, serving), ThreadPoolExecutor(1) as pool:
+        gate = Gate(serving.engine)
+        running = pool.submit(post, url, images[0])
+        gate.entered.wait(WAIT_S)
+        abandoned = [open_socket(url, len(body), body) for body in images[1:6]]
+        wait_until(lambda: serving.batcher.depth == 5, "five requests to queue")
+        for sock in abandoned:
+            sock.close()
+        wait_until(lambda: serving.in_flight == 1, "the abandoned requests to end")  # only the held one is left
+
+        gate.release.set()
+        assert running.result().status_code == 200
+        wait_until(lambda: serving.batcher.depth == 0, "the worker to pass the abandoned requests")
+        assert post(url, images[6]).status_code == 200
+        assert gate.batch_sizes == [1, 1], "the abandoned requests were never computed"
+        assert serving.batcher.dropped == 5 and serving.in_flight == 0
+        metrics = requests.get(url + "/metrics", timeout=WAIT_S).text
+        assert 'mnv3_rejections_total{reason="disconnected"} 5.0' in metrics and "mnv3_dropped_total 5.0" in metrics
+
+
+def test_twice_the_sustainable_rate_sheds_load_and_answers_every_accepted_request_right(fp32_model_path, images):
+    deadline_s = 0.5
+    engine = Engine.load(fp32_model_path)
+    expected = {body: engine.predict(preprocess(decode_image(body))[None])[0] for body in images}
+    answers = []
+
+    def send_and_keep(send):
+        def send_one(body):
+            status, payload = send(body)
+            if payload is not None:
+                answers.append((body, payload))
+            return status, payload
+        return send_one
+
+    with ServerProcess(fp32_model_path, cache_size=0, max_batch_size=8, queue_limit=8, max_in_flight=16,
+                       deadline_ms=1000 * deadline_s) as url:
+        with PredictClient(url) as send:
+            sustainable = run_closed_loop(send, images, concurrency=8, count=48)
+        assert sustainable.ok == 48
+        with PredictClient(url) as send:
+            result = run_open_loop(send_and_keep(send), images, rate=2 * sustainable.rps, seconds=3,
+                                   max_in_flight=64)
+
+    assert set(result.errors) <= {"503", "504"}, result.errors  # shed load, never a 5xx crash or a reset
+    assert result.errors, "twice the sustainable rate should have been refused in part"
+    assert result.ok >= result.sent / 4, result.summary()
+    assert result.latency.p99_ms < 1000 * (deadline_s + 0.5), result.summary()  # queue and deadline bound it
+    assert len(answers) == result.ok
+    for body, payload in answers:
+        alone, top = expected[body], payload["predictions"][0]
+        assert top["class_id"] == int(alone.argmax())
+        assert top["probability"] == pytest.approx(float(alone.max()), rel=1e-3)
+    assert len({round(float(p.max()), 6) for p in expected.values()}) > 1, "the images must be told apart"
