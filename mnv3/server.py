@@ -140,9 +140,9 @@ ERRORS = {
     ImageTooLarge: (413, "too_large", "image over --max-pixels, or a decompression bomb"),
     UnsupportedMediaType: (415, "bad_input", "content type is neither multipart/form-data nor image/*"),
     InferenceError: (500, None, "inference failed for the batch this request ran in"),
-    QueueFull: (503, "queue_full", "inference queue full; retry after the Retry-After seconds"),
-    Busy: (503, "busy", "--max-in-flight requests already admitted; retry after the Retry-After seconds"),
-    ShuttingDown: (503, "shutting_down", "the server is stopping; retry after the Retry-After seconds"),
+    QueueFull: (503, "queue_full", "--queue-limit requests already wait for inference"),
+    Busy: (503, "busy", "--max-in-flight requests already admitted (refused before reading the body)"),
+    ShuttingDown: (503, "shutting_down", "the server is stopping"),
     DeadlineExceeded: (504, "deadline", "no result within --deadline-ms; work not yet run was dropped"),
     # nginx's code for it: only the server's log and metrics see this, the client has gone
     ClientDisconnect: (499, "disconnected", "the client closed the connection first; its work was dropped"),
@@ -157,6 +157,8 @@ class ErrorDetail(BaseModel):
 ERROR_DOCS = {status: {"model": ErrorDetail,
                        "description": "; ".join(doc for s, _, doc in ERRORS.values() if s == status)}
               for status in sorted({status for status, _, _ in ERRORS.values()})}
+ERROR_DOCS[503]["headers"] = {"Retry-After": {"description": "seconds to wait before retrying",
+                                              "schema": {"type": "integer"}}}
 
 
 async def error_response(request: Request, exc: Exception) -> JSONResponse:
