@@ -1,6 +1,9 @@
-"""Overload: refusals come at once and cost nothing, abandoned work is never computed, and under twice
-the load the server can carry, accepted requests stay fast and every answer is the right one."""
+"""Overload: refusals come at once and cost nothing, abandoned work is never computed, under twice the
+load the server can carry accepted requests stay fast and every answer is the right one, and a soak
+with a churning cache keeps memory flat."""
 import socket
+import subprocess
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -10,6 +13,7 @@ import pytest
 import requests
 import uvicorn
 
+from mnv3 import report
 from mnv3.engine import Engine
 from mnv3.loadtest import PredictClient, ServerProcess, free_port, run_closed_loop, run_open_loop
 from mnv3.photos import load_images
@@ -128,3 +132,16 @@ def test_twice_the_sustainable_rate_sheds_load_and_answers_every_accepted_reques
         assert top["class_id"] == int(alone.argmax())
         assert top["probability"] == pytest.approx(float(alone.max()), rel=1e-3)
     assert len({round(float(p.max()), 6) for p in expected.values()}) > 1, "the images must be told apart"
+
+
+def test_soak_quick_mode_keeps_memory_flat_with_a_churning_cache(fp32_model_path, tmp_path):
+    result = subprocess.run([sys.executable, "-m", "mnv3.soak", "--model", str(fp32_model_path), "--quick",
+                             "--results-dir", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    rows = report.read_csv(tmp_path / "07_soak.csv")
+    assert len(rows) == 10 and int(rows[-1]["requests_done"]) == 400
+    assert all(row["passed"] == "True" and int(row["errors"]) == 0 for row in rows)
+    assert float(rows[-1]["rss_growth_pct"]) < 10 and float(rows[-1]["rss_mib"]) > 0
+    # More distinct images than entries: the cache hits, misses (so evicts) and stays full.
+    assert sum(int(r["cache_hits"]) for r in rows) > 0 and sum(int(r["cache_misses"]) for r in rows) > 0
+    assert {int(r["cache_entries"]) for r in rows} == {32}

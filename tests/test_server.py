@@ -269,3 +269,31 @@ def test_flags_override_environment():
     assert (str(config.model), config.cache_size, config.batch_window_ms, config.max_batch_size) == ("m.onnx", 0, 7.0, 32)
     with pytest.raises(SystemExit):
         parse_args(["--model", "m.onnx", "--max-batch-size", "0"], {})
+
+
+def test_a_cache_entry_costs_about_a_kilobyte():
+    """The cache is bounded in entries, not bytes: this measurement is what makes that a memory bound.
+    An entry is its key and a Classified of top_k Predictions (labels are shared with the engine)."""
+    import asyncio
+    import tracemalloc
+
+    from mnv3.cache import ResultCache
+    from mnv3.engine import Prediction
+    from mnv3.server import Classified
+
+    entries, labels = 500, [f"class name {i}" for i in range(5)]
+
+    async def fill():
+        cache = ResultCache(entries, "static_int8.onnx:0123456789ab")
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(entries):
+            async def compute():
+                return Classified([Prediction(j, labels[j], 0.1 * j) for j in range(5)], 8, 1.0, 2.0, 3.0)
+            await cache.get_or_compute(i.to_bytes(8, "little"), compute)
+        per_entry = (tracemalloc.get_traced_memory()[0] - before) / entries
+        tracemalloc.stop()
+        return per_entry, len(cache)
+
+    per_entry, stored = asyncio.run(fill())
+    assert stored == entries and 500 < per_entry < 2048  # ~1.1 KB at top_k 5: 1024 entries ~ 1.1 MB
