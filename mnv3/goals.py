@@ -1,0 +1,87 @@
+"""`python -m mnv3.goals`: the performance goals next to what the CSVs in results/ measured.
+
+Every goal is a ratio of two numbers measured on the same machine in the same `make bench` run, so
+it survives a noisy shared machine better than an absolute time. Writes results/goals.csv (and so a
+section of summary.md) and prints the table; a goal whose inputs are missing says which stage to run.
+"""
+import argparse
+from pathlib import Path
+
+from mnv3.artifacts import RESULTS_DIR, STAGE_SCRIPTS
+from mnv3.report import markdown_table, read_csv, write_csv, write_summary
+
+
+def _rows(results_dir: Path, name: str) -> list[dict]:
+    path = results_dir / name
+    return read_csv(path) if path.exists() else []
+
+
+def _find(rows, **match) -> dict | None:
+    return next((row for row in rows if all(row.get(k) == v for k, v in match.items())), None)
+
+
+def _ratio(a, b, key_a, key_b=None):
+    if a is None or b is None or not a.get(key_a) or not b.get(key_b or key_a):
+        return None
+    return float(a[key_a]) / float(b[key_b or key_a])
+
+
+def measured_goals(results_dir=RESULTS_DIR) -> list[dict]:
+    results_dir = Path(results_dir)
+    variants = _rows(results_dir, "model_variants.csv")
+    fp32, int8 = _find(variants, variant="ONNX FP32"), _find(variants, variant="ONNX Static INT8")
+    # Every ORT/OpenVINO variant stage 1 and 2 measured, for "the fastest offered variant".
+    candidates = [row for row in _rows(results_dir, "01_baseline.csv") + _rows(results_dir, "02_static.csv")
+                  if row.get("variant") not in ("pytorch_fp32", "onnx_fp32", None)]
+    fastest_b1 = min(candidates, key=lambda r: float(r["mean_ms"]), default=None)
+    fastest_batch = min(candidates, key=lambda r: float(r["per_image_ms"]), default=None)
+    serving = _rows(results_dir, "05_batching_loadtest.csv")
+    headline = next((row for row in serving if row.get("speedup_vs_no_batching")), None)
+    caching = _rows(results_dir, "04_caching.csv")
+    hit = _find(caching, run="sequential", phase="hit")
+
+    def value(row, key):
+        return float(row[key]) if row and row.get(key) not in (None, "", "nan") else None
+
+    goals = [
+        # (goal, comparison, target, measured, stage that measures it)
+        ("static INT8 batch-1 latency / ONNX FP32", "<=", 0.8, _ratio(int8, fp32, "mean_ms"), 2),
+        ("static INT8 per-image time at batch N / ONNX FP32", "<=", 0.6, _ratio(int8, fp32, "per_image_ms"), 2),
+        ("static INT8 size / ONNX FP32", "<=", 0.27, _ratio(int8, fp32, "size_mb"), 2),
+        ("static INT8 logits SQNR vs FP32 (dB)", ">=", 25, value(int8, "sqnr_db"), 2),
+        ("static INT8 top-1 agreement with FP32", ">=", 0.99, value(int8, "top1_agreement"), 2),
+        (f"fastest variant batch 1 ({fastest_b1['variant'] if fastest_b1 else '-'}) / ONNX FP32", "<=", 0.5,
+         _ratio(fastest_b1, fp32, "mean_ms"), 2),
+        (f"fastest variant per image at batch N ({fastest_batch['variant'] if fastest_batch else '-'}) / ONNX FP32",
+         "<=", 0.4, _ratio(fastest_batch, fp32, "per_image_ms"), 2),
+        ("batched server req/s / unbatched, same concurrency", ">=", 1.0, value(headline, "speedup_vs_no_batching"), 5),
+        ("batched server req/s / in-process limit", ">=", 0.85, value(headline, "server_to_limit_ratio"), 5),
+        ("cache hit round trip p50 (ms)", "<=", 2.0, value(hit, "latency_p50_ms"), 4),
+        ("cache miss p50 / hit p50", ">=", 10, value(hit, "hit_speedup_p50"), 4),
+    ]
+    rows = []
+    for goal, comparison, target, measured, stage in goals:
+        if measured is None:
+            met = f"not measured: run `python {STAGE_SCRIPTS[stage]}`"
+        else:
+            met = "yes" if (measured <= target if comparison == "<=" else measured >= target) else "no"
+        rows.append({"goal": goal, "target": f"{comparison} {target}",
+                     "measured": "" if measured is None else round(measured, 3), "met": met})
+    return rows
+
+
+def get_args_parser():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    return parser
+
+
+def main(args):
+    rows = measured_goals(args.results_dir)
+    write_csv(args.results_dir / "goals.csv", rows)
+    write_summary(args.results_dir)
+    print(markdown_table(rows))
+
+
+if __name__ == "__main__":
+    main(get_args_parser().parse_args())

@@ -1,0 +1,20 @@
+from mnv3.goals import measured_goals
+from mnv3.report import write_csv
+
+
+def test_goals_are_ratios_of_measured_rows_and_name_the_missing_stage(tmp_path):
+    write_csv(tmp_path / "model_variants.csv", [
+        {"variant": "ONNX FP32", "mean_ms": 10, "per_image_ms": 8, "size_mb": 20, "sqnr_db": "", "top1_agreement": ""},
+        {"variant": "ONNX Static INT8", "mean_ms": 7, "per_image_ms": 6, "size_mb": 5, "sqnr_db": 30,
+         "top1_agreement": 0.98},
+    ])
+    write_csv(tmp_path / "02_static.csv", [{"variant": "onnx_static_int8", "mean_ms": 7, "per_image_ms": 6}])
+    goals = {row["goal"]: row for row in measured_goals(tmp_path)}
+    assert goals["static INT8 batch-1 latency / ONNX FP32"] == {
+        "goal": "static INT8 batch-1 latency / ONNX FP32", "target": "<= 0.8", "measured": 0.7, "met": "yes"}
+    assert goals["static INT8 per-image time at batch N / ONNX FP32"]["met"] == "no"  # 0.75 > 0.6
+    assert goals["static INT8 size / ONNX FP32"]["measured"] == 0.25
+    assert goals["static INT8 top-1 agreement with FP32"]["met"] == "no"
+    assert goals["static INT8 logits SQNR vs FP32 (dB)"]["met"] == "yes"
+    assert goals["cache hit round trip p50 (ms)"]["met"] == "not measured: run `python caching.py`"
+    assert goals["batched server req/s / in-process limit"]["met"].endswith("`python batching_loadtest.py`")
