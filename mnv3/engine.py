@@ -1,7 +1,9 @@
-"""One loaded model: an onnxruntime session, its class names and an id that names the exact file.
+"""One loaded model: a runtime session, its class names and an id that names the exact file.
 
 Serving code talks only to `Engine.predict` (NCHW float32 batch -> softmax probabilities) and
-`Engine.top_k`, so another backend (OpenVINO, say) would be a second `load` branch, nothing more.
+`Engine.top_k`. A backend is a session answering onnxruntime's `run(None, {name: batch})`,
+`get_inputs()`, `get_outputs()` and `get_providers()`: an onnxruntime InferenceSession, or
+`mnv3.openvino_backend.OpenVINOSession` (imported only when that backend is chosen).
 """
 import hashlib
 import json
@@ -15,7 +17,8 @@ from mnv3.artifacts import CLASS_NAMES_JSON
 from mnv3.latency import DEFAULT_INTER_OP_THREADS, DEFAULT_INTRA_OP_THREADS, make_session
 from mnv3.preprocess import CROP_SIZE
 
-BACKENDS = ("onnxruntime",)
+BACKENDS = ("onnxruntime", "openvino")
+OPENVINO_MISSING = "backend openvino needs `pip install -r requirements-openvino.txt`"
 INPUT_SHAPE = (3, CROP_SIZE, CROP_SIZE)
 log = logging.getLogger(__name__)
 
@@ -36,8 +39,9 @@ class Prediction:
 
 
 class Engine:
-    def __init__(self, session, class_names: list[str], path: Path, sha256: str):
+    def __init__(self, session, class_names: list[str], path: Path, sha256: str, backend: str = "onnxruntime"):
         self.session = session
+        self.backend = backend
         self.class_names = class_names
         self.path = path
         self.sha256 = sha256
@@ -56,19 +60,26 @@ class Engine:
             raise ModelLoadError(f"model file {path} not found")
         sha256 = hashlib.sha256(path.read_bytes()).hexdigest()
         try:
-            session = make_session(path, intra_op_threads, inter_op_threads)
-        except Exception as exc:  # onnxruntime raises its own untyped errors for bad protobufs
+            session = _open_session(path, backend, intra_op_threads, inter_op_threads, max_batch_size)
+        except ModelLoadError:
+            raise
+        except Exception as exc:  # both runtimes raise their own untyped errors for bad protobufs
             raise ModelLoadError(f"{path} is not a loadable ONNX model: {_one_line(exc)}") from exc
         _check_input(path, session.get_inputs(), max_batch_size)
         num_classes = session.get_outputs()[0].shape[-1]
-        return cls(session, _class_names(path.parent / CLASS_NAMES_JSON, num_classes), path, sha256)
+        return cls(session, _class_names(path.parent / CLASS_NAMES_JSON, num_classes), path, sha256, backend)
+
+    @property
+    def providers(self) -> list[str]:
+        """What runs the model, e.g. ['CPUExecutionProvider'] or ['OpenVINO:CPU:f32'] (for /model)."""
+        return self.session.get_providers()
 
     def predict(self, batch: np.ndarray) -> np.ndarray:
         """(N, 3, 224, 224) float32 -> (N, classes) softmax probabilities."""
         try:
             logits = self.session.run(None, {self.input_name: batch})[0]
         except Exception as exc:
-            raise InferenceError(f"onnxruntime failed on a batch of {len(batch)}: {_one_line(exc)}") from exc
+            raise InferenceError(f"{self.backend} failed on a batch of {len(batch)}: {_one_line(exc)}") from exc
         shifted = np.exp(logits - logits.max(axis=1, keepdims=True))  # max-shift: no overflow
         return shifted / shifted.sum(axis=1, keepdims=True)
 
@@ -83,9 +94,22 @@ class Engine:
         return f"class_{class_id}"
 
     def warm_up(self, batch_sizes) -> None:
-        """Run each batch size once so the first requests do not pay for ORT's allocations."""
+        """Run each batch size once so the first requests do not pay for the runtime's allocations."""
         for size in batch_sizes:
             self.predict(np.zeros((size, *INPUT_SHAPE), dtype=np.float32))
+
+
+def _open_session(path: Path, backend: str, intra_op_threads: int, inter_op_threads: int, max_batch_size: int):
+    if backend == "onnxruntime":
+        return make_session(path, intra_op_threads, inter_op_threads)
+    try:
+        import openvino  # noqa: F401  (the optional dependency: imported only when this backend is chosen)
+    except ImportError:
+        raise ModelLoadError(OPENVINO_MISSING) from None
+    from mnv3.openvino_backend import OpenVINOSession
+
+    # OpenVINO has no inter-op pool to size: one stream, `intra_op_threads` threads within it.
+    return OpenVINOSession(path, intra_op_threads, max_batch_size=max_batch_size)
 
 
 def _check_input(path, inputs, max_batch_size: int) -> None:

@@ -447,7 +447,7 @@ async def model_info(s: Serving = Depends(serving)) -> ModelInfo:
     return ModelInfo(
         model=engine.model_id, variant=engine.path.stem, file=engine.path.name, sha256=engine.sha256,
         backend=config.backend, input_name=engine.input_name, input_shape=engine.input_shape,
-        providers=engine.session.get_providers(),
+        providers=engine.providers,
         class_names=f"{len(engine.class_names)} names from the file beside the model" if engine.class_names
         else "none found: labels are class_<id>",
         threads={"intra_op": config.intra_op_threads, "inter_op": config.inter_op_threads,
