@@ -1,5 +1,6 @@
 """Stage 1: PyTorch FP32 baseline, ONNX FP32 export checked against PyTorch, dynamic INT8, and an
-onnxruntime profile of the dynamic model showing where its time goes.
+onnxruntime profile of the dynamic model showing where its time goes. With openvino installed
+(requirements-openvino.txt) the same FP32 file also runs on OpenVINO: FP32, and BF16 where the CPU has it.
 
 Writes artifacts/{fp32,dynamic_int8}.onnx, results/01_baseline.csv, results/01_dynamic_int8_profile.csv
 and results/summary.md.
@@ -19,6 +20,9 @@ from mnv3.profiling import op_type_summary, profile_model
 from mnv3.quantize import quantize_dynamic_int8, size_mb
 from mnv3.report import markdown_table, write_csv, write_summary
 
+BACKENDS = ("onnxruntime", "openvino")
+VARIANT_PRECISION = {"f32": "fp32", "bf16": "bf16"}  # OpenVINO's precision hint -> the variant-name suffix
+
 # (normal, --quick)
 BN_RECALIBRATION_IMAGES = (64, 16)
 PROFILE_RUNS = (20, 3)
@@ -29,6 +33,9 @@ def get_args_parser(add_help=True):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=add_help)
     parser.add_argument("--weights", default=None,
                         help="a mobilenet_v3_large state_dict (.pth); default: torchvision's, else random init")
+    parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS),
+                        help="runtimes to measure (default: both; openvino is skipped when not installed). "
+                             "PyTorch and onnxruntime always run: ORT FP32 is the accuracy reference")
     return add_stage_args(parser, artifacts_help="where models and profiles go")
 
 
@@ -69,6 +76,8 @@ def run(args):
         ("onnx_fp32", fp32_run, size_mb(fp32_path)),
         ("onnx_dynamic_int8", ort_runner(make_session(dynamic_path, args.threads)), size_mb(dynamic_path)),
     ]
+    if "openvino" in args.backends:
+        variants += openvino_variants(fp32_path, args.threads)
     rows = []
     for variant, run_variant, size in variants:
         rows.append({
@@ -81,6 +90,7 @@ def run(args):
         })
     write_csv(results_dir / "01_baseline.csv", rows)
     print(markdown_table(rows))
+    print(fastest(rows))
 
     runs = PROFILE_RUNS[pick]
     trace = profile_model(dynamic_path, held_out[:1], runs, args.threads, artifacts_dir / "dynamic_int8_profile.json")
@@ -97,6 +107,39 @@ def run(args):
         dynamic_int8={"path": DYNAMIC_INT8_ONNX, "profile": trace.name, "threads": args.threads},
     )
     print(f"wrote {write_summary(results_dir)}")
+
+
+def openvino_variants(fp32_path, threads: int) -> list[tuple]:
+    """(variant, run, size) for OpenVINO on the FP32 file: FP32, plus BF16 where the CPU computes it natively.
+
+    Runs through the session the server's `--backend openvino` uses: its static batch-1 model times batch 1,
+    its dynamic-batch model the batched run."""
+    try:
+        from mnv3.openvino_backend import OpenVINOSession, bf16_supported
+    except ModuleNotFoundError as exc:
+        if exc.name != "openvino":
+            raise
+        print("openvino: not installed, openvino rows SKIPPED (pip install -r requirements-openvino.txt to add them)")
+        return []
+
+    precisions = ["f32"]
+    if bf16_supported():
+        precisions.append("bf16")
+    else:
+        print("openvino: this CPU has no native BF16 (no AVX512_BF16/AMX), openvino_bf16 row skipped")
+    return [(f"openvino_{VARIANT_PRECISION[precision]}", ort_runner(OpenVINOSession(fp32_path, threads, precision)),
+             size_mb(fp32_path)) for precision in precisions]
+
+
+def fastest(rows: list[dict]) -> str:
+    """Which variant is fastest for one image at a time and which per image in a batch, and by how much."""
+    def verdict(column: str) -> str:
+        first, second = sorted(rows, key=lambda row: row[column])[:2]
+        return (f"{first['variant']} ({first[column]} ms; next {second['variant']} at "
+                f"{second[column] / first[column]:.2f}x)")
+
+    return (f"fastest at batch 1 (mean): {verdict('mean_ms')}\n"
+            f"fastest per image at batch {rows[0]['batch_size']}: {verdict('per_image_ms')}")
 
 
 if __name__ == "__main__":
