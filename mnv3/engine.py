@@ -51,7 +51,8 @@ class Engine:
 
     @classmethod
     def load(cls, path, backend: str = "onnxruntime", intra_op_threads: int = DEFAULT_INTRA_OP_THREADS,
-             inter_op_threads: int = DEFAULT_INTER_OP_THREADS, max_batch_size: int = 1) -> "Engine":
+             inter_op_threads: int = DEFAULT_INTER_OP_THREADS, max_batch_size: int = 1,
+             allow_spinning: bool = True) -> "Engine":
         """Open, validate and name a model, or raise ModelLoadError saying what is wrong."""
         if backend not in BACKENDS:
             raise ModelLoadError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
@@ -60,7 +61,8 @@ class Engine:
             raise ModelLoadError(f"model file {path} not found")
         sha256 = hashlib.sha256(path.read_bytes()).hexdigest()
         try:
-            session = _open_session(path, backend, intra_op_threads, inter_op_threads, max_batch_size)
+            session = _open_session(path, backend, intra_op_threads, inter_op_threads, max_batch_size,
+                                    allow_spinning)
         except ModelLoadError:
             raise
         except Exception as exc:  # both runtimes raise their own untyped errors for bad protobufs
@@ -99,9 +101,10 @@ class Engine:
             self.predict(np.zeros((size, *INPUT_SHAPE), dtype=np.float32))
 
 
-def _open_session(path: Path, backend: str, intra_op_threads: int, inter_op_threads: int, max_batch_size: int):
+def _open_session(path: Path, backend: str, intra_op_threads: int, inter_op_threads: int, max_batch_size: int,
+                  allow_spinning: bool):
     if backend == "onnxruntime":
-        return make_session(path, intra_op_threads, inter_op_threads)
+        return make_session(path, intra_op_threads, inter_op_threads, allow_spinning=allow_spinning)
     try:
         import openvino  # noqa: F401  (the optional dependency: imported only when this backend is chosen)
     except ImportError:

@@ -119,14 +119,19 @@ def ort_runner(session):
 
 def make_session(model_path, intra_op_threads: int = DEFAULT_INTRA_OP_THREADS,
                  inter_op_threads: int = DEFAULT_INTER_OP_THREADS, profile_prefix: str | None = None,
-                 optimized_model_path: str | None = None):
-    """A CPU onnxruntime session with explicit (and therefore recordable) thread settings."""
+                 optimized_model_path: str | None = None, allow_spinning: bool = True):
+    """A CPU onnxruntime session with explicit (and therefore recordable) thread settings.
+
+    `allow_spinning=False` makes idle intra-op threads sleep instead of busy-waiting: a little slower
+    for one stream of calls on idle cores, much faster when other threads (decoding) share the cores.
+    """
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.intra_op_num_threads = intra_op_threads
     options.inter_op_num_threads = inter_op_threads
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if allow_spinning else "0")
     if profile_prefix:
         options.enable_profiling = True
         options.profile_file_prefix = profile_prefix

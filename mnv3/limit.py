@@ -60,7 +60,8 @@ def run_limit(model_path, bodies: list[bytes], batch_sizes=BATCH_SIZES, thread_s
     results = []
     with tqdm(total=len(thread_splits) * len(batch_sizes), desc=desc, leave=False, disable=desc is None) as bar:
         for intra_op_threads, decode_threads in thread_splits:
-            session = make_session(model_path, intra_op_threads, DEFAULT_INTER_OP_THREADS)
+            # No spinning, as the server runs by default: decoding shares the cores with ORT here too.
+            session = make_session(model_path, intra_op_threads, DEFAULT_INTER_OP_THREADS, allow_spinning=False)
             with ThreadPoolExecutor(max_workers=decode_threads) as pool:
                 for batch_size in batch_sizes:
                     # Untimed first run at this batch shape: ORT allocates its buffers then.

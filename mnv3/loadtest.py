@@ -409,7 +409,7 @@ def server_settings(base_url: str) -> dict:
     info = response.json()
     return ({"server_model": info["model"]} | {f"server_{name}_threads": n for name, n in info["threads"].items()}
             | {f"server_{name}": value for name, value in info["batching"].items()}
-            | {"server_cache_size": info["cache"]["size"]})
+            | {"server_ort_spinning": info["ort_spinning"], "server_cache_size": info["cache"]["size"]})
 
 
 def serving_model(args) -> tuple[Path, str]:

@@ -132,6 +132,7 @@ def test_operational_endpoints(client, fp32_model_path):
     assert info["input_shape"][1:] == [3, 224, 224] and info["providers"] == ["CPUExecutionProvider"]
     assert info["batching"]["max_batch_size"] == 8 and info["cache"]["size"] == 64
     assert info["threads"] == {"intra_op": 2, "inter_op": 1, "preprocess": 2}
+    assert info["ort_spinning"] is False
 
     metrics = client.get("/metrics")
     assert metrics.headers["content-type"].startswith("text/plain")
@@ -297,3 +298,11 @@ def test_a_cache_entry_costs_about_a_kilobyte():
 
     per_entry, stored = asyncio.run(fill())
     assert stored == entries and 500 < per_entry < 2048  # ~1.1 KB at top_k 5: 1024 entries ~ 1.1 MB
+
+
+def test_ort_spinning_is_off_by_default_and_a_flag_turns_it_on():
+    from mnv3.server import parse_args
+
+    assert parse_args(["--model", "m.onnx"], environ={}).ort_spinning == 0
+    assert parse_args(["--model", "m.onnx", "--ort-spinning", "1"], environ={}).ort_spinning == 1
+    assert parse_args(["--model", "m.onnx"], environ={"MNV3_ORT_SPINNING": "1"}).ort_spinning == 1
