@@ -10,6 +10,7 @@ import torchvision.models._api
 
 import baseline_export_quantize
 import static_quantization
+from mnv3.quantize import DEFAULT_RECIPE, RECIPES
 from mnv3.report import read_csv
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,7 +22,7 @@ def run_stage(module, *flags):
 
 @pytest.fixture(scope="module")
 def stage_dirs(tmp_path_factory):
-    """Run stage 1 (offline: random init) then stage 2, both --quick, into fresh dirs."""
+    """Run stage 1 (offline: random init) then stage 2 comparing every recipe (`make bench`), both --quick."""
     root = tmp_path_factory.mktemp("stages")
     dirs = {"artifacts": root / "artifacts", "results": root / "results", "calibration": root / "calibration"}
     with pytest.MonkeyPatch.context() as patch:
@@ -31,13 +32,13 @@ def stage_dirs(tmp_path_factory):
             run_stage(baseline_export_quantize, "--quick", "--artifacts-dir", dirs["artifacts"],
                       "--results-dir", dirs["results"])
     run_stage(static_quantization, "--quick", "--artifacts-dir", dirs["artifacts"], "--results-dir", dirs["results"],
-              "--calibration-dir", dirs["calibration"])
+              "--calibration-dir", dirs["calibration"], "--compare-recipes", "all")
     return dirs
 
 
 def test_stage_1_writes_sane_baseline_rows(stage_dirs):
     rows = {row["variant"]: row for row in read_csv(stage_dirs["results"] / "01_baseline.csv")}
-    assert set(rows) == {"pytorch_fp32", "onnx_fp32", "onnx_dynamic_int8"}
+    assert set(rows) - {"openvino_fp32", "openvino_bf16"} == {"pytorch_fp32", "onnx_fp32", "onnx_dynamic_int8"}
     for row in rows.values():
         assert 0 < float(row["p50_ms"]) <= float(row["p95_ms"]) <= float(row["p99_ms"])
         assert float(row["mean_ms"]) > 0 and float(row["per_image_ms"]) > 0
@@ -57,14 +58,63 @@ def test_stage_2_writes_static_row_and_four_variant_table(stage_dirs):
     static = read_csv(stage_dirs["results"] / "02_static.csv")[0]
     assert 0 <= float(static["top1_agreement"]) <= 1 and 0 <= float(static["top5_agreement"]) <= 1
     assert 0 < float(static["sqnr_db"]) < float("inf")
-    assert static["recipe"] == "qdq_per_channel_minmax" and static["quant_format"] == "QDQ"
+    assert static["recipe"] == DEFAULT_RECIPE and static["quant_format"] == RECIPES[DEFAULT_RECIPE].quant_format
     table = read_csv(stage_dirs["results"] / "model_variants.csv")
-    assert [row["variant"] for row in table] == ["PyTorch FP32", "ONNX FP32", "ONNX Dynamic INT8", "ONNX Static INT8"]
+    seed = ["PyTorch FP32", "ONNX FP32", "ONNX Dynamic INT8", "ONNX Static INT8"]  # plus OpenVINO when installed
+    assert [row["variant"] for row in table if row["variant"] in seed] == seed
     by_name = {row["variant"]: row for row in table}
     assert float(by_name["ONNX FP32"]["mean_vs_onnx_fp32"]) == 1.0
     assert float(by_name["ONNX Static INT8"]["size_mb"]) < 0.35 * float(by_name["ONNX FP32"]["size_mb"])
     assert all(float(row["mean_ms"]) > 0 and float(row["p95_ms"]) > 0 for row in table)
     assert (stage_dirs["results"] / "model_variants.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_compare_recipes_writes_one_sane_row_per_recipe_and_ships_the_default(stage_dirs):
+    rows = {row["recipe"]: row for row in read_csv(stage_dirs["results"] / "02_recipes.csv")}
+    assert set(rows) == set(RECIPES) and len(read_csv(stage_dirs["results"] / "02_recipes.csv")) == len(RECIPES)
+    assert [name for name, row in rows.items() if row["shipped"] == "True"] == [DEFAULT_RECIPE]
+    for name, row in rows.items():
+        recipe = RECIPES[name].record()
+        assert (row["quant_format"], row["per_channel"], row["reduce_range"], row["graph_rewrite"]) == (
+            recipe["quant_format"], str(recipe["per_channel"]), str(recipe["reduce_range"]), recipe["graph_rewrite"])
+        assert {"activation_type", "weight_type", "calibrate_method", "nodes_to_exclude", "op_types_to_quantize",
+                "extra_options"} <= set(row)
+        assert 0 < float(row["p50_ms"]) <= float(row["p95_ms"]) and float(row["per_image_ms"]) > 0
+        assert row["batch_size"] == "8" and row["threads"] == "2" and row["calibration_images"] == "16"
+        assert 0.05 < float(row["mean_ms_vs_onnx_fp32"]) < 20 and 0.05 < float(row["per_image_ms_vs_onnx_fp32"]) < 20
+        assert float(row["mean_ms_vs_onnx_fp32"]) == pytest.approx(
+            float(row["mean_ms"]) / float(row["onnx_fp32_mean_ms"]), abs=0.01)
+        assert 0.2 < float(row["size_mb_vs_onnx_fp32"]) < 0.3
+        assert 0 <= float(row["top1_agreement"]) <= float(row["top5_agreement"]) <= 1
+        assert 0 < float(row["sqnr_db"]) < float("inf")
+        assert (stage_dirs["artifacts"] / "recipes" / f"{name}.onnx").exists()
+    shipped = (stage_dirs["artifacts"] / "recipes" / f"{DEFAULT_RECIPE}.onnx").read_bytes()
+    assert (stage_dirs["artifacts"] / "static_int8.onnx").read_bytes() == shipped
+    static = read_csv(stage_dirs["results"] / "02_static.csv")[0]  # the shipped recipe's row, same measurement
+    assert static["mean_ms"] == rows[DEFAULT_RECIPE]["mean_ms"] and static["sqnr_db"] == rows[DEFAULT_RECIPE]["sqnr_db"]
+
+
+def test_stage_2_without_compare_builds_only_the_chosen_recipe(stage_dirs, tmp_path):
+    artifacts = tmp_path / "artifacts"
+    artifacts.mkdir()
+    for name in ("fp32.onnx", "imagenet_classes.json", "manifest.json"):
+        (artifacts / name).write_bytes((stage_dirs["artifacts"] / name).read_bytes())
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "01_baseline.csv").write_bytes((stage_dirs["results"] / "01_baseline.csv").read_bytes())
+    run_stage(static_quantization, "--quick", "--artifacts-dir", artifacts, "--results-dir", results,
+              "--calibration-dir", stage_dirs["calibration"], "--recipe", "qdq_per_tensor_minmax")
+    static = read_csv(results / "02_static.csv")[0]
+    assert static["recipe"] == "qdq_per_tensor_minmax" and static["per_channel"] == "False"
+    assert not (results / "02_recipes.csv").exists() and not (artifacts / "recipes").exists()
+    assert json.loads((artifacts / "manifest.json").read_text())["static_int8"]["recipe_name"] == "qdq_per_tensor_minmax"
+
+
+def test_unknown_compare_recipe_is_rejected_by_argparse(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        static_quantization.get_args_parser().parse_args(["--compare-recipes", "qdq_per_channel_minmax,nope"])
+    assert exit_info.value.code == 2 and "nope" in capsys.readouterr().err
+    assert static_quantization.get_args_parser().parse_args(["--compare-recipes"]).compare_recipes == sorted(RECIPES)
 
 
 def test_manifest_records_provenance_files_and_recipe(stage_dirs):
@@ -76,12 +126,13 @@ def test_manifest_records_provenance_files_and_recipe(stage_dirs):
     assert (recipe["quant_format"], recipe["per_channel"], recipe["activation_type"], recipe["weight_type"],
             recipe["calibrate_method"]) == ("QDQ", True, "QUInt8", "QInt8", "MinMax")
     assert "reduce_range" in recipe and recipe["nodes_to_exclude"] == []
+    assert recipe["graph_rewrite"] == RECIPES[DEFAULT_RECIPE].graph_rewrite
     assert manifest["static_int8"]["calibration_images"] == 16
 
 
 def test_summary_has_every_table_in_file_order(stage_dirs):
     summary = (stage_dirs["results"] / "summary.md").read_text()
-    sections = ["## 01_baseline", "## 01_dynamic_int8_profile", "## 02_static", "## model_variants"]
+    sections = ["## 01_baseline", "## 01_dynamic_int8_profile", "## 02_recipes", "## 02_static", "## model_variants"]
     assert [summary.index(s) for s in sections] == sorted(summary.index(s) for s in sections)
     assert "| PyTorch FP32 |" in summary and "| ConvInteger |" in summary and "| onnx_static_int8 |" in summary
     assert "![model_variants](model_variants.png)" in summary
