@@ -156,7 +156,8 @@ RECIPES = {
     "qdq_per_tensor_clip": StaticRecipe(per_channel=False, reduce_range=True, graph_rewrite="hardswish_to_clip"),
     "qdq_per_channel_clip_fold6": StaticRecipe(reduce_range=True, graph_rewrite="hardswish_to_clip_fold6"),
 }
-DEFAULT_RECIPE = "qdq_per_channel_minmax"
+# The fastest here at the same SQNR as qdq_per_channel_minmax (the previous default).
+DEFAULT_RECIPE = "qdq_per_channel_clip_fold6"
 
 
 def pre_process(fp32_path, out_path) -> Path:
