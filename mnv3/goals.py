@@ -26,10 +26,16 @@ def _ratio(a, b, key_a, key_b=None):
     return float(a[key_a]) / float(b[key_b or key_a])
 
 
+def value(row, key):
+    return float(row[key]) if row and row.get(key) not in (None, "", "nan") else None
+
+
 def measured_goals(results_dir=RESULTS_DIR) -> list[dict]:
     results_dir = Path(results_dir)
     variants = _rows(results_dir, "model_variants.csv")
     fp32, int8 = _find(variants, variant="ONNX FP32"), _find(variants, variant="ONNX Static INT8")
+    # `--compare-recipes` times the shipped recipe and FP32 taking turns in one process: the fairest ratio.
+    same_run = _find(_rows(results_dir, "02_recipes.csv"), shipped="True")
     # Every ORT/OpenVINO variant stage 1 and 2 measured, for "the fastest offered variant".
     candidates = [row for row in _rows(results_dir, "01_baseline.csv") + _rows(results_dir, "02_static.csv")
                   if row.get("variant") not in ("pytorch_fp32", "onnx_fp32", None)]
@@ -40,13 +46,12 @@ def measured_goals(results_dir=RESULTS_DIR) -> list[dict]:
     caching = _rows(results_dir, "04_caching.csv")
     hit = _find(caching, run="sequential", phase="hit")
 
-    def value(row, key):
-        return float(row[key]) if row and row.get(key) not in (None, "", "nan") else None
-
     goals = [
         # (goal, comparison, target, measured, stage that measures it)
-        ("static INT8 batch-1 latency / ONNX FP32", "<=", 0.8, _ratio(int8, fp32, "mean_ms"), 2),
-        ("static INT8 per-image time at batch N / ONNX FP32", "<=", 0.6, _ratio(int8, fp32, "per_image_ms"), 2),
+        ("static INT8 batch-1 latency / ONNX FP32", "<=", 0.8,
+         value(same_run, "mean_ms_vs_onnx_fp32") or _ratio(int8, fp32, "mean_ms"), 2),
+        ("static INT8 per-image time at batch N / ONNX FP32", "<=", 0.6,
+         value(same_run, "per_image_ms_vs_onnx_fp32") or _ratio(int8, fp32, "per_image_ms"), 2),
         ("static INT8 size / ONNX FP32", "<=", 0.27, _ratio(int8, fp32, "size_mb"), 2),
         ("static INT8 logits SQNR vs FP32 (dB)", ">=", 25, value(int8, "sqnr_db"), 2),
         ("static INT8 top-1 agreement with FP32", ">=", 0.99, value(int8, "top1_agreement"), 2),

@@ -18,3 +18,17 @@ def test_goals_are_ratios_of_measured_rows_and_name_the_missing_stage(tmp_path):
     assert goals["static INT8 logits SQNR vs FP32 (dB)"]["met"] == "yes"
     assert goals["cache hit round trip p50 (ms)"]["met"] == "not measured: run `python caching.py`"
     assert goals["batched server req/s / in-process limit"]["met"].endswith("`python batching_loadtest.py`")
+
+
+def test_int8_latency_goals_prefer_the_same_run_ratios_of_the_recipe_comparison(tmp_path):
+    write_csv(tmp_path / "model_variants.csv", [
+        {"variant": "ONNX FP32", "mean_ms": 4, "per_image_ms": 4, "size_mb": 20},
+        {"variant": "ONNX Static INT8", "mean_ms": 6, "per_image_ms": 3, "size_mb": 5},
+    ])
+    write_csv(tmp_path / "02_recipes.csv", [
+        {"recipe": "a", "shipped": "False", "mean_ms_vs_onnx_fp32": 0.5, "per_image_ms_vs_onnx_fp32": 0.5},
+        {"recipe": "b", "shipped": "True", "mean_ms_vs_onnx_fp32": 0.9, "per_image_ms_vs_onnx_fp32": 0.8},
+    ])
+    goals = {row["goal"]: row["measured"] for row in measured_goals(tmp_path)}
+    assert goals["static INT8 batch-1 latency / ONNX FP32"] == 0.9  # not 6/4 from two different runs
+    assert goals["static INT8 per-image time at batch N / ONNX FP32"] == 0.8
