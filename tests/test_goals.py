@@ -32,3 +32,17 @@ def test_int8_latency_goals_prefer_the_same_run_ratios_of_the_recipe_comparison(
     goals = {row["goal"]: row["measured"] for row in measured_goals(tmp_path)}
     assert goals["static INT8 batch-1 latency / ONNX FP32"] == 0.9  # not 6/4 from two different runs
     assert goals["static INT8 per-image time at batch N / ONNX FP32"] == 0.8
+
+
+def test_fastest_variant_is_ranked_by_same_run_ratios_across_stage_1_and_the_recipes(tmp_path):
+    write_csv(tmp_path / "01_baseline.csv", [
+        {"variant": "pytorch_fp32", "mean_ms": 1, "per_image_ms": 1},  # not an offered variant
+        {"variant": "onnx_fp32", "mean_ms": 4, "per_image_ms": 4},
+        {"variant": "openvino_fp32", "mean_ms": 3, "per_image_ms": 4.4},
+    ])
+    write_csv(tmp_path / "02_recipes.csv", [
+        {"recipe": "r", "shipped": "True", "mean_ms_vs_onnx_fp32": 0.9, "per_image_ms_vs_onnx_fp32": 0.7},
+    ])
+    goals = {row["goal"]: row["measured"] for row in measured_goals(tmp_path)}
+    assert goals["fastest variant batch 1 (openvino_fp32) / ONNX FP32"] == 0.75
+    assert goals["fastest variant per image at batch N (static INT8 r) / ONNX FP32"] == 0.7
