@@ -12,9 +12,12 @@ class ResultCache:
     Everything runs on one event loop, so the dicts need no locks.
     """
 
-    def __init__(self, maxsize: int, model_id: str):
+    def __init__(self, maxsize: int, model_id: str, leader_only_errors: tuple[type[BaseException], ...] = ()):
+        """`leader_only_errors` say something about the leader's request (its deadline, a full queue),
+        not about the image: followers then compute under their own budget instead of sharing them."""
         self.maxsize = maxsize
         self.model_id = model_id
+        self.leader_only_errors = leader_only_errors
         self._results = LRUCache(maxsize) if maxsize > 0 else None
         self._in_flight: dict[str, asyncio.Future] = {}
         self.hits = 0
@@ -31,8 +34,8 @@ class ResultCache:
         """Return (result, hit). A hit is a stored result or one shared with an identical request in flight.
 
         The first request for a key (the leader) computes; identical requests arriving meanwhile await
-        its future. A leader's exception reaches its followers and is not stored. A leader whose client
-        went away cancels its future, and one follower takes over as the new leader.
+        its future. A leader's exception reaches its followers and is not stored, except a
+        `leader_only_errors` one: then, as when the leader's client went away, one follower takes over.
         """
         if self._results is None:
             return await compute(), False
@@ -59,8 +62,8 @@ class ResultCache:
         self._in_flight[key] = future
         try:
             result = await compute()
-        except asyncio.CancelledError:
-            future.cancel()
+        except (asyncio.CancelledError, *self.leader_only_errors):
+            future.cancel()  # followers see a cancelled leader and retry, one of them as the new leader
             raise
         except BaseException as exc:
             future.set_exception(exc)

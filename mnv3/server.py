@@ -275,7 +275,8 @@ class Serving:
     def __init__(self, config: ServerConfig, engine: Engine):
         self.config = config
         self.engine = engine
-        self.cache = ResultCache(config.cache_size, engine.model_id)
+        self.cache = ResultCache(config.cache_size, engine.model_id,
+                                 leader_only_errors=(DeadlineExceeded, QueueFull))
         self.preprocessing = 0  # requests being decoded: the batcher's window waits only for these
         self.batcher = DynamicBatcher(self._run_batch, config.max_batch_size, config.batch_window_ms, config.queue_limit,
                                       incoming=lambda: self.preprocessing)

@@ -108,3 +108,24 @@ def test_cancelled_leader_hands_over_to_a_follower():
             await leader
 
     run(scenario())
+
+
+def test_leader_only_error_is_not_shared_a_follower_computes_under_its_own_budget():
+    class LeaderDeadline(Exception):
+        pass
+
+    async def scenario():
+        cache = ResultCache(maxsize=8, model_id="m", leader_only_errors=(LeaderDeadline,))
+        failing = Computation(error=LeaderDeadline("the leader's deadline passed"))
+        failing.release.clear()
+        leader = asyncio.create_task(cache.get_or_compute(b"x", failing))
+        await asyncio.sleep(0)
+        follower = asyncio.create_task(cache.get_or_compute(b"x", Computation("own result")))
+        await asyncio.sleep(0)
+        failing.release.set()
+        with pytest.raises(LeaderDeadline):
+            await leader
+        assert await follower == ("own result", False)
+        assert cache.misses == 2 and cache.hits == 0
+
+    run(scenario())
