@@ -11,6 +11,7 @@ EXTRAS_STAMP := $(VENV)/.requirements-extras-installed
 .PHONY: run test bench clean
 
 $(STAMP): requirements.txt
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "mnv3 needs Python 3.11+ (asyncio.timeout); set PYTHON=python3.11"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -r requirements.txt
 	touch $@
