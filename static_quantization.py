@@ -22,6 +22,7 @@ from mnv3.latency import (LatencyStats, Timing, add_stage_args, benchmark, make_
                           ort_runner, positive_int, run_stage)
 from mnv3.quantize import (DEFAULT_RECIPE, RECIPES, calibration_photos, preprocess_photos, quantize_static_int8,
                            size_mb)
+from mnv3.preprocess import InvalidImage
 from mnv3.report import markdown_table, plot_variants, read_csv, write_csv, write_summary
 
 CALIBRATION_IMAGES = (200, 16)  # (normal, --quick)
@@ -61,7 +62,7 @@ def recipe_names(text: str) -> list[str]:
 
 
 def main(args):
-    run_stage(run, args, user_errors=(MissingArtifact, UnreadableLabels))
+    run_stage(run, args, user_errors=(MissingArtifact, UnreadableLabels, InvalidImage))
 
 
 def run(args):

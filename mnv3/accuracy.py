@@ -8,10 +8,9 @@ import csv
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
 
 from mnv3.photos import IMAGE_SUFFIXES, held_out_images, list_images
-from mnv3.preprocess import preprocess_batch
+from mnv3.preprocess import InvalidImage, open_image, preprocess_batch
 
 HELD_OUT_IMAGES = 64
 QUICK_HELD_OUT_IMAGES = 16  # still >= 8, the largest export-check batch
@@ -39,10 +38,9 @@ def path_batches(paths, batch_size: int):
         images = []
         for path in paths[i:i + batch_size]:
             try:
-                with Image.open(path) as image:
-                    images.append(image.convert("RGB"))
-            except OSError as exc:
-                raise UnreadableLabels(f"labelled image {path} cannot be read ({exc})") from exc
+                images.append(open_image(path))
+            except InvalidImage as exc:
+                raise UnreadableLabels(f"labelled image {exc}") from exc
         yield preprocess_batch(images)
 
 

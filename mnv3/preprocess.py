@@ -6,6 +6,7 @@ ImageNet mean/std, channels first. tests/test_preprocess.py holds it to that.
 """
 import io
 import warnings
+from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageOps
@@ -119,3 +120,12 @@ def _to_rgb(image: Image.Image) -> Image.Image:
         span = (array.max() - array.min()) or 1.0
         image = Image.fromarray(((array - array.min()) * (255.0 / span)).astype(np.uint8), mode="L")
     return image if image.mode == "RGB" else image.convert("RGB")
+
+
+def open_image(path) -> Image.Image:
+    """A local image file decoded exactly as an upload is (EXIF orientation, 16-bit scaling, limits),
+    so calibration and accuracy see the pixels the server will see."""
+    try:
+        return decode_image(Path(path).read_bytes())
+    except (InvalidImage, OSError) as exc:
+        raise InvalidImage(f"{path}: {exc}; remove or replace that file") from exc

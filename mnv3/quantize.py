@@ -16,11 +16,10 @@ from onnx import helper, numpy_helper
 from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType,
                                       quantize_dynamic, quantize_static)
 from onnxruntime.quantization.shape_inference import quant_pre_process
-from PIL import Image
 from tqdm import tqdm
 
 from mnv3.photos import fill_calibration_dir, list_images
-from mnv3.preprocess import preprocess_batch
+from mnv3.preprocess import open_image, preprocess_batch
 
 CALIBRATION_BATCH_SIZE = 8
 
@@ -189,7 +188,7 @@ def calibration_photos(folder, count: int) -> list[Path]:
 
 def preprocess_photos(image_paths) -> np.ndarray:
     """The calibration photos as one preprocessed (N, 3, 224, 224) array, to calibrate several recipes on."""
-    return np.concatenate([preprocess_batch([_open_rgb(path) for path in image_paths[i:i + CALIBRATION_BATCH_SIZE]])
+    return np.concatenate([preprocess_batch([open_image(path) for path in image_paths[i:i + CALIBRATION_BATCH_SIZE]])
                            for i in range(0, len(image_paths), CALIBRATION_BATCH_SIZE)])
 
 
@@ -218,14 +217,9 @@ class PhotoCalibrationReader(CalibrationDataReader):
             self.progress.close()
             return None
         chunk = self.chunks.pop(0)
-        batch = preprocess_batch([_open_rgb(path) for path in chunk])
+        batch = preprocess_batch([open_image(path) for path in chunk])
         self.progress.update(len(chunk))
         return {self.input_name: batch}
-
-
-def _open_rgb(path) -> Image.Image:
-    with Image.open(path) as image:
-        return image.convert("RGB")
 
 
 def quantize_static_int8(fp32_path, out_path, calibration, recipe: StaticRecipe, cache_dir=None) -> Path:

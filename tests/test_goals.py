@@ -46,3 +46,16 @@ def test_fastest_variant_is_ranked_by_same_run_ratios_across_stage_1_and_the_rec
     goals = {row["goal"]: row["measured"] for row in measured_goals(tmp_path)}
     assert goals["fastest variant batch 1 (openvino_fp32) / ONNX FP32"] == 0.75
     assert goals["fastest variant per image at batch N (static INT8 r) / ONNX FP32"] == 0.7
+
+
+def test_a_recipe_comparison_of_another_recipe_than_the_shipped_one_is_ignored(tmp_path):
+    write_csv(tmp_path / "model_variants.csv", [
+        {"variant": "ONNX FP32", "mean_ms": 4, "per_image_ms": 4, "size_mb": 20},
+        {"variant": "ONNX Static INT8", "mean_ms": 6, "per_image_ms": 3, "size_mb": 5},
+    ])
+    write_csv(tmp_path / "02_static.csv", [{"variant": "onnx_static_int8", "recipe": "now_shipped"}])
+    write_csv(tmp_path / "02_recipes.csv", [
+        {"recipe": "shipped_before", "shipped": "True", "mean_ms_vs_onnx_fp32": 0.5, "per_image_ms_vs_onnx_fp32": 0.5},
+    ])
+    goals = {row["goal"]: row["measured"] for row in measured_goals(tmp_path)}
+    assert goals["static INT8 batch-1 latency / ONNX FP32"] == 1.5  # 6/4 from model_variants, not the stale 0.5

@@ -8,7 +8,6 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
-import numpy as np
 import pytest
 import requests
 import uvicorn

@@ -1,4 +1,3 @@
-import numpy as np
 import onnxruntime as ort
 
 from mnv3.photos import held_out_images

@@ -170,3 +170,15 @@ def test_non_positive_counts_are_rejected_by_argparse(flag, capsys):
     with pytest.raises(SystemExit) as exit_info:
         baseline_export_quantize.get_args_parser().parse_args([flag, "0"])
     assert exit_info.value.code == 2 and flag in capsys.readouterr().err
+
+
+def test_corrupt_calibration_image_exits_2_naming_the_file(stage_dirs, tmp_path, capsys):
+    calibration = tmp_path / "calibration"
+    calibration.mkdir()
+    (calibration / "holiday.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
+    with pytest.raises(SystemExit) as exit_info:
+        run_stage(static_quantization, "--quick", "--artifacts-dir", stage_dirs["artifacts"],
+                  "--results-dir", stage_dirs["results"], "--calibration-dir", calibration)
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert "holiday.jpg" in error and "remove or replace" in error and "Traceback" not in error
