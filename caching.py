@@ -13,6 +13,7 @@ import argparse
 import sys
 
 from mnv3 import loadtest
+from mnv3.latency import positive_int
 from mnv3.photos import load_images
 
 CSV_NAME = "04_caching.csv"
@@ -21,8 +22,8 @@ CSV_NAME = "04_caching.csv"
 def get_args_parser():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     loadtest.add_common_args(parser)
-    parser.add_argument("--sequential-requests", type=int, help="images sent one at a time (default 50; --quick 8)")
-    parser.add_argument("--cache-size", type=int,
+    parser.add_argument("--sequential-requests", type=positive_int, help="images sent one at a time (default 50; --quick 8)")
+    parser.add_argument("--cache-size", type=positive_int,
                         help="server cache entries (default: every image this stage sends, so hits are never evicted)")
     return parser
 
@@ -35,7 +36,8 @@ def main(args):
     bodies = load_images(args.sequential_requests + args.requests)
     runs = (("sequential", 1, bodies[:args.sequential_requests]),
             ("concurrent", args.concurrency, bodies[args.sequential_requests:]))
-    options = loadtest.server_options(args, cache_size=args.cache_size or len(bodies), max_batch_size=1)
+    options = loadtest.server_options(args, cache_size=len(bodies) if args.cache_size is None else args.cache_size,
+                                     max_batch_size=1)
     rows = []
     with loadtest.ServerProcess(model, args.start_timeout, **options) as url:
         environment = loadtest.server_settings(url) | loadtest.environment_row(model, provenance)

@@ -131,7 +131,13 @@ def _class_names(path: Path, num_classes) -> list[str]:
     if not path.exists():
         log.warning("%s not found beside the model: labels will be class_<id>", path.name)
         return []
-    names = json.loads(path.read_text())
+    try:
+        names = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"{path} is not a JSON list of class names ({_one_line(exc)}); "
+                             "rerun stage 1 or delete it to label classes class_<id>") from exc
+    if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+        raise ModelLoadError(f"{path} is not a JSON list of class names")
     if isinstance(num_classes, int) and len(names) != num_classes:
         raise ModelLoadError(f"{path} has {len(names)} class names but the model outputs {num_classes} classes")
     return names

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from mnv3 import report
 from mnv3.artifacts import ARTIFACTS_DIR, RESULTS_DIR, STATIC_INT8_ONNX, MissingArtifact, read_manifest, require
-from mnv3.latency import DEFAULT_INTER_OP_THREADS, DEFAULT_INTRA_OP_THREADS, LatencyStats
+from mnv3.latency import DEFAULT_INTER_OP_THREADS, DEFAULT_INTRA_OP_THREADS, LatencyStats, positive_int
 from mnv3.photos import LOAD_IMAGE_QUALITY, LOAD_IMAGE_SIZE
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
@@ -364,13 +364,13 @@ def add_common_args(parser):
     parser.add_argument("--model", type=Path,
                         help="ONNX model to serve (default: the static INT8 model stage 2 recorded)")
     parser.add_argument("--quick", action="store_true", help="small counts: a smoke run in well under a minute")
-    parser.add_argument("--concurrency", type=int, help="concurrent requests (default 250; --quick 8)")
-    parser.add_argument("--requests", type=int, help="requests per closed-loop run (default 4x concurrency)")
-    parser.add_argument("--intra-op-threads", type=int, default=DEFAULT_INTRA_OP_THREADS,
+    parser.add_argument("--concurrency", type=positive_int, help="concurrent requests (default 250; --quick 8)")
+    parser.add_argument("--requests", type=positive_int, help="requests per closed-loop run (default 4x concurrency)")
+    parser.add_argument("--intra-op-threads", type=positive_int, default=DEFAULT_INTRA_OP_THREADS,
                         help="server's ORT intra-op threads (default %(default)s)")
-    parser.add_argument("--inter-op-threads", type=int, default=DEFAULT_INTER_OP_THREADS,
+    parser.add_argument("--inter-op-threads", type=positive_int, default=DEFAULT_INTER_OP_THREADS,
                         help="server's ORT inter-op threads (default %(default)s)")
-    parser.add_argument("--preprocess-threads", type=int, help="server's decode/preprocess threads (default: server's)")
+    parser.add_argument("--preprocess-threads", type=positive_int, help="server's decode/preprocess threads (default: server's)")
     parser.add_argument("--deadline-ms", type=float, default=1000 * REQUEST_TIMEOUT_S,
                         help="server's per-request deadline; as long as the client waits, so a load test "
                              "measures throughput, not load shedding (default %(default)s)")

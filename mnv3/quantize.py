@@ -138,14 +138,11 @@ GRAPH_REWRITES = {
 
 
 # QDQ, per-channel S8 weights, U8 activations, MinMax: ORT's recommended CPU starting point.
-# reduce_range (7-bit weights) because without VNNI the U8xS8 kernels saturate their int16 sums: on an
-# AVX2-only CPU, logits SQNR vs FP32 went from 7.5 dB to 11.2 dB with it, while in float-simulated
-# QDQ (no saturation) it cost only 0.35 dB, so it is the safe default on any x86 CPU.
+# reduce_range (7-bit weights) because without VNNI the U8xS8 kernels saturate their int16 sums; it
+# costs little where they do not, so it is the safe default on any x86 CPU.
 # The *_clip recipes first rewrite HardSwish (hardswish_to_clip) so it runs in integers; *_fold6 also
-# folds its x1/6 into the next Conv/Gemm. Measured on the AMD EPYC (AVX2, no VNNI), 2 threads, ORT
-# 1.32, 200 calibration photos, interleaved 12 rounds, ratios to ONNX FP32 (b1 / per image at b32),
-# SQNR on 64 held-out photos: minmax 0.99 / 1.06, 10.5 dB; clip 0.96 / 0.94, 10.4 dB; clip without
-# reduce_range 0.96 / 0.91, 9.1 dB (so reduce_range stays); clip_fold6 0.94 / 0.92, 10.5 dB.
+# folds its x1/6 into the next Conv/Gemm. The default is the fastest recipe at equal SQNR in
+# `static_quantization.py --compare-recipes all`; its numbers are in results/02_recipes.csv.
 RECIPES = {
     "qdq_per_channel_minmax": StaticRecipe(reduce_range=True),
     "qdq_per_tensor_minmax": StaticRecipe(per_channel=False, reduce_range=True),

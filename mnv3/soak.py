@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from mnv3 import loadtest
+from mnv3.latency import positive_int
 from mnv3.loadtest import PredictClient, ServerProcess, read_metrics, run_closed_loop
 from mnv3.photos import load_images
 
@@ -81,9 +82,9 @@ def soak(args) -> tuple[list[dict], bool]:
 def main(argv=None) -> int:
     parser = loadtest.add_common_args(argparse.ArgumentParser(prog="python -m mnv3.soak", description=__doc__,
                                                               formatter_class=argparse.RawDescriptionHelpFormatter))
-    parser.add_argument("--cache-size", type=int, help=f"server cache entries (default {FULL['cache_size']}; "
+    parser.add_argument("--cache-size", type=positive_int, help=f"server cache entries (default {FULL['cache_size']}; "
                                                         f"--quick {QUICK['cache_size']})")
-    parser.add_argument("--distinct", type=int, help=f"distinct images, more than the cache holds (default "
+    parser.add_argument("--distinct", type=positive_int, help=f"distinct images, more than the cache holds (default "
                                                      f"{FULL['distinct']}; --quick {QUICK['distinct']})")
     parser.add_argument("--max-growth", type=float, default=0.10,
                         help="largest RSS growth allowed, as a fraction of the warmed-up RSS (default %(default)s)")

@@ -306,3 +306,13 @@ def test_ort_spinning_is_off_by_default_and_a_flag_turns_it_on():
     assert parse_args(["--model", "m.onnx"], environ={}).ort_spinning == 0
     assert parse_args(["--model", "m.onnx", "--ort-spinning", "1"], environ={}).ort_spinning == 1
     assert parse_args(["--model", "m.onnx"], environ={"MNV3_ORT_SPINNING": "1"}).ort_spinning == 1
+
+
+def test_corrupt_class_names_file_is_a_clear_load_error(fp32_model_path, tmp_path):
+    from mnv3.engine import Engine, ModelLoadError
+
+    model = tmp_path / "fp32.onnx"
+    model.write_bytes(fp32_model_path.read_bytes())
+    (tmp_path / "imagenet_classes.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match="not a JSON list of class names"):
+        Engine.load(model)
