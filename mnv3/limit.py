@@ -1,6 +1,6 @@
 """The in-process limit: how many images/s this machine classifies with no HTTP, no queue, no JSON.
 
-The same work the server does per image (decode_image + preprocess, then one ORT run per batch), on
+The same work the server does per image (preprocess.decode_and_preprocess, then one ORT run per batch), on
 the same JPEG bodies, in one process. Decoding the next batch runs in a thread pool while ORT runs
 the current one, as the server's preprocessing overlaps its inference. The best configuration is the
 ceiling stage 5 holds the batched server to: server req/s / limit images/s is the serving overhead.
@@ -13,7 +13,7 @@ import numpy as np
 from tqdm import tqdm
 
 from mnv3.latency import DEFAULT_INTER_OP_THREADS, make_session
-from mnv3.preprocess import decode_image, preprocess
+from mnv3.preprocess import decode_and_preprocess
 
 BATCH_SIZES = (1, 8, 16, 32, 64)
 # (ORT intra-op threads, decode threads): on 2 cores, each side gets one core, or shares both.
@@ -34,10 +34,6 @@ class LimitResult:
 
     def as_row(self) -> dict:
         return asdict(self) | {"seconds": round(self.seconds, 3), "images_per_s": round(self.images_per_s, 2)}
-
-
-def decode_and_preprocess(body: bytes) -> np.ndarray:
-    return preprocess(decode_image(body))
 
 
 def classify_all(session, pool, bodies: list[bytes], batch_size: int) -> float:

@@ -122,6 +122,11 @@ def _to_rgb(image: Image.Image) -> Image.Image:
     return image if image.mode == "RGB" else image.convert("RGB")
 
 
+def decode_and_preprocess(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray:
+    """What the server does to each upload before inference (and the in-process limit, to match it)."""
+    return preprocess(decode_image(data, max_pixels))
+
+
 def open_image(path) -> Image.Image:
     """A local image file decoded exactly as an upload is (EXIF orientation, 16-bit scaling, limits),
     so calibration and accuracy see the pixels the server will see."""

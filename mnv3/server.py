@@ -33,7 +33,7 @@ from mnv3.batcher import DeadlineExceeded, DynamicBatcher, QueueFull, ShuttingDo
 from mnv3.cache import ResultCache
 from mnv3.engine import BACKENDS, Engine, InferenceError, ModelLoadError, Prediction
 from mnv3.latency import DEFAULT_INTER_OP_THREADS, DEFAULT_INTRA_OP_THREADS
-from mnv3.preprocess import DEFAULT_MAX_PIXELS, ImageTooLarge, InvalidImage, decode_image, preprocess
+from mnv3.preprocess import DEFAULT_MAX_PIXELS, ImageTooLarge, InvalidImage, decode_and_preprocess
 
 log = logging.getLogger(__name__)
 
@@ -318,7 +318,8 @@ class Serving:
             # Cancelling a decode that has not started yet removes it from the pool's queue.
             async with asyncio.timeout_at(deadline):
                 array = await asyncio.get_running_loop().run_in_executor(self.preprocess_pool,
-                                                                         self._decode_and_preprocess, data)
+                                                                         decode_and_preprocess, data,
+                                                                         self.config.max_pixels)
         except TimeoutError:
             raise DeadlineExceeded("deadline passed while waiting to decode the image") from None
         finally:
@@ -329,9 +330,6 @@ class Serving:
         self.metrics.queue_wait.observe(result.queue_s)
         return Classified(self.engine.top_k(result.row, self.config.top_k), result.batch_size,
                           1000 * result.queue_s, 1000 * preprocess_s, 1000 * result.inference_s)
-
-    def _decode_and_preprocess(self, data: bytes) -> np.ndarray:
-        return preprocess(decode_image(data, self.config.max_pixels))
 
     def _run_batch(self, batch: np.ndarray) -> np.ndarray:
         started = time.perf_counter()
