@@ -63,6 +63,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until_ready(base_url: str, timeout_s: float, check=lambda: None) -> bool:
+    """Poll GET /readyz until it answers 200 (True) or `timeout_s` passes (False). `check()` runs before
+    each poll and may raise, e.g. when the server process has died."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        check()
+        try:
+            if requests.get(base_url + "/readyz", timeout=2).status_code == 200:
+                return True
+        except requests.RequestException:
+            pass  # not listening yet
+        time.sleep(READY_POLL_S)
+    return False
+
+
 class ServerProcess:
     """`with ServerProcess(model, cache_size=0) as url:` a server on a free 127.0.0.1 port, stopped on exit.
 
@@ -102,20 +117,16 @@ class ServerProcess:
         self.stop()
 
     def _wait_until_ready(self):
-        deadline = time.monotonic() + self.start_timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                output = self.output_tail()
-                last_line = output.strip().splitlines()[-1] if output.strip() else "(no output)"
-                raise ServerStartError(f"server exited with code {self.process.returncode}: {last_line}", output)
-            try:
-                if requests.get(self.url + "/readyz", timeout=2).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass  # not listening yet
-            time.sleep(READY_POLL_S)
+        if wait_until_ready(self.url, self.start_timeout_s, self._raise_if_exited):
+            return
         raise ServerStartError(f"server not ready after {self.start_timeout_s:.0f} s (is the machine overloaded? "
                                f"raise --start-timeout): {' '.join(self.command)}", self.output_tail())
+
+    def _raise_if_exited(self):
+        if self.process.poll() is not None:
+            output = self.output_tail()
+            last_line = output.strip().splitlines()[-1] if output.strip() else "(no output)"
+            raise ServerStartError(f"server exited with code {self.process.returncode}: {last_line}", output)
 
     def stop(self):
         if self.process is not None and self.process.poll() is None:

@@ -21,7 +21,6 @@ from dataclasses import fields, replace
 from pathlib import Path
 
 import ray
-import requests
 from ray import serve
 from starlette.middleware import Middleware
 
@@ -174,15 +173,8 @@ def stop_local_cluster() -> None:
 def deploy(app: serve.Application, base_url: str, timeout_s: float = loadtest.START_TIMEOUT_S) -> None:
     """Deploy (or replace) the app and wait until /readyz answers 200 through the proxy."""
     serve.run(app, name=APP_NAME, route_prefix="/")
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if requests.get(base_url + "/readyz", timeout=2).status_code == 200:
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(loadtest.READY_POLL_S)
-    raise loadtest.ServerStartError(f"Ray Serve app not ready at {base_url} after {timeout_s:.0f} s")
+    if not loadtest.wait_until_ready(base_url, timeout_s):
+        raise loadtest.ServerStartError(f"Ray Serve app not ready at {base_url} after {timeout_s:.0f} s")
 
 
 # ---------------------------------------------------------------------------------------- benchmark
