@@ -38,15 +38,18 @@ def get_args_parser():
     loadtest.add_common_args(parser)
     parser.add_argument("--batch-window-ms", type=float, default=20.0,
                         help="how long a batch waits to fill (default %(default)s)")
-    parser.add_argument("--max-batch-size", type=positive_int, default=32, help="most images per ORT run (default %(default)s)")
+    parser.add_argument("--max-batch-size", type=positive_int, default=32,
+                        help="most images per ORT run (default %(default)s)")
     parser.add_argument("--sweep", type=positive_int, nargs="+", help=f"concurrencies for the batching server "
                         f"(default {FULL['sweep']}; --quick {QUICK['sweep']}); --concurrency is always added")
     parser.add_argument("--open-loop-fraction", type=float, default=0.8,
                         help="open-loop rate, as a fraction of the batching server's closed-loop req/s "
                              "(default %(default)s)")
     parser.add_argument("--open-loop-seconds", type=float, help="open-loop duration (default 15; --quick 2)")
-    parser.add_argument("--limit-images", type=positive_int, help="images per in-process limit run (default 128; --quick 16)")
-    parser.add_argument("--limit-batch-sizes", type=positive_int, nargs="+", help=f"default {list(BATCH_SIZES)}; --quick [1, 8]")
+    parser.add_argument("--limit-images", type=positive_int,
+                        help="images per in-process limit run (default 128; --quick 16)")
+    parser.add_argument("--limit-batch-sizes", type=positive_int, nargs="+",
+                        help=f"default {list(BATCH_SIZES)}; --quick [1, 8]")
     return parser
 
 

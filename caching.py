@@ -22,7 +22,8 @@ CSV_NAME = "04_caching.csv"
 def get_args_parser():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     loadtest.add_common_args(parser)
-    parser.add_argument("--sequential-requests", type=positive_int, help="images sent one at a time (default 50; --quick 8)")
+    parser.add_argument("--sequential-requests", type=positive_int,
+                        help="images sent one at a time (default 50; --quick 8)")
     parser.add_argument("--cache-size", type=positive_int,
                         help="server cache entries (default: every image this stage sends, so hits are never evicted)")
     return parser

@@ -381,7 +381,8 @@ def add_common_args(parser):
                         help="server's ORT intra-op threads (default %(default)s)")
     parser.add_argument("--inter-op-threads", type=positive_int, default=DEFAULT_INTER_OP_THREADS,
                         help="server's ORT inter-op threads (default %(default)s)")
-    parser.add_argument("--preprocess-threads", type=positive_int, help="server's decode/preprocess threads (default: server's)")
+    parser.add_argument("--preprocess-threads", type=positive_int,
+                        help="server's decode/preprocess threads (default: server's)")
     parser.add_argument("--deadline-ms", type=float, default=1000 * REQUEST_TIMEOUT_S,
                         help="server's per-request deadline; as long as the client waits, so a load test "
                              "measures throughput, not load shedding (default %(default)s)")
