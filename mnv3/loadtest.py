@@ -27,7 +27,7 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
-from mnv3 import report
+from mnv3 import latency, report
 from mnv3.artifacts import ARTIFACTS_DIR, RESULTS_DIR, STATIC_INT8_ONNX, MissingArtifact, read_manifest, require
 from mnv3.latency import DEFAULT_INTER_OP_THREADS, DEFAULT_INTRA_OP_THREADS, LatencyStats, positive_int
 from mnv3.photos import LOAD_IMAGE_QUALITY, LOAD_IMAGE_SIZE
@@ -453,10 +453,6 @@ def write_results(results_dir: Path, csv_name: str, rows: list[dict]) -> Path:
 
 
 def run_stage(main, args) -> int:
-    """Run a stage's main; a missing input or a server that will not start is one line and exit 2."""
-    try:
-        main(args)
-    except (MissingArtifact, ServerStartError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    """Run a serving stage's main; a missing input or a server that will not start is one line and exit 2."""
+    latency.run_stage(main, args, user_errors=(MissingArtifact, ServerStartError))
     return 0
