@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import requests
 
-from mnv3.loadtest import (ServerProcess, ServerStartError, PredictClient, batch_size_histogram, metrics_delta,
-                           metrics_row, parse_metrics, poisson_schedule, run_closed_loop, run_open_loop)
+from mnv3.loadtest import (ServerProcess, ServerStartError, PredictClient, batch_size_histogram, free_port,
+                           metrics_delta, metrics_row, parse_metrics, poisson_schedule, run_closed_loop, run_open_loop)
 from mnv3.photos import load_images
 
 SAMPLE_METRICS = """\
@@ -117,6 +117,12 @@ def test_server_process_serves_and_stops(fp32_model_path):
     assert 1 <= result.server["mean_batch_size"] <= 4 and result.server["mean_inference_ms"] > 0
     with pytest.raises(requests.ConnectionError):
         requests.get(url + "/readyz", timeout=2)
+
+
+def test_predict_client_reports_a_refused_connection_as_a_status():
+    with PredictClient(f"http://127.0.0.1:{free_port()}") as send:  # nothing listens there
+        status, payload = send(b"x")
+    assert (status, payload) == ("NewConnectionError", None)
 
 
 def test_server_process_reports_why_the_server_failed(tmp_path):
