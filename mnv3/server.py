@@ -15,7 +15,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -339,7 +339,8 @@ class Serving:
         return probabilities
 
 
-def serving(request: Request) -> Serving:
+async def serving(request: Request) -> Serving:
+    # async: FastAPI runs a plain `def` dependency in its thread pool, a thread hop on every request.
     return request.app.state.serving
 
 
@@ -379,7 +380,8 @@ async def predict(request: Request, s: Serving = Depends(serving)) -> PredictRes
         s.metrics.request_latency.observe(time.perf_counter() - started)
     if hit:  # this request ran nothing: report no batch and no stage times
         result = replace(result, batch_size=0, queue_ms=0.0, preprocess_ms=0.0, inference_ms=0.0)
-    return PredictResponse(model=s.engine.model_id, cache_hit=hit, **asdict(result))
+    # vars, not asdict: asdict deep-copies the predictions, which took ~0.15 ms of a 1 ms cache hit.
+    return PredictResponse(model=s.engine.model_id, cache_hit=hit, **vars(result))
 
 
 async def unless_disconnected(request: Request, work):
