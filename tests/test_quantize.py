@@ -13,8 +13,8 @@ from mnv3.photos import fill_calibration_dir, held_out_images
 from mnv3.preprocess import preprocess, preprocess_batch
 from mnv3.profiling import op_type_summary, profile_model
 from mnv3.quantize import (DEFAULT_RECIPE, GRAPH_REWRITES, RECIPES, ArrayCalibrationReader, PhotoCalibrationReader,
-                           StaticRecipe, calibration_photos, hardswish_to_clip, preprocess_photos, quantize_dynamic_int8,
-                           quantize_static_int8)
+                           StaticRecipe, calibration_photos, hardswish_to_clip, pad_depthwise_channels, preprocess_photos,
+                           quantize_dynamic_int8, quantize_static_int8)
 
 CALIBRATION_COUNT = 32
 HELD_OUT_COUNT = 32
@@ -114,6 +114,31 @@ def test_graph_rewrites_are_exact_in_fp32_on_photos(fp32_model_path, held_out, r
     reference = ort_runner(make_session(fp32_model_path))(held_out)
     session = ort.InferenceSession(rewritten.SerializeToString(), providers=["CPUExecutionProvider"])
     np.testing.assert_allclose(ort_runner(session)(held_out), reference, rtol=0, atol=1e-5)
+
+
+def test_pad_depthwise_channels_rounds_every_depthwise_conv_up_to_16_exactly(fp32_model_path, held_out):
+    def depthwise_groups(model):
+        return [a.i for node in model.graph.node for a in node.attribute if a.name == "group" and a.i > 1]
+
+    original = onnx.load(str(fp32_model_path))
+    padded = pad_depthwise_channels(original)
+    onnx.checker.check_model(padded)
+    before, after = depthwise_groups(original), depthwise_groups(padded)
+    assert {72, 120, 200, 184} <= set(before)  # MobileNetV3-Large: these miss ORT's fast INT8 kernel
+    assert after == [-(-groups // 16) * 16 for groups in before]
+    session = ort.InferenceSession(padded.SerializeToString(), providers=["CPUExecutionProvider"])
+    reference = ort_runner(make_session(fp32_model_path))(held_out)
+    np.testing.assert_allclose(ort_runner(session)(held_out), reference, rtol=0, atol=1e-5)
+
+
+def test_pad_depthwise_channels_leaves_channels_that_reach_a_graph_output():
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Conv", ["x", "w"], ["y"], group=24)], "depthwise",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 24, 8, 8])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 24, 6, 6])],
+        [onnx.numpy_helper.from_array(np.ones((24, 1, 3, 3), np.float32), "w")])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    assert pad_depthwise_channels(model).graph == model.graph
 
 
 def test_hardswish_to_clip_writes_the_definition():
