@@ -91,11 +91,13 @@ def hardswish_to_clip(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def fold_hardswish_sixth(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy of hardswish_to_clip's output with the x1/6 Mul folded into the next layer's weights.
+    """A copy of hardswish_to_clip's output with the x1/6 Mul folded into the next layers' weights.
 
-    Where every consumer of a HardSwish is a Conv or Gemm (as its data input, with weights of its own),
-    conv(y / 6, W) = conv(y, W / 6), so the Mul goes and one QLinearMul per such HardSwish with it.
-    Exact up to float rounding of W / 6; HardSwishes that also feed an Add, a pool or the SE Mul keep it.
+    conv(y / 6, W) = conv(y, W / 6), and the factor passes unchanged through what is linear in y on
+    the way: a GlobalAveragePool or Flatten, or the squeeze-excite Mul by a gate computed elsewhere.
+    So where every path from a HardSwish reaches a Conv or Gemm (as its data input, with weights of
+    its own) through only those, the Mul goes, and one QLinearMul per such HardSwish with it. Exact up
+    to float rounding of W / 6; a HardSwish that also feeds an Add (MobileNetV3's stem) keeps its Mul.
     """
     model = copy.deepcopy(model)
     graph = model.graph
@@ -105,21 +107,39 @@ def fold_hardswish_sixth(model: onnx.ModelProto) -> onnx.ModelProto:
         for position, name in enumerate(node.input):
             uses.setdefault(name, []).append((node, position))
     graph_outputs = {output.name for output in graph.output}
+
+    def absorbers(name, scaled) -> dict | None:
+        """{weight name: Conv/Gemm} that absorb a factor on tensor `name`, or None where one can't."""
+        if name in graph_outputs:
+            return None
+        scaled.add(name)
+        found = {}
+        for consumer, position in uses.get(name, []):
+            if (consumer.op_type in ("Conv", "Gemm") and position == 0 and consumer.input[1] in initializers
+                    and len(uses[consumer.input[1]]) == 1 and not _attribute(consumer, "transA")):
+                found[consumer.input[1]] = consumer
+                continue
+            linear = consumer.op_type in ("GlobalAveragePool", "Flatten") or (
+                consumer.op_type == "Mul" and len(consumer.input) == 2
+                and consumer.input[1 - position] not in scaled | {name} | set(initializers))
+            further = absorbers(consumer.output[0], scaled) if linear else None
+            if further is None:
+                return None
+            found |= further
+        return found or None
+
     removed = set()
     for node in graph.node:
-        if node.op_type != "Mul" or node.input[1] != "hardswish_to_clip/sixth" or node.output[0] in graph_outputs:
+        if node.op_type != "Mul" or node.input[1] != "hardswish_to_clip/sixth":
             continue
-        consumers = uses.get(node.output[0], [])
-        foldable = consumers and all(
-            consumer.op_type in ("Conv", "Gemm") and position == 0 and consumer.input[1] in initializers
-            and len(uses[consumer.input[1]]) == 1 and not _attribute(consumer, "transA")
-            for consumer, position in consumers)
-        if not foldable:
+        found = absorbers(node.output[0], set())
+        if found is None:
             continue
-        for consumer, _ in consumers:
-            weight = initializers[consumer.input[1]]
+        for weight_name in found:
+            weight = initializers[weight_name]
             weight.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(weight) / np.float32(6), weight.name))
-            consumer.input[0] = node.input[0]
+        for consumer, position in uses[node.output[0]]:
+            consumer.input[position] = node.input[0]
         removed.add(node.name)
     kept = [node for node in graph.node if node.name not in removed]
     del graph.node[:]

@@ -141,6 +141,12 @@ def test_pad_depthwise_channels_leaves_channels_that_reach_a_graph_output():
     assert pad_depthwise_channels(model).graph == model.graph
 
 
+def test_fold_sixth_keeps_only_the_mul_of_the_hardswish_that_feeds_a_residual_add(fp32_model_path):
+    model = GRAPH_REWRITES["hardswish_to_clip_fold6"](onnx.load(str(fp32_model_path)))
+    kept = [node.name for node in model.graph.node if node.op_type == "Mul" and "hardswish_to_clip/sixth" in node.input]
+    assert kept == ["/features/features.0/features.0.2/HardSwish/div6"]  # the stem's: block 1 adds it back
+
+
 def test_hardswish_to_clip_writes_the_definition():
     x = np.linspace(-5, 5, 101, dtype=np.float32).reshape(1, -1)
     graph = onnx.helper.make_graph(
