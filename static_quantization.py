@@ -11,6 +11,7 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +27,7 @@ from mnv3.preprocess import InvalidImage
 from mnv3.report import markdown_table, plot_variants, read_csv, write_csv, write_summary
 
 CALIBRATION_IMAGES = (200, 16)  # (normal, --quick)
+COMPARISON_REPEATS = 4  # --compare-recipes: 4x the timed calls of a stage-1 benchmark, in 8 rounds
 RECIPES_DIR = "recipes"  # under --artifacts-dir: every --compare-recipes model, kept for inspection
 VARIANT_NAMES = {
     "pytorch_fp32": "PyTorch FP32",
@@ -131,7 +133,10 @@ def compare_recipes(args, fp32_path, calibration, held_out, labelled, provenance
     runners = {"onnx_fp32": ort_runner(make_session(fp32_path, args.threads))}
     runners |= {name: ort_runner(make_session(paths[name], args.threads)) for name in names}
     reference = predict(runners["onnx_fp32"], array_batches(held_out, batch_size))
-    latency = interleaved_benchmark(runners, held_out, batch_size, timing)
+    if not args.quick:  # the ratios between recipes are a few percent: more calls, more rounds, less noise
+        timing = replace(timing, iters=timing.iters * COMPARISON_REPEATS,
+                         batch_iters=timing.batch_iters * COMPARISON_REPEATS)
+    latency = interleaved_benchmark(runners, held_out, batch_size, timing, rounds=2 * COMPARISON_REPEATS)
     fp32 = latency["onnx_fp32"] | {"size_mb": size_mb(fp32_path)}
     rows = []
     for name in names:

@@ -7,6 +7,7 @@ import copy
 import hashlib
 import json
 import tempfile
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -36,7 +37,7 @@ class StaticRecipe:
     nodes_to_exclude: tuple[str, ...] = ()
     op_types_to_quantize: tuple[str, ...] = ()  # empty: every op type ORT can quantize
     extra_options: dict = field(default_factory=dict)
-    graph_rewrite: str = ""  # a GRAPH_REWRITES name, applied to the FP32 graph before pre_process
+    graph_rewrite: str = ""  # "+"-joined GRAPH_REWRITES names, applied to the FP32 graph before pre_process
 
     def record(self) -> dict:
         """JSON/CSV-friendly description for the manifest and results."""
@@ -147,6 +148,40 @@ def fold_hardswish_sixth(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
+def hardsigmoid_to_clip(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of `model` with each HardSigmoid that directly follows a Conv folded into that Conv.
+
+    HardSigmoid(z) = Clip(alpha * z + beta, 0, 1), and alpha * (W x + b) + beta is a Conv with weights
+    alpha * W and bias alpha * b + beta. What is left, Clip(0, 1), the quantizer absorbs into the
+    range of the Conv's output. ORT has no integer HardSigmoid, so each one (MobileNetV3's 8 SE gates)
+    otherwise runs as DequantizeLinear -> FP32 HardSigmoid -> QuantizeLinear. Exact up to float rounding.
+    """
+    model = copy.deepcopy(model)
+    graph = model.graph
+    arrays = _constant_arrays(graph)
+    producers = {name: node for node in graph.node for name in node.output}
+    uses = Counter(name for node in graph.node for name in node.input)
+    graph_outputs = {output.name for output in graph.output}
+    bounds = []
+    for node in graph.node:
+        conv = producers.get(node.input[0]) if node.op_type == "HardSigmoid" else None
+        if (conv is None or conv.op_type != "Conv" or uses[node.input[0]] != 1 or node.input[0] in graph_outputs
+                or len(conv.input) < 3 or any(name not in arrays for name in conv.input[1:])):
+            continue
+        alpha, beta = _attribute(node, "alpha") or 0.2, _attribute(node, "beta") or 0.5  # ONNX's defaults
+        weight, bias = (arrays[name] for name in conv.input[1:3])
+        _replace_input(graph, conv, 1, weight * np.float32(alpha), "hardsigmoid")  # the old ones may be shared
+        _replace_input(graph, conv, 2, bias * np.float32(alpha) + np.float32(beta), "hardsigmoid")
+        if not bounds:
+            bounds = ["hardsigmoid_to_clip/zero", "hardsigmoid_to_clip/one"]
+            graph.initializer.extend(numpy_helper.from_array(np.array(value, np.float32), name)
+                                     for name, value in zip(bounds, (0.0, 1.0)))
+        node.CopyFrom(helper.make_node("Clip", [node.input[0], *bounds], list(node.output),
+                                       name=f"{node.name or conv.name}/clip"))
+    _drop_unused_initializers(graph)
+    return model
+
+
 # Ops whose output has the channels of their (first) input, element by element: padding passes through.
 _CHANNELWISE_OPS = ("Relu", "HardSwish", "HardSigmoid", "Clip", "Sigmoid", "GlobalAveragePool")
 
@@ -165,10 +200,7 @@ def pad_depthwise_channels(model: onnx.ModelProto, multiple: int = 16) -> onnx.M
     """
     model = copy.deepcopy(model)
     graph = model.graph
-    arrays = {init.name: numpy_helper.to_array(init) for init in graph.initializer}
-    for node in graph.node:  # the exporter shares equal constants through Identity nodes
-        if node.op_type == "Identity" and node.input[0] in arrays:
-            arrays[node.output[0]] = arrays[node.input[0]]
+    arrays = _constant_arrays(graph)
 
     def conv_kind(node):  # "depthwise", "dense" (group 1) or None: any other op, or a conv we leave alone
         if node.op_type != "Conv" or node.input[1] not in arrays or arrays[node.input[1]].ndim != 4:
@@ -221,37 +253,58 @@ def pad_depthwise_channels(model: onnx.ModelProto, multiple: int = 16) -> onnx.M
                 continue
             weight = arrays[node.input[1]]
             if find(node.output[0]) == root:  # zero filters and bias for the extra output channels
-                _replace_input(graph, node, 1, np.pad(weight, [(0, padded - len(weight))] + [(0, 0)] * 3))
+                _replace_input(graph, node, 1, np.pad(weight, [(0, padded - len(weight))] + [(0, 0)] * 3), "padded")
                 if len(node.input) > 2:
-                    _replace_input(graph, node, 2, np.pad(arrays[node.input[2]], (0, padded - channels)))
+                    _replace_input(graph, node, 2, np.pad(arrays[node.input[2]], (0, padded - channels)), "padded")
                 if kinds[id(node)] == "depthwise":
                     next(a for a in node.attribute if a.name == "group").i = padded
             else:  # a dense conv reading them: zero columns, so the extra channels add nothing
-                _replace_input(graph, node, 1, np.pad(weight, [(0, 0), (0, padded - channels), (0, 0), (0, 0)]))
-    used = {name for node in nodes for name in node.input}
-    kept = [init for init in graph.initializer if init.name in used]
-    del graph.initializer[:]
-    graph.initializer.extend(kept)
+                _replace_input(graph, node, 1, np.pad(weight, [(0, 0), (0, padded - channels), (0, 0), (0, 0)]),
+                               "padded")
+    _drop_unused_initializers(graph)
     return model
 
 
-def _replace_input(graph, node, position: int, array: np.ndarray) -> None:
+def _constant_arrays(graph) -> dict[str, np.ndarray]:
+    """Initializers by name, and the Identity nodes the exporter uses to share equal constants."""
+    arrays = {init.name: numpy_helper.to_array(init) for init in graph.initializer}
+    for node in graph.node:
+        if node.op_type == "Identity" and node.input[0] in arrays:
+            arrays[node.output[0]] = arrays[node.input[0]]
+    return arrays
+
+
+def _replace_input(graph, node, position: int, array: np.ndarray, tag: str) -> None:
     """Point input `position` of `node` at a new initializer holding `array` (the old one may be shared)."""
-    name = f"{node.name}/padded_input_{position}"
+    name = f"{node.name}/{tag}_input_{position}"
     graph.initializer.append(numpy_helper.from_array(array.astype(np.float32), name))
     node.input[position] = name
+
+
+def _drop_unused_initializers(graph) -> None:
+    used = {name for node in graph.node for name in node.input}
+    kept = [init for init in graph.initializer if init.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
 
 
 def _attribute(node, name):
     return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), None)
 
 
-GRAPH_REWRITES = {
+GRAPH_REWRITES = {  # a recipe's graph_rewrite names some of these, joined by "+", applied left to right
+    "pad16": pad_depthwise_channels,
     "hardswish_to_clip": hardswish_to_clip,
-    "hardswish_to_clip_fold6": lambda model: fold_hardswish_sixth(hardswish_to_clip(model)),
-    "pad16_hardswish_to_clip_fold6":
-        lambda model: fold_hardswish_sixth(hardswish_to_clip(pad_depthwise_channels(model))),
+    "fold6": fold_hardswish_sixth,  # after hardswish_to_clip, whose 1/6 Muls it folds
+    "hardsigmoid_to_clip": hardsigmoid_to_clip,
 }
+
+
+def apply_graph_rewrites(model: onnx.ModelProto, names: str) -> onnx.ModelProto:
+    """`model` after the "+"-joined GRAPH_REWRITES `names` ("" leaves it as it is)."""
+    for name in filter(None, names.split("+")):
+        model = GRAPH_REWRITES[name](model)
+    return model
 
 
 # QDQ, per-channel S8 weights, U8 activations, MinMax: ORT's recommended CPU starting point.
@@ -259,7 +312,8 @@ GRAPH_REWRITES = {
 # costs little where they do not, so it is the safe default on any x86 CPU.
 # The *_clip recipes first rewrite HardSwish (hardswish_to_clip) so it runs in integers; *_fold6 also
 # folds its x1/6 into the next Conv/Gemm; *_pad16 first pads depthwise channels to a multiple of 16
-# (pad_depthwise_channels) for ORT's fast INT8 depthwise kernel. The default is the fastest recipe at
+# (pad_depthwise_channels) for ORT's fast INT8 depthwise kernel; *_gate also folds the SE gates'
+# HardSigmoid into the conv before them (hardsigmoid_to_clip). The default is the fastest recipe at
 # equal SQNR in `static_quantization.py --compare-recipes all`; its numbers are in results/02_recipes.csv.
 RECIPES = {
     "qdq_per_channel_minmax": StaticRecipe(reduce_range=True),
@@ -268,10 +322,12 @@ RECIPES = {
     "qdq_per_channel_clip": StaticRecipe(reduce_range=True, graph_rewrite="hardswish_to_clip"),
     "qdq_per_channel_clip_noreduce": StaticRecipe(reduce_range=False, graph_rewrite="hardswish_to_clip"),
     "qdq_per_tensor_clip": StaticRecipe(per_channel=False, reduce_range=True, graph_rewrite="hardswish_to_clip"),
-    "qdq_per_channel_clip_fold6": StaticRecipe(reduce_range=True, graph_rewrite="hardswish_to_clip_fold6"),
-    "qdq_per_channel_pad16_clip_fold6": StaticRecipe(reduce_range=True, graph_rewrite="pad16_hardswish_to_clip_fold6"),
+    "qdq_per_channel_clip_fold6": StaticRecipe(reduce_range=True, graph_rewrite="hardswish_to_clip+fold6"),
+    "qdq_per_channel_pad16_clip_fold6": StaticRecipe(reduce_range=True, graph_rewrite="pad16+hardswish_to_clip+fold6"),
+    "qdq_per_channel_pad16_clip_fold6_gate": StaticRecipe(
+        reduce_range=True, graph_rewrite="pad16+hardswish_to_clip+fold6+hardsigmoid_to_clip"),
 }
-DEFAULT_RECIPE = "qdq_per_channel_pad16_clip_fold6"
+DEFAULT_RECIPE = "qdq_per_channel_pad16_clip_fold6_gate"
 
 
 def pre_process(fp32_path, out_path) -> Path:
@@ -351,7 +407,7 @@ def quantize_static_int8(fp32_path, out_path, calibration, recipe: StaticRecipe,
     with tempfile.TemporaryDirectory() as tmp:
         if recipe.graph_rewrite:
             rewritten = Path(tmp) / "rewritten.onnx"
-            onnx.save(GRAPH_REWRITES[recipe.graph_rewrite](onnx.load(str(fp32_path))), str(rewritten))
+            onnx.save(apply_graph_rewrites(onnx.load(str(fp32_path)), recipe.graph_rewrite), str(rewritten))
             fp32_path = rewritten
         prepared = pre_process(fp32_path, Path(tmp) / "prepared.onnx")
         quantize_static(

@@ -12,9 +12,9 @@ from mnv3.latency import make_session, ort_runner
 from mnv3.photos import fill_calibration_dir, held_out_images
 from mnv3.preprocess import preprocess, preprocess_batch
 from mnv3.profiling import op_type_summary, profile_model
-from mnv3.quantize import (DEFAULT_RECIPE, GRAPH_REWRITES, RECIPES, ArrayCalibrationReader, PhotoCalibrationReader,
-                           StaticRecipe, calibration_photos, hardswish_to_clip, pad_depthwise_channels, preprocess_photos,
-                           quantize_dynamic_int8, quantize_static_int8)
+from mnv3.quantize import (DEFAULT_RECIPE, RECIPES, ArrayCalibrationReader, PhotoCalibrationReader, StaticRecipe,
+                           apply_graph_rewrites, calibration_photos, hardswish_to_clip, pad_depthwise_channels,
+                           preprocess_photos, quantize_dynamic_int8, quantize_static_int8)
 
 CALIBRATION_COUNT = 32
 HELD_OUT_COUNT = 32
@@ -104,10 +104,10 @@ def test_static_int8_kernels_match_simulated_quantization(static_model, held_out
     assert sqnr_db(simulated(batch), integer(batch)) >= 20.0
 
 
-@pytest.mark.parametrize("rewrite", sorted(GRAPH_REWRITES))
+@pytest.mark.parametrize("rewrite", sorted({recipe.graph_rewrite for recipe in RECIPES.values()} - {""}))
 def test_graph_rewrites_are_exact_in_fp32_on_photos(fp32_model_path, held_out, rewrite):
     original = onnx.load(str(fp32_model_path))
-    rewritten = GRAPH_REWRITES[rewrite](original)
+    rewritten = apply_graph_rewrites(original, rewrite)
     onnx.checker.check_model(rewritten)
     assert "HardSwish" not in {node.op_type for node in rewritten.graph.node}
     assert "HardSwish" in {node.op_type for node in original.graph.node}  # the input is left alone
@@ -142,7 +142,7 @@ def test_pad_depthwise_channels_leaves_channels_that_reach_a_graph_output():
 
 
 def test_fold_sixth_keeps_only_the_mul_of_the_hardswish_that_feeds_a_residual_add(fp32_model_path):
-    model = GRAPH_REWRITES["hardswish_to_clip_fold6"](onnx.load(str(fp32_model_path)))
+    model = apply_graph_rewrites(onnx.load(str(fp32_model_path)), "hardswish_to_clip+fold6")
     kept = [node.name for node in model.graph.node if node.op_type == "Mul" and "hardswish_to_clip/sixth" in node.input]
     assert kept == ["/features/features.0/features.0.2/HardSwish/div6"]  # the stem's: block 1 adds it back
 
@@ -173,9 +173,10 @@ def test_every_recipe_builds_and_agrees_with_fp32(name, fp32_model_path, build_r
     assert path.stat().st_size < 0.3 * fp32_model_path.stat().st_size
     ops = op_types(path)
     assert ({"QuantizeLinear", "DequantizeLinear"} if recipe.quant_format == "QDQ" else {"QLinearConv"}) <= ops
-    if recipe.graph_rewrite:  # no HardSwish left to fall back to FP32 HardSigmoid; only the 8 SE gates are
+    if recipe.graph_rewrite:  # no HardSwish left to fall back to FP32 HardSigmoid; only the 8 SE gates are,
         hard_sigmoids = sum(node.op_type == "HardSigmoid" for node in onnx.load(str(path)).graph.node)
-        assert "HardSwish" not in ops and hard_sigmoids == 8
+        assert "HardSwish" not in ops  # unless hardsigmoid_to_clip folded them into their convs too
+        assert hard_sigmoids == (0 if "hardsigmoid_to_clip" in recipe.graph_rewrite else 8)
     if recipe.reduce_range and recipe.quant_format == "QDQ":  # see the simulated-quantization test
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
