@@ -326,6 +326,10 @@ RECIPES = {
     "qdq_per_channel_pad16_clip_fold6": StaticRecipe(reduce_range=True, graph_rewrite="pad16+hardswish_to_clip+fold6"),
     "qdq_per_channel_pad16_clip_fold6_gate": StaticRecipe(
         reduce_range=True, graph_rewrite="pad16+hardswish_to_clip+fold6+hardsigmoid_to_clip"),
+    # The same graph as QLinear* ops: ORT runs the same kernels from a smaller file (no bias scales or
+    # Q/DQ nodes), but OpenVINO cannot read ORT's com.microsoft ops, so it is not the default.
+    "qoperator_per_channel_pad16_clip_fold6_gate": StaticRecipe(
+        quant_format="QOperator", reduce_range=True, graph_rewrite="pad16+hardswish_to_clip+fold6+hardsigmoid_to_clip"),
 }
 DEFAULT_RECIPE = "qdq_per_channel_pad16_clip_fold6_gate"
 
