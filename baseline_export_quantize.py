@@ -12,7 +12,7 @@ import torch
 
 from mnv3.accuracy import UnreadableLabels, array_batches, evaluate, held_out_batch, load_labels, predict
 from mnv3.artifacts import CLASS_NAMES_JSON, DYNAMIC_INT8_ONNX, FP32_ONNX, update_manifest
-from mnv3.latency import add_stage_args, benchmark, make_session, measurement_settings, ort_runner, run_stage
+from mnv3.latency import add_stage_args, interleaved_benchmark, make_session, measurement_settings, ort_runner, run_stage
 from mnv3.model import (EXPORT_TOLERANCE, WEIGHTS, BadWeights, export_max_abs_diff, export_onnx, load_model,
                         recalibrate_batchnorm, state_dict_size_mb, torch_runner)
 from mnv3.photos import CALIBRATION_SOURCES, augmented_views
@@ -78,10 +78,12 @@ def run(args):
     ]
     if "openvino" in args.backends:
         variants += openvino_variants(fp32_path, args.threads)
+    # In turns, so a noisy neighbour slows every variant alike and the ratios between them hold.
+    latency = interleaved_benchmark({variant: run for variant, run, _ in variants}, held_out, batch_size, timing)
     rows = []
     for variant, run_variant, size in variants:
         rows.append({
-            "variant": variant, **benchmark(run_variant, held_out, batch_size, timing, desc=variant),
+            "variant": variant, **latency[variant],
             "size_mb": size, "threads": args.threads, "weights": provenance,
             "bn_recalibration_images": bn_images,
             "export_max_abs_diff": f"{export_diff:.2e}" if variant == "onnx_fp32" else "",

@@ -6,7 +6,6 @@ measures several recipes against ONNX FP32 in the same run (results/02_recipes.c
 """
 import argparse
 import json
-import math
 import shutil
 import sys
 import tempfile
@@ -19,7 +18,7 @@ import numpy as np
 from mnv3.accuracy import UnreadableLabels, array_batches, evaluate, held_out_batch, load_labels, predict
 from mnv3.artifacts import (CALIBRATION_DIR, CLASS_NAMES_JSON, FP32_ONNX, STATIC_INT8_ONNX, MissingArtifact,
                             read_manifest, require, update_manifest)
-from mnv3.latency import (LatencyStats, Timing, add_stage_args, benchmark, make_session, measurement_settings,
+from mnv3.latency import (add_stage_args, benchmark, interleaved_benchmark, make_session, measurement_settings,
                           ort_runner, positive_int, run_stage)
 from mnv3.quantize import (DEFAULT_RECIPE, RECIPES, calibration_photos, preprocess_photos, quantize_static_int8,
                            size_mb)
@@ -165,39 +164,6 @@ def _recipe_columns(recipe) -> dict:
     """Every recipe field as one CSV cell (lists space-separated, extra options as JSON)."""
     return {key: " ".join(value) if isinstance(value, list) else json.dumps(value) if isinstance(value, dict) else value
             for key, value in recipe.record().items()}
-
-
-def interleaved_benchmark(runners: dict, images: np.ndarray, batch_size: int, timing: Timing, rounds: int = 5) -> dict:
-    """benchmark()'s numbers for several models, measured in turns so that machine-load drift hits all alike.
-
-    The timed calls are split into `rounds`; each round visits every model (in a rotated order) for its
-    share of batch-1 and batch calls, after one untimed call of each kind so the previous model's
-    spinning ORT threads have wound down.
-    """
-    single = images[:1]
-    batch = np.ascontiguousarray(images[np.arange(batch_size) % len(images)])
-    rounds = max(1, min(rounds, timing.batch_iters, timing.iters))
-    singles, batches = {name: [] for name in runners}, {name: [] for name in runners}
-    for run in runners.values():
-        for _ in range(timing.warmup):
-            run(single)
-        for _ in range(timing.batch_warmup):
-            run(batch)
-    order = list(runners)
-    for round_index in range(rounds):
-        for name in order[round_index % len(order):] + order[:round_index % len(order)]:
-            run = runners[name]
-            for inputs, seconds, iters in ((single, singles[name], timing.iters), (batch, batches[name], timing.batch_iters)):
-                run(inputs)
-                for _ in range(math.ceil(iters / rounds)):
-                    start = time.perf_counter()
-                    run(inputs)
-                    seconds.append(time.perf_counter() - start)
-        print(f"timing round {round_index + 1}/{rounds} done")
-    return {name: LatencyStats.from_seconds(singles[name]).as_row()
-            | {"batch_size": batch_size, "per_image_ms": round(float(np.mean(batches[name])) * 1000 / batch_size, 3),
-               "per_image_p50_ms": round(float(np.median(batches[name])) * 1000 / batch_size, 3)}
-            for name in runners}
 
 
 def compare_variants(rows: list[dict]) -> list[dict]:

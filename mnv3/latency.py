@@ -1,5 +1,6 @@
 """The latency harness every stage uses (the seed's method), the one place ORT sessions are made, and
 the command-line flags and error handling the model stages share."""
+import math
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -109,6 +110,39 @@ def benchmark(run, images: np.ndarray, batch_size: int, timing: Timing = Timing(
     batched = measure_latency(lambda: run(batch), timing.batch_warmup, timing.batch_iters,
                               desc=f"{desc} batch {batch_size}")
     return stats.as_row() | {"batch_size": batch_size, "per_image_ms": round(batched.mean_ms / batch_size, 3)}
+
+
+def interleaved_benchmark(runners: dict, images: np.ndarray, batch_size: int, timing: Timing, rounds: int = 5) -> dict:
+    """benchmark()'s numbers for several models, measured in turns so that machine-load drift hits all alike.
+
+    The timed calls are split into `rounds`; each round visits every model (in a rotated order) for its
+    share of batch-1 and batch calls, after one untimed call of each kind so the previous model's
+    spinning ORT threads have wound down.
+    """
+    single = images[:1]
+    batch = np.ascontiguousarray(images[np.arange(batch_size) % len(images)])
+    rounds = max(1, min(rounds, timing.batch_iters, timing.iters))
+    singles, batches = {name: [] for name in runners}, {name: [] for name in runners}
+    for run in runners.values():
+        for _ in range(timing.warmup):
+            run(single)
+        for _ in range(timing.batch_warmup):
+            run(batch)
+    order = list(runners)
+    for round_index in range(rounds):
+        for name in order[round_index % len(order):] + order[:round_index % len(order)]:
+            run = runners[name]
+            for inputs, seconds, iters in ((single, singles[name], timing.iters), (batch, batches[name], timing.batch_iters)):
+                run(inputs)
+                for _ in range(math.ceil(iters / rounds)):
+                    start = time.perf_counter()
+                    run(inputs)
+                    seconds.append(time.perf_counter() - start)
+        print(f"timing round {round_index + 1}/{rounds} done")
+    return {name: LatencyStats.from_seconds(singles[name]).as_row()
+            | {"batch_size": batch_size, "per_image_ms": round(float(np.mean(batches[name])) * 1000 / batch_size, 3),
+               "per_image_p50_ms": round(float(np.median(batches[name])) * 1000 / batch_size, 3)}
+            for name in runners}
 
 
 def ort_runner(session):
