@@ -276,7 +276,7 @@ class Serving:
         self.config = config
         self.engine = engine
         self.cache = ResultCache(config.cache_size, engine.model_id,
-                                 leader_only_errors=(DeadlineExceeded, QueueFull))
+                                 leader_only_errors=(DeadlineExceeded, QueueFull, ClientDisconnect))
         self.preprocessing = 0  # requests being decoded: the batcher's window waits only for these
         self.batcher = DynamicBatcher(self._run_batch, config.max_batch_size, config.batch_window_ms, config.queue_limit,
                                       incoming=lambda: self.preprocessing)
@@ -374,8 +374,10 @@ async def predict(request: Request, s: Serving = Depends(serving)) -> PredictRes
     try:
         with s.admit():
             data = await read_upload(request, s.config.max_upload_bytes, s.config.body_timeout_s)
-            result, hit = await unless_disconnected(request, s.cache.get_or_compute(
-                data, lambda: s.classify(data, deadline)))
+            # Only the computation watches for a disconnect: a cache hit is answered before a watcher
+            # task would even start, and a follower's wait on an identical request costs nothing.
+            result, hit = await s.cache.get_or_compute(
+                data, lambda: unless_disconnected(request, s.classify(data, deadline)))
     finally:
         s.metrics.request_latency.observe(time.perf_counter() - started)
     if hit:  # this request ran nothing: report no batch and no stage times

@@ -30,7 +30,7 @@ def images():
 def live_server(model_path, **settings):
     """A real uvicorn server in a thread, so a test can both hold its engine and use raw sockets on it."""
     engine = Engine.load(model_path, max_batch_size=settings.get("max_batch_size", 32))
-    config = ServerConfig(model=model_path, cache_size=0, **settings)
+    config = ServerConfig(model=model_path, **({"cache_size": 0} | settings))
     app = create_app(config, engine)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -75,6 +75,26 @@ def test_in_flight_limit_refuses_at_arrival_without_reading_the_body(fp32_model_
         assert running.result().status_code == queued.result().status_code == 200
         assert 'mnv3_rejections_total{reason="busy"} 1.0' in requests.get(url + "/metrics", timeout=WAIT_S).text
         assert serving.in_flight == 0
+
+
+def test_a_follower_still_gets_its_answer_when_the_identical_leader_disconnects(fp32_model_path, images):
+    with live_server(fp32_model_path, max_batch_size=1, cache_size=8) as (url, serving), \
+            ThreadPoolExecutor(2) as pool:
+        gate = Gate(serving.engine)
+        running = pool.submit(post, url, images[0])
+        gate.entered.wait(WAIT_S)
+        leader = open_socket(url, len(images[1]), images[1])
+        wait_until(lambda: serving.batcher.depth == 1, "the leader to queue")
+        follower = pool.submit(post, url, images[1])  # the same bytes: it waits for the leader's result
+        wait_until(lambda: serving.in_flight == 3, "the follower to wait")
+        leader.close()
+        wait_until(lambda: serving.in_flight == 2 and serving.batcher.depth == 1, "the follower to take over")
+
+        gate.release.set()
+        assert running.result().status_code == 200
+        answer = follower.result()
+        assert answer.status_code == 200 and answer.json()["cache_hit"] is False  # it computed, as the new leader
+        assert serving.batcher.dropped == 1  # the leader's queued work, skipped
 
 
 def test_disconnected_clients_work_is_dropped_and_nothing_leaks(fp32_model_path, images):
