@@ -13,8 +13,8 @@ class ResultCache:
     """
 
     def __init__(self, maxsize: int, model_id: str, leader_only_errors: tuple[type[BaseException], ...] = ()):
-        """`leader_only_errors` say something about the leader's request (its deadline, a full queue, its client gone),
-        not about the image: followers then compute under their own budget instead of sharing them."""
+        """`leader_only_errors` say something about the leader's request (its deadline, a full queue, its
+        client gone), not about the image: followers then compute under their own budget instead."""
         self.maxsize = maxsize
         self.model_id = model_id
         self.leader_only_errors = leader_only_errors
