@@ -18,14 +18,15 @@ import numpy as np
 from mnv3.accuracy import UnreadableLabels, array_batches, evaluate, held_out_batch, load_labels, predict
 from mnv3.artifacts import (CALIBRATION_DIR, CLASS_NAMES_JSON, FP32_ONNX, STATIC_INT8_ONNX, MissingArtifact,
                             read_manifest, require, update_manifest)
-from mnv3.latency import (add_stage_args, benchmark, interleaved_benchmark, make_session, measurement_settings,
-                          ort_runner, positive_int, run_stage)
+from mnv3.latency import (add_stage_args, interleaved_benchmark, make_session, measurement_settings, ort_runner,
+                          positive_int, run_stage)
 from mnv3.quantize import (DEFAULT_RECIPE, RECIPES, calibration_photos, preprocess_photos, quantize_static_int8,
                            size_mb)
 from mnv3.preprocess import InvalidImage
 from mnv3.report import markdown_table, plot_variants, read_csv, write_csv, write_summary
 
 CALIBRATION_IMAGES = (200, 16)  # (normal, --quick)
+RATIO_KEYS = ("mean_ms", "p50_ms", "per_image_ms", "per_image_p50_ms")  # timed columns compared with FP32
 COMPARISON_REPEATS = 4  # --compare-recipes: 4x the timed calls of a stage-1 benchmark, in 8 rounds
 RECIPES_DIR = "recipes"  # under --artifacts-dir: every --compare-recipes model, kept for inspection
 VARIANT_NAMES = {
@@ -87,11 +88,15 @@ def run(args):
     else:
         print(f"calibrating recipe {args.recipe} on {len(calibration)} photos from {args.calibration_dir}")
         static_path = quantize_static_int8(fp32_path, artifacts_dir / STATIC_INT8_ONNX, calibration, recipe)
-        reference = predict(ort_runner(make_session(fp32_path, args.threads)), array_batches(held_out, batch_size))
+        run_fp32 = ort_runner(make_session(fp32_path, args.threads))
+        reference = predict(run_fp32, array_batches(held_out, batch_size))
         run_static = ort_runner(make_session(static_path, args.threads))
+        # FP32 again, in turns with INT8: stage 1's FP32 timing is from another run.
+        latency = interleaved_benchmark({"onnx_fp32": run_fp32, "onnx_static_int8": run_static}, held_out,
+                                        batch_size, timing)
         row = {
-            "variant": "onnx_static_int8",
-            **benchmark(run_static, held_out, batch_size, timing, desc="onnx_static_int8"),
+            "variant": "onnx_static_int8", **latency["onnx_static_int8"],
+            **same_run_ratios(latency["onnx_static_int8"], latency["onnx_fp32"]),
             "size_mb": size_mb(static_path), "threads": args.threads, "weights": provenance,
             **evaluate(run_static, held_out, reference, labelled, batch_size),
         }
@@ -143,8 +148,7 @@ def compare_recipes(args, fp32_path, calibration, held_out, labelled, provenance
         rows.append({
             "recipe": name, "shipped": name == args.recipe, **_recipe_columns(RECIPES[name]),
             "calibration_images": len(calibration), "build_s": build_s[name], **measured,
-            **{f"{key}_vs_onnx_fp32": round(measured[key] / fp32[key], 3)
-               for key in ("mean_ms", "p50_ms", "per_image_ms", "per_image_p50_ms", "size_mb")},
+            **same_run_ratios(measured, fp32, keys=RATIO_KEYS + ("size_mb",)),
             **evaluate(runners[name], held_out, reference, labelled, batch_size),
             **{f"onnx_fp32_{key}": fp32[key] for key in ("mean_ms", "p50_ms", "per_image_ms", "size_mb")},
             "threads": args.threads, "weights": provenance,
@@ -155,9 +159,15 @@ def compare_recipes(args, fp32_path, calibration, held_out, labelled, provenance
                                                      "top1_agreement", "sqnr_db")} for row in rows]))
     shutil.copyfile(paths[args.recipe], artifacts_dir / STATIC_INT8_ONNX)
     shipped = next(row for row in rows if row["recipe"] == args.recipe)
-    row = {"variant": "onnx_static_int8"} | {key: shipped[key] for key in latency[args.recipe] if key != "per_image_p50_ms"}
+    row = {"variant": "onnx_static_int8"} | {key: shipped[key] for key in latency[args.recipe]}
+    row |= {f"{key}_vs_onnx_fp32": shipped[f"{key}_vs_onnx_fp32"] for key in RATIO_KEYS}
     return row | {"size_mb": shipped["size_mb"], "threads": args.threads, "weights": provenance} | {
         key: shipped[key] for key in shipped if key.endswith(("agreement", "accuracy", "sqnr_db"))}
+
+
+def same_run_ratios(measured: dict, fp32: dict, keys=RATIO_KEYS) -> dict:
+    """`<key>_vs_onnx_fp32` columns: a variant against the ONNX FP32 timed in turns with it."""
+    return {f"{key}_vs_onnx_fp32": round(measured[key] / fp32[key], 3) for key in keys}
 
 
 def _recipe_columns(recipe) -> dict:
@@ -176,7 +186,8 @@ def compare_variants(rows: list[dict]) -> list[dict]:
     return [
         {"variant": VARIANT_NAMES.get(row["variant"], row["variant"]),
          **{column: row.get(column, "") for column in COMPARISON_COLUMNS if any(r.get(column) for r in rows)},
-         "mean_vs_onnx_fp32": round(float(row["mean_ms"]) / onnx_fp32_ms, 2)}
+         # INT8's own same-run ratio where stage 2 timed it in turns with FP32, else across the two runs
+         "mean_vs_onnx_fp32": round(float(row.get("mean_ms_vs_onnx_fp32") or float(row["mean_ms"]) / onnx_fp32_ms), 2)}
         for row in rows
     ]
 

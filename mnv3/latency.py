@@ -6,7 +6,6 @@ import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
-from tqdm import tqdm
 
 WARMUP_CALLS = 10
 TIMED_CALLS = 100
@@ -87,33 +86,10 @@ class LatencyStats:
                 for key, value in asdict(self).items()}
 
 
-def measure_latency(call, warmup: int = WARMUP_CALLS, iters: int = TIMED_CALLS, desc: str | None = None) -> LatencyStats:
-    """Run `call()` `warmup` times untimed, then `iters` times timed one by one."""
-    for _ in range(warmup):
-        call()
-    seconds = []
-    for _ in tqdm(range(iters), desc=desc, leave=False, disable=desc is None):
-        start = time.perf_counter()
-        call()
-        seconds.append(time.perf_counter() - start)
-    return LatencyStats.from_seconds(seconds)
-
-
-def benchmark(run, images: np.ndarray, batch_size: int, timing: Timing = Timing(), desc: str = "") -> dict:
-    """Single-image latency stats plus per-image ms at `batch_size`, for `run(batch) -> logits`.
-
-    `images` is a preprocessed (N, 3, H, W) array; the batch cycles through it if N < batch_size.
-    """
-    single = images[:1]
-    batch = np.ascontiguousarray(images[np.arange(batch_size) % len(images)])
-    stats = measure_latency(lambda: run(single), timing.warmup, timing.iters, desc=f"{desc} batch 1")
-    batched = measure_latency(lambda: run(batch), timing.batch_warmup, timing.batch_iters,
-                              desc=f"{desc} batch {batch_size}")
-    return stats.as_row() | {"batch_size": batch_size, "per_image_ms": round(batched.mean_ms / batch_size, 3)}
-
-
 def interleaved_benchmark(runners: dict, images: np.ndarray, batch_size: int, timing: Timing, rounds: int = 5) -> dict:
-    """benchmark()'s numbers for several models, measured in turns so that machine-load drift hits all alike.
+    """Batch-1 latency stats and per-image ms at `batch_size` for each `run(batch) -> logits` in `runners`,
+    measured in turns so that machine-load drift hits all alike (ratios between them are the result;
+    `images` is a preprocessed (N, 3, H, W) array, and the batch cycles through it if N < batch_size).
 
     The timed calls are split into `rounds`; each round visits every model (in a rotated order) for its
     share of batch-1 and batch calls, after one untimed call of each kind so the previous model's

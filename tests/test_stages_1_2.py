@@ -92,6 +92,7 @@ def test_compare_recipes_writes_one_sane_row_per_recipe_and_ships_the_default(st
     assert (stage_dirs["artifacts"] / "static_int8.onnx").read_bytes() == shipped
     static = read_csv(stage_dirs["results"] / "02_static.csv")[0]  # the shipped recipe's row, same measurement
     assert static["mean_ms"] == rows[DEFAULT_RECIPE]["mean_ms"] and static["sqnr_db"] == rows[DEFAULT_RECIPE]["sqnr_db"]
+    assert static["mean_ms_vs_onnx_fp32"] == rows[DEFAULT_RECIPE]["mean_ms_vs_onnx_fp32"]
 
 
 def test_stage_2_without_compare_builds_only_the_chosen_recipe(stage_dirs, tmp_path):
@@ -106,6 +107,10 @@ def test_stage_2_without_compare_builds_only_the_chosen_recipe(stage_dirs, tmp_p
               "--calibration-dir", stage_dirs["calibration"], "--recipe", "qdq_per_tensor_minmax")
     static = read_csv(results / "02_static.csv")[0]
     assert static["recipe"] == "qdq_per_tensor_minmax" and static["per_channel"] == "False"
+    # timed in turns with an FP32 session of its own, not against stage 1's FP32 from another run
+    assert float(static["mean_ms_vs_onnx_fp32"]) > 0 and float(static["per_image_ms_vs_onnx_fp32"]) > 0
+    variants = {row["variant"]: row for row in read_csv(results / "model_variants.csv")}
+    assert variants["ONNX Static INT8"]["mean_vs_onnx_fp32"] == str(round(float(static["mean_ms_vs_onnx_fp32"]), 2))
     assert not (results / "02_recipes.csv").exists() and not (artifacts / "recipes").exists()
     assert json.loads((artifacts / "manifest.json").read_text())["static_int8"]["recipe_name"] == "qdq_per_tensor_minmax"
 
