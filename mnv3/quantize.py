@@ -203,8 +203,9 @@ def pad_depthwise_channels(model: onnx.ModelProto, multiple: int = 16) -> onnx.M
     arrays = _constant_arrays(graph)
 
     def conv_kind(node):  # "depthwise", "dense" (group 1) or None: any other op, or a conv we leave alone
-        if node.op_type != "Conv" or node.input[1] not in arrays or arrays[node.input[1]].ndim != 4:
-            return None
+        if (node.op_type != "Conv" or any(name not in arrays for name in node.input[1:])
+                or arrays[node.input[1]].ndim != 4):
+            return None  # padding rewrites constant weights and biases only
         weight, group = arrays[node.input[1]], _attribute(node, "group") or 1
         if group == 1:
             return "dense"
