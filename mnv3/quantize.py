@@ -168,7 +168,8 @@ def hardsigmoid_to_clip(model: onnx.ModelProto) -> onnx.ModelProto:
         if (conv is None or conv.op_type != "Conv" or uses[node.input[0]] != 1 or node.input[0] in graph_outputs
                 or len(conv.input) < 3 or any(name not in arrays for name in conv.input[1:])):
             continue
-        alpha, beta = _attribute(node, "alpha") or 0.2, _attribute(node, "beta") or 0.5  # ONNX's defaults
+        alpha, beta = (_attribute(node, name) for name in ("alpha", "beta"))
+        alpha, beta = 0.2 if alpha is None else alpha, 0.5 if beta is None else beta  # ONNX's defaults
         weight, bias = (arrays[name] for name in conv.input[1:3])
         _replace_input(graph, conv, 1, weight * np.float32(alpha), "hardsigmoid")  # the old ones may be shared
         _replace_input(graph, conv, 2, bias * np.float32(alpha) + np.float32(beta), "hardsigmoid")

@@ -147,6 +147,26 @@ def test_fold_sixth_keeps_only_the_mul_of_the_hardswish_that_feeds_a_residual_ad
     assert kept == ["/features/features.0/features.0.2/HardSwish/div6"]  # the stem's: block 1 adds it back
 
 
+@pytest.mark.parametrize("attributes", [{}, {"alpha": 1 / 6, "beta": 0.5}, {"alpha": 0.25, "beta": 0.0}])
+def test_hardsigmoid_to_clip_folds_any_alpha_and_beta_into_the_conv(attributes):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2, 4, 5, 5)).astype(np.float32) * 4
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Conv", ["x", "w", "b"], ["z"]),
+         onnx.helper.make_node("HardSigmoid", ["z"], ["y"], **attributes)],
+        "gate", [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, x.shape)],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 3, 5, 5])],
+        [onnx.numpy_helper.from_array(rng.normal(size=(3, 4, 1, 1)).astype(np.float32), "w"),
+         onnx.numpy_helper.from_array(rng.normal(size=3).astype(np.float32), "b")])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    folded = apply_graph_rewrites(model, "hardsigmoid_to_clip")
+    assert [node.op_type for node in folded.graph.node] == ["Conv", "Clip"]
+    run = {name: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+           for name, m in (("original", model), ("folded", folded))}
+    np.testing.assert_allclose(run["folded"].run(None, {"x": x})[0], run["original"].run(None, {"x": x})[0],
+                               atol=1e-6)
+
+
 def test_hardswish_to_clip_writes_the_definition():
     x = np.linspace(-5, 5, 101, dtype=np.float32).reshape(1, -1)
     graph = onnx.helper.make_graph(
