@@ -12,7 +12,8 @@ import torch
 
 from mnv3.accuracy import UnreadableLabels, array_batches, evaluate, held_out_batch, load_labels, predict
 from mnv3.artifacts import CLASS_NAMES_JSON, DYNAMIC_INT8_ONNX, FP32_ONNX, update_manifest
-from mnv3.latency import add_stage_args, interleaved_benchmark, make_session, measurement_settings, ort_runner, run_stage
+from mnv3.latency import (add_stage_args, interleaved_benchmark, make_session, measurement_settings, ort_runner,
+                          run_stage)
 from mnv3.model import (EXPORT_TOLERANCE, WEIGHTS, BadWeights, export_max_abs_diff, export_onnx, load_model,
                         recalibrate_batchnorm, state_dict_size_mb, torch_runner)
 from mnv3.photos import CALIBRATION_SOURCES, augmented_views

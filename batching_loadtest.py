@@ -108,8 +108,8 @@ def main(args):
     print(f"\nat concurrency {args.concurrency}: {baseline.rps:.1f} req/s without batching -> "
           f"{headline.rps:.1f} req/s with batching ({speedup}x)")
     print(f"in-process limit: {best.images_per_s:.1f} images/s (batch {best.batch_size}, ORT intra-op "
-          f"{best.intra_op_threads}, decode threads {best.decode_threads}; the fastest of {len(limits)} configurations, "
-          f"measured again over {best.images} images); the server reaches {of_limit} of it")
+          f"{best.intra_op_threads}, decode threads {best.decode_threads}; the fastest of {len(limits)} "
+          f"configurations, measured again over {best.images} images); the server reaches {of_limit} of it")
     print(f"batches at concurrency {args.concurrency} (size bucket: count): {histogram}")
     print(f"open loop, latency from each request's scheduled send time: {open_loop.summary()}")
 

@@ -108,7 +108,8 @@ def interleaved_benchmark(runners: dict, images: np.ndarray, batch_size: int, ti
     for round_index in range(rounds):
         for name in order[round_index % len(order):] + order[:round_index % len(order)]:
             run = runners[name]
-            for inputs, seconds, iters in ((single, singles[name], timing.iters), (batch, batches[name], timing.batch_iters)):
+            for inputs, seconds, iters in ((single, singles[name], timing.iters),
+                                           (batch, batches[name], timing.batch_iters)):
                 run(inputs)
                 for _ in range(math.ceil(iters / rounds)):
                     start = time.perf_counter()

@@ -37,7 +37,8 @@ def test_int8_latency_goals_are_the_latest_stage_2_same_run_ratios_never_across_
 
     write_csv(tmp_path / "02_static.csv", [{"variant": "onnx_static_int8", "mean_ms": 6}])  # no same-run FP32
     goals = {row["goal"]: row for row in measured_goals(tmp_path)}
-    assert goals["static INT8 batch-1 latency / ONNX FP32"]["met"] == "not measured: run `python static_quantization.py`"
+    measured = goals["static INT8 batch-1 latency / ONNX FP32"]["met"]
+    assert measured == "not measured: run `python static_quantization.py`"
 
 
 def test_fastest_variant_is_ranked_by_same_run_ratios_across_stage_1_and_the_recipes(tmp_path):
