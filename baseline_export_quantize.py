@@ -6,28 +6,25 @@ Writes artifacts/{fp32,dynamic_int8}.onnx, results/01_baseline.csv, results/01_d
 and results/summary.md.
 """
 import argparse
-from pathlib import Path
 
 import torch
 
+from mnv3 import cli
 from mnv3.accuracy import UnreadableLabels, array_batches, evaluate, held_out_batch, load_labels, predict
-from mnv3.artifacts import CLASS_NAMES_JSON, DYNAMIC_INT8_ONNX, FP32_ONNX, update_manifest
-from mnv3.latency import (add_stage_args, interleaved_benchmark, make_session, measurement_settings, ort_runner,
-                          run_stage)
+from mnv3.artifacts import (BASELINE_CSV, CLASS_NAMES_JSON, DYNAMIC_INT8_ONNX, DYNAMIC_INT8_PROFILE_CSV, FP32_ONNX,
+                            update_manifest)
+from mnv3.latency import interleaved_benchmark
 from mnv3.model import (EXPORT_TOLERANCE, WEIGHTS, BadWeights, export_max_abs_diff, export_onnx, load_model,
                         recalibrate_batchnorm, state_dict_size_mb, torch_runner)
 from mnv3.photos import CALIBRATION_SOURCES, augmented_views
 from mnv3.profiling import op_type_summary, profile_model
 from mnv3.quantize import quantize_dynamic_int8, size_mb
 from mnv3.report import markdown_table, write_csv, write_summary
+from mnv3.runtime import make_session, ort_runner
 
 BACKENDS = ("onnxruntime", "openvino")
 VARIANT_PRECISION = {"f32": "fp32", "bf16": "bf16"}  # OpenVINO's precision hint -> the variant-name suffix
-
-# (normal, --quick)
-BN_RECALIBRATION_IMAGES = (64, 16)
-PROFILE_RUNS = (20, 3)
-EXPORT_CHECK_BATCHES = (1, 8)
+EXPORT_CHECK_BATCHES = (1, 8)  # batch sizes the export is checked at: one image, and a batch
 
 
 def get_args_parser(add_help=True):
@@ -37,17 +34,17 @@ def get_args_parser(add_help=True):
     parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS),
                         help="runtimes to measure (default: both; openvino is skipped when not installed). "
                              "PyTorch and onnxruntime always run: ORT FP32 is the accuracy reference")
-    return add_stage_args(parser, artifacts_help="where models and profiles go")
+    return cli.add_model_stage_args(parser, artifacts_help="where models and profiles go")
 
 
 def main(args):
-    run_stage(run, args, user_errors=(BadWeights, UnreadableLabels))
+    cli.fill_unset(args, batch_size=cli.defaults(args).batch_size)
+    cli.run_stage(run, args, user_errors=(BadWeights, UnreadableLabels))
 
 
 def run(args):
-    artifacts_dir, results_dir = Path(args.artifacts_dir), Path(args.results_dir)
-    timing, batch_size = measurement_settings(args)
-    pick = 1 if args.quick else 0
+    mode = cli.defaults(args)
+    artifacts_dir, results_dir, batch_size = args.artifacts_dir, args.results_dir, args.batch_size
     torch.set_num_threads(args.threads)  # the same intra-op count as every ORT session, so rows compare
 
     model, provenance = load_model(args.weights)
@@ -55,14 +52,14 @@ def run(args):
     bn_images = 0
     if provenance == "random-init":
         # Without real BN statistics a random init's logits collapse to ~0 and INT8 comparisons are noise.
-        bn_images = BN_RECALIBRATION_IMAGES[pick]
+        bn_images = mode.bn_recalibration_images
         recalibrate_batchnorm(model, augmented_views(CALIBRATION_SOURCES, bn_images, seed=0))
         print(f"weights: RANDOM INIT, BatchNorm statistics re-estimated on {bn_images} calibration-source photos")
     else:
         print(f"weights: {provenance}")
 
     fp32_path = export_onnx(model, artifacts_dir / FP32_ONNX, artifacts_dir / CLASS_NAMES_JSON)
-    held_out = held_out_batch(args.quick)
+    held_out = held_out_batch(mode.held_out_images)
     fp32_run = ort_runner(make_session(fp32_path, args.threads))
     export_diff = export_max_abs_diff(model, fp32_run, [held_out[:n] for n in EXPORT_CHECK_BATCHES])
     if export_diff > EXPORT_TOLERANCE:
@@ -80,7 +77,7 @@ def run(args):
     if "openvino" in args.backends:
         variants += openvino_variants(fp32_path, args.threads)
     # In turns, so a noisy neighbour slows every variant alike and the ratios between them hold.
-    latency = interleaved_benchmark({variant: run for variant, run, _ in variants}, held_out, batch_size, timing)
+    latency = interleaved_benchmark({variant: run for variant, run, _ in variants}, held_out, batch_size, mode.timing)
     rows = []
     for variant, run_variant, size in variants:
         rows.append({
@@ -91,14 +88,14 @@ def run(args):
             # ONNX FP32 is the reference (it equals PyTorch to EXPORT_TOLERANCE), so it has no agreement.
             **evaluate(run_variant, held_out, None if variant == "onnx_fp32" else reference, labelled, batch_size),
         })
-    write_csv(results_dir / "01_baseline.csv", rows)
+    write_csv(results_dir / BASELINE_CSV, rows)
     print(markdown_table(rows))
     print(fastest(rows))
 
-    runs = PROFILE_RUNS[pick]
+    runs = mode.profile_runs
     trace = profile_model(dynamic_path, held_out[:1], runs, args.threads, artifacts_dir / "dynamic_int8_profile.json")
     profile = op_type_summary(trace, runs)
-    write_csv(results_dir / "01_dynamic_int8_profile.csv", profile)
+    write_csv(results_dir / DYNAMIC_INT8_PROFILE_CSV, profile)
     shares = {row["op_type"]: row["share_pct"] for row in profile}
     named = ("ConvInteger", "DynamicQuantizeLinear")
     print("dynamic INT8 kernel time at batch 1: " + ", ".join(f"{op} {shares.get(op, 0)}%" for op in named)

@@ -32,7 +32,7 @@ from starlette.requests import ClientDisconnect
 from mnv3.batcher import DeadlineExceeded, DynamicBatcher, QueueFull, ShuttingDown
 from mnv3.cache import ResultCache
 from mnv3.engine import BACKENDS, Engine, InferenceError, ModelLoadError, Prediction
-from mnv3.latency import DEFAULT_INTER_OP_THREADS, DEFAULT_INTRA_OP_THREADS
+from mnv3.runtime import DEFAULT_INTER_OP_THREADS, DEFAULT_INTRA_OP_THREADS
 from mnv3.preprocess import DEFAULT_MAX_PIXELS, ImageTooLarge, InvalidImage, decode_and_preprocess
 
 log = logging.getLogger(__name__)
