@@ -17,8 +17,7 @@ from mnv3.artifacts import (BASELINE_CSV, CALIBRATION_DIR, CLASS_NAMES_JSON, FP3
 from mnv3.plots import plot_variants
 from mnv3.preprocess import InvalidImage
 from mnv3.quantize import DEFAULT_RECIPE, RECIPES, calibration_photos, quantize_static_int8
-from mnv3.recipe_comparison import (Bench, compare_recipes, compare_variants, measure_static, ratio_table_rows,
-                                    recipe_path)
+from mnv3.variants import Bench, compare_recipes, compare_variants, measure_static, ratio_table_rows, recipe_path
 from mnv3.report import markdown_table, read_csv, write_csv, write_summary
 
 RECIPES_DIR = "recipes"  # under --artifacts-dir: every --compare-recipes model, kept for inspection

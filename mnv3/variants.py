@@ -1,13 +1,15 @@
-"""Stage 2's measurements: static INT8 models timed in turns with ONNX FP32, and the variant table.
+"""Model variants measured against ONNX FP32: stage 1's runtimes, stage 2's static INT8 recipes, and
+the table that puts them side by side.
 
-Every INT8 latency here is a ratio to an FP32 session timed in the same interleaved run, never to
-stage 1's FP32 from another run: on a shared machine only ratios taken in turns hold. Agreement and
-SQNR are against that FP32 session's logits on the same held-out photos.
+Variants are timed in turns with an ONNX FP32 session in one interleaved run, never against an FP32
+from another run: on a shared machine only ratios taken in turns hold. Agreement and SQNR are against
+that FP32 session's logits on the same held-out photos.
 """
 import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -25,6 +27,7 @@ FP32_COLUMNS = ("mean_ms", "p50_ms", "per_image_ms", "size_mb")  # FP32's own, b
 COMPARISON_ROUNDS = 8  # --compare-recipes: more rounds than a stage-1 benchmark, so drift averages out
 RATIO_TABLE_COLUMNS = ("recipe", "mean_ms_vs_onnx_fp32", "p50_ms_vs_onnx_fp32", "per_image_ms_vs_onnx_fp32",
                        "size_mb_vs_onnx_fp32", "top1_agreement", "sqnr_db")
+OPENVINO_PRECISIONS = {"f32": "fp32", "bf16": "bf16"}  # OpenVINO's precision hint -> the variant-name suffix
 VARIANT_NAMES = {
     "pytorch_fp32": "PyTorch FP32",
     "onnx_fp32": "ONNX FP32",
@@ -39,7 +42,7 @@ COMPARISON_COLUMNS = ("mean_ms", "p95_ms", "size_mb", "batch_size", "per_image_m
 
 @dataclass(frozen=True)
 class Bench:
-    """How stage 2 measures a model against ONNX FP32, and what every row it writes records."""
+    """How a stage measures variants against ONNX FP32, and what every row it writes records."""
     threads: int
     timing: Timing
     batch_size: int
@@ -71,6 +74,63 @@ def measure_against_fp32(fp32_path: Path, models: dict[str, Path], bench: Bench,
         scores = evaluate(runners[name], bench.held_out, reference, bench.labelled, bench.batch_size)
         measured[name] = Measured(latency[name], size_mb(path), scores)
     return measured
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A stage-1 variant: its name (the CSV's `variant`), `run(batch) -> logits`, and its size."""
+    name: str
+    run: Callable[[np.ndarray], np.ndarray]
+    size_mb: float
+
+
+def openvino_variants(fp32_path: Path, threads: int) -> list[Variant]:
+    """OpenVINO on the FP32 file: FP32, plus BF16 where the CPU computes it natively; none without openvino.
+
+    Runs through the session the server's `--backend openvino` uses: its static batch-1 model times batch 1,
+    its dynamic-batch model the batched run."""
+    try:
+        from mnv3.openvino_backend import OpenVINOSession, bf16_supported
+    except ModuleNotFoundError as exc:
+        if exc.name != "openvino":
+            raise
+        print("openvino: not installed, openvino rows SKIPPED (pip install -r requirements-openvino.txt to add them)")
+        return []
+
+    precisions = ["f32"]
+    if bf16_supported():
+        precisions.append("bf16")
+    else:
+        print("openvino: this CPU has no native BF16 (no AVX512_BF16/AMX), openvino_bf16 row skipped")
+    return [Variant(f"openvino_{OPENVINO_PRECISIONS[precision]}",
+                    ort_runner(OpenVINOSession(fp32_path, threads, precision)), size_mb(fp32_path))
+            for precision in precisions]
+
+
+def baseline_rows(variants: list[Variant], bench: Bench, reference: np.ndarray, bn_recalibration_images: int,
+                  export_max_abs_diff: float) -> list[dict]:
+    """Stage 1's rows: the variants timed in turns (a noisy neighbour slows all alike, so the ratios
+    hold), each scored against ONNX FP32's `reference` logits."""
+    latency = interleaved_benchmark({variant.name: variant.run for variant in variants}, bench.held_out,
+                                    bench.batch_size, bench.timing)
+    return [{"variant": variant.name, **latency[variant.name], "size_mb": variant.size_mb, "threads": bench.threads,
+             "weights": bench.weights, "bn_recalibration_images": bn_recalibration_images,
+             "export_max_abs_diff": f"{export_max_abs_diff:.2e}" if variant.name == FP32 else "",
+             # ONNX FP32 is the reference (it equals PyTorch to EXPORT_TOLERANCE), so it has no agreement.
+             **evaluate(variant.run, bench.held_out, None if variant.name == FP32 else reference, bench.labelled,
+                        bench.batch_size)}
+            for variant in variants]
+
+
+def fastest(rows: list[dict]) -> str:
+    """Which variant is fastest for one image at a time and which per image in a batch, and by how much."""
+    def verdict(column: str) -> str:
+        first, second = sorted(rows, key=lambda row: row[column])[:2]
+        return (f"{first['variant']} ({first[column]} ms; next {second['variant']} at "
+                f"{second[column] / first[column]:.2f}x)")
+
+    return (f"fastest at batch 1 (mean): {verdict('mean_ms')}\n"
+            f"fastest per image at batch {rows[0]['batch_size']}: {verdict('per_image_ms')}")
 
 
 def same_run_ratios(measured: dict, fp32: dict, keys=RATIO_KEYS) -> dict:
