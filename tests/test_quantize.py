@@ -125,6 +125,18 @@ def test_every_recipe_builds_and_agrees_with_fp32(name, fp32_model_path, build_r
         assert sqnr_db(simulated(held_out[:8]), integer(held_out[:8])) >= 20.0
 
 
+def test_shipped_recipe_on_mobilenet_v3_small_runs_in_integers_and_agrees_with_fp32(
+        fp32_small_model_path, calibration_array, held_out, tmp_path):
+    """Small's channel counts differ from Large's: the same rewrites still leave no FP32 activation behind."""
+    path = quantize_static_int8(fp32_small_model_path, tmp_path / "small.onnx", calibration_array,
+                                RECIPES[DEFAULT_RECIPE])
+    assert not {"HardSwish", "HardSigmoid"} & op_types(path)
+    assert {"QuantizeLinear", "DequantizeLinear"} <= op_types(path)
+    scores = agreement(ort_runner(make_session(fp32_small_model_path))(held_out),
+                       ort_runner(make_session(path))(held_out))
+    assert scores["top1_agreement"] >= MIN_TOP1_AGREEMENT and scores["sqnr_db"] >= MIN_SQNR_DB
+
+
 def test_recipe_names_and_rewrites_match_the_committed_comparison():
     """Recipe names are in committed CSVs, the manifest and goals: they stay spelled as they were."""
     with (Path(__file__).parents[1] / "results" / "02_recipes.csv").open(newline="") as f:
