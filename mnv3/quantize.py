@@ -90,16 +90,19 @@ RECIPES = dict([
 DEFAULT_RECIPE = "qdq_per_channel_pad16_clip_fold6_gate"
 
 
-def pre_process(fp32_path, out_path) -> Path:
-    """ORT's recommended step before quantizing: shape inference plus graph optimisation (BN folding...)."""
-    quant_pre_process(str(fp32_path), str(out_path))
+def pre_process(fp32_path, out_path, symbolic_shapes: bool = True) -> Path:
+    """ORT's recommended step before quantizing: shape inference plus graph optimisation (BN folding...).
+
+    `symbolic_shapes=False` skips ORT's symbolic shape inference (ONNX's still runs), which cannot follow
+    the shape arithmetic of torch's exported MultiheadAttention."""
+    quant_pre_process(str(fp32_path), str(out_path), skip_symbolic_shape=not symbolic_shapes)
     return Path(out_path)
 
 
-def quantize_dynamic_int8(fp32_path, out_path) -> Path:
+def quantize_dynamic_int8(fp32_path, out_path, symbolic_shapes: bool = True) -> Path:
     """INT8 weights, activations quantized on the fly per call (DynamicQuantizeLinear + ConvInteger)."""
     with tempfile.TemporaryDirectory() as tmp:
-        prepared = pre_process(fp32_path, Path(tmp) / "prepared.onnx")
+        prepared = pre_process(fp32_path, Path(tmp) / "prepared.onnx", symbolic_shapes)
         quantize_dynamic(str(prepared), str(out_path), weight_type=QuantType.QInt8)
     return Path(out_path)
 
