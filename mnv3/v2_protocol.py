@@ -115,18 +115,17 @@ def parse_infer_request(body: bytes, header_length: str | None, model: ModelDesc
     binary_output = _flag(parameters.get("binary_data_output", False), '"parameters.binary_data_output"')
 
     tensor = _the_one_input(header.get("inputs"))
-    name, datatype, shape = _name_type_shape(tensor)
+    name, shape = _name_and_shape(tensor)
     count = _batch_size(name, shape, model)
     raw = _input_bytes(tensor, body, json_end)
+    images = pixels = None
     if name == IMAGE_INPUT:
         images = _binary_bytes_elements(raw) if raw is not None else _json_bytes_elements(tensor)
         if len(images) != count:
             raise _bad(f"{name} has shape {shape} ({count} elements) but holds {len(images)} elements")
-        request = InferRequest(request_id, images, None, _requested_outputs(header.get("outputs")), binary_output)
     else:
         pixels = _binary_fp32(raw, shape) if raw is not None else _json_fp32(tensor["data"], shape)
-        request = InferRequest(request_id, None, pixels, _requested_outputs(header.get("outputs")), binary_output)
-    return request
+    return InferRequest(request_id, images, pixels, _requested_outputs(header.get("outputs")), binary_output)
 
 
 def _parse_header_length(value: str, body_length: int) -> int:
@@ -167,7 +166,7 @@ def _the_one_input(inputs) -> dict:
     return inputs[0]
 
 
-def _name_type_shape(tensor: dict) -> tuple[str, str, list[int]]:
+def _name_and_shape(tensor: dict) -> tuple[str, list[int]]:
     name, datatype, shape = tensor["name"], tensor.get("datatype"), tensor.get("shape")
     if datatype not in DATATYPES:
         raise _bad(f"{name} has unknown datatype {datatype!r}; the protocol's are {', '.join(DATATYPES)}")
@@ -177,7 +176,7 @@ def _name_type_shape(tensor: dict) -> tuple[str, str, list[int]]:
         raise _bad(f"{name}'s shape must be a list of non-negative integers, got {shape!r}")
     if math.prod(shape) == 0:
         raise _bad(f"{name} is an empty tensor (shape {shape})")
-    return name, datatype, shape
+    return name, shape
 
 
 def _batch_size(name: str, shape: list[int], model: ModelDescription) -> int:
