@@ -193,8 +193,7 @@ def parse_keys(text: str, source: str = "key file", clock: Callable[[], float] =
         name, limit = _options(options, error)
         keys.append(ApiKey(digest, KEY_SCOPES[scope_word], name or f"line {number}", limit))
     if not keys:
-        raise KeyFileError(f"{source}: no keys: add a line {GRAMMAR}, e.g. a key from "
-                           "python -c 'import secrets; print(secrets.token_urlsafe(32))' and the scope infer")
+        raise KeyFileError(f"{source}: no keys: add a line {GRAMMAR}; python -m mnv3.auth makes a key and its line")
     return Keys(keys, clock)
 
 
@@ -223,7 +222,7 @@ def _digest(written: str, error) -> bytes:
         raise error("a key may hold only visible ASCII characters (it travels in an HTTP header)")
     if not MIN_KEY_CHARS <= len(written) <= MAX_KEY_CHARS:
         raise error(f"a key must have {MIN_KEY_CHARS} to {MAX_KEY_CHARS} characters, this one has {len(written)}: "
-                    "make one with python -c 'import secrets; print(secrets.token_urlsafe(32))'")
+                    "make one with python -m mnv3.auth")
     return hashlib.sha256(written.encode()).digest()
 
 
