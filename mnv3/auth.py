@@ -283,7 +283,8 @@ class ApiKeyAuth:
         and headers."""
         if _blank_query_keys(scope):
             return 400, ("an API key in the URL is not accepted (URLs are written to logs): send it as the header "
-                         "Authorization: Bearer KEY or X-API-Key: KEY (and if that was a real key, replace it: it has been exposed)"), []
+                         "Authorization: Bearer KEY or X-API-Key: KEY (and if that was a real key, replace it: "
+                         "it has been exposed)"), []
         needed = required_scope(scope["method"], _route_path(scope))
         if needed is Scope.OPEN:
             return None
