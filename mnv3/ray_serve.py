@@ -26,6 +26,7 @@ from starlette.middleware import Middleware
 
 from mnv3 import loadtest, server
 from mnv3.artifacts import ARTIFACTS_DIR, RESULTS_DIR, MissingArtifact
+from mnv3.errors import RETRY_AFTER_S
 from mnv3.photos import load_images
 
 APP_NAME = "mnv3"
@@ -47,7 +48,7 @@ DEFAULT_MAX_QUEUED_REQUESTS = server.ServerConfig.queue_limit  # Ray's proxy-sid
     max_ongoing_requests=DEFAULT_MAX_ONGOING_REQUESTS,
     max_queued_requests=DEFAULT_MAX_QUEUED_REQUESTS,
     # Ray's own rejection gets the plain server's status and Retry-After; proxy_middlewares gives it its body.
-    backpressure_config={"status_code": 503, "retry_after_s": server.RETRY_AFTER_S},
+    backpressure_config={"status_code": 503, "retry_after_s": RETRY_AFTER_S},
 )
 @serve.ingress()  # no app here: each replica builds its own in __serve_build_asgi_app__, with its own threads
 class MobileNetV3:
