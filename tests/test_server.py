@@ -14,10 +14,11 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 from mnv3.artifacts import CLASS_NAMES_JSON
+from mnv3.config import ServerConfig, parse_args
 from mnv3.engine import Engine
 from mnv3.photos import load_images
 from mnv3.preprocess import decode_image, preprocess
-from mnv3.server import ServerConfig, create_app, parse_args
+from mnv3.server import create_app
 
 WAIT_S = 30  # upper bound on any wait; a broken test fails instead of hanging
 UPLOAD_LIMIT = 1_000_000
@@ -301,8 +302,6 @@ def test_a_cache_entry_costs_about_a_kilobyte():
 
 
 def test_ort_spinning_is_off_by_default_and_a_flag_turns_it_on():
-    from mnv3.server import parse_args
-
     assert parse_args(["--model", "m.onnx"], environ={}).ort_spinning == 0
     assert parse_args(["--model", "m.onnx", "--ort-spinning", "1"], environ={}).ort_spinning == 1
     assert parse_args(["--model", "m.onnx"], environ={"MNV3_ORT_SPINNING": "1"}).ort_spinning == 1
