@@ -42,8 +42,8 @@ class ServerConfig:
                                  minimum=1)
     intra_op_threads: int = _option(DEFAULT_INTRA_OP_THREADS, "onnxruntime threads within an operator", minimum=1)
     inter_op_threads: int = _option(DEFAULT_INTER_OP_THREADS, "onnxruntime threads across operators", minimum=1)
-    # Off by default: spinning intra-op threads steal the cores that decoding needs. Measured at 250
-    # concurrent clients on 2 cores, batch 32: 95-100 req/s spinning vs 125-129 req/s not.
+    # Off by default: spinning intra-op threads steal the cores that decoding needs, so under many
+    # concurrent clients a server with spinning on answers fewer requests per second, not more.
     ort_spinning: int = _option(0, "1 lets idle onnxruntime threads busy-wait (faster only on otherwise idle cores)",
                                 choices=(0, 1))
     preprocess_threads: int = _option(DEFAULT_PREPROCESS_THREADS, "threads that decode and preprocess images",

@@ -298,7 +298,7 @@ def test_a_cache_entry_costs_about_a_kilobyte():
         return per_entry, len(cache)
 
     per_entry, stored = asyncio.run(fill())
-    assert stored == entries and 500 < per_entry < 2048  # ~1.1 KB at top_k 5: 1024 entries ~ 1.1 MB
+    assert stored == entries and 500 < per_entry < 2048  # so the default 1024 entries stay near a megabyte
 
 
 def test_ort_spinning_is_off_by_default_and_a_flag_turns_it_on():
