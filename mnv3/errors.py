@@ -8,6 +8,7 @@ with another error convention reuses the table as it is.
 A 503 carries Retry-After; an answer sent before the body was read in full closes the connection.
 """
 from collections.abc import Callable
+from typing import Any
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
@@ -63,9 +64,10 @@ class ErrorDetail(BaseModel):
     detail: str = Field(description="what was wrong, for a person to read")
 
 
-ERROR_DOCS = {status: {"model": ErrorDetail,
-                       "description": "; ".join(doc for s, _, doc in ERRORS.values() if s == status)}
-              for status in sorted({status for status, _, _ in ERRORS.values()})}
+# typed as FastAPI's `responses=` takes it
+ERROR_DOCS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorDetail, "description": "; ".join(doc for s, _, doc in ERRORS.values() if s == status)}
+    for status in sorted({status for status, _, _ in ERRORS.values()})}
 ERROR_DOCS[503]["headers"] = {"Retry-After": {"description": "seconds to wait before retrying",
                                               "schema": {"type": "integer"}}}
 

@@ -7,7 +7,7 @@ client cannot hold memory or an admission slot for long. Every refusal is a `Bad
 `mnv3.errors`, which gives its status.
 """
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
@@ -51,7 +51,7 @@ async def _read_upload(request: Request, limit: int) -> bytes:
         await form.close()
 
 
-async def _bounded(stream: AsyncIterator[bytes], limit: int) -> AsyncIterator[bytes]:
+async def _bounded(stream: AsyncIterator[bytes], limit: int) -> AsyncGenerator[bytes, None]:
     # Content-Length can be absent (chunked) or lie, so the limit is also enforced on what arrives.
     received = 0
     async for chunk in stream:

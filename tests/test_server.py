@@ -315,3 +315,17 @@ def test_corrupt_class_names_file_is_a_clear_load_error(fp32_model_path, tmp_pat
     (tmp_path / "imagenet_classes.json").write_text("{not json")
     with pytest.raises(ModelLoadError, match="not a JSON list of class names"):
         Engine.load(model)
+
+
+def test_error_response_takes_status_and_headers_from_the_table_and_its_body_shape_from_the_caller():
+    from mnv3.errors import Busy, SlowUpload, error_response
+
+    def error_body(message):  # another router's convention, e.g. the Open Inference Protocol's
+        return {"error": message}
+
+    busy = error_response(Busy("server busy"), body=error_body)
+    assert (busy.status_code, json.loads(busy.body)) == (503, {"error": "server busy"})
+    assert busy.headers["retry-after"] == "1" and busy.headers["connection"] == "close"
+    slow = error_response(SlowUpload("too slow"))
+    assert (slow.status_code, json.loads(slow.body)) == (408, {"detail": "too slow"})
+    assert slow.headers["connection"] == "close" and "retry-after" not in slow.headers
