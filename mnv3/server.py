@@ -34,6 +34,9 @@ from mnv3.cache import ResultCache
 from mnv3.engine import BACKENDS, Engine, InferenceError, ModelLoadError, Prediction
 from mnv3.latency import DEFAULT_INTER_OP_THREADS, DEFAULT_INTRA_OP_THREADS
 from mnv3.preprocess import DEFAULT_MAX_PIXELS, ImageTooLarge, InvalidImage, decode_and_preprocess
+from mnv3.api_docs import docs_router
+from mnv3.page import page_router
+from mnv3.stats import stats_router
 
 log = logging.getLogger(__name__)
 
@@ -492,9 +495,13 @@ def create_app(config: ServerConfig, engine: Engine | None = None) -> FastAPI:
             await asyncio.gather(warm_up, return_exceptions=True)
             await app.state.serving.stop()
 
-    app = FastAPI(title="mnv3", summary="MobileNetV3-Large image classification on CPU", lifespan=lifespan)
+    app = FastAPI(title="mnv3", summary="MobileNetV3-Large image classification on CPU", lifespan=lifespan,
+                  docs_url=None, redoc_url=None)  # served offline by docs_router
     app.include_router(predict_router)
     app.include_router(ops_router)
+    app.include_router(stats_router)
+    app.include_router(page_router)
+    app.include_router(docs_router)
     for exc_type in ERRORS:
         app.add_exception_handler(exc_type, error_response)
     return app
