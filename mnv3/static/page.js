@@ -340,11 +340,11 @@ function renderBatchSizes(batches) {
 }
 
 function drawSpark() {
-  const top = Math.max(1, ...rpsHistory);
+  const top = Math.max(1, ...rpsHistory);  // at least 1/s full height, so an idle server stays a flat line
   const step = 120 / (SPARK_POINTS - 1);
   const points = rpsHistory.map((rps, i) => `${(i + SPARK_POINTS - rpsHistory.length) * step},${31 - (28 * rps) / top}`);
   $("rps-spark").querySelector("polyline").setAttribute("points", points.join(" "));
-  $("spark-peak").textContent = `peak ${top.toFixed(1)}/s`;
+  $("spark-peak").textContent = `peak ${Math.max(...rpsHistory).toFixed(1)}/s`;
 }
 
 async function statsLoop() {
