@@ -27,11 +27,14 @@ from starlette.requests import ClientDisconnect
 
 from mnv3.batcher import DeadlineExceeded, DynamicBatcher, QueueFull
 from mnv3.cache import ResultCache
+from mnv3.api_docs import docs_router
 from mnv3.config import ServerConfig, parse_args
 from mnv3.engine import Engine, InferenceError, ModelLoadError, Prediction
 from mnv3.errors import ERROR_DOCS, ERRORS, Busy, error_entry, error_response
 from mnv3.metrics import Metrics
+from mnv3.page import page_router
 from mnv3.preprocess import decode_and_preprocess
+from mnv3.stats import stats_router
 from mnv3.uploads import read_upload
 
 log = logging.getLogger(__name__)
@@ -284,9 +287,13 @@ def create_app(config: ServerConfig, engine: Engine | None = None) -> FastAPI:
             await asyncio.gather(warm_up, return_exceptions=True)
             await app.state.serving.stop()
 
-    app = FastAPI(title="mnv3", summary="MobileNetV3-Large image classification on CPU", lifespan=lifespan)
+    app = FastAPI(title="mnv3", summary="MobileNetV3-Large image classification on CPU", lifespan=lifespan,
+                  docs_url=None, redoc_url=None)  # served offline by docs_router
     app.include_router(predict_router)
     app.include_router(ops_router)
+    app.include_router(stats_router)
+    app.include_router(page_router)
+    app.include_router(docs_router)
     for exc_type in ERRORS:
         app.add_exception_handler(exc_type, reject)
     return app
