@@ -19,8 +19,8 @@ import argparse
 from mnv3 import cli
 from mnv3.artifacts import BATCHING_CSV
 from mnv3.batching_benchmark import BatchingPlan, plot_batching, run_batching_benchmark
+from mnv3.config import ServerConfig
 from mnv3.photos import load_images
-from mnv3.server import ServerConfig
 
 
 def get_args_parser():

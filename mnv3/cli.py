@@ -11,12 +11,12 @@ from pathlib import Path
 
 from mnv3 import report
 from mnv3.artifacts import ARTIFACTS_DIR, RESULTS_DIR, STATIC_INT8_ONNX, MissingArtifact, read_manifest, require
+from mnv3.config import ServerConfig
 from mnv3.latency import Timing
 from mnv3.limit import BATCH_SIZES, CONFIRM_PASSES, THREAD_SPLITS
 from mnv3.loadtest import REQUEST_TIMEOUT_S, START_TIMEOUT_S, ServerStartError
 from mnv3.photos import LOAD_IMAGE_QUALITY, LOAD_IMAGE_SIZE
 from mnv3.runtime import DEFAULT_INTRA_OP_THREADS
-from mnv3.server import ServerConfig
 
 class UsageError(ValueError):
     """Flag values that cannot work together; the message names the fix."""

@@ -22,7 +22,7 @@ def test_quick_and_full_fill_only_what_the_user_left_unset():
 
 
 def test_load_tests_take_the_servers_defaults():
-    from mnv3.server import ServerConfig
+    from mnv3.config import ServerConfig
 
     args = parse(batching_loadtest)
     assert (args.batch_window_ms, args.max_batch_size) == (ServerConfig.batch_window_ms, ServerConfig.max_batch_size)
