@@ -237,8 +237,7 @@ def get_args_parser():
     cli.add_common_args(parser, "where stages 1-2 wrote models")
     cli.add_load_args(parser, concurrency_help=f"--bench: {cli.full_and_quick('ray_bench_concurrency')}",
                       requests_help=f"--bench: default {BENCH_REQUESTS_PER_SENDER}x concurrency")
-    parser.add_argument("--replicas", type=int, default=1,
-                        help="replicas (with --max-replicas: the initial and minimum)")
+    parser.add_argument("--replicas", type=int, default=1, help="replicas (with --max-replicas: the initial and minimum)")
     parser.add_argument("--num-cpus", type=float, default=1, help="CPUs Ray reserves per replica")
     parser.add_argument("--min-replicas", type=int, help="autoscaling floor (default --replicas)")
     parser.add_argument("--max-replicas", type=int, help="autoscale between --min-replicas and this")
