@@ -3,21 +3,28 @@
 Writes artifacts/static_int8.onnx, results/02_static.csv, the four-variant comparison
 results/model_variants.{csv,png} and results/summary.md. With --compare-recipes, also builds and
 measures several recipes against ONNX FP32 in the same run (results/02_recipes.csv).
+
+Then chooses the engine that serves: every installed engine x precision (onnxruntime; OpenVINO in f32
+and bf16 on FP32, on the static INT8 file and on NNCF's INT8 builds) timed in turns with ONNX FP32
+(results/02_engines.csv). The fastest that agrees with FP32 (--min-agreement, with real weights) goes
+into the manifest, and the server's default `--backend auto` serves it (mnv3/backend_choice.py).
 """
 import argparse
 import json
 import shutil
 import sys
 
-from mnv3 import cli
+from mnv3 import cli, report
 from mnv3.accuracy import UnreadableLabels, held_out_batch, load_labels
-from mnv3.artifacts import (BASELINE_CSV, CALIBRATION_DIR, CLASS_NAMES_JSON, FP32_ONNX, MODEL_VARIANTS_CSV,
-                            MODEL_VARIANTS_PNG, RECIPES_CSV, STATIC_CSV, STATIC_INT8_ONNX, read_manifest, require,
-                            update_manifest)
+from mnv3.artifacts import (BASELINE_CSV, CALIBRATION_DIR, CLASS_NAMES_JSON, ENGINES_CSV, FP32_ONNX,
+                            MODEL_VARIANTS_CSV, MODEL_VARIANTS_PNG, RECIPES_CSV, STATIC_CSV, STATIC_INT8_ONNX,
+                            read_manifest, require, update_manifest)
 from mnv3.plots import plot_variants
 from mnv3.preprocess import InvalidImage
 from mnv3.quantize import DEFAULT_RECIPE, RECIPES, calibration_photos, quantize_static_int8
-from mnv3.variants import Bench, compare_recipes, compare_variants, measure_static, ratio_table_rows, recipe_path
+from mnv3.backend_choice import DEFAULT_MIN_AGREEMENT, MANIFEST_KEY, STAND_IN_PROVENANCE, choose, manifest_entry
+from mnv3.variants import (ENGINE_TABLE_COLUMNS, Bench, build_openvino_int8, compare_recipes, compare_variants,
+                           engine_rows, engine_runner, engine_variants, measure_static, ratio_table_rows, recipe_path)
 from mnv3.report import markdown_table, read_csv, write_csv, write_summary
 
 RECIPES_DIR = "recipes"  # under --artifacts-dir: every --compare-recipes model, kept for inspection
@@ -34,6 +41,9 @@ def get_args_parser(add_help=True):
     parser.add_argument("--compare-recipes", nargs="?", const="all", default=None, type=recipe_names,
                         metavar="NAMES", help="also build and measure these recipes (comma-separated, or 'all', the "
                         "default) against ONNX FP32 in the same interleaved run: results/02_recipes.csv")
+    parser.add_argument("--min-agreement", type=agreement_fraction, default=DEFAULT_MIN_AGREEMENT,
+                        help="top-1 agreement with FP32 a variant needs to be served by --backend auto, with real "
+                             "weights (default %(default)s; not applied to the random-init stand-in)")
     return cli.add_model_stage_args(parser, artifacts_help="where stage 1's models are and stage 2's go")
 
 
@@ -43,6 +53,13 @@ def recipe_names(text: str) -> list[str]:
     if unknown or not names:
         raise argparse.ArgumentTypeError(f"unknown recipe(s) {unknown}; choose from {sorted(RECIPES)} or 'all'")
     return names
+
+
+def agreement_fraction(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise ValueError(text)  # argparse: "invalid agreement_fraction value", exit code 2
+    return value
 
 
 def main(args):
@@ -94,7 +111,29 @@ def run(args):
         "path": STATIC_INT8_ONNX, "recipe_name": args.recipe, "recipe": recipe.record(),
         "calibration_images": len(calibration), "calibration_dir": str(args.calibration_dir), "threads": args.threads,
     })
+    choose_engine(args, fp32_path, calibration, bench)
     print(f"wrote {write_summary(results_dir)}")
+
+
+def choose_engine(args, fp32_path, calibration, bench: Bench) -> dict:
+    """Time every installed engine x precision in turns with ONNX FP32, write results/02_engines.csv, and
+    record the fastest that agrees with FP32 in the manifest for `--backend auto`."""
+    openvino_files = build_openvino_int8(fp32_path, calibration, args.artifacts_dir)
+    variants = engine_variants(STATIC_INT8_ONNX, openvino_files)
+    print(f"timing {len(variants) + 1} engine x precision variants in turns with ONNX FP32")
+    runners = {variant: engine_runner(variant, args.artifacts_dir, args.threads, args.batch_size)
+               for variant in variants}
+    rows = engine_rows(fp32_path, runners, bench)
+    chosen, refused = choose(rows, args.min_agreement, guard_applies=bench.weights != STAND_IN_PROVENANCE)
+    entry = manifest_entry(chosen, refused, STATIC_INT8_ONNX, len(rows), bench.weights, args.min_agreement,
+                           report.cpu_info() | {"threads": args.threads, "versions": report.library_versions()})
+    rows = [row | {"chosen": row is chosen} for row in rows]
+    write_csv(args.results_dir / ENGINES_CSV, rows)
+    print(markdown_table([{key: row.get(key, "") for key in ENGINE_TABLE_COLUMNS} for row in rows]))
+    print(f"--backend auto will serve {entry['variant']}: {entry['reason']}")
+    print(f"agreement guard: {entry['agreement_guard']}")
+    update_manifest(args.artifacts_dir, **{MANIFEST_KEY: entry})
+    return entry
 
 
 if __name__ == "__main__":

@@ -4,13 +4,15 @@ the in-process limit the batching server is held to.
 Both servers run with the cache off, so every request is decoded and classified. The headline is the
 two servers at the same concurrency, measured minutes apart on the same machine; the batching server
 is also swept over concurrencies and driven open loop. The limit is measured after both servers
-have stopped, so it has the machine to itself.
+have stopped, so it has the machine to itself: for the engine the servers run (`--backend auto`), and
+for onnxruntime on the FP32 and INT8 files beside it, so what the chosen engine gains shows end to end.
 """
 from dataclasses import dataclass
 from pathlib import Path
 
 from mnv3 import loadtest, plots
-from mnv3.artifacts import BATCH_SIZE_HISTOGRAM_PNG, LATENCY_PNG, THROUGHPUT_PNG
+from mnv3.artifacts import BATCH_SIZE_HISTOGRAM_PNG, FP32_ONNX, LATENCY_PNG, THROUGHPUT_PNG
+from mnv3.backend_choice import Choice, explicit, resolve_auto
 from mnv3.limit import LimitResult, run_limit
 from mnv3.loadtest import LoadResult
 
@@ -56,8 +58,9 @@ class BatchingResult:
     points: dict[int, LoadResult]  # the batching server, closed loop, per concurrency
     batching_settings: dict
     open_loop: LoadResult
-    limit: LimitResult  # the fastest configuration, measured again, longer
+    limit: LimitResult  # the served engine's fastest configuration, measured again, longer
     grid: list[LimitResult]  # every configuration tried
+    other_limits: dict[str, tuple[LimitResult, list[LimitResult]]]  # (limit, grid) of each other engine
 
     @property
     def headline(self) -> LoadResult:
@@ -84,8 +87,10 @@ class BatchingResult:
                  | (ratios if concurrency == self.plan.concurrency else {})
                  for concurrency, result in sorted(self.points.items())]
         rows.append({"configuration": BATCHING} | self.open_loop.as_row() | self.batching_settings)
-        rows += [{"configuration": "in_process_limit", "mode": "in_process"} | r.as_row() for r in self.grid]
-        rows.append({"configuration": "in_process_limit_confirmed", "mode": "in_process"} | self.limit.as_row())
+        for limit, grid in [(self.limit, self.grid), *self.other_limits.values()]:
+            rows += [{"configuration": "in_process_limit", "mode": "in_process"} | r.as_row() for r in grid]
+            rows.append({"configuration": "in_process_limit_confirmed", "mode": "in_process"} | limit.as_row()
+                        | {"served": limit is self.limit})
         return [row | environment for row in rows]
 
     def summary(self) -> str:
@@ -93,9 +98,13 @@ class BatchingResult:
         return "\n".join([
             f"\nat concurrency {c}: {self.baseline.rps:.1f} req/s without batching -> "
             f"{self.headline.rps:.1f} req/s with batching ({self.speedup}x)",
-            f"in-process limit: {limit.images_per_s:.1f} images/s (batch {limit.batch_size}, ORT intra-op "
-            f"{limit.intra_op_threads}, decode threads {limit.decode_threads}; the fastest of {len(self.grid)} "
-            f"configurations, measured again over {limit.images} images); the server reaches {self.of_limit} of it",
+            f"in-process limit of the served engine {limit.engine}: {limit.images_per_s:.1f} images/s (batch "
+            f"{limit.batch_size}, intra-op {limit.intra_op_threads}, decode threads {limit.decode_threads}; the "
+            f"fastest of {len(self.grid)} configurations, measured again over {limit.images} images); the server "
+            f"reaches {self.of_limit} of it",
+            *[f"in-process limit of {name}: {other.images_per_s:.1f} images/s (the served engine's is "
+              f"{loadtest.ratio(limit.images_per_s, other.images_per_s)}x)"
+              for name, (other, _) in self.other_limits.items()],
             f"batches at concurrency {c} (size bucket: count): {self.histogram}",
             f"open loop, latency from each request's scheduled send time: {self.open_loop.summary()}",
         ])
@@ -129,9 +138,23 @@ def run_batching_benchmark(model: Path, bodies: list[bytes], plan: BatchingPlan)
         print(f"batching, open loop: {open_loop.summary()}")
 
     # After the servers stop, so the limit has the machine to itself.
-    limit, grid = run_limit(model, bodies[:plan.limit_images], plan.limit_batch_sizes, plan.limit_thread_splits,
-                            plan.limit_confirm_passes)
-    return BatchingResult(plan, baseline, baseline_settings, points, batching_settings, open_loop, limit, grid)
+    limits = {name: run_limit(name, engine, bodies[:plan.limit_images], plan.limit_batch_sizes,
+                              plan.limit_thread_splits, plan.limit_confirm_passes, desc=f"in-process limit, {name}")
+              for name, engine in limit_engines(model).items()}
+    served_limit, served_grid = limits.pop(next(iter(limits)))
+    return BatchingResult(plan, baseline, baseline_settings, points, batching_settings, open_loop, served_limit,
+                          served_grid, limits)
+
+
+def limit_engines(model: Path) -> dict[str, Choice]:
+    """{name: engine} whose in-process limit stage 5 measures: first what `--backend auto` serves for
+    `model` (as the servers do), then onnxruntime on the FP32 file beside it and on `model`, each once."""
+    engines = {}
+    fp32 = model.parent / FP32_ONNX
+    for engine in (resolve_auto(model), explicit(fp32, "onnxruntime"), explicit(model, "onnxruntime")):
+        if engine.path.is_file() and engine.variant not in engines:
+            engines[engine.variant] = engine
+    return engines
 
 
 def plot_batching(result: BatchingResult, results_dir: Path) -> None:

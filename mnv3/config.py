@@ -10,7 +10,7 @@ import os
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
-from mnv3.engine import BACKENDS
+from mnv3.engine import BACKEND_CHOICES
 from mnv3.preprocess import DEFAULT_MAX_PIXELS
 from mnv3.runtime import DEFAULT_INTER_OP_THREADS, DEFAULT_INTRA_OP_THREADS
 
@@ -31,7 +31,8 @@ class ServerConfig:
     model: Path = field(metadata={"help": "ONNX model file; imagenet_classes.json beside it names the classes"})
     host: str = _option("127.0.0.1", "address to bind")
     port: int = _option(8000, "port to bind", minimum=0)
-    backend: str = _option("onnxruntime", "inference runtime", choices=BACKENDS)
+    backend: str = _option("auto", "inference runtime; auto: what stage 2 measured fastest here, else onnxruntime",
+                           choices=BACKEND_CHOICES)
     cache_size: int = _option(1024, "result cache entries; 0 disables the cache", minimum=0)
     batch_window_ms: float = _option(20.0, "how long a batch waits for more requests after its first", minimum=0)
     max_batch_size: int = _option(32, "largest batch; 1 runs every request alone, with no window wait", minimum=1)

@@ -3,7 +3,9 @@
 Serving code talks only to `Engine.predict` (NCHW float32 batch -> softmax probabilities) and
 `Engine.top_k`. A backend is a session answering onnxruntime's `run(None, {name: batch})`,
 `get_inputs()`, `get_outputs()` and `get_providers()`: an onnxruntime InferenceSession, or
-`mnv3.openvino_backend.OpenVINOSession` (imported only when that backend is chosen).
+`mnv3.openvino_backend.OpenVINOSession` (imported only when that backend is chosen). Backend `auto`
+serves what stage 2 measured fastest on this machine (mnv3/backend_choice.py), which may be another
+file beside the given one; `Engine.choice` says what was asked for, what runs, and why.
 """
 import hashlib
 import json
@@ -14,10 +16,11 @@ from pathlib import Path
 import numpy as np
 
 from mnv3.artifacts import CLASS_NAMES_JSON
+from mnv3.backend_choice import AUTO, BACKENDS, Choice, explicit, resolve_auto
 from mnv3.preprocess import CROP_SIZE
 from mnv3.runtime import DEFAULT_INTER_OP_THREADS, DEFAULT_INTRA_OP_THREADS, make_session
 
-BACKENDS = ("onnxruntime", "openvino")
+BACKEND_CHOICES = (AUTO, *BACKENDS)
 OPENVINO_MISSING = "backend openvino needs `pip install -r requirements-openvino.txt`"
 INPUT_SHAPE = (3, CROP_SIZE, CROP_SIZE)
 log = logging.getLogger(__name__)
@@ -39,9 +42,11 @@ class Prediction:
 
 
 class Engine:
-    def __init__(self, session, class_names: list[str], path: Path, sha256: str, backend: str = "onnxruntime"):
+    def __init__(self, session, class_names: list[str], path: Path, sha256: str, backend: str = "onnxruntime",
+                 choice: Choice | None = None):
         self.session = session
         self.backend = backend
+        self.choice = choice or explicit(path, backend)
         self.class_names = class_names
         self.path = path
         self.sha256 = sha256
@@ -52,24 +57,33 @@ class Engine:
     @classmethod
     def load(cls, path, backend: str = "onnxruntime", intra_op_threads: int = DEFAULT_INTRA_OP_THREADS,
              inter_op_threads: int = DEFAULT_INTER_OP_THREADS, max_batch_size: int = 1,
-             allow_spinning: bool = True) -> "Engine":
-        """Open, validate and name a model, or raise ModelLoadError saying what is wrong."""
-        if backend not in BACKENDS:
-            raise ModelLoadError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
+             allow_spinning: bool = True, precision: str = "auto") -> "Engine":
+        """Open, validate and name a model, or raise ModelLoadError saying what is wrong.
+
+        `precision` is OpenVINO's inference precision (auto, f32 or bf16); backend auto takes the chosen one."""
+        if backend not in BACKEND_CHOICES:
+            raise ModelLoadError(f"unknown backend {backend!r}; available: {', '.join(BACKEND_CHOICES)}")
         path = Path(path)
         if not path.is_file():
             raise ModelLoadError(f"model file {path} not found")
-        sha256 = hashlib.sha256(path.read_bytes()).hexdigest()
+        choice = resolve_auto(path) if backend == AUTO else explicit(path, backend, precision)
+        path, backend, precision = choice.path, choice.backend, choice.precision
+        if choice.fallback:
+            log.warning("--backend auto: %s", choice.reason)
+        elif backend != choice.requested:
+            log.info("--backend auto: serving %s with %s: %s", path.name, backend, choice.reason)
+        sha256 = _digest(path)
         try:
-            session = _open_session(path, backend, intra_op_threads, inter_op_threads, max_batch_size,
-                                    allow_spinning)
+            session = open_session(path, backend, intra_op_threads, inter_op_threads, max_batch_size,
+                                   allow_spinning, precision)
         except ModelLoadError:
             raise
         except Exception as exc:  # both runtimes raise their own untyped errors for bad protobufs
             raise ModelLoadError(f"{path} is not a loadable ONNX model: {_one_line(exc)}") from exc
         _check_input(path, session.get_inputs(), max_batch_size)
         num_classes = session.get_outputs()[0].shape[-1]
-        return cls(session, _class_names(path.parent / CLASS_NAMES_JSON, num_classes), path, sha256, backend)
+        return cls(session, _class_names(path.parent / CLASS_NAMES_JSON, num_classes), path, sha256, backend,
+                   choice)
 
     @property
     def providers(self) -> list[str]:
@@ -101,8 +115,11 @@ class Engine:
             self.predict(np.zeros((size, *INPUT_SHAPE), dtype=np.float32))
 
 
-def _open_session(path: Path, backend: str, intra_op_threads: int, inter_op_threads: int, max_batch_size: int,
-                  allow_spinning: bool):
+def open_session(path: Path, backend: str, intra_op_threads: int = DEFAULT_INTRA_OP_THREADS,
+                 inter_op_threads: int = DEFAULT_INTER_OP_THREADS, max_batch_size: int = 1,
+                 allow_spinning: bool = True, precision: str = "auto"):
+    """The runtime session `Engine` wraps (one of BACKENDS): what the server, stage 2's engine choice and the
+    in-process limit all run, so what stage 2 timed is what is served."""
     if backend == "onnxruntime":
         return make_session(path, intra_op_threads, inter_op_threads, allow_spinning=allow_spinning)
     try:
@@ -112,7 +129,16 @@ def _open_session(path: Path, backend: str, intra_op_threads: int, inter_op_thre
     from mnv3.openvino_backend import OpenVINOSession
 
     # OpenVINO has no inter-op pool to size: one stream, `intra_op_threads` threads within it.
-    return OpenVINOSession(path, intra_op_threads, max_batch_size=max_batch_size)
+    return OpenVINOSession(path, intra_op_threads, precision, max_batch_size=max_batch_size)
+
+
+def _digest(path: Path) -> str:
+    """SHA-256 of the model: an OpenVINO IR file (.xml) with the weights file (.bin) beside it."""
+    digest = hashlib.sha256(path.read_bytes())
+    weights = path.with_suffix(".bin")
+    if path.suffix == ".xml" and weights.is_file():
+        digest.update(weights.read_bytes())
+    return digest.hexdigest()
 
 
 def _check_input(path, inputs, max_batch_size: int) -> None:

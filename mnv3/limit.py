@@ -1,9 +1,11 @@
 """The in-process limit: how many images/s this machine classifies with no HTTP, no queue, no JSON.
 
-The same work the server does per image (preprocess.decode_and_preprocess, then one ORT run per batch), on
-the same JPEG bodies, in one process. Decoding the next batch runs in a thread pool while ORT runs
-the current one, as the server's preprocessing overlaps its inference. The best configuration is the
-ceiling stage 5 holds the batched server to: server req/s / limit images/s is the serving overhead.
+The same work the server does per image (preprocess.decode_and_preprocess, then one run of the engine per
+batch), on the same JPEG bodies, in one process. Decoding the next batch runs in a thread pool while the
+engine runs the current one, as the server's preprocessing overlaps its inference. The engine is opened
+as the server opens it (engine.open_session, from a backend_choice.Choice: file, engine, precision), so
+the limit of `--backend auto`'s choice is the ceiling stage 5 holds the batched server to: server req/s /
+limit images/s is the serving overhead. The limits of other engines show what the choice gains.
 """
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -12,7 +14,9 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from tqdm import tqdm
 
-from mnv3.runtime import DEFAULT_INTER_OP_THREADS, make_session
+from mnv3.backend_choice import Choice
+from mnv3.engine import open_session
+from mnv3.runtime import DEFAULT_INTER_OP_THREADS
 from mnv3.preprocess import decode_and_preprocess
 
 BATCH_SIZES = (1, 8, 16, 32, 64)
@@ -23,6 +27,7 @@ CONFIRM_PASSES = 4
 
 @dataclass(frozen=True)
 class LimitResult:
+    engine: str  # what ran: a name for the Choice (e.g. onnxruntime_fp32 or stage 2's chosen variant)
     batch_size: int
     intra_op_threads: int
     decode_threads: int
@@ -51,18 +56,19 @@ def classify_all(session, pool, bodies: list[bytes], batch_size: int) -> float:
     return time.perf_counter() - start
 
 
-def measure_limit(model_path, bodies: list[bytes], batch_size: int, intra_op_threads: int, decode_threads: int,
-                  passes: int = 1) -> LimitResult:
+def measure_limit(engine: str, served: Choice, bodies: list[bytes], batch_size: int, intra_op_threads: int,
+                  decode_threads: int, passes: int = 1) -> LimitResult:
     """Images/s of one configuration over `passes` runs through `bodies`, after an untimed warm-up batch."""
     # No spinning, as the server runs by default: decoding shares the cores with ORT here too.
-    session = make_session(model_path, intra_op_threads, DEFAULT_INTER_OP_THREADS, allow_spinning=False)
+    session = open_session(served.path, served.backend, intra_op_threads, DEFAULT_INTER_OP_THREADS,
+                           max_batch_size=batch_size, allow_spinning=False, precision=served.precision)
     with ThreadPoolExecutor(max_workers=decode_threads) as pool:
-        classify_all(session, pool, bodies[:batch_size], batch_size)  # ORT allocates its buffers for this shape
+        classify_all(session, pool, bodies[:batch_size], batch_size)  # the engine allocates for this shape
         seconds = sum(classify_all(session, pool, bodies, batch_size) for _ in range(passes))
-    return LimitResult(batch_size, intra_op_threads, decode_threads, passes * len(bodies), seconds)
+    return LimitResult(engine, batch_size, intra_op_threads, decode_threads, passes * len(bodies), seconds)
 
 
-def run_limit(model_path, bodies: list[bytes], batch_sizes=BATCH_SIZES, thread_splits=THREAD_SPLITS,
+def run_limit(engine: str, served: Choice, bodies: list[bytes], batch_sizes=BATCH_SIZES, thread_splits=THREAD_SPLITS,
               confirm_passes: int = CONFIRM_PASSES, desc: str | None = "in-process limit"
               ) -> tuple[LimitResult, list[LimitResult]]:
     """(the limit, every configuration tried). Each configuration is one short pass, so the fastest of
@@ -72,7 +78,7 @@ def run_limit(model_path, bodies: list[bytes], batch_sizes=BATCH_SIZES, thread_s
     configurations = [(b, t, d) for t, d in thread_splits for b in batch_sizes]
     for batch_size, intra_op_threads, decode_threads in tqdm(configurations, desc=desc, leave=False,
                                                              disable=desc is None):
-        grid.append(measure_limit(model_path, bodies, batch_size, intra_op_threads, decode_threads))
+        grid.append(measure_limit(engine, served, bodies, batch_size, intra_op_threads, decode_threads))
     best = max(grid, key=lambda r: r.images_per_s)
-    return measure_limit(model_path, bodies, best.batch_size, best.intra_op_threads, best.decode_threads,
+    return measure_limit(engine, served, bodies, best.batch_size, best.intra_op_threads, best.decode_threads,
                          confirm_passes), grid

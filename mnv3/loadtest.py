@@ -362,6 +362,8 @@ def server_settings(base_url: str) -> dict:
     response = requests.get(base_url + "/model", timeout=10)
     response.raise_for_status()
     info = response.json()
-    return ({"server_model": info["model"]} | {f"server_{name}_threads": n for name, n in info["threads"].items()}
+    return ({"server_model": info["model"], "server_backend": info["backend"],
+             "server_providers": " ".join(info["providers"])}
+            | {f"server_{name}_threads": n for name, n in info["threads"].items()}
             | {f"server_{name}": value for name, value in info["batching"].items()}
             | {"server_ort_spinning": info["ort_spinning"], "server_cache_size": info["cache"]["size"]})

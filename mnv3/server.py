@@ -207,7 +207,9 @@ class ModelInfo(BaseModel):
     variant: str = Field(description="the model file's stem, e.g. fp32 or static_int8")
     file: str
     sha256: str
-    backend: str
+    backend: str = Field(description="the engine that runs the model (onnxruntime or openvino)")
+    backend_choice: dict = Field(description="--backend asked for, what serves (file, engine, OpenVINO precision) "
+                                             "and why: under auto, stage 2's manifest entry or the fallback's reason")
     input_name: str
     input_shape: list[int | str]
     providers: list[str]
@@ -241,7 +243,8 @@ async def model_info(s: Serving = Depends(serving)) -> ModelInfo:
     engine, config = s.engine, s.config
     return ModelInfo(
         model=engine.model_id, variant=engine.path.stem, file=engine.path.name, sha256=engine.sha256,
-        backend=config.backend, input_name=engine.input_name, input_shape=engine.input_shape,
+        backend=engine.backend, backend_choice=engine.choice.describe(), input_name=engine.input_name,
+        input_shape=engine.input_shape,
         providers=engine.providers,
         class_names=f"{len(engine.class_names)} names from the file beside the model" if engine.class_names
         else "none found: labels are class_<id>",

@@ -1,5 +1,5 @@
-"""Model variants measured against ONNX FP32: stage 1's runtimes, stage 2's static INT8 recipes, and
-the table that puts them side by side.
+"""Model variants measured against ONNX FP32: stage 1's runtimes, stage 2's static INT8 recipes and
+engine x precision variants (the choice `--backend auto` serves), and the table that puts them side by side.
 
 Variants are timed in turns with an ONNX FP32 session in one interleaved run, never against an FP32
 from another run: on a shared machine only ratios taken in turns hold. Agreement and SQNR are against
@@ -16,8 +16,11 @@ from pathlib import Path
 import numpy as np
 
 from mnv3.accuracy import array_batches, evaluate, predict
+from mnv3.artifacts import FP32_ONNX
+from mnv3.engine import open_session
+from mnv3.graph_rewrites import GRAPH_REWRITES
 from mnv3.latency import Timing, interleaved_benchmark
-from mnv3.quantize import RECIPES, preprocess_photos, quantize_static_int8, size_mb
+from mnv3.quantize import DEFAULT_RECIPE, RECIPES, preprocess_photos, quantize_static_int8, size_mb
 from mnv3.runtime import make_session, ort_runner
 
 FP32 = "onnx_fp32"
@@ -64,15 +67,24 @@ class Measured:
 
 def measure_against_fp32(fp32_path: Path, models: dict[str, Path], bench: Bench, rounds: int = 5
                          ) -> dict[str, Measured]:
-    """Each of `models` and ONNX FP32 (key FP32) timed in turns in one run, scored against FP32's logits."""
-    runners = {FP32: ort_runner(make_session(fp32_path, bench.threads))}
-    runners |= {name: ort_runner(make_session(path, bench.threads)) for name, path in models.items()}
-    reference = predict(runners[FP32], array_batches(bench.held_out, bench.batch_size))
-    latency = interleaved_benchmark(runners, bench.held_out, bench.batch_size, bench.timing, rounds=rounds)
+    """Each of `models` on onnxruntime and ONNX FP32 (key FP32) timed in turns in one run, scored against
+    FP32's logits."""
+    return measure_runners(fp32_path, {name: (ort_runner(make_session(path, bench.threads)), size_mb(path))
+                                       for name, path in models.items()}, bench, rounds)
+
+
+def measure_runners(fp32_path: Path, runners: dict[str, tuple[Callable, float]], bench: Bench, rounds: int = 5
+                    ) -> dict[str, Measured]:
+    """Each of `runners` ({name: (run(batch) -> logits, size in MB)}) and ONNX FP32 (key FP32) timed in turns
+    in one run, scored against FP32's logits."""
+    fp32 = ort_runner(make_session(fp32_path, bench.threads))
+    reference = predict(fp32, array_batches(bench.held_out, bench.batch_size))
+    latency = interleaved_benchmark({FP32: fp32} | {name: run for name, (run, _) in runners.items()},
+                                    bench.held_out, bench.batch_size, bench.timing, rounds=rounds)
     measured = {FP32: Measured(latency[FP32], size_mb(fp32_path), {})}
-    for name, path in models.items():
-        scores = evaluate(runners[name], bench.held_out, reference, bench.labelled, bench.batch_size)
-        measured[name] = Measured(latency[name], size_mb(path), scores)
+    for name, (run, size) in runners.items():
+        scores = evaluate(run, bench.held_out, reference, bench.labelled, bench.batch_size)
+        measured[name] = Measured(latency[name], size, scores)
     return measured
 
 
@@ -218,3 +230,87 @@ def compare_variants(rows: list[dict]) -> list[dict]:
          "mean_vs_onnx_fp32": round(float(row.get("mean_ms_vs_onnx_fp32") or float(row["mean_ms"]) / onnx_fp32_ms), 2)}
         for row in rows
     ]
+
+
+@dataclass(frozen=True)
+class EngineVariant:
+    """One way to serve the model: a file beside the models, the engine that runs it (engine.BACKENDS),
+    and OpenVINO's inference precision for what is not quantized (f32 or bf16; onnxruntime has none)."""
+    name: str
+    engine: str
+    file: str
+    precision: str = "auto"
+
+
+FP32_VARIANT = EngineVariant("onnxruntime_fp32", "onnxruntime", FP32_ONNX)  # the reference every ratio is against
+# NNCF INT8 IR files stage 2 builds, and the exact FP32 rewrites each starts from: none, and the shipped
+# recipe's except pad16 (padding depthwise channels feeds onnxruntime's kernel; OpenVINO would only do more work).
+OPENVINO_INT8_BUILDS = {"nncf_int8.xml": (),
+                        "nncf_rewritten_int8.xml": tuple(name for name in RECIPES[DEFAULT_RECIPE].graph_rewrites
+                                                         if name != "pad16")}
+ENGINE_TABLE_COLUMNS = ("variant", "engine", "file", "precision", "mean_ms", "per_image_ms", "mean_ms_vs_onnx_fp32",
+                        "per_image_ms_vs_onnx_fp32", "top1_agreement", "top5_agreement", "sqnr_db", "chosen")
+assert all(name in GRAPH_REWRITES for rewrites in OPENVINO_INT8_BUILDS.values() for name in rewrites)
+
+
+def build_openvino_int8(fp32_path: Path, calibration: list[Path], artifacts_dir: Path) -> list[str]:
+    """Each OPENVINO_INT8_BUILDS file in `artifacts_dir`, quantized by NNCF on `calibration`; none (and
+    says so) without nncf and openvino."""
+    try:
+        from mnv3.openvino_int8 import quantize_nncf_int8
+        import nncf  # noqa: F401
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("nncf", "openvino"):
+            raise
+        print(f"{exc.name}: not installed, NNCF INT8 variants SKIPPED (pip install -r requirements-openvino.txt)")
+        return []
+    images = preprocess_photos(calibration)
+    for file, rewrites in OPENVINO_INT8_BUILDS.items():
+        print(f"building {file} with NNCF" + (f" after {'+'.join(rewrites)}" if rewrites else ""))
+        quantize_nncf_int8(fp32_path, Path(artifacts_dir) / file, images, rewrites)
+    return list(OPENVINO_INT8_BUILDS)
+
+
+def engine_variants(int8_file: str, openvino_files: list[str]) -> list[EngineVariant]:
+    """Every installed engine x precision on the models beside FP32 (FP32_VARIANT is the reference, not here):
+    onnxruntime on the INT8 file; OpenVINO on FP32, the INT8 file and `openvino_files`, in f32 and, where the
+    CPU computes it natively, bf16."""
+    variants = [EngineVariant(f"onnxruntime_{Path(int8_file).stem}", "onnxruntime", int8_file)]
+    try:
+        from mnv3.openvino_backend import bf16_supported
+    except ModuleNotFoundError as exc:
+        if exc.name != "openvino":
+            raise
+        print("openvino: not installed, only onnxruntime variants are candidates")
+        return variants
+    precisions = ["f32", "bf16"] if bf16_supported() else ["f32"]
+    return variants + [EngineVariant(f"openvino_{Path(file).stem}_{precision}", "openvino", file, precision)
+                       for file in [FP32_ONNX, int8_file, *openvino_files] for precision in precisions]
+
+
+def engine_runner(variant: EngineVariant, artifacts_dir: Path, threads: int, batch_size: int) -> Callable:
+    """The variant as the server opens it (engine.open_session), compiled for batch 1 and `batch_size`."""
+    session = open_session(Path(artifacts_dir) / variant.file, variant.engine, threads, max_batch_size=batch_size,
+                           precision=variant.precision)
+    return ort_runner(session)
+
+
+def model_size_mb(path: Path) -> float:
+    """The file's size, with the weights file beside an OpenVINO IR (.xml)."""
+    weights = Path(path).with_suffix(".bin")
+    return round(size_mb(path) + (size_mb(weights) if Path(path).suffix == ".xml" else 0), 3)
+
+
+def engine_rows(fp32_path: Path, runners: dict[EngineVariant, Callable], bench: Bench) -> list[dict]:
+    """FP32_VARIANT and each of `runners` timed in turns in one run (COMPARISON_ROUNDS rounds), each a row
+    with its same-run ratios to FP32 and its agreement with FP32's logits."""
+    measured = measure_runners(
+        fp32_path, {variant.name: (run, model_size_mb(Path(fp32_path).parent / variant.file))
+                    for variant, run in runners.items()}, bench, rounds=COMPARISON_ROUNDS)
+    fp32 = measured.pop(FP32).latency
+    measured = {FP32_VARIANT.name: Measured(fp32, size_mb(fp32_path), {})} | measured
+    variants = {variant.name: variant for variant in [FP32_VARIANT, *runners]}
+    return [{"variant": name, "engine": variants[name].engine, "file": variants[name].file,
+             "precision": variants[name].precision, **result.latency, **same_run_ratios(result.latency, fp32),
+             "size_mb": result.size_mb, **result.scores, "threads": bench.threads, "weights": bench.weights}
+            for name, result in measured.items()]

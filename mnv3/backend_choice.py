@@ -1,0 +1,123 @@
+"""Which engine serves a model: the one stage 2 measured fastest on this machine, unless told otherwise.
+
+Stage 2 times every installed engine x precision in turns with ONNX FP32 and writes the fastest that
+computes the same network into the manifest beside the models (key MANIFEST_KEY, `manifest_entry`).
+`--backend auto` (the server's default) reads it back with `resolve_auto`. A choice holds only
+
+- for the model it was made for (the INT8 file stages 3-5 serve, or the chosen file itself): any other
+  file is served as given, since nothing measured it;
+- where its engine is installed and its file is present.
+
+Otherwise auto serves the given file with onnxruntime, the engine that installs everywhere, and the
+reason says why. An explicit `--backend onnxruntime|openvino` always wins.
+
+This module reads JSON only: serving imports it without importing openvino or torch.
+"""
+import importlib.util
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from mnv3.artifacts import read_manifest
+
+AUTO = "auto"
+BACKENDS = ("onnxruntime", "openvino")
+FALLBACK = "onnxruntime"  # installs wherever requirements.txt does
+MANIFEST_KEY = "engine_choice"
+DEFAULT_MIN_AGREEMENT = 0.99  # top-1 agreement with FP32 a variant needs to be chosen, with real weights
+STAND_IN_PROVENANCE = "random-init"  # mnv3/model.py's provenance for the seeded stand-in network
+# What the choice minimises: a variant's batch-1 and per-image-at-batch-N times against FP32's, timed in
+# turns. Their geometric mean weighs a 2x gain at either end the same; the server runs both sizes.
+SPEED_COLUMNS = ("mean_ms_vs_onnx_fp32", "per_image_ms_vs_onnx_fp32")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What serves: the file, its engine and OpenVINO precision; what was asked for, and why this."""
+    path: Path
+    backend: str
+    precision: str
+    requested: str
+    reason: str
+    fallback: bool = False  # auto wanted a measured choice and could not have it
+    manifest_entry: dict | None = None
+
+    @property
+    def variant(self) -> str:
+        """Stage 2's name for this engine x file x precision, e.g. onnxruntime_static_int8, openvino_fp32_bf16."""
+        return f"{self.backend}_{self.path.stem}" + (f"_{self.precision}" if self.backend == "openvino" else "")
+
+    def describe(self) -> dict:
+        """For GET /model."""
+        return asdict(self) | {"path": self.path.name}
+
+
+def explicit(path: Path, backend: str, precision: str = "auto") -> Choice:
+    return Choice(Path(path), backend, precision, backend, f"--backend {backend} given")
+
+
+def resolve_auto(model: Path) -> Choice:
+    """What `--backend auto` serves for `model`: stage 2's choice from the manifest beside it, else
+    `model` on onnxruntime with the reason."""
+    model = Path(model)
+    entry = read_manifest(model.parent).get(MANIFEST_KEY)
+
+    def fallback(why: str) -> Choice:
+        return Choice(model, FALLBACK, "auto", AUTO, f"{why}; serving {model.name} with {FALLBACK}", True, entry)
+
+    if not entry:
+        return fallback(f"no engine choice in {model.parent}/manifest.json (stage 2, static_quantization.py, "
+                        "writes it)")
+    if model.name not in (entry["for_model"], entry["file"]):
+        return fallback(f"stage 2 chose an engine for {entry['for_model']}, not {model.name}")
+    if entry["engine"] not in BACKENDS or importlib.util.find_spec(entry["engine"]) is None:
+        return fallback(f"stage 2 chose {entry['variant']}, but {entry['engine']} is not installed here")
+    chosen = model.parent / entry["file"]
+    if not chosen.is_file():
+        return fallback(f"stage 2 chose {entry['variant']}, but its file {chosen} is missing")
+    return Choice(chosen, entry["engine"], entry["precision"], AUTO, entry["reason"], False, entry)
+
+
+def speed(row: dict) -> float:
+    """The number the choice minimises (see SPEED_COLUMNS)."""
+    return math.sqrt(math.prod(float(row[column]) for column in SPEED_COLUMNS))
+
+
+def choose(rows: list[dict], min_agreement: float, guard_applies: bool) -> tuple[dict, dict[str, str]]:
+    """(the fastest row by `speed`, {variant: why it was passed over} for each faster one).
+
+    Each row is a variant timed in turns with ONNX FP32, with its top-1 agreement with FP32 (FP32's own
+    row has none and always qualifies). With `guard_applies`, a variant below `min_agreement` is refused."""
+    refused = {}
+    for row in sorted(rows, key=speed):
+        agreement = row.get("top1_agreement")
+        if guard_applies and agreement not in (None, "") and float(agreement) < min_agreement:
+            refused[row["variant"]] = f"top-1 agreement with FP32 {float(agreement):.4f} < {min_agreement}"
+            continue
+        return row, refused
+    raise ValueError("no variant to choose from")
+
+
+def guard_note(provenance: str, min_agreement: float) -> str:
+    if provenance == STAND_IN_PROVENANCE:
+        return (f"not applied: the weights are the random-init stand-in, whose agreement with FP32 says nothing "
+                f"about a trained model's; rerun stage 1 with --weights for a guarded choice")
+    return f"applied: a variant needs top-1 agreement with FP32 >= {min_agreement} on the held-out photos"
+
+
+def manifest_entry(chosen: dict, refused: dict[str, str], for_model: str, candidates: int, provenance: str,
+                   min_agreement: float, environment: dict) -> dict:
+    """The MANIFEST_KEY entry: what serves, its same-run ratios and agreement, and why it was chosen."""
+    columns = ("mean_ms_vs_onnx_fp32", "per_image_ms_vs_onnx_fp32", "batch_size", "top1_agreement",
+               "top5_agreement", "sqnr_db")
+    return {
+        "variant": chosen["variant"], "engine": chosen["engine"], "file": chosen["file"],
+        "precision": chosen["precision"], "for_model": for_model,
+        **{column: chosen.get(column) for column in columns},
+        "reason": (f"fastest of {candidates} engine x precision variants timed in turns with ONNX FP32 on this "
+                   f"machine (batch 1 {chosen['mean_ms_vs_onnx_fp32']}x, per image at batch "
+                   f"{chosen['batch_size']} {chosen['per_image_ms_vs_onnx_fp32']}x FP32's time)"
+                   + (f"; passed over: {'; '.join(f'{k} ({v})' for k, v in refused.items())}" if refused else "")),
+        "agreement_guard": guard_note(provenance, min_agreement), "min_agreement": min_agreement,
+        "guard_applied": provenance != STAND_IN_PROVENANCE, "weights": provenance, **environment,
+    }

@@ -1,0 +1,45 @@
+"""NNCF post-training INT8 quantization for OpenVINO's CPU plugin, calibrated on the same photos as stage 2.
+
+The result is an OpenVINO IR file (.xml, weights in the .bin beside it) that only the openvino backend
+serves. NNCF places its quantizers where the CPU plugin has INT8 kernels, which onnxruntime's QDQ
+placement does not; the project's exact FP32 graph rewrites (mnv3/graph_rewrites.py) can be applied
+first. The logits layer stays in floating point (IGNORED: it is a small share of the work and the one
+layer whose error lands on the logits unfiltered). Needs `nncf` (requirements-openvino.txt).
+"""
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from mnv3.graph_rewrites import apply_graph_rewrites
+
+
+def logits_layer(model) -> str:
+    """The friendly name of the last MatMul: the classifier layer that writes the logits."""
+    return [op for op in model.get_ordered_ops() if op.get_type_name() == "MatMul"][-1].get_friendly_name()
+
+
+def quantize_nncf_int8(fp32_path, out_path, calibration_images: np.ndarray, graph_rewrites: Sequence[str] = ()
+                       ) -> Path:
+    """INT8 OpenVINO IR at `out_path` (.xml) from the ONNX FP32 model, calibrated on `calibration_images`
+    (a preprocess_photos array), after `graph_rewrites` if any."""
+    import nncf
+    import openvino as ov
+
+    core = ov.Core()
+    with tempfile.TemporaryDirectory() as tmp:
+        if graph_rewrites:
+            rewritten = Path(tmp) / "rewritten.onnx"
+            onnx.save(apply_graph_rewrites(onnx.load(str(fp32_path)), graph_rewrites), str(rewritten))
+            fp32_path = rewritten
+        model = core.read_model(str(fp32_path))
+    # One image a calibration sample, as NNCF expects; its statistics are per tensor across all of them.
+    dataset = nncf.Dataset([image[None] for image in calibration_images])
+    quantized = nncf.quantize(model, dataset, subset_size=len(calibration_images),
+                              ignored_scope=nncf.IgnoredScope(names=[logits_layer(model)]))
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    ov.save_model(quantized, str(out_path), compress_to_fp16=False)
+    return out_path
