@@ -119,7 +119,7 @@ def choose_engine(args, fp32_path, calibration, bench: Bench) -> dict:
     """Time every installed engine x precision in turns with ONNX FP32, write results/02_engines.csv, and
     record the fastest that agrees with FP32 in the manifest for `--backend auto`."""
     openvino_files = build_openvino_int8(fp32_path, calibration, args.artifacts_dir)
-    variants = engine_variants(STATIC_INT8_ONNX, openvino_files)
+    variants = engine_variants(STATIC_INT8_ONNX, openvino_files, args.threads)
     print(f"timing {len(variants) + 1} engine x precision variants in turns with ONNX FP32")
     runners = {variant: engine_runner(variant, args.artifacts_dir, args.threads, args.batch_size)
                for variant in variants}

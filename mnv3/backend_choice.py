@@ -33,19 +33,21 @@ SPEED_COLUMNS = ("mean_ms_vs_onnx_fp32", "per_image_ms_vs_onnx_fp32")
 
 @dataclass(frozen=True)
 class Choice:
-    """What serves: the file, its engine and OpenVINO precision; what was asked for, and why this."""
+    """What serves: the file, its engine and OpenVINO precision and streams; what was asked for, and why this."""
     path: Path
     backend: str
     precision: str
     requested: str
     reason: str
-    fallback: bool = False  # auto wanted a measured choice and could not have it
+    fallback: bool = False  # auto served onnxruntime on the given file: no measured choice applies
     manifest_entry: dict | None = None
+    streams: int = 1
+    unservable: bool = False  # a measured choice applies but cannot be served here: worth a warning
 
     @property
     def variant(self) -> str:
         """Stage 2's name for this engine x file x precision, e.g. onnxruntime_static_int8, openvino_fp32_bf16."""
-        return f"{self.backend}_{self.path.stem}" + (f"_{self.precision}" if self.backend == "openvino" else "")
+        return variant_name(self.backend, self.path.name, self.precision, self.streams)
 
     def describe(self) -> dict:
         """For GET /model."""
@@ -62,8 +64,9 @@ def resolve_auto(model: Path) -> Choice:
     model = Path(model)
     entry = read_manifest(model.parent).get(MANIFEST_KEY)
 
-    def fallback(why: str) -> Choice:
-        return Choice(model, FALLBACK, "auto", AUTO, f"{why}; serving {model.name} with {FALLBACK}", True, entry)
+    def fallback(why: str, unservable: bool = False) -> Choice:
+        return Choice(model, FALLBACK, "auto", AUTO, f"{why}; serving {model.name} with {FALLBACK}", True, entry,
+                      unservable=unservable)
 
     if not entry:
         return fallback(f"no engine choice in {model.parent}/manifest.json (stage 2, static_quantization.py, "
@@ -71,11 +74,18 @@ def resolve_auto(model: Path) -> Choice:
     if model.name not in (entry["for_model"], entry["file"]):
         return fallback(f"stage 2 chose an engine for {entry['for_model']}, not {model.name}")
     if entry["engine"] not in BACKENDS or importlib.util.find_spec(entry["engine"]) is None:
-        return fallback(f"stage 2 chose {entry['variant']}, but {entry['engine']} is not installed here")
+        return fallback(f"stage 2 chose {entry['variant']}, but {entry['engine']} is not installed here", True)
     chosen = model.parent / entry["file"]
     if not chosen.is_file():
-        return fallback(f"stage 2 chose {entry['variant']}, but its file {chosen} is missing")
-    return Choice(chosen, entry["engine"], entry["precision"], AUTO, entry["reason"], False, entry)
+        return fallback(f"stage 2 chose {entry['variant']}, but its file {chosen} is missing", True)
+    return Choice(chosen, entry["engine"], entry["precision"], AUTO, entry["reason"], False, entry,
+                  entry.get("streams", 1))
+
+
+def variant_name(engine: str, file: str, precision: str, streams: int = 1) -> str:
+    """e.g. onnxruntime_static_int8, openvino_fp32_bf16, openvino_nncf_int8_f32_2streams."""
+    openvino = f"_{precision}" + (f"_{streams}streams" if streams > 1 else "") if engine == "openvino" else ""
+    return f"{engine}_{Path(file).stem}{openvino}"
 
 
 def speed(row: dict) -> float:
@@ -112,7 +122,7 @@ def manifest_entry(chosen: dict, refused: dict[str, str], for_model: str, candid
                "top5_agreement", "sqnr_db")
     return {
         "variant": chosen["variant"], "engine": chosen["engine"], "file": chosen["file"],
-        "precision": chosen["precision"], "for_model": for_model,
+        "precision": chosen["precision"], "streams": chosen.get("streams", 1), "for_model": for_model,
         **{column: chosen.get(column) for column in columns},
         "reason": (f"fastest of {candidates} engine x precision variants timed in turns with ONNX FP32 on this "
                    f"machine (batch 1 {chosen['mean_ms_vs_onnx_fp32']}x, per image at batch "

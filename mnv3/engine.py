@@ -68,19 +68,18 @@ class Engine:
             raise ModelLoadError(f"model file {path} not found")
         choice = resolve_auto(path) if backend == AUTO else explicit(path, backend, precision)
         path, backend, precision = choice.path, choice.backend, choice.precision
-        if choice.fallback:
-            log.warning("--backend auto: %s", choice.reason)
-        elif backend != choice.requested:
-            log.info("--backend auto: serving %s with %s: %s", path.name, backend, choice.reason)
         sha256 = _digest(path)
         try:
             session = open_session(path, backend, intra_op_threads, inter_op_threads, max_batch_size,
-                                   allow_spinning, precision)
+                                   allow_spinning, precision, choice.streams)
         except ModelLoadError:
             raise
         except Exception as exc:  # both runtimes raise their own untyped errors for bad protobufs
             raise ModelLoadError(f"{path} is not a loadable ONNX model: {_one_line(exc)}") from exc
         _check_input(path, session.get_inputs(), max_batch_size)
+        if choice.requested == AUTO:  # once the model is known to load: a bad file's error stays one line
+            log.log(logging.WARNING if choice.unservable else logging.INFO, "--backend auto: %s with %s: %s",
+                    path.name, backend, choice.reason)
         num_classes = session.get_outputs()[0].shape[-1]
         return cls(session, _class_names(path.parent / CLASS_NAMES_JSON, num_classes), path, sha256, backend,
                    choice)
@@ -117,9 +116,10 @@ class Engine:
 
 def open_session(path: Path, backend: str, intra_op_threads: int = DEFAULT_INTRA_OP_THREADS,
                  inter_op_threads: int = DEFAULT_INTER_OP_THREADS, max_batch_size: int = 1,
-                 allow_spinning: bool = True, precision: str = "auto"):
+                 allow_spinning: bool = True, precision: str = "auto", streams: int = 1):
     """The runtime session `Engine` wraps (one of BACKENDS): what the server, stage 2's engine choice and the
-    in-process limit all run, so what stage 2 timed is what is served."""
+    in-process limit all run, so what stage 2 timed is what is served. `precision` and `streams` are
+    OpenVINO's (see OpenVINOSession)."""
     if backend == "onnxruntime":
         return make_session(path, intra_op_threads, inter_op_threads, allow_spinning=allow_spinning)
     try:
@@ -129,7 +129,7 @@ def open_session(path: Path, backend: str, intra_op_threads: int = DEFAULT_INTRA
     from mnv3.openvino_backend import OpenVINOSession
 
     # OpenVINO has no inter-op pool to size: one stream, `intra_op_threads` threads within it.
-    return OpenVINOSession(path, intra_op_threads, precision, max_batch_size=max_batch_size)
+    return OpenVINOSession(path, intra_op_threads, precision, max_batch_size=max_batch_size, streams=streams)
 
 
 def _digest(path: Path) -> str:

@@ -61,7 +61,8 @@ def measure_limit(engine: str, served: Choice, bodies: list[bytes], batch_size: 
     """Images/s of one configuration over `passes` runs through `bodies`, after an untimed warm-up batch."""
     # No spinning, as the server runs by default: decoding shares the cores with ORT here too.
     session = open_session(served.path, served.backend, intra_op_threads, DEFAULT_INTER_OP_THREADS,
-                           max_batch_size=batch_size, allow_spinning=False, precision=served.precision)
+                           max_batch_size=batch_size, allow_spinning=False, precision=served.precision,
+                           streams=served.streams)
     with ThreadPoolExecutor(max_workers=decode_threads) as pool:
         classify_all(session, pool, bodies[:batch_size], batch_size)  # the engine allocates for this shape
         seconds = sum(classify_all(session, pool, bodies, batch_size) for _ in range(passes))

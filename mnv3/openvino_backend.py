@@ -10,6 +10,10 @@ of 1, and kept dynamic for every other size the batcher makes. The dynamic model
 than a static one at batch 1, and barely at larger batches, while each compiled model costs memory and a
 compile stall. So one per batch size (up to `max_batch_size` of them) is not worth it; batch 1, which is
 what every request runs at under light load, is.
+
+Streams: with `streams` > 1 the dynamic-batch model is compiled for that many CPU streams (the threads
+split between them) and a batch is cut into that many parts that run at once, one infer request each:
+fewer threads per convolution synchronise less. The batch-1 model keeps one stream with every thread.
 """
 import threading
 from typing import NamedTuple
@@ -36,7 +40,8 @@ class OpenVINOSession:
     """The file compiled for the CPU: a static batch-1 model plus a dynamic-batch one (just the file's own
     shape when its batch axis is fixed; no dynamic one when `max_batch_size` is 1). Calls take turns."""
 
-    def __init__(self, path, threads: int, precision: str = "auto", max_batch_size: int | None = None):
+    def __init__(self, path, threads: int, precision: str = "auto", max_batch_size: int | None = None,
+                 streams: int = 1):
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         core = ov.Core()
@@ -53,7 +58,10 @@ class OpenVINOSession:
             batch_1.reshape({0: [1, *shape[1:]]})
             self._batch_1 = core.compile_model(batch_1, DEVICE, settings).create_infer_request()
         if self._batch_1 is None or max_batch_size != 1:
-            self._any_batch = core.compile_model(model, DEVICE, settings).create_infer_request()
+            if streams > 1:
+                settings |= {"NUM_STREAMS": streams, "PERFORMANCE_HINT": "THROUGHPUT"}
+            compiled = core.compile_model(model, DEVICE, settings)
+            self._any_batch = [compiled.create_infer_request() for _ in range(streams)]
         self._lock = threading.Lock()  # an infer request runs one call at a time
         self._inputs = [_port(p) for p in model.inputs]
         self._outputs = [_port(p) for p in model.outputs]
@@ -62,13 +70,21 @@ class OpenVINOSession:
         """onnxruntime's call shape: all outputs for one input feed (`output_names` must be None)."""
         assert output_names is None, "only all outputs are supported"
         (batch,) = feeds.values()
-        request = self._batch_1 if len(batch) == 1 and self._batch_1 is not None else self._any_batch
-        if request is None:
+        if len(batch) == 1 and self._batch_1 is not None:
+            requests, parts = [self._batch_1], [batch]
+        elif self._any_batch is None:
             raise ValueError(f"compiled for batch 1 only (max_batch_size=1), got a batch of {len(batch)}")
+        else:
+            parts = np.array_split(batch, min(len(batch), len(self._any_batch)))
+            requests = self._any_batch[:len(parts)]
         with self._lock:
-            # share_inputs: no copy of the batch in; outputs are copied out, the request reuses its buffers.
-            result = request.infer({0: np.ascontiguousarray(batch)}, share_inputs=True)
-        return [result[i] for i in range(len(self._outputs))]
+            # share_inputs: no copy of the batch in; outputs are copied out, the requests reuse their buffers.
+            for request, part in zip(requests, parts):
+                request.start_async({0: np.ascontiguousarray(part)}, share_inputs=True)
+            for request in requests:
+                request.wait()
+            return [np.concatenate([request.get_output_tensor(i).data for request in requests])
+                    for i in range(len(self._outputs))]
 
     def get_inputs(self) -> list[Port]:
         return self._inputs

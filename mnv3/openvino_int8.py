@@ -3,8 +3,11 @@
 The result is an OpenVINO IR file (.xml, weights in the .bin beside it) that only the openvino backend
 serves. NNCF places its quantizers where the CPU plugin has INT8 kernels, which onnxruntime's QDQ
 placement does not; the project's exact FP32 graph rewrites (mnv3/graph_rewrites.py) can be applied
-first. The logits layer stays in floating point (IGNORED: it is a small share of the work and the one
-layer whose error lands on the logits unfiltered). Needs `nncf` (requirements-openvino.txt).
+first. The logits layer stays in floating point: it is a small share of the work and the one layer whose
+error lands on the logits unfiltered. Activation ranges are the calibration set's true min/max, as the
+project's static recipes calibrate (MinMax): NNCF's default averages per-sample ranges, which clips the
+outliers that a network amplifies layer by layer, as the random-init stand-in does. Needs `nncf`
+(requirements-openvino.txt).
 """
 import tempfile
 from collections.abc import Sequence
@@ -27,6 +30,8 @@ def quantize_nncf_int8(fp32_path, out_path, calibration_images: np.ndarray, grap
     (a preprocess_photos array), after `graph_rewrites` if any."""
     import nncf
     import openvino as ov
+    from nncf.quantization.advanced_parameters import AdvancedQuantizationParameters
+    from nncf.quantization.range_estimator import RangeEstimatorParametersSet
 
     core = ov.Core()
     with tempfile.TemporaryDirectory() as tmp:
@@ -38,7 +43,9 @@ def quantize_nncf_int8(fp32_path, out_path, calibration_images: np.ndarray, grap
     # One image a calibration sample, as NNCF expects; its statistics are per tensor across all of them.
     dataset = nncf.Dataset([image[None] for image in calibration_images])
     quantized = nncf.quantize(model, dataset, subset_size=len(calibration_images),
-                              ignored_scope=nncf.IgnoredScope(names=[logits_layer(model)]))
+                              ignored_scope=nncf.IgnoredScope(names=[logits_layer(model)]),
+                              advanced_parameters=AdvancedQuantizationParameters(
+                                  activations_range_estimator_params=RangeEstimatorParametersSet.MINMAX))
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     ov.save_model(quantized, str(out_path), compress_to_fp16=False)

@@ -17,6 +17,7 @@ import numpy as np
 
 from mnv3.accuracy import array_batches, evaluate, predict
 from mnv3.artifacts import FP32_ONNX
+from mnv3.backend_choice import variant_name
 from mnv3.engine import open_session
 from mnv3.graph_rewrites import GRAPH_REWRITES
 from mnv3.latency import Timing, interleaved_benchmark
@@ -235,11 +236,13 @@ def compare_variants(rows: list[dict]) -> list[dict]:
 @dataclass(frozen=True)
 class EngineVariant:
     """One way to serve the model: a file beside the models, the engine that runs it (engine.BACKENDS),
-    and OpenVINO's inference precision for what is not quantized (f32 or bf16; onnxruntime has none)."""
+    OpenVINO's inference precision for what is not quantized (f32 or bf16; onnxruntime has none) and its
+    streams for batches (OpenVINOSession)."""
     name: str
     engine: str
     file: str
     precision: str = "auto"
+    streams: int = 1
 
 
 FP32_VARIANT = EngineVariant("onnxruntime_fp32", "onnxruntime", FP32_ONNX)  # the reference every ratio is against
@@ -248,7 +251,7 @@ FP32_VARIANT = EngineVariant("onnxruntime_fp32", "onnxruntime", FP32_ONNX)  # th
 OPENVINO_INT8_BUILDS = {"nncf_int8.xml": (),
                         "nncf_rewritten_int8.xml": tuple(name for name in RECIPES[DEFAULT_RECIPE].graph_rewrites
                                                          if name != "pad16")}
-ENGINE_TABLE_COLUMNS = ("variant", "engine", "file", "precision", "mean_ms", "per_image_ms", "mean_ms_vs_onnx_fp32",
+ENGINE_TABLE_COLUMNS = ("variant", "engine", "file", "precision", "streams", "mean_ms", "per_image_ms", "mean_ms_vs_onnx_fp32",
                         "per_image_ms_vs_onnx_fp32", "top1_agreement", "top5_agreement", "sqnr_db", "chosen")
 assert all(name in GRAPH_REWRITES for rewrites in OPENVINO_INT8_BUILDS.values() for name in rewrites)
 
@@ -271,11 +274,11 @@ def build_openvino_int8(fp32_path: Path, calibration: list[Path], artifacts_dir:
     return list(OPENVINO_INT8_BUILDS)
 
 
-def engine_variants(int8_file: str, openvino_files: list[str]) -> list[EngineVariant]:
+def engine_variants(int8_file: str, openvino_files: list[str], threads: int) -> list[EngineVariant]:
     """Every installed engine x precision on the models beside FP32 (FP32_VARIANT is the reference, not here):
     onnxruntime on the INT8 file; OpenVINO on FP32, the INT8 file and `openvino_files`, in f32 and, where the
-    CPU computes it natively, bf16."""
-    variants = [EngineVariant(f"onnxruntime_{Path(int8_file).stem}", "onnxruntime", int8_file)]
+    CPU computes it natively, bf16; and the INT8 files in f32 with a stream a thread for batches."""
+    variants = [EngineVariant(variant_name("onnxruntime", int8_file, "auto"), "onnxruntime", int8_file)]
     try:
         from mnv3.openvino_backend import bf16_supported
     except ModuleNotFoundError as exc:
@@ -284,14 +287,18 @@ def engine_variants(int8_file: str, openvino_files: list[str]) -> list[EngineVar
         print("openvino: not installed, only onnxruntime variants are candidates")
         return variants
     precisions = ["f32", "bf16"] if bf16_supported() else ["f32"]
-    return variants + [EngineVariant(f"openvino_{Path(file).stem}_{precision}", "openvino", file, precision)
-                       for file in [FP32_ONNX, int8_file, *openvino_files] for precision in precisions]
+    variants += [EngineVariant(variant_name("openvino", file, precision), "openvino", file, precision)
+                 for file in [FP32_ONNX, int8_file, *openvino_files] for precision in precisions]
+    if threads > 1:
+        variants += [EngineVariant(variant_name("openvino", file, "f32", threads), "openvino", file, "f32", threads)
+                     for file in [int8_file, *openvino_files]]
+    return variants
 
 
 def engine_runner(variant: EngineVariant, artifacts_dir: Path, threads: int, batch_size: int) -> Callable:
     """The variant as the server opens it (engine.open_session), compiled for batch 1 and `batch_size`."""
     session = open_session(Path(artifacts_dir) / variant.file, variant.engine, threads, max_batch_size=batch_size,
-                           precision=variant.precision)
+                           precision=variant.precision, streams=variant.streams)
     return ort_runner(session)
 
 
@@ -311,6 +318,6 @@ def engine_rows(fp32_path: Path, runners: dict[EngineVariant, Callable], bench: 
     measured = {FP32_VARIANT.name: Measured(fp32, size_mb(fp32_path), {})} | measured
     variants = {variant.name: variant for variant in [FP32_VARIANT, *runners]}
     return [{"variant": name, "engine": variants[name].engine, "file": variants[name].file,
-             "precision": variants[name].precision, **result.latency, **same_run_ratios(result.latency, fp32),
+             "precision": variants[name].precision, "streams": variants[name].streams, **result.latency, **same_run_ratios(result.latency, fp32),
              "size_mb": result.size_mb, **result.scores, "threads": bench.threads, "weights": bench.weights}
             for name, result in measured.items()]

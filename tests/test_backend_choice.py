@@ -1,0 +1,169 @@
+"""`--backend auto`: stage 2's engine choice in the manifest, what the server and the in-process limit make of
+it, the fallbacks and their reasons, the agreement guard, and that every engine variant computes the same network."""
+import logging
+import shutil
+import sys
+import time
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from mnv3.accuracy import agreement
+from mnv3.artifacts import CLASS_NAMES_JSON, FP32_ONNX, STATIC_INT8_ONNX, update_manifest
+from mnv3.backend_choice import MANIFEST_KEY, choose, manifest_entry, resolve_auto
+from mnv3.batching_benchmark import limit_engines
+from mnv3.cli import QUICK
+from mnv3.config import ServerConfig
+from mnv3.engine import Engine
+from mnv3.limit import run_limit
+from mnv3.photos import load_images
+from mnv3.quantize import DEFAULT_RECIPE, RECIPES, calibration_photos, quantize_static_int8
+from mnv3.server import create_app
+from mnv3.variants import Bench, EngineVariant, build_openvino_int8, engine_rows, engine_runner, engine_variants
+
+REAL_WEIGHTS = "imagenet"  # any provenance but the stand-in's: the guard applies
+# The random-init stand-in amplifies small perturbations layer by layer (see test_quantize.py): the same FP32
+# network in another engine agrees exactly, INT8 only partly. Its bounds here are test_quantize's for static
+# INT8; a model that outputs FP32's mean logits gets top-1 0.02, so they still tell a network from noise.
+SAME_FP32_TOP1 = 0.99
+INT8_TOP1 = 0.45
+
+
+@pytest.fixture(scope="module")
+def openvino_installed():
+    pytest.importorskip("openvino", reason="optional backend: pip install -r requirements-openvino.txt")
+
+
+@pytest.fixture(scope="module")
+def calibration(tmp_path_factory):
+    return calibration_photos(tmp_path_factory.mktemp("calibration"), 16)
+
+
+@pytest.fixture(scope="module")
+def models_dir(fp32_model_dir, calibration, tmp_path_factory):
+    """FP32 and the shipped static INT8 recipe side by side, as stage 2 leaves them."""
+    directory = tmp_path_factory.mktemp("engine_choice")
+    for name in (FP32_ONNX, CLASS_NAMES_JSON):
+        shutil.copy(fp32_model_dir / name, directory / name)
+    quantize_static_int8(directory / FP32_ONNX, directory / STATIC_INT8_ONNX, calibration, RECIPES[DEFAULT_RECIPE])
+    return directory
+
+
+def entry_for(engine: str, file: str, precision: str = "f32", for_model: str = STATIC_INT8_ONNX) -> dict:
+    row = {"variant": f"{engine}_{file}", "engine": engine, "file": file, "precision": precision,
+           "mean_ms_vs_onnx_fp32": 0.5, "per_image_ms_vs_onnx_fp32": 0.4, "batch_size": 32, "top1_agreement": 1.0}
+    return manifest_entry(row, {}, for_model, 3, REAL_WEIGHTS, 0.99, {"cpu": "test"})
+
+
+def test_auto_serves_the_manifest_choice_and_explicit_backend_wins(models_dir, openvino_installed):
+    update_manifest(models_dir, **{MANIFEST_KEY: entry_for("openvino", FP32_ONNX, "f32")})
+    engine = Engine.load(models_dir / STATIC_INT8_ONNX, "auto")
+    assert (engine.backend, engine.path.name, engine.providers) == ("openvino", FP32_ONNX, ["OpenVINO:CPU:f32"])
+    assert engine.choice.requested == "auto" and not engine.choice.fallback
+    assert engine.choice.reason.startswith("fastest of 3 engine x precision variants")
+    explicit = Engine.load(models_dir / STATIC_INT8_ONNX, "onnxruntime")
+    assert (explicit.backend, explicit.path.name, explicit.choice.reason) == (
+        "onnxruntime", STATIC_INT8_ONNX, "--backend onnxruntime given")
+
+
+def test_auto_falls_back_to_onnxruntime_with_the_reason(models_dir, tmp_path, monkeypatch, caplog):
+    shutil.copy(models_dir / FP32_ONNX, tmp_path / FP32_ONNX)
+    no_entry = resolve_auto(tmp_path / FP32_ONNX)
+    assert (no_entry.backend, no_entry.path, no_entry.fallback) == ("onnxruntime", tmp_path / FP32_ONNX, True)
+    assert "no engine choice" in no_entry.reason and "static_quantization.py" in no_entry.reason
+
+    update_manifest(tmp_path, **{MANIFEST_KEY: entry_for("openvino", "gone.xml", for_model=FP32_ONNX)})
+    missing_file = resolve_auto(tmp_path / FP32_ONNX)
+    assert missing_file.backend == "onnxruntime" and "gone.xml is missing" in missing_file.reason
+
+    update_manifest(models_dir, **{MANIFEST_KEY: entry_for("openvino", STATIC_INT8_ONNX)})
+    other_model = resolve_auto(models_dir / FP32_ONNX)  # the choice was made for the INT8 file, not this one
+    assert (other_model.backend, other_model.path.name) == ("onnxruntime", FP32_ONNX)
+    assert f"for {STATIC_INT8_ONNX}, not {FP32_ONNX}" in other_model.reason
+
+    monkeypatch.setitem(sys.modules, "openvino", None)  # as if openvino were not installed
+    caplog.set_level(logging.INFO, logger="mnv3.engine")
+    engine = Engine.load(models_dir / STATIC_INT8_ONNX, "auto")
+    assert [(r.levelno, r.getMessage()) for r in caplog.records][-1] == (
+        logging.WARNING, f"--backend auto: {STATIC_INT8_ONNX} with onnxruntime: {engine.choice.reason}")
+    assert (engine.backend, engine.path.name, engine.providers) == ("onnxruntime", STATIC_INT8_ONNX,
+                                                                    ["CPUExecutionProvider"])
+    assert "openvino is not installed here" in engine.choice.reason
+
+
+def test_model_endpoint_says_what_was_chosen_and_why(models_dir, openvino_installed):
+    entry = entry_for("openvino", FP32_ONNX, "f32")
+    update_manifest(models_dir, **{MANIFEST_KEY: entry})
+    with TestClient(create_app(ServerConfig(model=models_dir / STATIC_INT8_ONNX, max_batch_size=2))) as client:
+        give_up = time.monotonic() + 60
+        while client.get("/readyz").status_code != 200:
+            assert time.monotonic() < give_up, "warm-up did not finish"
+            time.sleep(0.05)
+        info = client.get("/model").json()
+    assert (info["backend"], info["file"], info["providers"]) == ("openvino", FP32_ONNX, ["OpenVINO:CPU:f32"])
+    choice = info["backend_choice"]
+    assert (choice["requested"], choice["path"], choice["precision"], choice["fallback"]) == (
+        "auto", FP32_ONNX, "f32", False)
+    assert choice["manifest_entry"] == entry and choice["reason"] == entry["reason"]
+
+
+def test_stage5_limits_the_served_engine_and_onnxruntime_fp32_and_int8(models_dir, openvino_installed):
+    update_manifest(models_dir, **{MANIFEST_KEY: entry_for("openvino", STATIC_INT8_ONNX, "f32")})
+    engines = limit_engines(models_dir / STATIC_INT8_ONNX)
+    assert list(engines) == ["openvino_static_int8_f32", "onnxruntime_fp32", "onnxruntime_static_int8"]
+    limit, grid = run_limit("openvino_static_int8_f32", engines["openvino_static_int8_f32"], load_images(4),
+                            batch_sizes=(1, 4), thread_splits=((1, 1),), confirm_passes=1, desc=None)
+    assert limit.engine == "openvino_static_int8_f32" and limit.images_per_s > 0 and len(grid) == 2
+
+
+@pytest.fixture(scope="module")
+def measured_rows(models_dir, calibration, held_out):
+    """Every installed engine x precision (NNCF builds too where nncf is installed) and a degraded variant
+    that skips the network and returns noise, timed in turns with FP32 in --quick counts."""
+    openvino_files = build_openvino_int8(models_dir / FP32_ONNX, calibration, models_dir)
+    variants = engine_variants(STATIC_INT8_ONNX, openvino_files, 2)
+    bench = Bench(2, QUICK.timing, 8, held_out[:16], None, REAL_WEIGHTS)
+    runners = {variant: engine_runner(variant, models_dir, 2, 8) for variant in variants}
+    rng = np.random.default_rng(0)
+    runners[EngineVariant("degraded_noise", "onnxruntime", FP32_ONNX)] = \
+        lambda batch: rng.standard_normal((len(batch), 1000)).astype(np.float32)
+    return {row["variant"]: row for row in engine_rows(models_dir / FP32_ONNX, runners, bench)}
+
+
+def test_every_engine_variant_computes_the_same_network(measured_rows):
+    same_fp32 = [name for name, row in measured_rows.items() if row["file"] == FP32_ONNX and row["precision"] != "bf16"
+                 and name not in ("onnxruntime_fp32", "degraded_noise")]
+    int8 = [name for name, row in measured_rows.items() if "int8" in row["file"] or row["precision"] == "bf16"]
+    assert "onnxruntime_static_int8" in int8
+    for name in same_fp32:
+        assert measured_rows[name]["top1_agreement"] >= SAME_FP32_TOP1, name
+    for name in int8:
+        assert measured_rows[name]["top1_agreement"] >= INT8_TOP1, name
+        assert measured_rows[name]["top5_agreement"] >= measured_rows[name]["top1_agreement"], name
+    assert measured_rows["degraded_noise"]["top1_agreement"] < INT8_TOP1  # the bound tells noise apart
+
+
+def test_the_guard_refuses_a_degraded_variant_with_real_weights_only(measured_rows):
+    rows = list(measured_rows.values())
+    chosen, refused = choose(rows, 0.99, guard_applies=True)
+    assert chosen["variant"] != "degraded_noise"
+    assert "degraded_noise" in refused and "< 0.99" in refused["degraded_noise"]
+    assert all(float(measured_rows[name]["top1_agreement"]) < 0.99 for name in refused)
+    # On the stand-in the guard means nothing and is not applied: the fastest wins, here the one that skips the work.
+    unguarded, none_refused = choose(rows, 0.99, guard_applies=False)
+    assert unguarded["variant"] == "degraded_noise" and none_refused == {}
+    entry = manifest_entry(chosen, refused, STATIC_INT8_ONNX, len(rows), REAL_WEIGHTS, 0.99, {})
+    assert entry["guard_applied"] and "degraded_noise (top-1 agreement with FP32" in entry["reason"]
+    stand_in = manifest_entry(unguarded, {}, STATIC_INT8_ONNX, len(rows), "random-init", 0.99, {})
+    assert not stand_in["guard_applied"] and stand_in["agreement_guard"].startswith("not applied")
+
+
+def test_openvino_streams_split_a_batch_and_compute_the_same_logits(models_dir, held_out, openvino_installed):
+    from mnv3.engine import open_session
+
+    one, two = (open_session(models_dir / FP32_ONNX, "openvino", 2, max_batch_size=8, precision="f32", streams=n)
+                for n in (1, 2))
+    for batch in (held_out[:1], held_out[:7]):  # batch 1 runs alone; 7 is cut into parts of 4 and 3
+        np.testing.assert_allclose(two.run(None, {"input": batch})[0], one.run(None, {"input": batch})[0],
+                                   rtol=1e-4, atol=1e-5)
