@@ -74,11 +74,11 @@ def measure_against_fp32(fp32_path: Path, models: dict[str, Path], bench: Bench,
                                        for name, path in models.items()}, bench, rounds)
 
 
-def measure_runners(fp32_path: Path, runners: dict[str, tuple[Callable, float]], bench: Bench, rounds: int = 5
-                    ) -> dict[str, Measured]:
-    """Each of `runners` ({name: (run(batch) -> logits, size in MB)}) and ONNX FP32 (key FP32) timed in turns
-    in one run, scored against FP32's logits."""
-    fp32 = ort_runner(make_session(fp32_path, bench.threads))
+def measure_runners(fp32_path: Path, runners: dict[str, tuple[Callable, float]], bench: Bench, rounds: int = 5,
+                    fp32: Callable | None = None) -> dict[str, Measured]:
+    """Each of `runners` ({name: (run(batch) -> logits, size in MB)}) and ONNX FP32 (key FP32; `fp32` runs it,
+    by default a make_session one) timed in turns in one run, scored against FP32's logits."""
+    fp32 = fp32 or ort_runner(make_session(fp32_path, bench.threads))
     reference = predict(fp32, array_batches(bench.held_out, bench.batch_size))
     latency = interleaved_benchmark({FP32: fp32} | {name: run for name, (run, _) in runners.items()},
                                     bench.held_out, bench.batch_size, bench.timing, rounds=rounds)
@@ -296,9 +296,10 @@ def engine_variants(int8_file: str, openvino_files: list[str], threads: int) -> 
 
 
 def engine_runner(variant: EngineVariant, artifacts_dir: Path, threads: int, batch_size: int) -> Callable:
-    """The variant as the server opens it (engine.open_session), compiled for batch 1 and `batch_size`."""
+    """The variant as the server opens it by default (engine.open_session; onnxruntime's idle threads
+    sleep, ServerConfig.ort_spinning), compiled for batch 1 and `batch_size`."""
     session = open_session(Path(artifacts_dir) / variant.file, variant.engine, threads, max_batch_size=batch_size,
-                           precision=variant.precision, streams=variant.streams)
+                           allow_spinning=False, precision=variant.precision, streams=variant.streams)
     return ort_runner(session)
 
 
@@ -309,11 +310,12 @@ def model_size_mb(path: Path) -> float:
 
 
 def engine_rows(fp32_path: Path, runners: dict[EngineVariant, Callable], bench: Bench) -> list[dict]:
-    """FP32_VARIANT and each of `runners` timed in turns in one run (COMPARISON_ROUNDS rounds), each a row
-    with its same-run ratios to FP32 and its agreement with FP32's logits."""
+    """FP32_VARIANT and each of `runners` timed in turns in one run (COMPARISON_ROUNDS rounds), all opened as
+    the server opens them, each a row with its same-run ratios to FP32 and its agreement with FP32's logits."""
     measured = measure_runners(
         fp32_path, {variant.name: (run, model_size_mb(Path(fp32_path).parent / variant.file))
-                    for variant, run in runners.items()}, bench, rounds=COMPARISON_ROUNDS)
+                    for variant, run in runners.items()}, bench, rounds=COMPARISON_ROUNDS,
+        fp32=engine_runner(FP32_VARIANT, Path(fp32_path).parent, bench.threads, bench.batch_size))
     fp32 = measured.pop(FP32).latency
     measured = {FP32_VARIANT.name: Measured(fp32, size_mb(fp32_path), {})} | measured
     variants = {variant.name: variant for variant in [FP32_VARIANT, *runners]}
