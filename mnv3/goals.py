@@ -7,8 +7,8 @@ section of summary.md) and prints the table; a goal whose inputs are missing say
 import argparse
 from pathlib import Path
 
-from mnv3.artifacts import (BASELINE_CSV, BATCHING_CSV, CACHING_CSV, GOALS_CSV, MODEL_VARIANTS_CSV, RECIPES_CSV,
-                            RESULTS_DIR, STAGE_SCRIPTS, STATIC_CSV)
+from mnv3.artifacts import (BASELINE_CSV, BATCHING_CSV, CACHING_CSV, ENGINES_CSV, GOALS_CSV, MODEL_VARIANTS_CSV,
+                            RECIPES_CSV, RESULTS_DIR, STAGE_SCRIPTS, STATIC_CSV)
 from mnv3.report import markdown_table, read_csv, write_csv, write_summary
 
 
@@ -33,13 +33,16 @@ def value(row, key):
 
 def _fastest(results_dir: Path, key: str) -> tuple[str, float | None]:
     """(variant, its `key` / ONNX FP32's), over every variant timed in the same run as ONNX FP32:
-    stage 1's rows against stage 1's FP32, stage 2's recipes against the FP32 they took turns with."""
+    stage 1's rows against stage 1's FP32, stage 2's recipes and engine variants against the FP32 they took
+    turns with."""
     baseline = _rows(results_dir, BASELINE_CSV)
     fp32 = _find(baseline, variant="onnx_fp32")
     ratios = {row["variant"]: _ratio(row, fp32, key) for row in baseline
               if row.get("variant") not in ("pytorch_fp32", "onnx_fp32")}
     ratios |= {f"static INT8 {row['recipe']}": value(row, f"{key}_vs_onnx_fp32")
                for row in _rows(results_dir, RECIPES_CSV)}
+    ratios |= {row["variant"]: value(row, f"{key}_vs_onnx_fp32") for row in _rows(results_dir, ENGINES_CSV)
+               if row["variant"] != "onnxruntime_fp32"}
     ratios = {name: ratio for name, ratio in ratios.items() if ratio is not None}
     return min(ratios.items(), key=lambda item: item[1], default=("-", None))
 
