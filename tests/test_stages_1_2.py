@@ -135,6 +135,28 @@ def test_manifest_records_provenance_files_and_recipe(stage_dirs):
     assert manifest["static_int8"]["calibration_images"] == 16
 
 
+def test_stage_2_records_the_fastest_engine_for_auto_and_that_the_stand_in_is_not_guarded(stage_dirs):
+    rows = read_csv(stage_dirs["results"] / "02_engines.csv")
+    entry = json.loads((stage_dirs["artifacts"] / "manifest.json").read_text())["engine_choice"]
+    [chosen] = [row for row in rows if row["chosen"] == "True"]
+    assert (entry["variant"], entry["engine"], entry["file"], entry["precision"]) == (
+        chosen["variant"], chosen["engine"], chosen["file"], chosen["precision"])
+    assert (stage_dirs["artifacts"] / entry["file"]).exists() and entry["for_model"] == "static_int8.onnx"
+    assert rows[0]["variant"] == "onnxruntime_fp32" and float(rows[0]["mean_ms_vs_onnx_fp32"]) == 1.0
+    assert "onnxruntime_static_int8" in {row["variant"] for row in rows}
+    assert all(float(row["mean_ms_vs_onnx_fp32"]) > 0 and float(row["per_image_ms_vs_onnx_fp32"]) > 0 for row in rows)
+    assert entry["mean_ms_vs_onnx_fp32"] == float(chosen["mean_ms_vs_onnx_fp32"]) and entry["batch_size"] == 8
+    assert not entry["guard_applied"] and entry["agreement_guard"].startswith("not applied")
+    assert entry["cpu"] and entry["threads"] == 2 and entry["weights"] == "random-init"
+
+
+@pytest.mark.parametrize("value", ["1.5", "-0.1"])
+def test_min_agreement_outside_0_1_is_rejected_by_argparse(value, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        static_quantization.get_args_parser().parse_args(["--min-agreement", value])
+    assert exit_info.value.code == 2 and "--min-agreement" in capsys.readouterr().err
+
+
 def test_summary_has_every_table_in_file_order(stage_dirs):
     summary = (stage_dirs["results"] / "summary.md").read_text()
     sections = ["## 01_baseline", "## 01_dynamic_int8_profile", "## 02_recipes", "## 02_static", "## model_variants"]
