@@ -46,6 +46,8 @@ class Defaults:
     limit_batch_sizes: tuple[int, ...]
     limit_thread_splits: tuple[tuple[int, int], ...]
     limit_confirm_passes: int
+    phone_concurrency: int  # stage 5 --phone-photos: each request uploads 2-4 MB
+    phone_decode_rounds: int  # full vs draft decode, in turns
     # python -m mnv3.soak: more distinct images than cache entries, so the cache churns
     soak_requests: int
     soak_cache_size: int
@@ -61,6 +63,7 @@ FULL = Defaults(
     concurrency=250, sequential_requests=50, sweep=(1, 8, 32, 64, 128, 250), open_loop_seconds=15.0,
     limit_images=128, limit_batch_sizes=BATCH_SIZES, limit_thread_splits=THREAD_SPLITS,
     limit_confirm_passes=CONFIRM_PASSES,
+    phone_concurrency=32, phone_decode_rounds=5,
     soak_requests=20_000, soak_cache_size=256, soak_distinct=1024, soak_concurrency=16,
     ray_bench_concurrency=64,
 )
@@ -69,6 +72,7 @@ QUICK = Defaults(
     bn_recalibration_images=16, profile_runs=3, calibration_images=16, comparison_repeats=1,
     concurrency=8, sequential_requests=8, sweep=(1, 8), open_loop_seconds=2.0,
     limit_images=16, limit_batch_sizes=(1, 8), limit_thread_splits=THREAD_SPLITS[:2], limit_confirm_passes=1,
+    phone_concurrency=4, phone_decode_rounds=2,
     soak_requests=400, soak_cache_size=32, soak_distinct=128, soak_concurrency=4,
     ray_bench_concurrency=8,
 )
@@ -98,6 +102,13 @@ def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise ValueError(text)  # argparse turns this into "invalid positive_int value" and exit code 2
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError(text)
     return value
 
 
