@@ -6,18 +6,23 @@ distinct photos (`mnv3.photos.phone_photos`):
   1. decoding in process, full vs JPEG draft (`mnv3.preprocess.decode_image`): both decode + preprocess
      every photo in turns, over several rounds, and the ratio is taken per round, so the machine's
      drift cancels; and how far the draft's preprocessed tensors and the served model's logits are from
-     the full decode's (max/mean |difference|, top-1/top-5 agreement, SQNR);
+     the full decode's (max/mean |difference|, top-1/top-5 agreement, SQNR). When the served model is a
+     quantized variant of an FP32 model beside it, the FP32 model's logits are compared too, with the
+     served model's own agreement with FP32 as the yardstick: a random-init stand-in amplifies any
+     perturbation of its input, and INT8 rounding amplifies it further;
   2. the batching server under phone uploads at one concurrency, with draft decoding on and then off:
      req/s, and each request's round trip split into decode + preprocess, queue and inference (what the
      server reported for that request), reading the upload inside the endpoint, and HTTP (the rest).
 """
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from mnv3 import loadtest
 from mnv3.accuracy import agreement, array_batches, predict
+from mnv3.artifacts import FP32_ONNX
 from mnv3.loadtest import LoadResult, metrics_row
 from mnv3.photos import PHONE_PHOTO_QUALITY, PHONE_PHOTO_SIZE
 from mnv3.preprocess import STD, decode_and_preprocess, decode_image
@@ -45,7 +50,8 @@ class DecodeComparison:
     draft_size: tuple[int, int]  # of the first photo, as decoded (after EXIF orientation)
     seconds: dict[str, list[float]]  # per image, per round, FULL and DRAFT
     tensor_diff: np.ndarray  # |draft - full| over every preprocessed value
-    logits: dict  # agreement(full logits, draft logits)
+    logits: dict  # agreement(full logits, draft logits) of the served model
+    reference_logits: dict  # the same for the FP32 reference, and the served model vs it on full decodes
 
     @property
     def time_ratio(self) -> float:
@@ -68,7 +74,7 @@ class DecodeComparison:
             "pixel_max_abs_diff_levels": round(float(grey_levels.max()), 2),
             "pixel_mean_abs_diff_levels": round(float(grey_levels.mean()), 3),
             "pixel_p99_abs_diff_levels": round(float(np.percentile(grey_levels, 99)), 2),
-        } | {f"draft_vs_full_{name}": value for name, value in self.logits.items()}
+        } | {f"draft_vs_full_{name}": value for name, value in self.logits.items()} | self.reference_logits
 
     def summary(self) -> str:
         row = self.as_row()
@@ -80,7 +86,10 @@ class DecodeComparison:
                 f"({row['pixel_max_abs_diff_levels']} grey levels), mean {row['tensor_mean_abs_diff']} "
                 f"({row['pixel_mean_abs_diff_levels']}); served model's top-1 agreement "
                 f"{self.logits['top1_agreement']}, top-5 {self.logits['top5_agreement']}, "
-                f"logits SQNR {self.logits['sqnr_db']} dB")
+                f"logits SQNR {self.logits['sqnr_db']} dB" + (
+                    f"; FP32's {row['fp32_draft_vs_full_top1_agreement']} / {row['fp32_draft_vs_full_sqnr_db']} dB "
+                    f"(served vs FP32, both full decodes: {row['served_vs_fp32_top1_agreement']} / "
+                    f"{row['served_vs_fp32_sqnr_db']} dB)" if self.reference_logits else ""))
 
 
 def decode_seconds(bodies: list[bytes], rounds: int) -> dict[str, list[float]]:
@@ -96,17 +105,29 @@ def decode_seconds(bodies: list[bytes], rounds: int) -> dict[str, list[float]]:
     return seconds
 
 
-def compare_decodes(model, bodies: list[bytes], rounds: int) -> DecodeComparison:
-    """Draft vs full decode of `bodies`: cost (in turns), preprocessed tensors, and `model`'s logits."""
+def compare_decodes(model, bodies: list[bytes], rounds: int, reference=None) -> DecodeComparison:
+    """Draft vs full decode of `bodies`: cost (in turns), preprocessed tensors, and `model`'s logits (and
+    those of `reference`, the FP32 model `model` was quantized from, if given)."""
     tensors = {name: np.stack([decode_and_preprocess(body, jpeg_draft=name == DRAFT) for body in bodies])
                for name in (FULL, DRAFT)}
-    run = ort_runner(make_session(model))
-    logits = {name: predict(run, array_batches(batch, BATCH_SIZE)) for name, batch in tensors.items()}
+
+    def logits(path) -> dict[str, np.ndarray]:
+        run = ort_runner(make_session(path))
+        return {name: predict(run, array_batches(batch, BATCH_SIZE)) for name, batch in tensors.items()}
+
+    served = logits(model)
+    reference_logits = {}
+    if reference is not None:
+        fp32 = logits(reference)
+        reference_logits = ({"reference_model": Path(reference).name}
+                            | {f"fp32_draft_vs_full_{k}": v for k, v in agreement(fp32[FULL], fp32[DRAFT]).items()}
+                            | {f"served_vs_fp32_{k}": v for k, v in agreement(fp32[FULL], served[FULL]).items()})
     sizes = [len(body) for body in bodies]
     return DecodeComparison(
         photos=len(bodies), photo_bytes=(min(sizes), max(sizes), float(np.mean(sizes))),
         draft_size=decode_image(bodies[0], jpeg_draft=True).size, seconds=decode_seconds(bodies, rounds),
-        tensor_diff=np.abs(tensors[DRAFT] - tensors[FULL]), logits=agreement(logits[FULL], logits[DRAFT]))
+        tensor_diff=np.abs(tensors[DRAFT] - tensors[FULL]), logits=agreement(served[FULL], served[DRAFT]),
+        reference_logits=reference_logits)
 
 
 def time_breakdown(result: LoadResult) -> dict:
@@ -154,9 +175,12 @@ class PhoneResult:
         return "\n".join(lines)
 
 
-def run_phone_benchmark(model, bodies: list[bytes], plan: PhonePlan) -> PhoneResult:
-    """The decode comparison in process, then the batching server with draft decoding on, then off."""
-    decode = compare_decodes(model, bodies, plan.decode_rounds)
+def run_phone_benchmark(model: Path, bodies: list[bytes], plan: PhonePlan) -> PhoneResult:
+    """The decode comparison in process, then the batching server with draft decoding on, then off.
+    The FP32 model beside `model` (stage 1's, when `model` is one of its INT8 variants) is the reference."""
+    reference = model.parent / FP32_ONNX
+    decode = compare_decodes(model, bodies, plan.decode_rounds,
+                             reference if reference.exists() and reference.resolve() != model.resolve() else None)
     print(decode.summary())
     loads, settings = {}, {}
     for draft in (True, False):
