@@ -3,6 +3,9 @@
 `preprocess` reproduces torchvision's `MobileNet_V3_Large_Weights.IMAGENET1K_V1.transforms()` on PIL
 images: shorter side to 256 (bilinear, antialiased as Pillow always is), centre crop 224, /255,
 ImageNet mean/std, channels first. tests/test_preprocess.py holds it to that.
+`decode_image` decodes a JPEG at least four times the resize size on its shorter side at a reduced
+DCT scale unless told not to (`jpeg_draft`): close to a full decode, not equal to it; smaller JPEGs
+and every other format decode in full (tests/test_phone_photos.py holds it to both).
 """
 import io
 import warnings
