@@ -99,13 +99,13 @@ def main(args) -> None:
         binary.chmod(0o755)
         unpack(wheels, CUDA_RUNTIME_IN_WHEEL, directory / "lib" / Path(CUDA_RUNTIME_IN_WHEEL).name)
     wrapper = write_wrapper(directory, binary, directory / "lib")
-    version = subprocess.run([str(wrapper), "--version"], capture_output=True, text=True)
-    if version.returncode != 0:
-        last = (version.stderr.strip().splitlines() or ["no output"])[-1]
+    check = subprocess.run([str(wrapper), "--version"], capture_output=True, text=True)
+    if check.returncode != 0:  # a missing library or too old a glibc
+        last = (check.stderr.strip().splitlines() or ["no output"])[-1]
         raise SetupError(f"{wrapper} does not run here: {last}")
     data = directory / "photos.json"
     data.write_text(json.dumps(photos_data(load_images(args.photos))))
-    print(f"{version.stdout.strip()}\nwrote {wrapper} and {data} ({args.photos} photos). Against a running server:\n"
+    print(f"wrote {wrapper} and {data} ({args.photos} photos). Against a running server:\n"
           f"  {wrapper} -m MODEL -u 127.0.0.1:PORT -i http --input-data {data} --concurrency-range 250 [--async]")
 
 
