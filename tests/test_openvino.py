@@ -13,6 +13,8 @@ from mnv3.photos import held_out_images, load_images
 from mnv3.preprocess import decode_image, preprocess, preprocess_batch
 from mnv3.server import ServerConfig, create_app
 
+pytestmark = pytest.mark.e2e
+
 # Relative, as the random-init model's probabilities are all ~1e-3 and its top two often differ by only
 # 0.02-0.2%: the same FP32 network in two runtimes differs by float rounding (2.4e-7 relative seen);
 # BF16 (only on CPUs with AVX512_BF16/AMX; not measured here, no such CPU) keeps ~3 significant digits.

@@ -16,6 +16,8 @@ from mnv3.quantize import (DEFAULT_RECIPE, RECIPES, ArrayCalibrationReader, Phot
                            apply_graph_rewrites, calibration_photos, hardswish_to_clip, pad_depthwise_channels,
                            preprocess_photos, quantize_dynamic_int8, quantize_static_int8)
 
+pytestmark = pytest.mark.integration
+
 CALIBRATION_COUNT = 32
 HELD_OUT_COUNT = 32
 # Bounds from measurement on the random-init fixture (BN re-estimated), 32 calibration / 32 held-out
@@ -181,6 +183,7 @@ def test_hardswish_to_clip_writes_the_definition():
 
 # Measured on the fixture (32 calibration / 32 held-out photos): top-1 agreement 0.50 (per-tensor) to
 # 0.66, SQNR 10.6-11.2 dB with reduce_range and 7.6 dB without, so the bounds above hold with margin.
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_every_recipe_builds_and_agrees_with_fp32(name, fp32_model_path, build_recipe, held_out):
     recipe = RECIPES[name]
@@ -223,6 +226,7 @@ def test_array_reader_matches_photo_reader(calibration_paths):
         np.testing.assert_array_equal(photo["input"], array["input"])
 
 
+@pytest.mark.slow
 def test_another_recipe_plugs_in(fp32_model_path, calibration_paths, tmp_path):
     recipe = StaticRecipe(quant_format="QOperator", per_channel=False)
     path = quantize_static_int8(fp32_model_path, tmp_path / "qop.onnx", calibration_paths[:8], recipe)

@@ -21,6 +21,8 @@ from mnv3 import ray_serve, server  # noqa: E402
 from mnv3.loadtest import free_port  # noqa: E402
 from mnv3.photos import load_images  # noqa: E402
 
+pytestmark = pytest.mark.e2e
+
 REPO = Path(__file__).resolve().parent.parent
 IMAGES = 16
 CONCURRENCY = 8
