@@ -9,6 +9,8 @@ from mnv3.loadtest import (ServerProcess, ServerStartError, PredictClient, batch
                            metrics_delta, metrics_row, parse_metrics, poisson_schedule, run_closed_loop, run_open_loop)
 from mnv3.photos import load_images
 
+pytestmark = pytest.mark.integration
+
 SAMPLE_METRICS = """\
 # HELP mnv3_batch_size requests per inference call
 # TYPE mnv3_batch_size histogram

@@ -13,6 +13,8 @@ import static_quantization
 from mnv3.quantize import DEFAULT_RECIPE, RECIPES
 from mnv3.report import read_csv
 
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -12,6 +12,8 @@ from mnv3.artifacts import update_manifest
 from mnv3.loadtest import serving_model
 from mnv3.report import read_csv
 
+pytestmark = pytest.mark.e2e
+
 REPO = Path(__file__).resolve().parents[1]
 
 
