@@ -110,7 +110,7 @@ def test_stage_2_without_compare_builds_only_the_chosen_recipe(stage_dirs, tmp_p
     static = read_csv(results / "02_static.csv")[0]
     assert static["recipe"] == "qdq_per_tensor_minmax" and static["per_channel"] == "False"
     # timed in turns with an FP32 session of its own, not against stage 1's FP32 from another run
-    assert float(static["mean_ms_vs_onnx_fp32"]) > 0 and float(static["per_image_ms_vs_onnx_fp32"]) > 0
+    assert 0.05 < float(static["mean_ms_vs_onnx_fp32"]) < 20 and 0.05 < float(static["per_image_ms_vs_onnx_fp32"]) < 20
     variants = {row["variant"]: row for row in read_csv(results / "model_variants.csv")}
     assert variants["ONNX Static INT8"]["mean_vs_onnx_fp32"] == str(round(float(static["mean_ms_vs_onnx_fp32"]), 2))
     assert not (results / "02_recipes.csv").exists() and not (artifacts / "recipes").exists()
