@@ -82,7 +82,7 @@ def test_server_serves_with_the_openvino_backend(fp32_model_path, engines):
     assert max(body["batch_size"] for body in bodies) > 1  # a dynamic batch went through OpenVINO
     reference = ort_engine.predict(np.stack([preprocess(decode_image(data)) for data in photos]))
     tolerance = RELATIVE_TOLERANCE[precision(ov_engine)]
-    for body, ref in zip(bodies, reference):
+    for body, ref in zip(bodies, reference, strict=True):
         assert body["model"] == ort_engine.model_id
         shown = [p["class_id"] for p in body["predictions"]]  # the top 5 only
         np.testing.assert_allclose([p["probability"] for p in body["predictions"]], ref[shown], rtol=tolerance)

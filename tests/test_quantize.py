@@ -222,7 +222,7 @@ def test_array_reader_matches_photo_reader(calibration_paths):
     photos = list(iter(PhotoCalibrationReader(calibration_paths[:10], batch_size=4).get_next, None))
     arrays = list(iter(ArrayCalibrationReader(preprocess_photos(calibration_paths[:10]), batch_size=4).get_next, None))
     assert len(photos) == len(arrays) == 3
-    for photo, array in zip(photos, arrays):
+    for photo, array in zip(photos, arrays, strict=True):
         np.testing.assert_array_equal(photo["input"], array["input"])
 
 

@@ -67,7 +67,7 @@ def test_answers_match_plain_server_and_both_replicas_serve(ray_url, config, ima
     with TestClient(server.create_app(config)) as plain:
         expected = [plain.post("/predict", files={"file": ("image.jpg", body, "image/jpeg")}).json()
                     for body in images]
-    for response, want in zip(responses, expected):
+    for response, want in zip(responses, expected, strict=True):
         got = response.json()
         assert got["model"] == want["model"]
         # Batch composition and thread count differ between the two: equal up to float rounding.

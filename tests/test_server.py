@@ -74,7 +74,7 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own_answer(client, im
     assert max(b["batch_size"] for b in bodies) > 1
 
     engine = Engine.load(fp32_model_path)
-    for data, body in zip(distinct, bodies):
+    for data, body in zip(distinct, bodies, strict=True):
         alone = engine.predict(preprocess(decode_image(data))[None])[0]
         assert body["predictions"][0]["class_id"] == int(alone.argmax())
         for p in body["predictions"]:
