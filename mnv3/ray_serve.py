@@ -26,6 +26,9 @@ from starlette.middleware import Middleware
 
 from mnv3 import loadtest, server
 from mnv3.artifacts import ARTIFACTS_DIR, RESULTS_DIR, MissingArtifact
+from mnv3.config import ServerConfig
+from mnv3.config import parse_args as parse_server_args
+from mnv3.errors import RETRY_AFTER_S
 from mnv3.photos import load_images
 
 APP_NAME = "mnv3"
@@ -37,9 +40,9 @@ PROXY_CALLBACK = "mnv3.ray_serve:proxy_middlewares"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # A batch fills only if a replica may hold that many requests at once: allow one batch running and one
 # filling. Autoscaling aims at one full batch in flight per replica.
-DEFAULT_MAX_ONGOING_REQUESTS = 2 * server.ServerConfig.max_batch_size
-DEFAULT_TARGET_ONGOING_REQUESTS = server.ServerConfig.max_batch_size
-DEFAULT_MAX_QUEUED_REQUESTS = server.ServerConfig.queue_limit  # Ray's proxy-side queue, beyond the replicas'
+DEFAULT_MAX_ONGOING_REQUESTS = 2 * ServerConfig.max_batch_size
+DEFAULT_TARGET_ONGOING_REQUESTS = ServerConfig.max_batch_size
+DEFAULT_MAX_QUEUED_REQUESTS = ServerConfig.queue_limit  # Ray's proxy-side queue, beyond the replicas'
 
 
 @serve.deployment(
@@ -47,11 +50,11 @@ DEFAULT_MAX_QUEUED_REQUESTS = server.ServerConfig.queue_limit  # Ray's proxy-sid
     max_ongoing_requests=DEFAULT_MAX_ONGOING_REQUESTS,
     max_queued_requests=DEFAULT_MAX_QUEUED_REQUESTS,
     # Ray's own rejection gets the plain server's status and Retry-After; proxy_middlewares gives it its body.
-    backpressure_config={"status_code": 503, "retry_after_s": server.RETRY_AFTER_S},
+    backpressure_config={"status_code": 503, "retry_after_s": RETRY_AFTER_S},
 )
 @serve.ingress()  # no app here: each replica builds its own in __serve_build_asgi_app__, with its own threads
 class MobileNetV3:
-    def __init__(self, config: server.ServerConfig):
+    def __init__(self, config: ServerConfig):
         self.config = config
 
     def __serve_build_asgi_app__(self):
@@ -117,7 +120,7 @@ def proxy_middlewares() -> list:
     return [Middleware(JsonErrors)]
 
 
-def build(config: server.ServerConfig, replicas: int = 1, num_cpus: float = 1, min_replicas: int | None = None,
+def build(config: ServerConfig, replicas: int = 1, num_cpus: float = 1, min_replicas: int | None = None,
           max_replicas: int | None = None, target_ongoing_requests: float = DEFAULT_TARGET_ONGOING_REQUESTS,
           max_ongoing_requests: int = DEFAULT_MAX_ONGOING_REQUESTS,
           max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS) -> serve.Application:
@@ -140,12 +143,12 @@ def build_app(args: dict) -> serve.Application:
     Replica count, autoscaling, CPUs and queue limits are Ray's own deployment options: set them in the
     config file's `deployments:` section, which Ray applies on top of the defaults here.
     """
-    types = {f.name: f.type for f in fields(server.ServerConfig)}
+    types = {f.name: f.type for f in fields(ServerConfig)}
     unknown = sorted(set(args) - set(types))
     if unknown:
         raise ValueError(f"unknown mnv3 server options {unknown}; known: {sorted(types)}")
     # Values from `serve run ... key=value` arrive as strings; the config file's are typed already.
-    return build(server.ServerConfig(**{name: types[name](value) for name, value in args.items()}))
+    return build(ServerConfig(**{name: types[name](value) for name, value in args.items()}))
 
 
 # ---------------------------------------------------------------------------------------- local cluster
@@ -187,7 +190,7 @@ def bench(model: Path, provenance: str, results_dir: Path, concurrency: int, cou
     """
     cores = os.cpu_count()
     bodies = load_images(count)
-    config = server.ServerConfig(model=model, cache_size=0)
+    config = ServerConfig(model=model, cache_size=0)
     environment = loadtest.environment_row(model, provenance)
     rows = []
 
@@ -254,7 +257,7 @@ def parse_args(argv=None):
         args.model, args.provenance = loadtest.serving_model(args)
     except MissingArtifact as exc:
         parser.error(str(exc))
-    args.config = server.parse_args(["--model", str(args.model), *server_argv])
+    args.config = parse_server_args(["--model", str(args.model), *server_argv])
     if not (args.address or args.bench) and args.replicas * args.num_cpus > os.cpu_count():
         # Ray would wait forever for CPUs this machine does not have.
         parser.error(f"--replicas {args.replicas} x --num-cpus {args.num_cpus:g} is more than this machine's "

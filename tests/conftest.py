@@ -1,6 +1,6 @@
 """Shared fixtures and the helpers several test modules use (`from conftest import ...`).
 
-Nothing here downloads: models are seeded random-init MobileNetV3-Large exports.
+Nothing here downloads: models are seeded random-init MobileNetV3 exports.
 """
 import threading
 import time
@@ -10,27 +10,34 @@ import pytest
 import requests
 from fastapi.testclient import TestClient
 
+from mnv3.config import ServerConfig
 from mnv3.engine import Engine
-from mnv3.server import ServerConfig, create_app
+from mnv3.server import create_app
 
 WAIT_S = 30  # upper bound on any wait; a broken test fails instead of hanging
 
 
-@pytest.fixture(scope="session")
-def fp32_model_dir(tmp_path_factory):
-    """A directory with a real batch-dynamic MobileNetV3-Large ONNX export and its class names."""
+def export_random_init(arch: str, directory):
+    """`directory` with a batch-dynamic ONNX export of torchvision's `arch`, seeded random init with
+    BatchNorm re-estimated on photos, and its class names."""
     import torch
-    from torchvision.models import mobilenet_v3_large
+    import torchvision.models
 
     from mnv3.artifacts import CLASS_NAMES_JSON, FP32_ONNX
     from mnv3.model import export_onnx, recalibrate_batchnorm
     from mnv3.photos import CALIBRATION_SOURCES, augmented_views
 
     torch.manual_seed(0)
-    model = recalibrate_batchnorm(mobilenet_v3_large(weights=None), augmented_views(CALIBRATION_SOURCES, 16, 0))
-    directory = tmp_path_factory.mktemp("fp32_model")
+    model = recalibrate_batchnorm(getattr(torchvision.models, arch)(weights=None),
+                                  augmented_views(CALIBRATION_SOURCES, 16, 0))
     export_onnx(model, directory / FP32_ONNX, directory / CLASS_NAMES_JSON)
     return directory
+
+
+@pytest.fixture(scope="session")
+def fp32_model_dir(tmp_path_factory):
+    """A directory with a real batch-dynamic MobileNetV3-Large ONNX export and its class names."""
+    return export_random_init("mobilenet_v3_large", tmp_path_factory.mktemp("fp32_model"))
 
 
 @pytest.fixture(scope="session")
@@ -38,6 +45,23 @@ def fp32_model_path(fp32_model_dir):
     from mnv3.artifacts import FP32_ONNX
 
     return fp32_model_dir / FP32_ONNX
+
+
+@pytest.fixture(scope="session")
+def fp32_small_model_path(tmp_path_factory):
+    """The same for MobileNetV3-Small, whose depthwise channel counts differ from Large's."""
+    from mnv3.artifacts import FP32_ONNX
+
+    return export_random_init("mobilenet_v3_small", tmp_path_factory.mktemp("fp32_small_model")) / FP32_ONNX
+
+
+@pytest.fixture(scope="session")
+def held_out():
+    """32 preprocessed photos none of the calibration sets use."""
+    from mnv3.photos import held_out_images
+    from mnv3.preprocess import preprocess_batch
+
+    return preprocess_batch(held_out_images(32))
 
 
 def wait_until(condition, what: str):

@@ -18,6 +18,8 @@ from fastapi.testclient import TestClient  # noqa: E402
 from ray import serve  # noqa: E402
 
 from mnv3 import ray_serve, server  # noqa: E402
+from mnv3.config import ServerConfig  # noqa: E402
+from mnv3.errors import RETRY_AFTER_S  # noqa: E402
 from mnv3.loadtest import free_port  # noqa: E402
 from mnv3.photos import load_images  # noqa: E402
 
@@ -33,7 +35,7 @@ RTOL = 1e-4
 @pytest.fixture(scope="module")
 def config(fp32_model_path):
     # Cache off: every request runs the model in whichever replica gets it.
-    return server.ServerConfig(model=fp32_model_path, max_batch_size=8, batch_window_ms=10, cache_size=0)
+    return ServerConfig(model=fp32_model_path, max_batch_size=8, batch_window_ms=10, cache_size=0)
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +102,7 @@ def test_ray_backpressure_has_the_plain_servers_error_shape(ray_url, config, ima
     for refused in (r for r in responses if r.status_code == 503):
         assert refused.headers["content-type"] == "application/json"
         assert set(refused.json()) == {"detail"} and "backpressure" in refused.json()["detail"]
-        assert refused.headers["retry-after"] == str(server.RETRY_AFTER_S)
+        assert refused.headers["retry-after"] == str(RETRY_AFTER_S)
 
 
 def test_ray_stays_optional():

@@ -11,10 +11,10 @@ from PIL import Image
 
 from conftest import WAIT_S, Gate, post_file, post_raw, serving_client, wait_until
 from mnv3.artifacts import CLASS_NAMES_JSON
+from mnv3.config import parse_args
 from mnv3.engine import Engine
 from mnv3.photos import load_images
 from mnv3.preprocess import decode_image, preprocess
-from mnv3.server import parse_args
 
 pytestmark = pytest.mark.integration
 
@@ -257,12 +257,10 @@ def test_a_cache_entry_costs_about_a_kilobyte():
         return per_entry, len(cache)
 
     per_entry, stored = asyncio.run(fill())
-    assert stored == entries and 500 < per_entry < 2048  # ~1.1 KB at top_k 5: 1024 entries ~ 1.1 MB
+    assert stored == entries and 500 < per_entry < 2048  # so the default 1024 entries stay near a megabyte
 
 
 def test_ort_spinning_is_off_by_default_and_a_flag_turns_it_on():
-    from mnv3.server import parse_args
-
     assert parse_args(["--model", "m.onnx"], environ={}).ort_spinning == 0
     assert parse_args(["--model", "m.onnx", "--ort-spinning", "1"], environ={}).ort_spinning == 1
     assert parse_args(["--model", "m.onnx"], environ={"MNV3_ORT_SPINNING": "1"}).ort_spinning == 1
@@ -276,3 +274,17 @@ def test_corrupt_class_names_file_is_a_clear_load_error(fp32_model_path, tmp_pat
     (tmp_path / "imagenet_classes.json").write_text("{not json")
     with pytest.raises(ModelLoadError, match="not a JSON list of class names"):
         Engine.load(model)
+
+
+def test_error_response_takes_status_and_headers_from_the_table_and_its_body_shape_from_the_caller():
+    from mnv3.errors import Busy, SlowUpload, error_response
+
+    def error_body(message):  # another router's convention, e.g. the Open Inference Protocol's
+        return {"error": message}
+
+    busy = error_response(Busy("server busy"), body=error_body)
+    assert (busy.status_code, json.loads(busy.body)) == (503, {"error": "server busy"})
+    assert busy.headers["retry-after"] == "1" and busy.headers["connection"] == "close"
+    slow = error_response(SlowUpload("too slow"))
+    assert (slow.status_code, json.loads(slow.body)) == (408, {"detail": "too slow"})
+    assert slow.headers["connection"] == "close" and "retry-after" not in slow.headers

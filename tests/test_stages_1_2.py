@@ -133,7 +133,7 @@ def test_manifest_records_provenance_files_and_recipe(stage_dirs):
     assert (recipe["quant_format"], recipe["per_channel"], recipe["activation_type"], recipe["weight_type"],
             recipe["calibrate_method"]) == ("QDQ", True, "QUInt8", "QInt8", "MinMax")
     assert "reduce_range" in recipe and recipe["nodes_to_exclude"] == []
-    assert recipe["graph_rewrite"] == RECIPES[DEFAULT_RECIPE].graph_rewrite
+    assert recipe["graph_rewrite"] == RECIPES[DEFAULT_RECIPE].record()["graph_rewrite"]
     assert manifest["static_int8"]["calibration_images"] == 16
 
 
