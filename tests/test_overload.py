@@ -14,11 +14,11 @@ import uvicorn
 
 from conftest import WAIT_S, Gate, post, wait_until
 from mnv3 import report
+from mnv3.config import ServerConfig
 from mnv3.engine import Engine
 from mnv3.loadtest import PredictClient, ServerProcess, free_port, run_closed_loop, run_open_loop
 from mnv3.photos import load_images
 from mnv3.preprocess import decode_image, preprocess
-from mnv3.config import ServerConfig
 from mnv3.server import create_app
 
 pytestmark = pytest.mark.integration

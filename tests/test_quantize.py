@@ -128,6 +128,7 @@ def test_every_recipe_builds_and_agrees_with_fp32(name, fp32_model_path, build_r
         assert sqnr_db(simulated(held_out[:8]), integer(held_out[:8])) >= 20.0
 
 
+@pytest.mark.slow  # an export of MobileNetV3-Small of its own
 def test_shipped_recipe_on_mobilenet_v3_small_runs_in_integers_and_agrees_with_fp32(
         fp32_small_model_path, calibration_array, held_out, tmp_path):
     """Small's channel counts differ from Large's: the same rewrites still leave no FP32 activation behind."""
