@@ -31,7 +31,7 @@ test: $(EXTRAS_STAMP)
 	$(PY) -m pytest -q
 
 bench: $(EXTRAS_STAMP)
-	$(PY) baseline_export_quantize.py
+	$(PY) baseline_export_quantize.py --transformer-control
 	$(PY) static_quantization.py --compare-recipes all
 	$(PY) fastapi_serving.py
 	$(PY) caching.py
