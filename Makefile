@@ -48,7 +48,7 @@ lint: $(DEV_STAMP)
 	$(PY) -m mypy
 
 bench: $(EXTRAS_STAMP)
-	$(PY) baseline_export_quantize.py
+	$(PY) baseline_export_quantize.py --transformer-control
 	$(PY) static_quantization.py --compare-recipes all
 	$(PY) fastapi_serving.py
 	$(PY) caching.py

@@ -7,8 +7,8 @@ import pytest
 
 from mnv3.graph_rewrites import (GRAPH_REWRITES, HARDSWISH_SIXTH, apply_graph_rewrites, channel_groups,
                                  hardswish_to_clip, pad_depthwise_channels)
-from mnv3.latency import make_session, ort_runner
 from mnv3.quantize import RECIPES
+from mnv3.runtime import make_session, ort_runner
 
 pytestmark = pytest.mark.integration
 

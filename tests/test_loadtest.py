@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import requests
 
+from mnv3.batching_benchmark import bucket_labels
 from mnv3.loadtest import (ServerProcess, ServerStartError, PredictClient, batch_size_histogram, free_port,
                            metrics_delta, metrics_row, parse_metrics, poisson_schedule, run_closed_loop, run_open_loop)
 from mnv3.photos import load_images
@@ -144,3 +145,7 @@ def test_server_process_gives_up_after_its_start_timeout(fp32_model_path):
         with server:
             pass
     assert server.process.returncode is not None
+
+
+def test_batch_size_buckets_are_labelled_with_the_sizes_they_hold():
+    assert bucket_labels(["1", "2", "4", "8", "+Inf"]) == ["1", "2", "3-4", "5-8", ">8"]

@@ -11,7 +11,7 @@ from PIL import Image
 
 from mnv3.accuracy import UnreadableLabels, agreement, load_labels, sqnr_db, true_accuracy
 from mnv3.graph_rewrites import GRAPH_REWRITES
-from mnv3.latency import make_session, ort_runner
+from mnv3.runtime import make_session, ort_runner
 from mnv3.photos import fill_calibration_dir, held_out_images
 from mnv3.preprocess import preprocess
 from mnv3.profiling import op_type_summary, profile_model

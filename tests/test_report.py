@@ -1,7 +1,8 @@
 """summary.md is rebuilt from whatever CSVs and PNGs are in results/, so later stages need no changes."""
 import pytest
 
-from mnv3.report import cpu_info, markdown_table, plot_variants, write_csv, write_summary
+from mnv3.plots import plot_variants
+from mnv3.report import cpu_info, markdown_table, write_csv, write_summary
 
 pytestmark = pytest.mark.unit
 

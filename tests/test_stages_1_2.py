@@ -32,7 +32,7 @@ def stage_dirs(tmp_path_factory):
                       lambda *a, **k: (_ for _ in ()).throw(urllib.error.URLError("offline test")))
         with pytest.warns(UserWarning, match="RANDOM INIT"):
             run_stage(baseline_export_quantize, "--quick", "--artifacts-dir", dirs["artifacts"],
-                      "--results-dir", dirs["results"])
+                      "--results-dir", dirs["results"], "--transformer-control")
     run_stage(static_quantization, "--quick", "--artifacts-dir", dirs["artifacts"], "--results-dir", dirs["results"],
               "--calibration-dir", dirs["calibration"], "--compare-recipes", "all")
     return dirs
@@ -54,6 +54,18 @@ def test_stage_1_writes_sane_baseline_rows(stage_dirs):
     profile = read_csv(stage_dirs["results"] / "01_dynamic_int8_profile.csv")
     assert "ConvInteger" in {row["op_type"] for row in profile}
     assert (stage_dirs["artifacts"] / "dynamic_int8_profile.json").exists()
+
+
+def test_stage_1_transformer_control_writes_its_rows_and_integer_matmul_profile(stage_dirs):
+    rows = {row["variant"]: row for row in read_csv(stage_dirs["results"] / "01_transformer_control.csv")}
+    assert set(rows) == {"onnx_fp32", "onnx_dynamic_int8"}
+    assert {row["model"] for row in rows.values()} == {"vit_2x64"}  # --quick's ViT, not MobileNetV3
+    assert float(rows["onnx_dynamic_int8"]["size_mb"]) < 0.5 * float(rows["onnx_fp32"]["size_mb"])
+    assert float(rows["onnx_dynamic_int8"]["sqnr_db"]) > 20
+    profiled = {row["op_type"] for row in read_csv(stage_dirs["results"] / "01_transformer_control_profile.csv")}
+    assert profiled & {"MatMulInteger", "DynamicQuantizeMatMul"}
+    # The baseline table stays MobileNetV3's alone: goals and model_variants compare its rows with its FP32.
+    assert "model" not in read_csv(stage_dirs["results"] / "01_baseline.csv")[0]
 
 
 def test_stage_2_writes_static_row_and_four_variant_table(stage_dirs):

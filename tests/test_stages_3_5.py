@@ -15,8 +15,9 @@ from PIL import Image
 import batching_loadtest
 import caching
 import fastapi_serving
-from mnv3.artifacts import update_manifest
-from mnv3.loadtest import serving_model
+from mnv3.artifacts import (BATCH_SIZE_HISTOGRAM_PNG, BATCHING_CSV, CACHING_CSV, LATENCY_PNG, SERVING_BASELINE_CSV,
+                            THROUGHPUT_PNG, update_manifest)
+from mnv3.cli import serving_model
 from mnv3.report import read_csv
 
 pytestmark = pytest.mark.e2e
@@ -24,11 +25,11 @@ pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_quick(stage, model, results_dir, *extra):
+def run_quick(stage, csv_name, model, results_dir, *extra):
     args = stage.get_args_parser().parse_args(["--quick", "--model", str(model), "--results-dir", str(results_dir),
                                                "--artifacts-dir", str(results_dir / "artifacts"), *extra])
     stage.main(args)
-    return read_csv(results_dir / stage.CSV_NAME)
+    return read_csv(results_dir / csv_name)
 
 
 def assert_rate(rate, count, seconds):
@@ -54,7 +55,7 @@ def assert_server_batched_every_answer(row, max_batch_size):
 
 
 def test_stage3_baseline(fp32_model_path, tmp_path):
-    [row] = run_quick(fastapi_serving, fp32_model_path, tmp_path)
+    [row] = run_quick(fastapi_serving, SERVING_BASELINE_CSV, fp32_model_path, tmp_path)
     assert row["configuration"] == "no_batching" and row["mode"] == "closed"
     assert (int(row["concurrency"]), int(row["sent"]), int(row["ok"]), int(row["errors"])) == (8, 32, 32, 0)
     assert_closed_loop_throughput(row)
@@ -66,7 +67,7 @@ def test_stage3_baseline(fp32_model_path, tmp_path):
 
 
 def test_stage4_hits_are_answered_from_the_cache_without_inference(fp32_model_path, tmp_path):
-    rows = run_quick(caching, fp32_model_path, tmp_path)
+    rows = run_quick(caching, CACHING_CSV, fp32_model_path, tmp_path)
     assert [(r["run"], r["phase"]) for r in rows] == [("sequential", "miss"), ("sequential", "hit"),
                                                       ("concurrent", "miss"), ("concurrent", "hit")]
     for miss, hit in (rows[:2], rows[2:]):
@@ -83,7 +84,7 @@ def test_stage4_hits_are_answered_from_the_cache_without_inference(fp32_model_pa
 
 
 def test_stage5_batching_sweep_open_loop_and_limit(fp32_model_path, tmp_path):
-    rows = run_quick(batching_loadtest, fp32_model_path, tmp_path)
+    rows = run_quick(batching_loadtest, BATCHING_CSV, fp32_model_path, tmp_path)
     by_kind = {}
     for row in rows:
         by_kind.setdefault((row["configuration"], row["mode"]), []).append(row)
@@ -113,7 +114,7 @@ def test_stage5_batching_sweep_open_loop_and_limit(fp32_model_path, tmp_path):
         [fastest[k] for k in ("batch_size", "intra_op_threads", "decode_threads")]
     assert float(headline["server_to_limit_ratio"]) == pytest.approx(
         float(headline["req_per_s"]) / float(confirmed["images_per_s"]), abs=0.006)
-    for png in (batching_loadtest.THROUGHPUT_PNG, batching_loadtest.LATENCY_PNG, batching_loadtest.HISTOGRAM_PNG):
+    for png in (THROUGHPUT_PNG, LATENCY_PNG, BATCH_SIZE_HISTOGRAM_PNG):
         with Image.open(tmp_path / png) as image:
             assert image.format == "PNG" and min(image.size) > 100
 
