@@ -9,6 +9,8 @@ STAMP := $(VENV)/.requirements-installed
 # Tests and benchmarks also cover the optional backends: Ray Serve and OpenVINO.
 EXTRAS_STAMP := $(VENV)/.requirements-extras-installed
 DEV_STAMP := $(VENV)/.requirements-dev-installed
+# The page's browser tests drive Debian's Chromium through Playwright (never Playwright's own download).
+CHROMIUM := /usr/bin/chromium
 
 .PHONY: run test test-fast lint bench clean
 
@@ -35,7 +37,10 @@ $(DEV_STAMP): $(STAMP) requirements-dev.txt pyproject.toml
 	$(PY) -m pip install -q -r requirements-dev.txt
 	touch $@
 
-test: $(EXTRAS_STAMP)
+$(CHROMIUM):
+	apt-get update -q && apt-get install -y -q chromium
+
+test: $(EXTRAS_STAMP) $(CHROMIUM)
 	$(PY) -m pytest -q
 
 test-fast: $(STAMP)
