@@ -17,8 +17,8 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
 from mnv3.engine import BACKENDS
-from mnv3.latency import DEFAULT_INTER_OP_THREADS, DEFAULT_INTRA_OP_THREADS
 from mnv3.preprocess import DEFAULT_MAX_PIXELS
+from mnv3.runtime import DEFAULT_INTER_OP_THREADS, DEFAULT_INTRA_OP_THREADS
 
 # Pillow's decode/resize and numpy's normalisation release the GIL, so two threads keep both cores
 # of the target machine busy while the event loop stays free; more would only fight ORT's intra-op

@@ -24,8 +24,8 @@ import ray
 from ray import serve
 from starlette.middleware import Middleware
 
-from mnv3 import loadtest, server
-from mnv3.artifacts import ARTIFACTS_DIR, RESULTS_DIR, MissingArtifact
+from mnv3 import cli, loadtest, server
+from mnv3.artifacts import RAY_SERVE_CSV
 from mnv3.config import ServerConfig
 from mnv3.config import parse_args as parse_server_args
 from mnv3.errors import RETRY_AFTER_S
@@ -33,7 +33,7 @@ from mnv3.photos import load_images
 
 APP_NAME = "mnv3"
 REPLICA_HEADER = "x-mnv3-replica"  # which replica answered: lets a client (and the test) see the spread
-RESULTS_CSV = "06_ray_serve.csv"
+BENCH_REQUESTS_PER_SENDER = 8
 # The proxy is a separate Ray process; Ray calls this (from its environment) for middleware to wrap it in.
 PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 PROXY_CALLBACK = "mnv3.ray_serve:proxy_middlewares"
@@ -191,7 +191,7 @@ def bench(model: Path, provenance: str, results_dir: Path, concurrency: int, cou
     cores = os.cpu_count()
     bodies = load_images(count)
     config = ServerConfig(model=model, cache_size=0)
-    environment = loadtest.environment_row(model, provenance)
+    environment = cli.environment_row(model, provenance)
     rows = []
 
     def measure(url: str, setup: dict) -> None:
@@ -222,20 +222,21 @@ def bench(model: Path, provenance: str, results_dir: Path, concurrency: int, cou
     finally:
         stop_local_cluster()
     measure_plain("after")
-    loadtest.write_results(results_dir, RESULTS_CSV, rows)
+    cli.write_results(results_dir, RAY_SERVE_CSV, rows)
     return rows
 
 
 # ---------------------------------------------------------------------------------------- command line
 
-def parse_args(argv=None):
+def get_args_parser():
     parser = argparse.ArgumentParser(
         prog="python -m mnv3.ray_serve",
         description="Serve the mnv3 app with Ray Serve (a local cluster on 127.0.0.1, or --address), or --bench it.",
         epilog="Every `python -m mnv3.server` flag is accepted too (--cache-size, --max-batch-size, ...); "
                "--host/--port are where Ray's HTTP proxy listens. ORT and preprocess threads per replica = --num-cpus.")
-    parser.add_argument("--model", type=Path, help="ONNX model (default: the static INT8 model stage 2 recorded)")
-    parser.add_argument("--artifacts-dir", type=Path, default=ARTIFACTS_DIR, help="where stages 1-2 wrote models")
+    cli.add_common_args(parser, "where stages 1-2 wrote models")
+    cli.add_load_args(parser, concurrency_help=f"--bench: {cli.full_and_quick('ray_bench_concurrency')}",
+                      requests_help=f"--bench: default {BENCH_REQUESTS_PER_SENDER}x concurrency")
     parser.add_argument("--replicas", type=int, default=1, help="replicas (with --max-replicas: the initial and minimum)")
     parser.add_argument("--num-cpus", type=float, default=1, help="CPUs Ray reserves per replica")
     parser.add_argument("--min-replicas", type=int, help="autoscaling floor (default --replicas)")
@@ -247,28 +248,34 @@ def parse_args(argv=None):
     parser.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS,
                         help="requests Ray queues for busy replicas; beyond it: 503 + Retry-After")
     parser.add_argument("--address", help="an existing Ray cluster (e.g. auto); default: start a local one")
-    parser.add_argument("--bench", action="store_true", help="plain vs Ray Serve (1, 2 replicas) -> " + RESULTS_CSV)
-    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="--bench: where the CSV goes")
-    parser.add_argument("--quick", action="store_true", help="--bench: small counts, a smoke run")
-    parser.add_argument("--concurrency", type=int, help="--bench: concurrent requests (default 64; --quick 8)")
-    parser.add_argument("--requests", type=int, help="--bench: requests per run (default 8x concurrency)")
-    args, server_argv = parser.parse_known_args(argv)
-    try:
-        args.model, args.provenance = loadtest.serving_model(args)
-    except MissingArtifact as exc:
-        parser.error(str(exc))
-    args.config = parse_server_args(["--model", str(args.model), *server_argv])
-    if not (args.address or args.bench) and args.replicas * args.num_cpus > os.cpu_count():
-        # Ray would wait forever for CPUs this machine does not have.
-        parser.error(f"--replicas {args.replicas} x --num-cpus {args.num_cpus:g} is more than this machine's "
-                     f"{os.cpu_count()} CPUs; lower --num-cpus (fractions such as 0.5 work)")
-    args.concurrency = args.concurrency or (8 if args.quick else 64)
-    args.requests = args.requests or 8 * args.concurrency
+    parser.add_argument("--bench", action="store_true", help="plain vs Ray Serve (1, 2 replicas) -> " + RAY_SERVE_CSV)
+    return parser
+
+
+def parse_args(argv=None):
+    """This module's flags; every other flag is a `python -m mnv3.server` one, kept in `args.server_flags`."""
+    args, server_flags = get_args_parser().parse_known_args(argv)
+    args.server_flags = server_flags
     return args
 
 
-def serve_forever(args) -> None:
-    config = args.config
+def server_config(args) -> ServerConfig:
+    """The replicas' ServerConfig from --model (or stage 2's) and the server flags."""
+    model, _ = cli.serving_model(args)
+    config = parse_server_args(["--model", str(model), *args.server_flags])
+    if not (args.address or args.bench) and args.replicas * args.num_cpus > os.cpu_count():
+        # Ray would wait forever for CPUs this machine does not have.
+        raise cli.UsageError(f"--replicas {args.replicas} x --num-cpus {args.num_cpus:g} is more than this "
+                             f"machine's {os.cpu_count()} CPUs; lower --num-cpus (fractions such as 0.5 work)")
+    return config
+
+
+def run_bench(args) -> list[dict]:
+    model, provenance = cli.serving_model(args)
+    return bench(model, provenance, args.results_dir, args.concurrency, args.requests)
+
+
+def serve_forever(args, config: ServerConfig) -> None:
     if args.address:
         ray.init(address=args.address)
         serve.start(http_options={"host": config.host, "port": config.port})
@@ -290,17 +297,19 @@ def serve_forever(args) -> None:
             stop_local_cluster()
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(args) -> int:
+    config = cli.run_stage(server_config, args)
     if args.bench:
-        return loadtest.run_stage(lambda a: bench(a.model, a.provenance, a.results_dir, a.concurrency, a.requests),
-                                  args)
+        cli.fill_unset(args, concurrency=cli.defaults(args).ray_bench_concurrency)
+        cli.fill_unset(args, requests=BENCH_REQUESTS_PER_SENDER * args.concurrency)
+        cli.run_stage(run_bench, args)
+        return 0
     try:
-        serve_forever(args)
+        serve_forever(args, config)
     except KeyboardInterrupt:
         pass
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(parse_args()))

@@ -33,18 +33,18 @@ import numpy as np
 import torch
 from torchvision.models.vision_transformer import VisionTransformer
 
+from mnv3 import cli
 from mnv3.accuracy import array_batches, evaluate, held_out_batch, predict
 from mnv3.artifacts import ARTIFACTS_DIR
-from mnv3.latency import (DEFAULT_INTRA_OP_THREADS, Timing, interleaved_benchmark, make_session,
-                          measurement_settings, ort_runner, positive_int)
+from mnv3.latency import Timing, interleaved_benchmark
 from mnv3.model import EXPORT_TOLERANCE, RANDOM_INIT_SEED, export_max_abs_diff, export_onnx
 from mnv3.preprocess import CROP_SIZE
 from mnv3.profiling import op_type_summary, profile_model
 from mnv3.quantize import quantize_dynamic_int8, size_mb
 from mnv3.report import markdown_table
+from mnv3.runtime import DEFAULT_INTRA_OP_THREADS, make_session, ort_runner
 
 INTEGER_MATMUL_OPS = ("MatMulInteger", "DynamicQuantizeMatMul")
-PROFILE_RUNS = (20, 3)  # (normal, --quick), as stage 1 profiles MobileNetV3's dynamic INT8
 
 
 @dataclass(frozen=True)
@@ -57,11 +57,12 @@ class ViTShape:
     patch_size: int = 16
 
 
-# (normal, --quick)
-CONTROL_VITS = (
-    ViTShape("vit_ti_16", num_layers=12, num_heads=3, hidden_dim=192, mlp_dim=768),
-    ViTShape("vit_2x64", num_layers=2, num_heads=2, hidden_dim=64, mlp_dim=128),
-)
+CONTROL_VIT = ViTShape("vit_ti_16", num_layers=12, num_heads=3, hidden_dim=192, mlp_dim=768)
+QUICK_CONTROL_VIT = ViTShape("vit_2x64", num_layers=2, num_heads=2, hidden_dim=64, mlp_dim=128)  # --quick
+
+
+def control_vit(quick: bool) -> ViTShape:
+    return QUICK_CONTROL_VIT if quick else CONTROL_VIT
 
 
 @dataclass(frozen=True)
@@ -143,20 +144,20 @@ def get_args_parser(add_help=True):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=add_help)
     parser.add_argument("--artifacts-dir", default=str(ARTIFACTS_DIR), help="where the ViT models and profile go")
     parser.add_argument("--quick", action="store_true",
-                        help=f"a {CONTROL_VITS[1].num_layers}-layer ViT, few timed calls: a smoke run in seconds")
-    parser.add_argument("--threads", type=positive_int, default=DEFAULT_INTRA_OP_THREADS,
+                        help=f"a {QUICK_CONTROL_VIT.num_layers}-layer ViT, few timed calls: a smoke run in seconds")
+    parser.add_argument("--threads", type=cli.positive_int, default=DEFAULT_INTRA_OP_THREADS,
                         help="intra-op threads for onnxruntime and torch")
-    parser.add_argument("--batch-size", type=positive_int, default=None,
+    parser.add_argument("--batch-size", type=cli.positive_int, default=None,
                         help="batch for per-image throughput (default: stage 1's)")
     return parser
 
 
 def main(args):
-    timing, batch_size = measurement_settings(args)
-    pick = 1 if args.quick else 0
-    shape = CONTROL_VITS[pick]
-    result = transformer_control(shape, held_out_batch(args.quick), timing, batch_size, args.threads,
-                                 PROFILE_RUNS[pick], args.artifacts_dir)
+    mode = cli.defaults(args)  # stage 1's counts, as the control runs stage 1's steps
+    shape = control_vit(args.quick)
+    result = transformer_control(shape, held_out_batch(mode.held_out_images), mode.timing,
+                                 args.batch_size or mode.batch_size, args.threads, mode.profile_runs,
+                                 args.artifacts_dir)
     print(f"{shape} (weights: random-init)")
     columns = dict.fromkeys(key for row in result.rows for key in row)  # FP32, the reference, has no agreement
     print(markdown_table([{key: row.get(key, "") for key in columns} for row in result.rows]))

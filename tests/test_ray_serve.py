@@ -2,6 +2,7 @@
 
 One local Ray cluster (127.0.0.1 only, 2 CPUs) for the module; it is shut down at the end.
 """
+import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +23,8 @@ from mnv3.config import ServerConfig  # noqa: E402
 from mnv3.errors import RETRY_AFTER_S  # noqa: E402
 from mnv3.loadtest import free_port  # noqa: E402
 from mnv3.photos import load_images  # noqa: E402
+
+pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parent.parent
 IMAGES = 16
@@ -67,7 +70,7 @@ def test_answers_match_plain_server_and_both_replicas_serve(ray_url, config, ima
     with TestClient(server.create_app(config)) as plain:
         expected = [plain.post("/predict", files={"file": ("image.jpg", body, "image/jpeg")}).json()
                     for body in images]
-    for response, want in zip(responses, expected):
+    for response, want in zip(responses, expected, strict=True):
         got = response.json()
         assert got["model"] == want["model"]
         # Batch composition and thread count differ between the two: equal up to float rounding.
@@ -112,3 +115,14 @@ def test_ray_stays_optional():
         if path.resolve() not in allowed:
             lines = path.read_text().splitlines()
             assert not [line for line in lines if line.lstrip().startswith(("import ray", "from ray"))], path
+
+
+def test_more_cpus_than_the_machine_has_is_one_line_and_exit_2(fp32_model_path, capsys):
+    args = ray_serve.parse_args(["--model", str(fp32_model_path), "--replicas", str(os.cpu_count() + 1),
+                                 "--num-cpus", "1", "--cache-size", "3"])
+    assert args.server_flags == ["--cache-size", "3"]
+    with pytest.raises(SystemExit) as exit_info:
+        ray_serve.main(args)  # before any Ray process starts
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: --replicas") and "lower --num-cpus" in error and error.count("\n") == 1

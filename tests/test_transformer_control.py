@@ -8,13 +8,16 @@ import torch
 
 from mnv3 import transformer_control
 from mnv3.accuracy import held_out_batch
-from mnv3.latency import QUICK_BATCH_SIZE, QUICK_TIMING, make_session, ort_runner
+from mnv3.cli import QUICK
 from mnv3.model import EXPORT_TOLERANCE
 from mnv3.report import read_csv
-from mnv3.transformer_control import CONTROL_VITS, INTEGER_MATMUL_OPS, PROFILE_RUNS, build_vit
+from mnv3.runtime import make_session, ort_runner
+from mnv3.transformer_control import INTEGER_MATMUL_OPS, QUICK_CONTROL_VIT, build_vit
+
+pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[1]
-SHAPE = CONTROL_VITS[1]  # what --quick builds
+SHAPE = QUICK_CONTROL_VIT  # what --quick builds
 THREADS = 2
 # Measured on the quick ViT and the 16 quick held-out photos: dynamic INT8 agreed on top-1 for all 16
 # at ~30 dB SQNR; answering FP32's mean logits for every photo gets 0.0 and ~2 dB.
@@ -25,9 +28,9 @@ MIN_SQNR_DB = 20.0
 @pytest.fixture(scope="module")
 def control(tmp_path_factory):
     artifacts_dir = tmp_path_factory.mktemp("transformer_control")
-    held_out = held_out_batch(quick=True)
-    result = transformer_control.transformer_control(SHAPE, held_out, QUICK_TIMING, QUICK_BATCH_SIZE, THREADS,
-                                                     PROFILE_RUNS[1], artifacts_dir)
+    held_out = held_out_batch(QUICK.held_out_images)
+    result = transformer_control.transformer_control(SHAPE, held_out, QUICK.timing, QUICK.batch_size, THREADS,
+                                                     QUICK.profile_runs, artifacts_dir)
     return result, artifacts_dir, held_out
 
 
@@ -40,9 +43,9 @@ def test_rows_have_stage_1_columns_filled(control):
     assert stage_1_columns <= set(int8) and stage_1_columns - agreement_columns <= set(fp32)
     for row in result.rows:
         assert row["model"] == SHAPE.name and row["weights"] == "random-init"
-        assert row["threads"] == THREADS and row["batch_size"] == QUICK_BATCH_SIZE
+        assert row["threads"] == THREADS and row["batch_size"] == QUICK.batch_size
         assert 0 < row["p50_ms"] <= row["p95_ms"] <= row["p99_ms"] and row["mean_ms"] > 0
-        assert row["per_image_ms"] > 0 and row["calls"] >= QUICK_TIMING.iters
+        assert row["per_image_ms"] > 0 and row["calls"] >= QUICK.timing.iters
     assert float(fp32["export_max_abs_diff"]) <= EXPORT_TOLERANCE and int8["export_max_abs_diff"] == ""
     assert 0 < int8["size_mb"] < 0.5 * fp32["size_mb"]  # INT8 weights; LayerNorms and biases stay FP32
 
@@ -76,7 +79,7 @@ def test_random_init_is_seeded_with_a_live_head():
     for (name, a), b in zip(first.state_dict().items(), second.state_dict().values()):
         assert torch.equal(a, b), name
     assert first.heads.head.weight.abs().sum() > 0  # torchvision's zero init would make every logit 0
-    image = torch.from_numpy(np.ascontiguousarray(held_out_batch(quick=True)[:2]))
+    image = torch.from_numpy(np.ascontiguousarray(held_out_batch(QUICK.held_out_images)[:2]))
     with torch.inference_mode():
         logits = first(image)
     assert logits.abs().max() > 0.1
