@@ -32,7 +32,8 @@ class ResultCache:
         key = f"{hashlib.sha256(data).hexdigest()}:{self.model_id}"
         return f"{key}:{kind}" if kind else key
 
-    async def get_or_compute(self, data: bytes, compute: Callable[[], Awaitable], kind: str = "") -> tuple[object, bool]:
+    async def get_or_compute(self, data: bytes, compute: Callable[[], Awaitable], kind: str = ""
+                             ) -> tuple[object, bool]:
         """Return (result, hit). A hit is a stored result or one shared with an identical request in flight.
         `kind` tells apart results of different shapes computed from the same bytes.
 

@@ -118,7 +118,8 @@ class ServerConfig:
     @property
     def models(self) -> tuple[ModelSpec, ...]:
         """Every model to serve, the default first."""
-        return tuple(ModelSpec.parse(text) for text in (self.model, *self.extra_models))
+        texts: tuple[str | Path, ...] = (self.model, *self.extra_models)
+        return tuple(ModelSpec.parse(text) for text in texts)
 
     def backend_of(self, spec: ModelSpec) -> str:
         return spec.backend or self.backend

@@ -29,7 +29,8 @@ from mnv3.config import ModelSpec, ServerConfig, parse_args
 from mnv3.engine import Engine, ModelLoadError, Prediction
 from mnv3.errors import ERROR_DOCS, ERRORS, error_response
 from mnv3.page import page_router
-from mnv3.serving import Classified, ServedModel, Serving, served_model, serving, unless_disconnected
+from mnv3.serving import Classified as Classified  # what /predict answers with; its home before mnv3.serving
+from mnv3.serving import ServedModel, Serving, served_model, serving, unless_disconnected
 from mnv3.stats import stats_router
 from mnv3.uploads import read_upload
 from mnv3.v2_router import v2_router

@@ -64,8 +64,8 @@ class ServedModel:
         self.cache = ResultCache(config.cache_size, engine.model_id,
                                  leader_only_errors=(DeadlineExceeded, QueueFull, ClientDisconnect))
         self.preprocessing = 0  # this model's requests being decoded: its batcher's window waits only for these
-        self.batcher = DynamicBatcher(self._run_batch, config.max_batch_size, config.batch_window_ms, config.queue_limit,
-                                      incoming=lambda: self.preprocessing)
+        self.batcher = DynamicBatcher(self._run_batch, config.max_batch_size, config.batch_window_ms,
+                                      config.queue_limit, incoming=lambda: self.preprocessing)
         self.metrics = metrics.for_model(self.name, self.cache, self.batcher)
         self.warmed_up = False
         self.memory = ModelMemory(engine.path.stat().st_size, None)
@@ -76,7 +76,8 @@ class ServedModel:
         with self.inference_lock:
             self.engine.warm_up(sorted({1, self.config.max_batch_size}))
         after = _rss_bytes()
-        self.memory = ModelMemory(self.memory.file_bytes, after - before if None not in (before, after) else None)
+        if before is not None and after is not None:
+            self.memory = ModelMemory(self.memory.file_bytes, after - before)
         self.warmed_up = True
 
     async def preprocessed(self, data: bytes, deadline: float) -> tuple[np.ndarray, float]:

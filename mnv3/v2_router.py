@@ -13,7 +13,8 @@ deadline...), and is counted in `mnv3_rejections_total` as /predict's are.
 """
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
+from typing import Any, cast
 
 import numpy as np
 from fastapi import APIRouter, Depends, Request
@@ -25,8 +26,8 @@ from mnv3.errors import ERRORS, error_response
 from mnv3.preprocess import InvalidImage
 from mnv3.serving import ServedModel, Serving, serving, unless_disconnected
 from mnv3.uploads import read_body
-from mnv3.v2_protocol import (HEADER_LENGTH, InferRequest, ModelDescription, V2Error, encode_infer_response, model_config,
-                              model_metadata, parse_infer_request, server_metadata)
+from mnv3.v2_protocol import (HEADER_LENGTH, InferRequest, ModelDescription, V2Error, encode_infer_response,
+                              model_config, model_metadata, parse_infer_request, server_metadata)
 
 MODEL_VERSION = "1"  # one version per model: the file it was started with
 SERVER_VERSION = "1"
@@ -45,7 +46,7 @@ class V2Route(APIRoute):
     """A route that answers every failure in the protocol's shape (FastAPI's documented way to handle
     errors per router: the app's own handlers answer `{"detail": ...}`)."""
 
-    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handle = super().get_route_handler()
 
         async def handle_in_protocol_shape(request: Request) -> Response:
@@ -66,7 +67,7 @@ class V2ErrorBody(BaseModel):
     error: str = Field(description="what was wrong, for a person to read")
 
 
-V2_ERROR_DOCS = {
+V2_ERROR_DOCS: dict[int | str, dict[str, Any]] = {
     status: {"model": V2ErrorBody, "description": description} for status, description in (
         (400, "malformed request: see the message (datatype, shape, binary lengths, JSON, images per request...), "
               "or an image that is not one"),
@@ -172,14 +173,14 @@ INFER_BODY = {"requestBody": {"required": True, "content": {
                                  "description": f"binary tensor data extension: the JSON header, then the raw "
                                                 f"tensors; {HEADER_LENGTH} gives the header's length"},
 }}}
-INFER_RESPONSES = V2_ERROR_DOCS | {200: {"content": {
+INFER_RESPONSES: dict[int | str, dict[str, Any]] = V2_ERROR_DOCS | {200: {"content": {
     "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
     "description": f"JSON, or with binary outputs the JSON header and the raw tensors ({HEADER_LENGTH})"}}
 
 
 def _add_model_routes(path: str, model_dependency) -> None:
     """The model endpoints under `path`, which names the model (and maybe its version) for `model_dependency`."""
-    not_found = {404: V2_ERROR_DOCS[404]}
+    not_found: dict[int | str, dict[str, Any]] = {404: V2_ERROR_DOCS[404]}
 
     @v2_router.get(path, response_model=ModelMetadata, responses=not_found, summary="Model metadata")
     async def model_metadata_(model: ServedModel = Depends(model_dependency)) -> dict:
@@ -237,7 +238,7 @@ async def _rows(model: ServedModel, parsed: InferRequest, deadline: float) -> li
             if parsed.images is not None:
                 tasks = [group.create_task(_image_row(model, i, data, deadline))
                          for i, data in enumerate(parsed.images)]
-            else:
+            elif parsed.pixels is not None:
                 tasks = [group.create_task(_pixels_row(model, row, deadline)) for row in parsed.pixels]
     except BaseExceptionGroup as failures:
         raise failures.exceptions[0] from None
@@ -252,7 +253,7 @@ async def _image_row(model: ServedModel, index: int, data: bytes, deadline: floa
                                                   kind="probabilities")
     except InvalidImage as exc:  # and ImageTooLarge, its subclass
         raise type(exc)(f"image {index}: {exc}") from None
-    return row
+    return cast(np.ndarray, row)
 
 
 async def _pixels_row(model: ServedModel, row: np.ndarray, deadline: float) -> np.ndarray:

@@ -26,11 +26,27 @@ PROBABILITY_TOLERANCE = 1e-4  # the same model in batches of other sizes: float 
 
 
 @pytest.fixture(scope="module")
-def server(fp32_model_path, fp32_small_model_path):
-    """Two different networks: `large` (the default) and `small`, in one server process."""
+def other_model_path(fp32_model_path, tmp_path_factory):
+    """The fixture model with its classifier's bias shifted: another model (other answers) in a second."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(fp32_model_path)
+    bias = next(tensor for tensor in model.graph.initializer if tensor.name == model.graph.node[-1].input[2])
+    shifted = numpy_helper.to_array(bias) + np.random.default_rng(0).normal(0, 1, bias.dims).astype(np.float32)
+    bias.CopyFrom(numpy_helper.from_array(shifted, bias.name))
+    directory = tmp_path_factory.mktemp("other_model")
+    onnx.save(model, directory / "other.onnx")
+    (directory / CLASS_NAMES_JSON).write_bytes((fp32_model_path.parent / CLASS_NAMES_JSON).read_bytes())
+    return directory / "other.onnx"
+
+
+@pytest.fixture(scope="module")
+def server(fp32_model_path, other_model_path):
+    """Two models with different answers, `large` (the default) and `small`, in one server process."""
     process = ServerProcess(f"large={fp32_model_path}", max_batch_size=MAX_BATCH_SIZE, batch_window_ms=50,
                             cache_size=64, max_upload_bytes=UPLOAD_LIMIT)
-    process.command += ["--model", f"small={fp32_small_model_path}"]  # a second --model: a second model
+    process.command += ["--model", f"small={other_model_path}"]  # a second --model: a second model
     with process as url:
         yield url
 
@@ -75,7 +91,7 @@ def pixels_input(pixels: np.ndarray, binary: bool = True) -> triton.InferInput:
 def assert_same_as_predict(url: str, model: str, photos: list[bytes], probabilities: np.ndarray) -> None:
     """Each row holds /predict's top-k for that photo: the same classes in the same order, the same values."""
     assert probabilities.shape == (len(photos), 1000)
-    for photo, row in zip(photos, probabilities):
+    for photo, row in zip(photos, probabilities, strict=True):
         response = predict(url, photo, model)
         assert response.status_code == 200, response.text
         top = response.json()["predictions"]
@@ -129,7 +145,7 @@ def test_classification_extension_gives_predicts_top_k(server, client, photos, f
     outputs = [triton.InferRequestedOutput("PROBABILITIES", class_count=3)]
     strings = client.infer("large", [image_input(photos[:3])], outputs=outputs).as_numpy("PROBABILITIES")
     assert strings.shape == (3, 3)
-    for photo, row in zip(photos[:3], strings):
+    for photo, row in zip(photos[:3], strings, strict=True):
         top = predict(server, photo).json()["predictions"][:3]
         fields = [item.decode().split(":", 2) for item in row]
         assert [(int(index), label) for _, index, label in fields] == [(p["class_id"], p["label"]) for p in top]
@@ -149,11 +165,11 @@ def test_unknown_model_or_version_is_404(client, photos):
         assert "large" in failure.value.message()  # the message says what is served
 
 
-def test_predict_takes_a_model_and_models_lists_them(server, photos, fp32_model_path, fp32_small_model_path):
+def test_predict_takes_a_model_and_models_lists_them(server, photos, fp32_model_path, other_model_path):
     listing = requests.get(server + "/models", timeout=WAIT_S).json()
     assert listing["default"] == "large"
     assert [(m["name"], m["default"]) for m in listing["models"]] == [("large", True), ("small", False)]
-    for info, path in zip(listing["models"], (fp32_model_path, fp32_small_model_path)):
+    for info, path in zip(listing["models"], (fp32_model_path, other_model_path), strict=True):
         assert info["file"] == path.name and info["backend"] == "onnxruntime"
         assert info["input_shape"][1:] == [3, 224, 224] and info["batching"]["max_batch_size"] == MAX_BATCH_SIZE
         assert info["memory"]["file_bytes"] == path.stat().st_size
