@@ -14,10 +14,10 @@ deadline...), and is counted in `mnv3_rejections_total` as /predict's are.
 import asyncio
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any, cast
+from typing import Annotated, Any, cast
 
 import numpy as np
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Path, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, Field
@@ -122,14 +122,17 @@ def description(served: ServedModel) -> ModelDescription:
         platform="onnxruntime_onnx" if served.backend == "onnxruntime" else served.backend)
 
 
-async def named_model(name: str, request: Request) -> ServedModel:
+async def named_model(request: Request,
+                      name: Annotated[str, Path(description="the model's name, as GET /models lists it")]
+                      ) -> ServedModel:
     s: Serving = request.app.state.serving
     if name not in s.models:
         raise V2Error(404, f"unknown model {name!r}; this server serves {', '.join(s.models)}")
     return s.models[name]
 
 
-async def versioned_model(version: str, model: ServedModel = Depends(named_model)) -> ServedModel:
+async def versioned_model(version: Annotated[str, Path(description=f"each model has one version, {MODEL_VERSION}")],
+                          model: ServedModel = Depends(named_model)) -> ServedModel:
     if version != MODEL_VERSION:
         raise V2Error(404, f"model {model.name} has no version {version!r}; its one version is {MODEL_VERSION}")
     return model
