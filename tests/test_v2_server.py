@@ -12,6 +12,7 @@ import requests
 import tritonclient.http as triton
 from tritonclient.utils import InferenceServerException
 
+from conftest import Gate, post_file, serving_client, wait_until
 from mnv3.artifacts import CLASS_NAMES_JSON
 from mnv3.loadtest import ServerProcess
 from mnv3.photos import load_images
@@ -245,6 +246,33 @@ def test_bad_input_is_a_4xx_error_and_the_server_serves_on(server, client, photo
     assert response.status_code == status, response.text
     assert message in response.json()["error"]
     assert client.infer("large", [image_input(photos[:1])]).as_numpy("PROBABILITIES").shape == (1, 1000)
+
+
+def test_deadline_and_full_queue_answer_504_and_503_in_the_protocols_shape(fp32_model_path, photos):
+    """With inference held: a queued image's deadline passes (504), and a request whose images do not all
+    fit in the queue is refused whole (503 + Retry-After); both as {"error": ...}, then it serves on."""
+    def infer(images):
+        body, json_size = triton.InferenceServerClient.generate_request_body([image_input(images)])
+        return client.post("/v2/models/fp32/infer", content=body,
+                           headers={"Inference-Header-Content-Length": str(json_size)})
+
+    with serving_client(fp32_model_path, max_batch_size=1, max_request_images=4, queue_limit=3, deadline_ms=500,
+                        cache_size=0) as client, ThreadPoolExecutor(1) as pool:
+        gate = Gate(client.app.state.serving.engine)
+        held = pool.submit(post_file, client, photos[0])
+        assert gate.entered.wait(WAIT_S)
+        late = infer(photos[1:2])
+        assert late.status_code == 504 and "deadline" in late.json()["error"]
+        refused = infer(photos[2:5])  # the late one's entry still holds a place until the worker skips it
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        assert "queue full" in refused.json()["error"]
+        gate.release.set()
+        assert held.result().status_code == 504  # held past its deadline too
+        wait_until(lambda: client.app.state.serving.batcher.depth == 0, "the worker to skip the abandoned entries")
+        assert infer(photos[5:6]).status_code == 200
+        metrics = client.get("/metrics").text
+        assert 'mnv3_rejections_total{reason="deadline"} 2.0' in metrics
+        assert 'mnv3_rejections_total{reason="queue_full"} 1.0' in metrics
 
 
 def test_duplicate_or_unsafe_model_names_are_one_line_cli_errors(fp32_model_path):
