@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from conftest import post_file, serving_client
 from mnv3.config import parse_args
 from mnv3.engine import Engine
 from mnv3.phone_benchmark import compare_decodes
@@ -14,7 +15,6 @@ from mnv3.photos import (EXIF_ORIENTATION_TAG, PHONE_ORIENTATIONS, PHONE_PHOTO_S
 from mnv3.preprocess import (JPEG_DRAFT_MARGIN, RESIZE_SIZE, ImageTooLarge, decode_image, jpeg_draft_reduction,
                              preprocess)
 from test_preprocess import SIZES as EQUALITY_TEST_SIZES
-from test_server import post_file, serving_client
 
 # How far a draft decode's preprocessed tensor may be from the full decode's, in normalised units (one
 # grey level is 1/(255*std) ~ 0.017): about 8 grey levels at most, half a grey level on average.
@@ -23,6 +23,8 @@ DRAFT_MAX_ABS_DIFF = 0.15
 DRAFT_MEAN_ABS_DIFF = 0.01
 SMALLEST_DRAFTED_SIDE = 2 * JPEG_DRAFT_MARGIN * RESIZE_SIZE
 WIDTH, HEIGHT = PHONE_PHOTO_SIZE
+
+pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +45,7 @@ def photo_of_size(width: int, height: int) -> Image.Image:
     return photo.resize((width, height), Image.BILINEAR)
 
 
+@pytest.mark.slow
 def test_phone_photos_are_distinct_12_megapixel_jpegs_of_2_to_4_mb():
     bodies = phone_photos(4, seed=5)
     assert len(set(bodies)) == 4
@@ -126,6 +129,7 @@ def test_jpeg_draft_is_a_server_setting():
         parse_args(["--model", "m.onnx", "--jpeg-draft", "2"], environ={})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("jpeg_draft", [0, 1])
 def test_the_server_decodes_as_its_jpeg_draft_setting_says(fp32_model_path, oriented, jpeg_draft):
     body = oriented[6]
@@ -140,6 +144,7 @@ def test_the_server_decodes_as_its_jpeg_draft_setting_says(fp32_model_path, orie
                                                           rel=1e-5)
 
 
+@pytest.mark.slow
 def test_decode_comparison_measures_the_draft_against_the_full_decode(fp32_model_path, oriented):
     bodies = [oriented[1], oriented[6]]
     comparison = compare_decodes(fp32_model_path, bodies, rounds=1, reference=fp32_model_path)
