@@ -16,6 +16,7 @@ distinct photos (`mnv3.photos.phone_photos`):
 """
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -94,7 +95,7 @@ class DecodeComparison:
 
 def decode_seconds(bodies: list[bytes], rounds: int) -> dict[str, list[float]]:
     """Seconds per image of decode + preprocess, full and draft, in turns (alternating which goes first)."""
-    seconds = {FULL: [], DRAFT: []}
+    seconds: dict[str, list[float]] = {FULL: [], DRAFT: []}
     for round_index in range(rounds):
         order = (FULL, DRAFT) if round_index % 2 == 0 else (DRAFT, FULL)
         for name in order:
@@ -139,6 +140,8 @@ def time_breakdown(result: LoadResult) -> dict:
     (and the cache lookup), and the round trip not in the endpoint is HTTP: sending, the connection,
     HTTP parsing, the response and the client's own work.
     """
+    if result.latency is None:  # no request succeeded: no round trip to split
+        return {f"time_{name}": float("nan") for name in TIME_PARTS}
     server = result.server
     parts = {"decode_preprocess_ms": server["mean_preprocess_ms"], "queue_ms": server["mean_queue_ms"],
              "inference_ms": server["mean_inference_ms"]}
@@ -156,7 +159,7 @@ class PhoneResult:
 
     def rows(self, environment: dict) -> list[dict]:
         """The decode comparison, then one row per server (draft on, off); each ends with `environment`."""
-        # The environment's load-image columns name the 500x375 photos of the other stage-5 rows; these are phone photos.
+        # The environment's load-image columns name the 500x375 photos of the other stage-5 rows: not these.
         photos = {"load_image_size": "x".join(map(str, PHONE_PHOTO_SIZE)), "load_image_quality": PHONE_PHOTO_QUALITY}
         rows = [self.decode.as_row()]
         rows += [{"configuration": "phone_upload", "jpeg_draft": int(draft)} | result.as_row() | time_breakdown(result)
@@ -169,7 +172,7 @@ class PhoneResult:
         for draft, result in self.loads.items():
             parts = time_breakdown(result)
             lines.append(f"phone uploads, jpeg_draft {int(draft)}: {result.summary()}; mean round trip "
-                         f"{result.latency.mean_ms:.0f} ms = " + " + ".join(
+                         f"{sum(parts.values()):.0f} ms = " + " + ".join(
                              f"{name.removesuffix('_ms').replace('_', ' ')} {parts[f'time_{name}']:.0f}"
                              for name in TIME_PARTS) + " ms")
         return "\n".join(lines)
@@ -187,6 +190,7 @@ def run_phone_benchmark(model: Path, bodies: list[bytes], plan: PhonePlan) -> Ph
         with loadtest.ServerProcess(model, plan.start_timeout_s, **plan.server_options, jpeg_draft=int(draft)) as url:
             settings[draft] = loadtest.server_settings(url)
             loadtest.warm_up(url, bodies, plan.concurrency)
-            loads[draft] = loadtest.run_with_metrics(url, lambda send: loadtest.run_closed_loop(
-                send, bodies, plan.concurrency, plan.requests, desc=f"phone photos, jpeg_draft {int(draft)}"))
+            loads[draft] = loadtest.run_with_metrics(url, partial(
+                loadtest.run_closed_loop, bodies=bodies, concurrency=plan.concurrency, count=plan.requests,
+                desc=f"phone photos, jpeg_draft {int(draft)}"))
     return PhoneResult(plan, decode, loads, settings)

@@ -127,8 +127,9 @@ def phone_photo(photo: Image.Image, orientation: int, rng: np.random.Generator) 
     `orientation` (a key of PHONE_ORIENTATIONS) stores it."""
     width, height = PHONE_PHOTO_SIZE
     view = augment(photo, rng, (height, width) if orientation in (6, 8) else (width, height))
-    if PHONE_ORIENTATIONS[orientation] is not None:
-        view = view.transpose(PHONE_ORIENTATIONS[orientation])
+    stored = PHONE_ORIENTATIONS[orientation]
+    if stored is not None:
+        view = view.transpose(stored)
     levels = int(rng.integers(*PHONE_GRAIN_LEVELS, endpoint=True))
     grain = rng.integers(128 - levels, 128 + levels, size=(height, width), dtype=np.uint8, endpoint=True)
     grain_image = Image.fromarray(grain)
