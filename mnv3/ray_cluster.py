@@ -15,24 +15,37 @@ loopback `--node-ip-address` into it (only its single-node mode stays on loopbac
 worker nodes). So the GCS and raylets are reachable on that address, behind the token; the HTTP proxy
 and the dashboard listen on 127.0.0.1.
 """
+import argparse
+import hashlib
 import json
 import os
+import random
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+import requests
 import yaml
+from fastapi.testclient import TestClient
 
+from mnv3 import loadtest, server
+from mnv3.artifacts import ARTIFACTS_DIR, RESULTS_DIR, MissingArtifact
 from mnv3.loadtest import free_port
-from mnv3.ray_serve import APP_NAME, PROXY_CALLBACK, PROXY_CALLBACK_ENV, REPO_ROOT
+from mnv3.photos import load_images
+from mnv3.ray_serve import APP_NAME, PROXY_CALLBACK, PROXY_CALLBACK_ENV, REPLICA_HEADER, REPO_ROOT, RETRIED_HEADER
 
 SERVE_CONFIG = REPO_ROOT / "serve_config.yaml"
 DEPLOYMENT_NAME = "MobileNetV3"
-REPLICA_ACTOR_CLASS = f"ServeReplica:{APP_NAME}:{DEPLOYMENT_NAME}"
 NODE_START_TIMEOUT_S = 120  # `ray start` on a busy 2-core machine takes 10-30 s per node
 COMMAND_TIMEOUT_S = 120  # one `ray`/`serve` CLI call
 NODE_STOP_TIMEOUT_S = 30  # after SIGTERM, before SIGKILL
@@ -60,12 +73,14 @@ def node_environment(token: str) -> dict:
 
 def write_serve_config(path: Path, model: Path, http_port: int, application_args: dict | None = None,
                        deployment_options: dict | None = None, source: Path = SERVE_CONFIG) -> Path:
-    """A copy of serve_config.yaml with an absolute model path, the proxy's port, and any overrides."""
+    """A copy of serve_config.yaml with an absolute model path, the proxy's port, and any overrides (a
+    deployment option set to None is removed, leaving Ray's default)."""
     config = yaml.safe_load(source.read_text())
     config["http_options"]["port"] = http_port
     application = config["applications"][0]
     application["args"] |= {"model": str(Path(model).resolve())} | (application_args or {})
-    application["deployments"][0] |= deployment_options or {}
+    deployment = application["deployments"][0] | (deployment_options or {})
+    application["deployments"][0] = {key: value for key, value in deployment.items() if value is not None}
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
 
@@ -100,8 +115,10 @@ class LocalCluster:
             raise
         return self
 
-    def __exit__(self, *exc_info):
+    def __exit__(self, exc_type, *exc_info):
         self.stop()
+        if exc_type is None:  # kept after a failure: the nodes' logs are there
+            shutil.rmtree(self.root, ignore_errors=True)
 
     def _start_node(self, name: str, *options: str) -> subprocess.Popen:
         temp_dir = self.root / name
@@ -123,11 +140,13 @@ class LocalCluster:
         self._wait(lambda: address_file.exists() and address_file.read_text().strip(), NODE_START_TIMEOUT_S,
                    "the head node did not start")
         self.address = address_file.read_text().strip()
-        self.wait_for_nodes(1)
+        self._wait(lambda: self.alive_node_count() == 1, NODE_START_TIMEOUT_S, "the head node did not start")
 
     def add_worker_node(self) -> None:
+        known = {node["node_id"] for node in self.ray_list("nodes")}
         self._start_node(f"worker{len(self.nodes)}", "--address", self.address)
-        self.wait_for_nodes(self.alive_node_count() + 1)
+        self._wait(lambda: any(node["node_id"] not in known and node["state"] == "ALIVE"
+                               for node in self.ray_list("nodes")), NODE_START_TIMEOUT_S, "the new node did not join")
 
     def kill_node(self, index: int) -> None:
         """SIGKILL a worker node's Ray processes: the node is lost as a crashed machine would be."""
@@ -137,11 +156,21 @@ class LocalCluster:
         self.nodes[index].wait(NODE_STOP_TIMEOUT_S)
         self.killed.append(self.nodes[index])
 
+    def node_of(self, pid: int) -> int:
+        """Index of the node whose `ray start` started process `pid` (Ray's workers are its raylet's children)."""
+        node_pids = {process.pid: index for index, process in enumerate(self.nodes)}
+        while pid > 1:
+            if pid in node_pids:
+                return node_pids[pid]
+            try:
+                pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])  # its parent
+            except FileNotFoundError:
+                break
+        raise ClusterError("the process is gone or belongs to none of this cluster's nodes")
+
     def alive_node_count(self) -> int:
         return sum(node["state"] == "ALIVE" for node in self.ray_list("nodes"))
 
-    def wait_for_nodes(self, count: int, timeout_s: float = NODE_START_TIMEOUT_S) -> None:
-        self._wait(lambda: self.alive_node_count() == count, timeout_s, f"{count} nodes not alive")
 
     def stop(self) -> None:
         """Stop every node this cluster started, workers first, and only those."""
@@ -197,23 +226,330 @@ class LocalCluster:
     def serve_status(self) -> dict:
         return yaml.safe_load(self.run("serve", "status", "--address", self.dashboard_url))
 
-    def replicas(self) -> dict[str, dict]:
-        """Live replicas of the app: {replica id (as in the x-mnv3-replica header): {node_id, pid}}."""
-        actors = self.ray_list("actors", f"class_name={REPLICA_ACTOR_CLASS}", "state=ALIVE")
-        # Actor names are SERVE_REPLICA::<app>#<deployment>#<replica id>.
-        return {actor["name"].rsplit("#", 1)[1]: {"node_id": actor["node_id"], "pid": actor["pid"]}
-                for actor in actors}
+    def serve_shutdown(self) -> None:
+        """Delete every Serve app and Serve itself (the next deploy starts it again): fresh replicas."""
+        self.run("serve", "shutdown", "--yes", "--address", self.dashboard_url)
+        self._wait(lambda: not self.serve_details().get("applications"), NODE_START_TIMEOUT_S, "Serve did not shut down")
 
-    def running_replica_count(self) -> int:
-        """Replicas `serve status` reports RUNNING, 0 before the app exists."""
-        deployment = (self.serve_status().get("applications", {}).get(APP_NAME, {})
+    def serve_details(self) -> dict:
+        """Serve's REST API on the dashboard (what `serve status` reads), with the cluster's token."""
+        try:
+            response = requests.get(self.dashboard_url + "/api/serve/applications/", timeout=COMMAND_TIMEOUT_S,
+                                    headers={"Authorization": f"Bearer {self.env['RAY_AUTH_TOKEN']}"})
+            response.raise_for_status()
+        except requests.RequestException as exc:
+            raise ClusterError(f"Serve's REST API did not answer: {exc}") from exc
+        return response.json()
+
+    def replicas(self) -> dict[str, dict]:
+        """RUNNING replicas of the app: {replica id (as in the x-mnv3-replica header): {node_id, pid, ...}}."""
+        deployment = (self.serve_details()["applications"].get(APP_NAME, {})
                       .get("deployments", {}).get(DEPLOYMENT_NAME, {}))
-        return deployment.get("replica_states", {}).get("RUNNING", 0)
+        return {replica["replica_id"]: replica for replica in deployment.get("replicas", [])
+                if replica["state"] == "RUNNING"}
 
     def wait_for_replicas(self, count: int, timeout_s: float = NODE_START_TIMEOUT_S) -> None:
-        self._wait(lambda: self.running_replica_count() == count, timeout_s, f"{count} replicas not running")
+        self._wait(lambda: len(self.replicas()) == count, timeout_s, f"{count} replicas not running")
 
 
 def ray_command(program: str) -> str:
     """The `ray`/`serve` executable beside this Python, so the cluster runs the Ray this code imports."""
     return str(Path(sys.executable).with_name(program))
+
+
+# ---------------------------------------------------------------------------------------- loss under load
+
+LOSS_CSV = "07_ray_cluster_loss.csv"
+RECOVERY_TIMEOUT_S = 180  # a loss run ends this long after the kill, recovered or not
+AFTER_RECOVERY_S = 5  # load kept on after the replicas are back, to see the rate come back too
+RECOVERED_FRACTION = 0.8  # throughput counts as back once a second answers this share of the steady rate
+PROBABILITY_RTOL = 1e-4  # batch composition and thread count change the float rounding, not the answer
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One request of a load run, as the client saw it."""
+    start: float  # time.monotonic() at send
+    end: float
+    status: str  # HTTP status, or the client exception's name
+    payload: dict | None  # the JSON answer, or the JSON error; None if the body was not JSON
+    digest: str  # sha256 of the image sent
+    replica: str | None
+    retried: bool  # the proxy sent it again after its replica was lost (ray_serve.RetryLostReplica)
+
+
+class RecordingClient(loadtest.PredictClient):
+    """PredictClient that keeps every request: when, what came back (error bodies too), which replica."""
+
+    def __init__(self, base_url: str, timeout_s: float):
+        super().__init__(base_url, timeout_s)
+        self.samples: list[Sample] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, body: bytes) -> tuple[str, dict | None]:
+        start = time.monotonic()
+        try:
+            response = self._pool.request("POST", "/predict", fields={"file": ("image.jpg", body, "image/jpeg")},
+                                          timeout=self.timeout_s, retries=False)
+            status, replica = str(response.status), response.headers.get(REPLICA_HEADER)
+            retried = RETRIED_HEADER in response.headers
+            try:
+                payload = response.json()
+            except ValueError:
+                payload = None
+        except Exception as exc:  # urllib3 errors: reset, timeout, refused; recorded, never raised
+            status, payload, replica, retried = type(exc).__name__, None, None, False
+        sample = Sample(start, time.monotonic(), status, payload, hashlib.sha256(body).hexdigest(), replica, retried)
+        with self._lock:
+            self.samples.append(sample)
+        return status, payload if status == "200" else None
+
+
+def plain_answers(config: server.ServerConfig, bodies: list[bytes]) -> dict[str, list[dict]]:
+    """{sha256 of body: predictions} from the plain app in this process: what each photo's answer must be."""
+    with TestClient(server.create_app(config)) as client:
+        return {hashlib.sha256(body).hexdigest():
+                client.post("/predict", files={"file": ("image.jpg", body, "image/jpeg")}).json()["predictions"]
+                for body in bodies}
+
+
+def is_right_answer(predictions: list[dict], expected: list[dict]) -> bool:
+    """Same top-1 as the plain answer for this photo (or a class tied with it within rounding), same scores."""
+    top = expected[0]["probability"]
+    tied = {p["class_id"] for p in expected if p["probability"] >= top * (1 - PROBABILITY_RTOL)}
+    return (predictions[0]["class_id"] in tied
+            and np.allclose([p["probability"] for p in predictions], [p["probability"] for p in expected],
+                            rtol=PROBABILITY_RTOL))
+
+
+class ReplicaMonitor:
+    """Polls Serve's REST API in a thread: (seconds since `origin`, RUNNING replicas, their ids)."""
+
+    def __init__(self, cluster: LocalCluster, origin: float, interval_s: float = POLL_S / 2):
+        self.cluster, self.origin, self.interval_s = cluster, origin, interval_s
+        self.log: list[tuple[float, int, frozenset]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            try:
+                ids = frozenset(self.cluster.replicas())
+                self.log.append((time.monotonic() - self.origin, len(ids), ids))
+            except ClusterError:
+                pass  # the dashboard is briefly unreachable while a node goes away
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info):
+        self._stop.set()
+        self._thread.join(COMMAND_TIMEOUT_S)
+
+
+def summarize_loss(scenario: str, samples: list[Sample], origin: float, event_s: float, monitor_log: list,
+                   target_replicas: int, lost_replica: str, expected: dict, deadline_s: float) -> dict:
+    """One CSV row: what the clients saw around the loss at `event_s`, and when replicas and rate came back."""
+    statuses = Counter(sample.status for sample in samples)
+    failures = [sample for sample in samples if sample.status != "200"]
+    wrong = sum(not is_right_answer(sample.payload["predictions"], expected[sample.digest])
+                for sample in samples if sample.status == "200")
+    waits = [sample.end - sample.start for sample in samples]
+    # Answers per second, by when they came back; the steady rate is the mean before the loss.
+    ends = np.array([sample.end - origin for sample in samples if sample.status == "200"])
+    seconds = np.arange(0, int(np.ceil(ends.max())) + 1) if len(ends) else np.arange(1)
+    per_second = np.histogram(ends, bins=np.append(seconds, seconds[-1] + 1))[0]
+    steady = per_second[1:int(event_s)].mean() if int(event_s) > 1 else float("nan")
+    recovered = [t for t in seconds if t >= event_s and per_second[t] >= RECOVERED_FRACTION * steady
+                 and t + 1 < len(per_second) and per_second[t + 1] >= RECOVERED_FRACTION * steady]
+    back = [t for t, running, ids in monitor_log if t >= event_s and running == target_replicas and lost_replica not in ids]
+    return {"scenario": scenario, "sent": len(samples), "answered": statuses["200"], "failed": len(failures),
+            "retried_by_proxy": sum(sample.retried for sample in samples),
+            "failed_by_status": ";".join(f"{s}:{n}" for s, n in sorted(statuses.items()) if s != "200"),
+            "failed_http_without_json_detail": sum(
+                sample.status.isdigit() and not (isinstance(sample.payload, dict) and "detail" in sample.payload)
+                for sample in failures),
+            "example_failure": next((f"{sample.status} {json.dumps(sample.payload)}" for sample in failures), ""),
+            "wrong_answers": wrong, "longest_wait_s": round(max(waits), 3),
+            "over_deadline": sum(wait > deadline_s for wait in waits), "deadline_s": deadline_s,
+            "loss_at_s": round(event_s, 1), "steady_req_per_s": round(float(steady), 1),
+            "replicas_back_after_s": round(back[0] - event_s, 1) if back else float("nan"),
+            "throughput_back_after_s": round(float(recovered[0] - event_s), 1) if recovered else float("nan"),
+            "replica_log": " ".join(f"{t:.1f}s:{running}" for i, (t, running, ids) in enumerate(monitor_log)
+                                    if i == 0 or ids != monitor_log[i - 1][2])}
+
+
+def closed_loop_until(send, bodies: list[bytes], concurrency: int, done) -> None:
+    """`concurrency` clients, each sending its next body as soon as its last one returned, until `done()`.
+
+    mnv3.loadtest.run_closed_loop sends a fixed count; a loss run must instead go on until the cluster has
+    recovered, however long that takes on the machine at hand.
+    """
+    def client(offset: int):
+        i = offset
+        while not done():
+            send(bodies[i % len(bodies)])
+            i += concurrency
+
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        for future in [pool.submit(client, offset) for offset in range(concurrency)]:
+            future.result()
+
+
+def run_loss(cluster: LocalCluster, url: str, scenario: str, bodies: list[bytes], expected: dict,
+             concurrency: int, seconds: float, loss_at_s: float, deadline_s: float, target_replicas: int) -> dict:
+    """A closed-loop load; at `loss_at_s` one replica process (scenario "replica") or the worker node holding
+    one (scenario "node", then replaced by a new node) is SIGKILLed. The load goes on for at least `seconds`
+    and until `target_replicas` run again without the lost one, plus AFTER_RECOVERY_S (RECOVERY_TIMEOUT_S at most)."""
+    # A replica on a worker node: the head can be lost only with the whole cluster.
+    victim_id, victim = next((replica_id, replica) for replica_id, replica in cluster.replicas().items()
+                             if cluster.node_of(replica["pid"]) != 0)
+    origin = time.monotonic()
+
+    def lose():
+        time.sleep(loss_at_s)
+        print(f"{time.monotonic() - origin:6.1f} s  SIGKILL {scenario} (replica {victim_id})", flush=True)
+        if scenario == "replica":
+            os.kill(victim["pid"], signal.SIGKILL)
+        else:
+            cluster.kill_node(cluster.node_of(victim["pid"]))
+            cluster.add_worker_node()  # a replacement node, as an autoscaler or an operator would add
+            print(f"{time.monotonic() - origin:6.1f} s  replacement node joined", flush=True)
+
+    with ReplicaMonitor(cluster, origin) as monitor, RecordingClient(url, deadline_s) as send:
+        def done() -> bool:
+            elapsed = time.monotonic() - origin
+            back = [t for t, running, ids in monitor.log
+                    if t > loss_at_s and running == target_replicas and victim_id not in ids]
+            return elapsed > loss_at_s + RECOVERY_TIMEOUT_S or (
+                elapsed > seconds and bool(back) and elapsed > back[0] + AFTER_RECOVERY_S)
+
+        killer = threading.Thread(target=lose, daemon=True)
+        killer.start()
+        closed_loop_until(send, bodies, concurrency, done)
+        killer.join(COMMAND_TIMEOUT_S + NODE_START_TIMEOUT_S)
+    row = summarize_loss(scenario, send.samples, origin, loss_at_s, monitor.log, target_replicas, victim_id,
+                         expected, deadline_s)
+    print(f"{scenario:>8} loss: {row}", flush=True)
+    return row
+
+
+def bench_loss(args) -> list[dict]:
+    """Replica loss, then node loss, under a closed-loop load on a 2-node cluster with 2 replicas."""
+    config = server.ServerConfig(model=args.model, cache_size=0)  # every request runs the model
+    bodies = load_images(args.images)
+    print("plain answers for each photo ...", flush=True)
+    expected = plain_answers(config, bodies)
+    port = free_port()
+    rows = []
+    with LocalCluster(nodes=2, cpus_per_node=1) as cluster:
+        config_path = write_serve_config(
+            cluster.root / "serve_config.yaml", args.model, port,
+            {"cache_size": 0, "deadline_ms": 1000 * args.deadline_s},
+            {"num_replicas": 2, "autoscaling_config": None})
+        cluster.deploy(config_path)
+        cluster.wait_for_replicas(2)
+        url = f"http://127.0.0.1:{port}"
+        for scenario in ("replica", "node"):
+            rows.append(run_loss(cluster, url, scenario, bodies, expected, args.concurrency, args.seconds,
+                                 args.loss_at, args.deadline_s, target_replicas=2))
+    environment = loadtest.environment_row(args.model, args.provenance)
+    loadtest.write_results(args.results_dir, LOSS_CSV, [row | environment for row in rows])
+    return rows
+
+
+# ---------------------------------------------------------------------------------------- cache across replicas
+
+CACHE_CSV = "08_ray_cluster_cache.csv"
+IMAGE_ROUTER = "mnv3.ray_serve:ImageAffinityRouter"
+
+
+def bench_cache(args) -> list[dict]:
+    """Cache hit rate on a repeated-image workload: 1 replica, then 2 replicas routed by load (Ray's default
+    router), then 2 replicas routed by image (ImageAffinityRouter). Each setup starts with empty caches."""
+    distinct = load_images(args.images, seed=11)
+    workload = [body for body in distinct for _ in range(args.repeats)]
+    random.Random(0).shuffle(workload)
+    best_hit_rate = 1 - len(distinct) / len(workload)  # every image's first request is a miss
+    port, rows = free_port(), []
+    with LocalCluster(nodes=2, cpus_per_node=1) as cluster:
+        for replicas, router in ((1, None), (2, None), (2, IMAGE_ROUTER)):
+            config = write_serve_config(
+                cluster.root / "serve_config.yaml", args.model, port, {"cache_size": 4 * len(distinct)},
+                {"num_replicas": replicas, "autoscaling_config": None,
+                 "request_router_config": router and {"request_router_class": router}})
+            cluster.deploy(config)
+            cluster.wait_for_replicas(replicas)
+            with RecordingClient(f"http://127.0.0.1:{port}", args.deadline_s) as send:
+                loadtest.run_closed_loop(send, workload, args.concurrency)
+            answered = [sample for sample in send.samples if sample.status == "200"]
+            hits = sum(sample.payload["cache_hit"] for sample in answered)
+            row = {"replicas": replicas, "routing": "image hash" if router else "load (Ray's default)",
+                   "requests": len(workload), "distinct_images": len(distinct), "answered": len(answered),
+                   "cache_hits": hits, "hit_rate": round(hits / len(workload), 4),
+                   "best_possible_hit_rate": round(best_hit_rate, 4),
+                   "replicas_answering": len({sample.replica for sample in answered}),
+                   "concurrency": args.concurrency}
+            print(row, flush=True)
+            rows.append(row)
+            cluster.serve_shutdown()
+    single = rows[0]["hit_rate"]
+    for row in rows:
+        row["hit_rate_vs_1_replica"] = round(row["hit_rate"] / single, 3) if single else float("nan")
+    environment = loadtest.environment_row(args.model, args.provenance)
+    loadtest.write_results(args.results_dir, CACHE_CSV, [row | environment for row in rows])
+    return rows
+
+
+# ---------------------------------------------------------------------------------------- command line
+
+def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m mnv3.ray_cluster", add_help=add_help,
+        description="Benchmarks on a Ray cluster of 2 nodes on this machine (1 CPU each, token auth on).")
+    parser.add_argument("--bench-loss", action="store_true",
+                        help="kill a replica, then a worker node, under load -> results/" + LOSS_CSV)
+    parser.add_argument("--bench-cache", action="store_true",
+                        help="cache hit rate, 1 vs 2 replicas, routed by load vs by image -> results/" + CACHE_CSV)
+    parser.add_argument("--repeats", type=loadtest.positive_int,
+                        help="--bench-cache: requests per distinct photo (default 16; --quick 8)")
+    parser.add_argument("--model", type=Path, help="ONNX model (default: the static INT8 model stage 2 recorded)")
+    parser.add_argument("--artifacts-dir", type=Path, default=ARTIFACTS_DIR, help="where stages 1-2 wrote models")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="where the CSV goes")
+    parser.add_argument("--quick", action="store_true", help="small counts: a smoke run")
+    parser.add_argument("--concurrency", type=loadtest.positive_int, help="closed-loop clients (default 16; --quick 8)")
+    parser.add_argument("--seconds", type=float, help="length of each load run (default 60; --quick 30)")
+    parser.add_argument("--loss-at", type=float, help="seconds into the run of the kill (default 15; --quick 10)")
+    parser.add_argument("--deadline-s", type=float, default=30.0,
+                        help="each request's deadline, the server's and the client's (default %(default)s)")
+    parser.add_argument("--images", type=loadtest.positive_int, help="distinct photos (default 64; --quick 16)")
+    return parser
+
+
+def main(args) -> int:
+    try:
+        args.model, args.provenance = loadtest.serving_model(args)
+    except MissingArtifact as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    loadtest.apply_defaults(
+        args, full={"concurrency": 16, "seconds": 60.0, "loss_at": 15.0, "images": 64, "repeats": 16},
+        quick={"concurrency": 8, "seconds": 30.0, "loss_at": 10.0, "images": 16, "repeats": 8})
+    if not (args.bench_loss or args.bench_cache):
+        print("error: nothing to do: pass --bench-loss and/or --bench-cache", file=sys.stderr)
+        return 2
+    try:
+        if args.bench_loss:
+            bench_loss(args)
+        if args.bench_cache:
+            bench_cache(args)
+    except ClusterError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(get_args_parser().parse_args()))
