@@ -503,6 +503,61 @@ def bench_cache(args) -> list[dict]:
     return rows
 
 
+# ---------------------------------------------------------------------------------------- autoscaling
+
+AUTOSCALE_CSV = "09_ray_cluster_autoscale.csv"
+# Ray's defaults wait 30 s to scale up and 600 s to scale down, over a 30 s window: shortened for the bench.
+BENCH_AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2,
+                     "upscale_delay_s": 3, "downscale_delay_s": 10, "look_back_period_s": 5}
+SCALE_TIMEOUT_S = 180  # each phase of the ramp waits this long at most for the replica count it expects
+
+
+def bench_autoscale(args) -> list[dict]:
+    """A load ramp on a 2-node cluster: one client until 1 replica runs, `concurrency` clients until Ray has
+    scaled to 2, then none until it is back to 1. Every change of the replica count is a timestamped row."""
+    bodies = load_images(args.images, seed=13)
+    port = free_port()
+    with LocalCluster(nodes=2, cpus_per_node=1) as cluster:
+        config = write_serve_config(cluster.root / "serve_config.yaml", args.model, port, {"cache_size": 0},
+                                    {"autoscaling_config": BENCH_AUTOSCALING})
+        cluster.deploy(config)
+        cluster.wait_for_replicas(1)
+        origin, phases = time.monotonic(), []
+        with ReplicaMonitor(cluster, origin) as monitor:
+            def reached(count: int, since: float):
+                return lambda: time.monotonic() - since > SCALE_TIMEOUT_S or any(
+                    t > since - origin and running == count for t, running, _ in monitor.log)
+
+            for phase, clients, target in (("low", 1, 1), ("ramp", args.concurrency, 2), ("idle", 0, 1)):
+                start = time.monotonic()
+                phases.append((phase, clients, start - origin))
+                print(f"{start - origin:6.1f} s  {phase}: {clients} clients, until {target} replica(s)", flush=True)
+                with RecordingClient(f"http://127.0.0.1:{port}", args.deadline_s) as send:
+                    if clients:
+                        closed_loop_until(send, bodies, clients, reached(target, start + (phase == "low") * 10))
+                    else:
+                        wait_until(reached(target, start))
+    rows = []
+    for i, (t, running, ids) in enumerate(monitor.log):
+        if i == 0 or running != monitor.log[i - 1][1]:
+            phase, clients, _ = [p for p in phases if p[2] <= t][-1] if any(p[2] <= t for p in phases) else phases[0]
+            rows.append({"seconds": round(t, 1), "time_utc": time.strftime("%H:%M:%S", time.gmtime(
+                time.time() - (time.monotonic() - origin - t))), "running_replicas": running, "phase": phase,
+                "clients": clients, **{f"autoscaling_{k}": v for k, v in BENCH_AUTOSCALING.items()}})
+            print(f"{rows[-1]['time_utc']}  {t:6.1f} s  {running} replica(s) running  ({phase}, {clients} clients)")
+    environment = loadtest.environment_row(args.model, args.provenance)
+    loadtest.write_results(args.results_dir, AUTOSCALE_CSV, [row | environment for row in rows])
+    counts = [row["running_replicas"] for row in rows]
+    if not (1 in counts and 2 in counts and counts[-1] == 1 and counts.index(2) < len(counts) - 1):
+        raise ClusterError(f"autoscaling did not go 1 -> 2 -> 1 replicas: {counts}")
+    return rows
+
+
+def wait_until(done, poll_s: float = POLL_S) -> None:
+    while not done():
+        time.sleep(poll_s)
+
+
 # ---------------------------------------------------------------------------------------- command line
 
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
@@ -513,6 +568,8 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
                         help="kill a replica, then a worker node, under load -> results/" + LOSS_CSV)
     parser.add_argument("--bench-cache", action="store_true",
                         help="cache hit rate, 1 vs 2 replicas, routed by load vs by image -> results/" + CACHE_CSV)
+    parser.add_argument("--bench-autoscale", action="store_true",
+                        help="a load ramp: 1 -> 2 -> 1 replicas, timestamped -> results/" + AUTOSCALE_CSV)
     parser.add_argument("--repeats", type=loadtest.positive_int,
                         help="--bench-cache: requests per distinct photo (default 16; --quick 8)")
     parser.add_argument("--model", type=Path, help="ONNX model (default: the static INT8 model stage 2 recorded)")
@@ -537,14 +594,16 @@ def main(args) -> int:
     loadtest.apply_defaults(
         args, full={"concurrency": 16, "seconds": 60.0, "loss_at": 15.0, "images": 64, "repeats": 16},
         quick={"concurrency": 8, "seconds": 30.0, "loss_at": 10.0, "images": 16, "repeats": 8})
-    if not (args.bench_loss or args.bench_cache):
-        print("error: nothing to do: pass --bench-loss and/or --bench-cache", file=sys.stderr)
+    if not (args.bench_loss or args.bench_cache or args.bench_autoscale):
+        print("error: nothing to do: pass --bench-loss, --bench-cache and/or --bench-autoscale", file=sys.stderr)
         return 2
     try:
         if args.bench_loss:
             bench_loss(args)
         if args.bench_cache:
             bench_cache(args)
+        if args.bench_autoscale:
+            bench_autoscale(args)
     except ClusterError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -76,6 +76,8 @@ class ImageAffinityRouter(RequestRouter):
     max_queued_requests=DEFAULT_MAX_QUEUED_REQUESTS,
     # Ray's own rejection gets the plain server's status and Retry-After; proxy_middlewares gives it its body.
     backpressure_config={"status_code": 503, "retry_after_s": server.RETRY_AFTER_S},
+    # Repeats of an image reach the replica whose cache has it (the key comes from proxy_middlewares).
+    request_router_config={"request_router_class": "mnv3.ray_serve:ImageAffinityRouter"},
 )
 @serve.ingress()  # no app here: each replica builds its own in __serve_build_asgi_app__, with its own threads
 class MobileNetV3:

@@ -1,5 +1,6 @@
 """The README's Ray cluster path, run as written: two Ray nodes on this machine (two `ray start`, token
-authentication on), `serve deploy serve_config.yaml`, replicas on both nodes and both answering.
+authentication on), `serve deploy serve_config.yaml`, replicas on both nodes and both answering, and
+repeats of a photo routed to the replica whose cache has it.
 
 Slow (two raylets, two replicas): the e2e tier. It starts and stops only its own Ray processes.
 """
@@ -33,7 +34,7 @@ def test_serve_deploy_places_a_replica_on_each_node_and_both_answer(fp32_model_p
         # The shipped config, with what the README says to change on a cluster: an absolute model path.
         # Its autoscaling floor is raised to one replica per node, so both nodes serve from the start.
         config = ray_cluster.write_serve_config(
-            tmp_path / "serve_config.yaml", fp32_model_path, port, {"cache_size": 0},
+            tmp_path / "serve_config.yaml", fp32_model_path, port, {},
             {"autoscaling_config": {"min_replicas": 2, "max_replicas": 2, "target_ongoing_requests": 32}})
         cluster.deploy(config)
         cluster.wait_for_replicas(2)
@@ -46,11 +47,12 @@ def test_serve_deploy_places_a_replica_on_each_node_and_both_answer(fp32_model_p
 
         url = f"http://127.0.0.1:{port}"
         bodies = load_images(REQUESTS, seed=7)
-        with ThreadPoolExecutor(4) as pool:
-            responses = list(pool.map(lambda body: requests.post(
-                url + "/predict", files={"file": ("image.jpg", body, "image/jpeg")}, timeout=TIMEOUT_S), bodies))
-        assert [r.status_code for r in responses] == [200] * REQUESTS, [r.text for r in responses]
-        assert {r.headers[REPLICA_HEADER] for r in responses} == set(replicas)
+        first, again = post_all(url, bodies), post_all(url, bodies)
+        assert [r.status_code for r in first + again] == [200] * 2 * REQUESTS, [r.text for r in first + again]
+        assert {r.headers[REPLICA_HEADER] for r in first} == set(replicas)
+        # Routed by image (the config's ImageAffinityRouter): each photo again reaches the replica that has it.
+        assert [r.headers[REPLICA_HEADER] for r in again] == [r.headers[REPLICA_HEADER] for r in first]
+        assert [r.json()["cache_hit"] for r in again] == [True] * REQUESTS
         pids = [process.pid for process in cluster.nodes] + [r["pid"] for r in replicas.values()]
 
     # Stopped: its `ray start` processes and the replicas on its nodes are gone (others' Ray is not touched).
@@ -58,6 +60,12 @@ def test_serve_deploy_places_a_replica_on_each_node_and_both_answer(fp32_model_p
     while alive(pids) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not alive(pids), alive(pids)
+
+
+def post_all(url: str, bodies: list[bytes]) -> list[requests.Response]:
+    with ThreadPoolExecutor(4) as pool:
+        return list(pool.map(lambda body: requests.post(
+            url + "/predict", files={"file": ("image.jpg", body, "image/jpeg")}, timeout=TIMEOUT_S), bodies))
 
 
 def alive(pids: list[int]) -> list[int]:

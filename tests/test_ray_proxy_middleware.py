@@ -1,12 +1,14 @@
 """The middleware Ray's proxy runs (mnv3.ray_serve.proxy_middlewares), on stand-in ASGI apps shaped like
 Ray's proxy: its plain-text errors, a request whose replica died (no response at all), a retried request."""
+import hashlib
 import json
 
 import pytest
 
-pytest.importorskip("ray.serve", reason="Ray Serve is optional: pip install -r requirements-ray.txt")
+# Ray's own function that wraps its proxy app in the callback's middlewares, so the order is Ray's.
+http_util = pytest.importorskip("ray.serve._private.http_util",
+                                reason="Ray Serve is optional: pip install -r requirements-ray.txt")
 
-from ray.serve._private.http_util import _apply_middlewares  # noqa: E402
 from starlette.middleware import Middleware  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402
 
@@ -17,9 +19,10 @@ class StandInProxy:
     """An ASGI app answering like Ray's proxy: `outcomes` in turn, one per call; each call reads the body."""
 
     def __init__(self, *outcomes):
-        self.outcomes, self.bodies = list(outcomes), []
+        self.outcomes, self.bodies, self.routing_keys = list(outcomes), [], []
 
     async def __call__(self, scope, receive, send):
+        self.routing_keys.append(dict(scope["headers"]).get(ray_serve.ROUTING_KEY_HEADER.encode()))
         body = b""
         while True:
             message = await receive()
@@ -37,7 +40,7 @@ class StandInProxy:
 
 def client_for(proxy: StandInProxy, middlewares: list | None = None) -> TestClient:
     # Wrapped by Ray's own function, in Ray's order (the last middleware is outermost).
-    app = _apply_middlewares(proxy, ray_serve.proxy_middlewares() if middlewares is None else middlewares)
+    app = http_util._apply_middlewares(proxy, ray_serve.proxy_middlewares() if middlewares is None else middlewares)
     return TestClient(app, raise_server_exceptions=False)
 
 
@@ -77,3 +80,19 @@ def test_a_body_over_the_upload_limit_is_not_kept_for_a_retry():
     client = client_for(proxy, [Middleware(ray_serve.RetryLostReplica, max_body_bytes=4), Middleware(ray_serve.JsonErrors)])
     response = client.post("/predict", content=b"more than four", headers={"content-type": "image/jpeg"})
     assert response.status_code == 502 and len(proxy.bodies) == 1
+
+
+def test_the_routing_key_is_the_images_hash_whatever_the_multipart_boundary():
+    proxy = StandInProxy(ANSWER, ANSWER, ANSWER, ANSWER)
+    client = client_for(proxy)
+    for boundary in ("one-boundary", "another-boundary"):
+        body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.jpg\"\r\n"
+                f"Content-Type: image/jpeg\r\n\r\nimage bytes\r\n--{boundary}--\r\n").encode()
+        client.post("/predict", content=body, headers={"content-type": f"multipart/form-data; boundary={boundary}"})
+    client.post("/predict", content=b"image bytes", headers={"content-type": "image/jpeg"})
+    client.post("/predict", content=b"other image", headers={"content-type": "image/jpeg"})
+    multipart_a, multipart_b, raw, other = proxy.routing_keys
+    assert multipart_a == multipart_b and multipart_a is not None
+    assert raw == hashlib.sha256(b"image bytes").hexdigest().encode()  # the cache's own key for a raw body
+    assert other != raw
+    assert proxy.bodies[2:] == [b"image bytes", b"other image"]  # the body still reaches Ray's proxy whole
