@@ -3,31 +3,29 @@ onnxruntime profile of the dynamic model showing where its time goes. With openv
 (requirements-openvino.txt) the same FP32 file also runs on OpenVINO: FP32, and BF16 where the CPU has it.
 
 Writes artifacts/{fp32,dynamic_int8}.onnx, results/01_baseline.csv, results/01_dynamic_int8_profile.csv
-and results/summary.md.
+and results/summary.md. `--transformer-control` runs the same export -> dynamic INT8 -> timing -> profile
+on a ViT as well (results/01_transformer_control*.csv): the other direction of the dynamic-INT8 finding.
 """
 import argparse
-from pathlib import Path
 
 import torch
 
-from mnv3.accuracy import UnreadableLabels, array_batches, evaluate, held_out_batch, load_labels, predict
-from mnv3.artifacts import CLASS_NAMES_JSON, DYNAMIC_INT8_ONNX, FP32_ONNX, update_manifest
-from mnv3.latency import (add_stage_args, interleaved_benchmark, make_session, measurement_settings, ort_runner,
-                          run_stage)
-from mnv3.model import (EXPORT_TOLERANCE, WEIGHTS, BadWeights, export_max_abs_diff, export_onnx, load_model,
+from mnv3 import cli
+from mnv3.accuracy import UnreadableLabels, array_batches, held_out_batch, load_labels, predict
+from mnv3.artifacts import (BASELINE_CSV, CLASS_NAMES_JSON, DYNAMIC_INT8_ONNX, DYNAMIC_INT8_PROFILE_CSV, FP32_ONNX,
+                            TRANSFORMER_CONTROL_CSV, TRANSFORMER_CONTROL_PROFILE_CSV, update_manifest)
+from mnv3.model import (EXPORT_CHECK_BATCHES, WEIGHTS, BadWeights, check_export, export_onnx, load_model,
                         recalibrate_batchnorm, state_dict_size_mb, torch_runner)
 from mnv3.photos import CALIBRATION_SOURCES, augmented_views
 from mnv3.profiling import op_type_summary, profile_model
 from mnv3.quantize import quantize_dynamic_int8, size_mb
 from mnv3.report import markdown_table, write_csv, write_summary
+from mnv3.runtime import make_session, ort_runner
+from mnv3.transformer_control import INTEGER_MATMUL_OPS, control_vit, int8_vs_fp32, op_shares, transformer_control
+from mnv3.variants import Bench, Variant, baseline_rows, fastest, openvino_variants
 
 BACKENDS = ("onnxruntime", "openvino")
-VARIANT_PRECISION = {"f32": "fp32", "bf16": "bf16"}  # OpenVINO's precision hint -> the variant-name suffix
-
-# (normal, --quick)
-BN_RECALIBRATION_IMAGES = (64, 16)
-PROFILE_RUNS = (20, 3)
-EXPORT_CHECK_BATCHES = (1, 8)
+PROFILED_OPS = ("ConvInteger", "DynamicQuantizeLinear")  # dynamic INT8's own ops, named in the printed shares
 
 
 def get_args_parser(add_help=True):
@@ -37,17 +35,21 @@ def get_args_parser(add_help=True):
     parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS),
                         help="runtimes to measure (default: both; openvino is skipped when not installed). "
                              "PyTorch and onnxruntime always run: ORT FP32 is the accuracy reference")
-    return add_stage_args(parser, artifacts_help="where models and profiles go")
+    parser.add_argument("--transformer-control", action="store_true",
+                        help="also run the same export -> dynamic INT8 -> timing -> profile on a random-init ViT "
+                             "(ViT-Ti/16's shape; a 2-layer one with --quick), the control for the dynamic-INT8 "
+                             "finding (on in make bench)")
+    return cli.add_model_stage_args(parser, artifacts_help="where models and profiles go")
 
 
 def main(args):
-    run_stage(run, args, user_errors=(BadWeights, UnreadableLabels))
+    cli.fill_unset(args, batch_size=cli.defaults(args).batch_size)
+    cli.run_stage(run, args, user_errors=(BadWeights, UnreadableLabels))
 
 
 def run(args):
-    artifacts_dir, results_dir = Path(args.artifacts_dir), Path(args.results_dir)
-    timing, batch_size = measurement_settings(args)
-    pick = 1 if args.quick else 0
+    mode = cli.defaults(args)
+    artifacts_dir, results_dir = args.artifacts_dir, args.results_dir
     torch.set_num_threads(args.threads)  # the same intra-op count as every ORT session, so rows compare
 
     model, provenance = load_model(args.weights)
@@ -55,54 +57,48 @@ def run(args):
     bn_images = 0
     if provenance == "random-init":
         # Without real BN statistics a random init's logits collapse to ~0 and INT8 comparisons are noise.
-        bn_images = BN_RECALIBRATION_IMAGES[pick]
+        bn_images = mode.bn_recalibration_images
         recalibrate_batchnorm(model, augmented_views(CALIBRATION_SOURCES, bn_images, seed=0))
         print(f"weights: RANDOM INIT, BatchNorm statistics re-estimated on {bn_images} calibration-source photos")
     else:
         print(f"weights: {provenance}")
 
     fp32_path = export_onnx(model, artifacts_dir / FP32_ONNX, artifacts_dir / CLASS_NAMES_JSON)
-    held_out = held_out_batch(args.quick)
+    bench = Bench(args.threads, mode.timing, args.batch_size, held_out_batch(mode.held_out_images), labelled,
+                  provenance)
     fp32_run = ort_runner(make_session(fp32_path, args.threads))
-    export_diff = export_max_abs_diff(model, fp32_run, [held_out[:n] for n in EXPORT_CHECK_BATCHES])
-    if export_diff > EXPORT_TOLERANCE:
-        raise RuntimeError(f"ONNX export differs from PyTorch by {export_diff:.2e} > {EXPORT_TOLERANCE} "
-                           f"(max abs logit, batches {EXPORT_CHECK_BATCHES}): the export is wrong, not shipping it")
+    export_diff = check_export(model, fp32_run, bench.held_out)
     print(f"export check: max |ONNX - PyTorch| logit = {export_diff:.2e} at batch sizes {EXPORT_CHECK_BATCHES}")
     dynamic_path = quantize_dynamic_int8(fp32_path, artifacts_dir / DYNAMIC_INT8_ONNX)
 
-    reference = predict(fp32_run, array_batches(held_out, batch_size))
+    reference = predict(fp32_run, array_batches(bench.held_out, bench.batch_size))
     variants = [
-        ("pytorch_fp32", torch_runner(model), state_dict_size_mb(model)),
-        ("onnx_fp32", fp32_run, size_mb(fp32_path)),
-        ("onnx_dynamic_int8", ort_runner(make_session(dynamic_path, args.threads)), size_mb(dynamic_path)),
+        Variant("pytorch_fp32", torch_runner(model), state_dict_size_mb(model)),
+        Variant("onnx_fp32", fp32_run, size_mb(fp32_path)),
+        Variant("onnx_dynamic_int8", ort_runner(make_session(dynamic_path, args.threads)), size_mb(dynamic_path)),
     ]
     if "openvino" in args.backends:
         variants += openvino_variants(fp32_path, args.threads)
-    # In turns, so a noisy neighbour slows every variant alike and the ratios between them hold.
-    latency = interleaved_benchmark({variant: run for variant, run, _ in variants}, held_out, batch_size, timing)
-    rows = []
-    for variant, run_variant, size in variants:
-        rows.append({
-            "variant": variant, **latency[variant],
-            "size_mb": size, "threads": args.threads, "weights": provenance,
-            "bn_recalibration_images": bn_images,
-            "export_max_abs_diff": f"{export_diff:.2e}" if variant == "onnx_fp32" else "",
-            # ONNX FP32 is the reference (it equals PyTorch to EXPORT_TOLERANCE), so it has no agreement.
-            **evaluate(run_variant, held_out, None if variant == "onnx_fp32" else reference, labelled, batch_size),
-        })
-    write_csv(results_dir / "01_baseline.csv", rows)
+    rows = baseline_rows(variants, bench, reference, bn_images, export_diff)
+    write_csv(results_dir / BASELINE_CSV, rows)
     print(markdown_table(rows))
     print(fastest(rows))
 
-    runs = PROFILE_RUNS[pick]
-    trace = profile_model(dynamic_path, held_out[:1], runs, args.threads, artifacts_dir / "dynamic_int8_profile.json")
-    profile = op_type_summary(trace, runs)
-    write_csv(results_dir / "01_dynamic_int8_profile.csv", profile)
-    shares = {row["op_type"]: row["share_pct"] for row in profile}
-    named = ("ConvInteger", "DynamicQuantizeLinear")
-    print("dynamic INT8 kernel time at batch 1: " + ", ".join(f"{op} {shares.get(op, 0)}%" for op in named)
-          + f", other op types {round(100 - sum(shares.get(op, 0) for op in named), 2)}%")
+    trace = profile_model(dynamic_path, bench.held_out[:1], mode.profile_runs, args.threads,
+                          artifacts_dir / "dynamic_int8_profile.json")
+    profile = op_type_summary(trace, mode.profile_runs)
+    write_csv(results_dir / DYNAMIC_INT8_PROFILE_CSV, profile)
+    print("dynamic INT8 kernel time at batch 1: " + op_shares(profile, PROFILED_OPS))
+    print(f"MobileNetV3 {int8_vs_fp32(rows)}")
+    if args.transformer_control:
+        shape = control_vit(args.quick)
+        control = transformer_control(shape, bench.held_out, mode.timing, args.batch_size, args.threads,
+                                      mode.profile_runs, artifacts_dir)
+        write_csv(results_dir / TRANSFORMER_CONTROL_CSV, control.rows)
+        write_csv(results_dir / TRANSFORMER_CONTROL_PROFILE_CSV, control.profile)
+        print(f"control, {shape.name} (random-init) {int8_vs_fp32(control.rows)}")
+        print("its dynamic INT8 kernel time at batch 1: "
+              + op_shares(control.profile, INTEGER_MATMUL_OPS + ("ConvInteger",)))
 
     update_manifest(
         artifacts_dir, weights=provenance, weights_bn_recalibration_images=bn_images,
@@ -110,39 +106,6 @@ def run(args):
         dynamic_int8={"path": DYNAMIC_INT8_ONNX, "profile": trace.name, "threads": args.threads},
     )
     print(f"wrote {write_summary(results_dir)}")
-
-
-def openvino_variants(fp32_path, threads: int) -> list[tuple]:
-    """(variant, run, size) for OpenVINO on the FP32 file: FP32, plus BF16 where the CPU computes it natively.
-
-    Runs through the session the server's `--backend openvino` uses: its static batch-1 model times batch 1,
-    its dynamic-batch model the batched run."""
-    try:
-        from mnv3.openvino_backend import OpenVINOSession, bf16_supported
-    except ModuleNotFoundError as exc:
-        if exc.name != "openvino":
-            raise
-        print("openvino: not installed, openvino rows SKIPPED (pip install -r requirements-openvino.txt to add them)")
-        return []
-
-    precisions = ["f32"]
-    if bf16_supported():
-        precisions.append("bf16")
-    else:
-        print("openvino: this CPU has no native BF16 (no AVX512_BF16/AMX), openvino_bf16 row skipped")
-    return [(f"openvino_{VARIANT_PRECISION[precision]}", ort_runner(OpenVINOSession(fp32_path, threads, precision)),
-             size_mb(fp32_path)) for precision in precisions]
-
-
-def fastest(rows: list[dict]) -> str:
-    """Which variant is fastest for one image at a time and which per image in a batch, and by how much."""
-    def verdict(column: str) -> str:
-        first, second = sorted(rows, key=lambda row: row[column])[:2]
-        return (f"{first['variant']} ({first[column]} ms; next {second['variant']} at "
-                f"{second[column] / first[column]:.2f}x)")
-
-    return (f"fastest at batch 1 (mean): {verdict('mean_ms')}\n"
-            f"fastest per image at batch {rows[0]['batch_size']}: {verdict('per_image_ms')}")
 
 
 if __name__ == "__main__":

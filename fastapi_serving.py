@@ -9,25 +9,28 @@ the batched one, in the same run, for the speed-up.
     python fastapi_serving.py --quick    # 8 concurrent, 32 requests
 """
 import argparse
-import sys
 
-from mnv3 import loadtest
+from mnv3 import cli, loadtest
+from mnv3.artifacts import SERVING_BASELINE_CSV
 from mnv3.photos import load_images
 
-CSV_NAME = "03_serving_baseline.csv"
 NO_CACHE_NO_BATCHING = {"cache_size": 0, "max_batch_size": 1}
 
 
 def get_args_parser():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    return loadtest.add_common_args(parser)
+    return cli.add_load_test_args(parser)
 
 
 def main(args):
-    loadtest.load_defaults(args)
-    model, provenance = loadtest.serving_model(args)
+    cli.fill_load_defaults(args)
+    cli.run_stage(run, args)
+
+
+def run(args):
+    model, provenance = cli.serving_model(args)
     bodies = load_images(args.requests)
-    options = loadtest.server_options(args, **NO_CACHE_NO_BATCHING)
+    options = cli.server_options(args, **NO_CACHE_NO_BATCHING)
     print(f"serving {model} with cache and batching off; {args.requests} requests at concurrency {args.concurrency}")
     with loadtest.ServerProcess(model, args.start_timeout, **options) as url:
         settings = loadtest.server_settings(url)
@@ -35,9 +38,9 @@ def main(args):
         result = loadtest.run_with_metrics(
             url, lambda send: loadtest.run_closed_loop(send, bodies, args.concurrency, desc="no batching"))
     print(f"baseline: {result.summary()}")
-    row = {"configuration": "no_batching"} | result.as_row() | settings | loadtest.environment_row(model, provenance)
-    loadtest.write_results(args.results_dir, CSV_NAME, [row])
+    row = {"configuration": "no_batching"} | result.as_row() | settings | cli.environment_row(model, provenance)
+    cli.write_results(args.results_dir, SERVING_BASELINE_CSV, [row])
 
 
 if __name__ == "__main__":
-    sys.exit(loadtest.run_stage(main, get_args_parser().parse_args()))
+    main(get_args_parser().parse_args())

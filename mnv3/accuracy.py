@@ -12,17 +12,14 @@ import numpy as np
 from mnv3.photos import IMAGE_SUFFIXES, held_out_images, list_images
 from mnv3.preprocess import InvalidImage, open_image, preprocess_batch
 
-HELD_OUT_IMAGES = 64
-QUICK_HELD_OUT_IMAGES = 16  # still >= 8, the largest export-check batch
-
 
 class UnreadableLabels(ValueError):
     """--labels is missing, empty, or names images/classes that cannot be used."""
 
 
-def held_out_batch(quick: bool) -> np.ndarray:
-    """The preprocessed held-out photos every stage compares variants on (never calibration photos)."""
-    return preprocess_batch(held_out_images(QUICK_HELD_OUT_IMAGES if quick else HELD_OUT_IMAGES))
+def held_out_batch(count: int) -> np.ndarray:
+    """`count` preprocessed held-out photos: what every stage compares variants on (never calibration photos)."""
+    return preprocess_batch(held_out_images(count))
 
 
 def predict(run, batches) -> np.ndarray:

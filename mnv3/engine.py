@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 
 from mnv3.artifacts import CLASS_NAMES_JSON
-from mnv3.latency import DEFAULT_INTER_OP_THREADS, DEFAULT_INTRA_OP_THREADS, make_session
 from mnv3.preprocess import CROP_SIZE
+from mnv3.runtime import DEFAULT_INTER_OP_THREADS, DEFAULT_INTRA_OP_THREADS, make_session
 
 BACKENDS = ("onnxruntime", "openvino")
 OPENVINO_MISSING = "backend openvino needs `pip install -r requirements-openvino.txt`"

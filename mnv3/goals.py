@@ -7,7 +7,8 @@ section of summary.md) and prints the table; a goal whose inputs are missing say
 import argparse
 from pathlib import Path
 
-from mnv3.artifacts import RESULTS_DIR, STAGE_SCRIPTS
+from mnv3.artifacts import (BASELINE_CSV, BATCHING_CSV, CACHING_CSV, GOALS_CSV, MODEL_VARIANTS_CSV, RECIPES_CSV,
+                            RESULTS_DIR, STAGE_SCRIPTS, STATIC_CSV)
 from mnv3.report import markdown_table, read_csv, write_csv, write_summary
 
 
@@ -33,26 +34,26 @@ def value(row, key):
 def _fastest(results_dir: Path, key: str) -> tuple[str, float | None]:
     """(variant, its `key` / ONNX FP32's), over every variant timed in the same run as ONNX FP32:
     stage 1's rows against stage 1's FP32, stage 2's recipes against the FP32 they took turns with."""
-    baseline = _rows(results_dir, "01_baseline.csv")
+    baseline = _rows(results_dir, BASELINE_CSV)
     fp32 = _find(baseline, variant="onnx_fp32")
     ratios = {row["variant"]: _ratio(row, fp32, key) for row in baseline
               if row.get("variant") not in ("pytorch_fp32", "onnx_fp32")}
     ratios |= {f"static INT8 {row['recipe']}": value(row, f"{key}_vs_onnx_fp32")
-               for row in _rows(results_dir, "02_recipes.csv")}
+               for row in _rows(results_dir, RECIPES_CSV)}
     ratios = {name: ratio for name, ratio in ratios.items() if ratio is not None}
     return min(ratios.items(), key=lambda item: item[1], default=("-", None))
 
 
 def measured_goals(results_dir=RESULTS_DIR) -> list[dict]:
     results_dir = Path(results_dir)
-    variants = _rows(results_dir, "model_variants.csv")
+    variants = _rows(results_dir, MODEL_VARIANTS_CSV)
     fp32, int8 = _find(variants, variant="ONNX FP32"), _find(variants, variant="ONNX Static INT8")
     # The latest stage 2 timed the shipped model in turns with FP32 (with --compare-recipes: its table's row).
-    shipped = _find(_rows(results_dir, "02_static.csv"), variant="onnx_static_int8")
+    shipped = _find(_rows(results_dir, STATIC_CSV), variant="onnx_static_int8")
     fastest_b1, fastest_batch = _fastest(results_dir, "mean_ms"), _fastest(results_dir, "per_image_ms")
-    serving = _rows(results_dir, "05_batching_loadtest.csv")
+    serving = _rows(results_dir, BATCHING_CSV)
     headline = next((row for row in serving if row.get("speedup_vs_no_batching")), None)
-    caching = _rows(results_dir, "04_caching.csv")
+    caching = _rows(results_dir, CACHING_CSV)
     hit = _find(caching, run="sequential", phase="hit")
 
     goals = [
@@ -90,7 +91,7 @@ def get_args_parser():
 
 def main(args):
     rows = measured_goals(args.results_dir)
-    write_csv(args.results_dir / "goals.csv", rows)
+    write_csv(args.results_dir / GOALS_CSV, rows)
     write_summary(args.results_dir)
     print(markdown_table(rows))
 

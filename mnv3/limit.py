@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from tqdm import tqdm
 
-from mnv3.latency import DEFAULT_INTER_OP_THREADS, make_session
+from mnv3.runtime import DEFAULT_INTER_OP_THREADS, make_session
 from mnv3.preprocess import decode_and_preprocess
 
 BATCH_SIZES = (1, 8, 16, 32, 64)

@@ -6,8 +6,6 @@ throughput at a fixed concurrency, but a slow server also slows the senders down
 reports is optimistic (coordinated omission). The open loop fixes every send time in advance (Poisson
 arrivals) and measures each latency from the request's scheduled send time, so a stalled server shows
 up as latency instead of as a politely reduced load.
-
-Also here: what the three serving stages (3-5) share, from their common flags to their error exit.
 """
 import os
 import signal
@@ -27,10 +25,7 @@ import urllib3
 from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
-from mnv3 import latency, report
-from mnv3.artifacts import ARTIFACTS_DIR, RESULTS_DIR, STATIC_INT8_ONNX, MissingArtifact, read_manifest, require
-from mnv3.latency import DEFAULT_INTER_OP_THREADS, DEFAULT_INTRA_OP_THREADS, LatencyStats, positive_int
-from mnv3.photos import LOAD_IMAGE_QUALITY, LOAD_IMAGE_SIZE
+from mnv3.latency import LatencyStats
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 120  # loading + warming an ORT session on a busy 2-core machine can take a while
@@ -150,9 +145,9 @@ class PredictClient:
     sending thread (the pool keeps up to MAX_CONNECTIONS). Use one client per run: closing it closes
     the connections that run opened.
 
-    urllib3 directly, not `requests` (which the seed used, and which sits on urllib3): on a cache hit,
-    requests' own layers took ~1 ms of a 1.7 ms round trip here, client time that the round trip and,
-    on the shared 2 cores, the server's throughput would otherwise be charged with.
+    urllib3 directly, not `requests` (which the seed used, and which sits on urllib3): requests' own
+    layers cost a large share of a cache hit's round trip, client time that the round trip and, on
+    cores shared with the server, the server's throughput would otherwise be charged with.
     """
 
     def __init__(self, base_url: str, timeout_s: float = REQUEST_TIMEOUT_S):
@@ -362,55 +357,6 @@ def run_with_metrics(base_url: str, run) -> LoadResult:
     return replace(result, metrics=metrics_delta(before, read_metrics(base_url)))
 
 
-# ---------------------------------------------------------------------------------------- stages 3-5
-
-def add_common_args(parser):
-    parser.add_argument("--artifacts-dir", type=Path, default=ARTIFACTS_DIR,
-                        help="where stages 1-2 wrote models (default %(default)s)")
-    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR,
-                        help="where CSVs and plots go (default %(default)s)")
-    parser.add_argument("--model", type=Path,
-                        help="ONNX model to serve (default: the static INT8 model stage 2 recorded)")
-    parser.add_argument("--quick", action="store_true", help="small counts: a smoke run in well under a minute")
-    parser.add_argument("--concurrency", type=positive_int, help="concurrent requests (default 250; --quick 8)")
-    parser.add_argument("--requests", type=positive_int, help="requests per closed-loop run (default 4x concurrency)")
-    parser.add_argument("--intra-op-threads", type=positive_int, default=DEFAULT_INTRA_OP_THREADS,
-                        help="server's ORT intra-op threads (default %(default)s)")
-    parser.add_argument("--inter-op-threads", type=positive_int, default=DEFAULT_INTER_OP_THREADS,
-                        help="server's ORT inter-op threads (default %(default)s)")
-    parser.add_argument("--preprocess-threads", type=positive_int,
-                        help="server's decode/preprocess threads (default: server's)")
-    parser.add_argument("--deadline-ms", type=float, default=1000 * REQUEST_TIMEOUT_S,
-                        help="server's per-request deadline; as long as the client waits, so a load test "
-                             "measures throughput, not load shedding (default %(default)s)")
-    parser.add_argument("--start-timeout", type=float, default=START_TIMEOUT_S,
-                        help="seconds to wait for /readyz (default %(default)s)")
-    return parser
-
-
-def apply_defaults(args, full: dict, quick: dict):
-    """Fill each option the user left unset from `quick` under --quick, else from `full`."""
-    for name, value in (quick if args.quick else full).items():
-        if getattr(args, name, None) is None:
-            setattr(args, name, value)
-    return args
-
-
-def load_defaults(args, full_concurrency: int = 250, quick_concurrency: int = 8):
-    """Concurrency 250 (the seed's) or 8 under --quick; 4 requests per concurrent sender, for stable numbers."""
-    if args.concurrency is None:
-        args.concurrency = quick_concurrency if args.quick else full_concurrency
-    if args.requests is None:
-        args.requests = 4 * args.concurrency
-    return args
-
-
-def server_options(args, **overrides) -> dict:
-    """Server flags from the common tuning flags, then a stage's own settings (cache, batching)."""
-    return {"intra_op_threads": args.intra_op_threads, "inter_op_threads": args.inter_op_threads,
-            "preprocess_threads": args.preprocess_threads, "deadline_ms": args.deadline_ms} | overrides
-
-
 def server_settings(base_url: str) -> dict:
     """What the server says it runs with (GET /model), as CSV columns: the record never guesses defaults."""
     response = requests.get(base_url + "/model", timeout=10)
@@ -419,37 +365,3 @@ def server_settings(base_url: str) -> dict:
     return ({"server_model": info["model"]} | {f"server_{name}_threads": n for name, n in info["threads"].items()}
             | {f"server_{name}": value for name, value in info["batching"].items()}
             | {"server_ort_spinning": info["ort_spinning"], "server_cache_size": info["cache"]["size"]})
-
-
-def serving_model(args) -> tuple[Path, str]:
-    """(model to serve, weights provenance): --model, else the static INT8 model stage 2 recorded."""
-    if args.model is not None:
-        if not args.model.exists():
-            raise MissingArtifact(f"--model {args.model} not found")
-        model = args.model
-    else:
-        recorded = read_manifest(args.artifacts_dir).get("static_int8", {})  # stage 2: {"path": file name, ...}
-        model = require(args.artifacts_dir / recorded.get("path", STATIC_INT8_ONNX), 2)
-    # Provenance only from the manifest beside the model: a model from elsewhere is "unknown", not mislabelled.
-    return model, str(read_manifest(model.parent).get("weights", "unknown"))
-
-
-def environment_row(model: Path, provenance: str) -> dict:
-    """What a reader needs to judge the numbers: which model, which images, which machine and libraries."""
-    width, height = LOAD_IMAGE_SIZE
-    return {"model": model.name, "weights": provenance, "load_image_size": f"{width}x{height}",
-            "load_image_quality": LOAD_IMAGE_QUALITY, **report.cpu_info(),
-            **{f"{name}_version": version for name, version in report.library_versions().items()}}
-
-
-def write_results(results_dir: Path, csv_name: str, rows: list[dict]) -> Path:
-    path = report.write_csv(Path(results_dir) / csv_name, rows)
-    print(f"wrote {path}")
-    print(f"wrote {report.write_summary(results_dir)}")
-    return path
-
-
-def run_stage(main, args) -> int:
-    """Run a serving stage's main; a missing input or a server that will not start is one line and exit 2."""
-    latency.run_stage(main, args, user_errors=(MissingArtifact, ServerStartError))
-    return 0

@@ -17,6 +17,7 @@ RANDOM_INIT_SEED = 0
 DOWNLOAD_TIMEOUT_S = 10  # offline machines must fall back in seconds, not hang
 OPSET = 17
 EXPORT_TOLERANCE = 1e-3  # max abs logit difference ONNX FP32 may have from PyTorch FP32
+EXPORT_CHECK_BATCHES = (1, 8)  # batch sizes the export is checked at: one image, and a batch
 
 
 class BadWeights(ValueError):
@@ -111,6 +112,16 @@ def export_max_abs_diff(model: torch.nn.Module, onnx_run, batches) -> float:
     """Largest |ONNX - PyTorch| logit over `batches` (the export check is run at several batch sizes)."""
     torch_run = torch_runner(model)
     return max(float(abs(onnx_run(batch) - torch_run(batch)).max()) for batch in batches)
+
+
+def check_export(model: torch.nn.Module, onnx_run, images) -> float:
+    """`export_max_abs_diff` at each EXPORT_CHECK_BATCHES size of `images`; over EXPORT_TOLERANCE it raises:
+    a wrong export is a bug, never shipped."""
+    diff = export_max_abs_diff(model, onnx_run, [images[:n] for n in EXPORT_CHECK_BATCHES])
+    if diff > EXPORT_TOLERANCE:
+        raise RuntimeError(f"ONNX export differs from PyTorch by {diff:.2e} > {EXPORT_TOLERANCE} "
+                           f"(max abs logit, batches {EXPORT_CHECK_BATCHES}): the export is wrong, not shipping it")
+    return diff
 
 
 def state_dict_size_mb(model: torch.nn.Module) -> float:

@@ -6,11 +6,10 @@ both runtimes. Only this module imports openvino, and only `Engine.load(..., bac
 stage 1 import this module: onnxruntime stays the one hard dependency.
 
 Batch sizes: a model with a dynamic batch axis is compiled twice, at load time: reshaped to a static batch
-of 1, and kept dynamic for every other size the batcher makes. Measured on the 2-core AMD EPYC (AVX2) box
-(median of 7 interleaved rounds): dynamic ran 1.13x the static model's time at batch 1, but only
-1.01-1.06x at batches 4-32, while each compiled model costs ~75 MiB RSS and ~0.15-0.2 s to compile. So
-one per batch size (up to 32: ~2.4 GB, and a compile stall on each new size) is not worth it; batch 1,
-which is what every request runs at under light load, is.
+of 1, and kept dynamic for every other size the batcher makes. The dynamic model is noticeably slower
+than a static one at batch 1, and barely at larger batches, while each compiled model costs memory and a
+compile stall. So one per batch size (up to `max_batch_size` of them) is not worth it; batch 1, which is
+what every request runs at under light load, is.
 """
 import threading
 from typing import NamedTuple

@@ -5,7 +5,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from mnv3.latency import make_session, ort_runner
+from mnv3.runtime import make_session, ort_runner
 
 
 def profile_model(model_path, batch, runs: int, threads: int, trace_path) -> Path:

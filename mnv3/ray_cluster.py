@@ -1,7 +1,9 @@
 """A Ray cluster of several nodes on one machine, started the way the README's cluster section says, and
-the benchmarks that need one (replica and node loss under load).
+the benchmarks that need one: replica and node loss under load, the cache across replicas, autoscaling.
 
-    python -m mnv3.ray_cluster --bench-loss [--quick]   -> results/07_ray_cluster_loss.csv
+    python -m mnv3.ray_cluster --bench-loss [--quick]       -> results/08_ray_cluster_loss.csv
+    python -m mnv3.ray_cluster --bench-cache [--quick]      -> results/09_ray_cluster_cache.csv
+    python -m mnv3.ray_cluster --bench-autoscale [--quick]  -> results/10_ray_cluster_autoscale.csv
 
 `LocalCluster` runs one `ray start --block` process per node (a real head and real worker raylets, each
 with its own temp dir, ports and `--num-cpus`), with token authentication on: every `ray`/`serve`
@@ -35,14 +37,25 @@ from pathlib import Path
 
 import numpy as np
 import requests
-import yaml
+import yaml  # type: ignore[import-untyped]  # no stubs installed
 from fastapi.testclient import TestClient
 
-from mnv3 import loadtest, server
-from mnv3.artifacts import ARTIFACTS_DIR, RESULTS_DIR, MissingArtifact
+from mnv3 import cli, loadtest
+from mnv3.artifacts import RAY_CLUSTER_AUTOSCALE_CSV, RAY_CLUSTER_CACHE_CSV, RAY_CLUSTER_LOSS_CSV
+from mnv3.config import ServerConfig
 from mnv3.loadtest import free_port
 from mnv3.photos import load_images
-from mnv3.ray_serve import APP_NAME, PROXY_CALLBACK, PROXY_CALLBACK_ENV, REPLICA_HEADER, REPO_ROOT, RETRIED_HEADER
+from mnv3.ray_serve import (
+    APP_NAME,
+    IMAGE_ROUTER,
+    LOAD_ROUTER,
+    PROXY_CALLBACK,
+    PROXY_CALLBACK_ENV,
+    REPLICA_HEADER,
+    REPO_ROOT,
+    RETRIED_HEADER,
+)
+from mnv3.server import create_app
 
 SERVE_CONFIG = REPO_ROOT / "serve_config.yaml"
 DEPLOYMENT_NAME = "MobileNetV3"
@@ -68,7 +81,10 @@ def node_environment(token: str) -> dict:
     python_path = os.pathsep.join(filter(None, (str(REPO_ROOT), os.environ.get("PYTHONPATH"))))
     return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, "PYTHONPATH": python_path,
             PROXY_CALLBACK_ENV: PROXY_CALLBACK, "RAY_USAGE_STATS_ENABLED": "0",
-            "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": str(DRAIN_TIMEOUT_S)}
+            "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": str(DRAIN_TIMEOUT_S),
+        # Several nodes: not Ray's loopback-only single-node mode, which mnv3.ray_serve's local cluster sets
+        # in its own process (a test run may have started one) and which refuses worker nodes.
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
 
 
 def write_serve_config(path: Path, model: Path, http_port: int, application_args: dict | None = None,
@@ -98,7 +114,7 @@ class LocalCluster:
         self.env = os.environ | node_environment(secrets.token_hex(32))
         self.gcs_port, self.dashboard_port = free_port(), free_port()
         self.dashboard_url = f"http://127.0.0.1:{self.dashboard_port}"
-        self.address = None  # HEAD_IP:PORT, as the head wrote it
+        self.address = ""  # HEAD_IP:PORT, as the head wrote it
         self.nodes: list[subprocess.Popen] = []  # one `ray start --block` per node, head first
         self.killed: list[subprocess.Popen] = []  # nodes lost on purpose (kill_node)
         self._node_count = nodes
@@ -229,7 +245,8 @@ class LocalCluster:
     def serve_shutdown(self) -> None:
         """Delete every Serve app and Serve itself (the next deploy starts it again): fresh replicas."""
         self.run("serve", "shutdown", "--yes", "--address", self.dashboard_url)
-        self._wait(lambda: not self.serve_details().get("applications"), NODE_START_TIMEOUT_S, "Serve did not shut down")
+        self._wait(lambda: not self.serve_details().get("applications"), NODE_START_TIMEOUT_S,
+                   "Serve did not shut down")
 
     def serve_details(self) -> dict:
         """Serve's REST API on the dashboard (what `serve status` reads), with the cluster's token."""
@@ -259,7 +276,6 @@ def ray_command(program: str) -> str:
 
 # ---------------------------------------------------------------------------------------- loss under load
 
-LOSS_CSV = "07_ray_cluster_loss.csv"
 RECOVERY_TIMEOUT_S = 180  # a loss run ends this long after the kill, recovered or not
 AFTER_RECOVERY_S = 5  # load kept on after the replicas are back, to see the rate come back too
 RECOVERED_FRACTION = 0.8  # throughput counts as back once a second answers this share of the steady rate
@@ -305,9 +321,9 @@ class RecordingClient(loadtest.PredictClient):
         return status, payload if status == "200" else None
 
 
-def plain_answers(config: server.ServerConfig, bodies: list[bytes]) -> dict[str, list[dict]]:
+def plain_answers(config: ServerConfig, bodies: list[bytes]) -> dict[str, list[dict]]:
     """{sha256 of body: predictions} from the plain app in this process: what each photo's answer must be."""
-    with TestClient(server.create_app(config)) as client:
+    with TestClient(create_app(config)) as client:
         return {hashlib.sha256(body).hexdigest():
                 client.post("/predict", files={"file": ("image.jpg", body, "image/jpeg")}).json()["predictions"]
                 for body in bodies}
@@ -354,7 +370,7 @@ def summarize_loss(scenario: str, samples: list[Sample], origin: float, event_s:
     """One CSV row: what the clients saw around the loss at `event_s`, and when replicas and rate came back."""
     statuses = Counter(sample.status for sample in samples)
     failures = [sample for sample in samples if sample.status != "200"]
-    wrong = sum(not is_right_answer(sample.payload["predictions"], expected[sample.digest])
+    wrong = sum(not (sample.payload and is_right_answer(sample.payload["predictions"], expected[sample.digest]))
                 for sample in samples if sample.status == "200")
     waits = [sample.end - sample.start for sample in samples]
     # Answers per second, by when they came back; the steady rate is the mean before the loss.
@@ -364,7 +380,8 @@ def summarize_loss(scenario: str, samples: list[Sample], origin: float, event_s:
     steady = per_second[1:int(event_s)].mean() if int(event_s) > 1 else float("nan")
     recovered = [t for t in seconds if t >= event_s and per_second[t] >= RECOVERED_FRACTION * steady
                  and t + 1 < len(per_second) and per_second[t + 1] >= RECOVERED_FRACTION * steady]
-    back = [t for t, running, ids in monitor_log if t >= event_s and running == target_replicas and lost_replica not in ids]
+    back = [t for t, running, ids in monitor_log
+            if t >= event_s and running == target_replicas and lost_replica not in ids]
     return {"scenario": scenario, "sent": len(samples), "answered": statuses["200"], "failed": len(failures),
             "retried_by_proxy": sum(sample.retried for sample in samples),
             "failed_by_status": ";".join(f"{s}:{n}" for s, n in sorted(statuses.items()) if s != "200"),
@@ -438,7 +455,7 @@ def run_loss(cluster: LocalCluster, url: str, scenario: str, bodies: list[bytes]
 
 def bench_loss(args) -> list[dict]:
     """Replica loss, then node loss, under a closed-loop load on a 2-node cluster with 2 replicas."""
-    config = server.ServerConfig(model=args.model, cache_size=0)  # every request runs the model
+    config = ServerConfig(model=args.model, cache_size=0)  # every request runs the model
     bodies = load_images(args.images)
     print("plain answers for each photo ...", flush=True)
     expected = plain_answers(config, bodies)
@@ -455,15 +472,13 @@ def bench_loss(args) -> list[dict]:
         for scenario in ("replica", "node"):
             rows.append(run_loss(cluster, url, scenario, bodies, expected, args.concurrency, args.seconds,
                                  args.loss_at, args.deadline_s, target_replicas=2))
-    environment = loadtest.environment_row(args.model, args.provenance)
-    loadtest.write_results(args.results_dir, LOSS_CSV, [row | environment for row in rows])
+    environment = cli.environment_row(args.model, args.provenance)
+    cli.write_results(args.results_dir, RAY_CLUSTER_LOSS_CSV, [row | environment for row in rows])
     return rows
 
 
 # ---------------------------------------------------------------------------------------- cache across replicas
 
-CACHE_CSV = "08_ray_cluster_cache.csv"
-IMAGE_ROUTER = "mnv3.ray_serve:ImageAffinityRouter"
 
 
 def bench_cache(args) -> list[dict]:
@@ -475,18 +490,18 @@ def bench_cache(args) -> list[dict]:
     best_hit_rate = 1 - len(distinct) / len(workload)  # every image's first request is a miss
     port, rows = free_port(), []
     with LocalCluster(nodes=2, cpus_per_node=1) as cluster:
-        for replicas, router in ((1, None), (2, None), (2, IMAGE_ROUTER)):
+        for replicas, router in ((1, LOAD_ROUTER), (2, LOAD_ROUTER), (2, IMAGE_ROUTER)):
             config = write_serve_config(
                 cluster.root / "serve_config.yaml", args.model, port, {"cache_size": 4 * len(distinct)},
                 {"num_replicas": replicas, "autoscaling_config": None,
-                 "request_router_config": router and {"request_router_class": router}})
+                 "request_router_config": {"request_router_class": router}})
             cluster.deploy(config)
             cluster.wait_for_replicas(replicas)
             with RecordingClient(f"http://127.0.0.1:{port}", args.deadline_s) as send:
                 loadtest.run_closed_loop(send, workload, args.concurrency)
             answered = [sample for sample in send.samples if sample.status == "200"]
             hits = sum(sample.payload["cache_hit"] for sample in answered)
-            row = {"replicas": replicas, "routing": "image hash" if router else "load (Ray's default)",
+            row = {"replicas": replicas, "routing": "image hash" if router == IMAGE_ROUTER else "load (Ray's default)",
                    "requests": len(workload), "distinct_images": len(distinct), "answered": len(answered),
                    "cache_hits": hits, "hit_rate": round(hits / len(workload), 4),
                    "best_possible_hit_rate": round(best_hit_rate, 4),
@@ -498,14 +513,13 @@ def bench_cache(args) -> list[dict]:
     single = rows[0]["hit_rate"]
     for row in rows:
         row["hit_rate_vs_1_replica"] = round(row["hit_rate"] / single, 3) if single else float("nan")
-    environment = loadtest.environment_row(args.model, args.provenance)
-    loadtest.write_results(args.results_dir, CACHE_CSV, [row | environment for row in rows])
+    environment = cli.environment_row(args.model, args.provenance)
+    cli.write_results(args.results_dir, RAY_CLUSTER_CACHE_CSV, [row | environment for row in rows])
     return rows
 
 
 # ---------------------------------------------------------------------------------------- autoscaling
 
-AUTOSCALE_CSV = "09_ray_cluster_autoscale.csv"
 # Ray's defaults wait 30 s to scale up and 600 s to scale down, over a 30 s window: shortened for the bench.
 BENCH_AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2,
                      "upscale_delay_s": 3, "downscale_delay_s": 10, "look_back_period_s": 5}
@@ -538,15 +552,15 @@ def bench_autoscale(args) -> list[dict]:
                     else:
                         wait_until(reached(target, start))
     rows = []
-    for i, (t, running, ids) in enumerate(monitor.log):
+    for i, (t, running, _) in enumerate(monitor.log):
         if i == 0 or running != monitor.log[i - 1][1]:
             phase, clients, _ = [p for p in phases if p[2] <= t][-1] if any(p[2] <= t for p in phases) else phases[0]
             rows.append({"seconds": round(t, 1), "time_utc": time.strftime("%H:%M:%S", time.gmtime(
                 time.time() - (time.monotonic() - origin - t))), "running_replicas": running, "phase": phase,
                 "clients": clients, **{f"autoscaling_{k}": v for k, v in BENCH_AUTOSCALING.items()}})
             print(f"{rows[-1]['time_utc']}  {t:6.1f} s  {running} replica(s) running  ({phase}, {clients} clients)")
-    environment = loadtest.environment_row(args.model, args.provenance)
-    loadtest.write_results(args.results_dir, AUTOSCALE_CSV, [row | environment for row in rows])
+    environment = cli.environment_row(args.model, args.provenance)
+    cli.write_results(args.results_dir, RAY_CLUSTER_AUTOSCALE_CSV, [row | environment for row in rows])
     counts = [row["running_replicas"] for row in rows]
     if not (1 in counts and 2 in counts and counts[-1] == 1 and counts.index(2) < len(counts) - 1):
         raise ClusterError(f"autoscaling did not go 1 -> 2 -> 1 replicas: {counts}")
@@ -564,49 +578,48 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m mnv3.ray_cluster", add_help=add_help,
         description="Benchmarks on a Ray cluster of 2 nodes on this machine (1 CPU each, token auth on).")
+    cli.add_common_args(parser, "where stages 1-2 wrote models")
+    parser.add_argument("--model", type=Path,
+                        help="ONNX model to serve (default: the static INT8 model stage 2 recorded)")
     parser.add_argument("--bench-loss", action="store_true",
-                        help="kill a replica, then a worker node, under load -> results/" + LOSS_CSV)
+                        help="kill a replica, then a worker node, under load -> results/" + RAY_CLUSTER_LOSS_CSV)
     parser.add_argument("--bench-cache", action="store_true",
-                        help="cache hit rate, 1 vs 2 replicas, routed by load vs by image -> results/" + CACHE_CSV)
+                        help="cache hit rate, 1 vs 2 replicas, routed by load vs by image -> results/"
+                             + RAY_CLUSTER_CACHE_CSV)
     parser.add_argument("--bench-autoscale", action="store_true",
-                        help="a load ramp: 1 -> 2 -> 1 replicas, timestamped -> results/" + AUTOSCALE_CSV)
-    parser.add_argument("--repeats", type=loadtest.positive_int,
-                        help="--bench-cache: requests per distinct photo (default 16; --quick 8)")
-    parser.add_argument("--model", type=Path, help="ONNX model (default: the static INT8 model stage 2 recorded)")
-    parser.add_argument("--artifacts-dir", type=Path, default=ARTIFACTS_DIR, help="where stages 1-2 wrote models")
-    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="where the CSV goes")
-    parser.add_argument("--quick", action="store_true", help="small counts: a smoke run")
-    parser.add_argument("--concurrency", type=loadtest.positive_int, help="closed-loop clients (default 16; --quick 8)")
-    parser.add_argument("--seconds", type=float, help="length of each load run (default 60; --quick 30)")
-    parser.add_argument("--loss-at", type=float, help="seconds into the run of the kill (default 15; --quick 10)")
+                        help="a load ramp: 1 -> 2 -> 1 replicas, timestamped -> results/" + RAY_CLUSTER_AUTOSCALE_CSV)
+    parser.add_argument("--concurrency", type=cli.positive_int,
+                        help=f"closed-loop clients ({cli.full_and_quick('cluster_concurrency')})")
+    parser.add_argument("--seconds", type=float,
+                        help=f"--bench-loss: seconds of load at least ({cli.full_and_quick('cluster_seconds')})")
+    parser.add_argument("--loss-at", type=float,
+                        help=f"--bench-loss: when the kill comes ({cli.full_and_quick('cluster_loss_at')})")
+    parser.add_argument("--images", type=cli.positive_int,
+                        help=f"distinct photos ({cli.full_and_quick('cluster_images')})")
+    parser.add_argument("--repeats", type=cli.positive_int,
+                        help=f"--bench-cache: requests per photo ({cli.full_and_quick('cluster_repeats')})")
     parser.add_argument("--deadline-s", type=float, default=30.0,
                         help="each request's deadline, the server's and the client's (default %(default)s)")
-    parser.add_argument("--images", type=loadtest.positive_int, help="distinct photos (default 64; --quick 16)")
     return parser
 
 
-def main(args) -> int:
-    try:
-        args.model, args.provenance = loadtest.serving_model(args)
-    except MissingArtifact as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    loadtest.apply_defaults(
-        args, full={"concurrency": 16, "seconds": 60.0, "loss_at": 15.0, "images": 64, "repeats": 16},
-        quick={"concurrency": 8, "seconds": 30.0, "loss_at": 10.0, "images": 16, "repeats": 8})
+def run_benchmarks(args) -> None:
     if not (args.bench_loss or args.bench_cache or args.bench_autoscale):
-        print("error: nothing to do: pass --bench-loss, --bench-cache and/or --bench-autoscale", file=sys.stderr)
-        return 2
-    try:
-        if args.bench_loss:
-            bench_loss(args)
-        if args.bench_cache:
-            bench_cache(args)
-        if args.bench_autoscale:
-            bench_autoscale(args)
-    except ClusterError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        raise cli.UsageError("nothing to do: pass --bench-loss, --bench-cache and/or --bench-autoscale")
+    args.model, args.provenance = cli.serving_model(args)
+    if args.bench_loss:
+        bench_loss(args)
+    if args.bench_cache:
+        bench_cache(args)
+    if args.bench_autoscale:
+        bench_autoscale(args)
+
+
+def main(args) -> int:
+    defaults = cli.defaults(args)
+    cli.fill_unset(args, concurrency=defaults.cluster_concurrency, seconds=defaults.cluster_seconds,
+                   loss_at=defaults.cluster_loss_at, images=defaults.cluster_images, repeats=defaults.cluster_repeats)
+    cli.run_stage(run_benchmarks, args, user_errors=(ClusterError,))
     return 0
 
 

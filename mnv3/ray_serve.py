@@ -24,11 +24,15 @@ from pathlib import Path
 
 import ray
 from ray import serve
+from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 from starlette.middleware import Middleware
 
-from mnv3 import loadtest, server
-from mnv3.artifacts import ARTIFACTS_DIR, RESULTS_DIR, MissingArtifact
+from mnv3 import cli, loadtest, server
+from mnv3.artifacts import RAY_SERVE_CSV
+from mnv3.config import ServerConfig
+from mnv3.config import parse_args as parse_server_args
+from mnv3.errors import RETRY_AFTER_S
 from mnv3.photos import load_images
 
 logger = logging.getLogger("ray.serve")  # in Ray's proxy: its log files
@@ -38,16 +42,18 @@ RETRIED_HEADER = "x-mnv3-retried"  # set on an answer that took a second try aft
 # Ray's proxy puts this header's value in each request's routing metadata (multiplexed_model_id): the one
 # per-request value a request router can read. The proxy middleware sets it to the image's hash.
 ROUTING_KEY_HEADER = "serve_multiplexed_model_id"
-RESULTS_CSV = "06_ray_serve.csv"
+BENCH_REQUESTS_PER_SENDER = 8
+IMAGE_ROUTER = "mnv3.ray_serve:ImageAffinityRouter"
+LOAD_ROUTER = RequestRouterConfig().request_router_class  # Ray's default: power of two choices by queue length
 # The proxy is a separate Ray process; Ray calls this (from its environment) for middleware to wrap it in.
 PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 PROXY_CALLBACK = "mnv3.ray_serve:proxy_middlewares"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # A batch fills only if a replica may hold that many requests at once: allow one batch running and one
 # filling. Autoscaling aims at one full batch in flight per replica.
-DEFAULT_MAX_ONGOING_REQUESTS = 2 * server.ServerConfig.max_batch_size
-DEFAULT_TARGET_ONGOING_REQUESTS = server.ServerConfig.max_batch_size
-DEFAULT_MAX_QUEUED_REQUESTS = server.ServerConfig.queue_limit  # Ray's proxy-side queue, beyond the replicas'
+DEFAULT_MAX_ONGOING_REQUESTS = 2 * ServerConfig.max_batch_size
+DEFAULT_TARGET_ONGOING_REQUESTS = ServerConfig.max_batch_size
+DEFAULT_MAX_QUEUED_REQUESTS = ServerConfig.queue_limit  # Ray's proxy-side queue, beyond the replicas'
 
 
 class ImageAffinityRouter(RequestRouter):
@@ -75,13 +81,13 @@ class ImageAffinityRouter(RequestRouter):
     max_ongoing_requests=DEFAULT_MAX_ONGOING_REQUESTS,
     max_queued_requests=DEFAULT_MAX_QUEUED_REQUESTS,
     # Ray's own rejection gets the plain server's status and Retry-After; proxy_middlewares gives it its body.
-    backpressure_config={"status_code": 503, "retry_after_s": server.RETRY_AFTER_S},
+    backpressure_config={"status_code": 503, "retry_after_s": RETRY_AFTER_S},
     # Repeats of an image reach the replica whose cache has it (the key comes from proxy_middlewares).
-    request_router_config={"request_router_class": "mnv3.ray_serve:ImageAffinityRouter"},
+    request_router_config={"request_router_class": IMAGE_ROUTER},
 )
 @serve.ingress()  # no app here: each replica builds its own in __serve_build_asgi_app__, with its own threads
 class MobileNetV3:
-    def __init__(self, config: server.ServerConfig):
+    def __init__(self, config: ServerConfig):
         self.config = config
 
     def __serve_build_asgi_app__(self):
@@ -148,7 +154,7 @@ class JsonErrors:
         if not started:
             await send_json(send, 502, "the replica handling this request was lost before it answered "
                                        "(Ray restarts it); retry the request",
-                            [(b"retry-after", str(server.RETRY_AFTER_S).encode())])
+                            [(b"retry-after", str(RETRY_AFTER_S).encode())])
 
 
 async def send_json(send, status: int, detail: str, headers=()) -> None:
@@ -169,7 +175,7 @@ class RetryLostReplica:
     reads it (up to the app's upload limit) and, if no response started, replayed once to another replica.
     """
 
-    def __init__(self, app, max_body_bytes: int = server.ServerConfig.max_upload_bytes):
+    def __init__(self, app, max_body_bytes: int = ServerConfig.max_upload_bytes):
         self.app = app
         self.max_body_bytes = max_body_bytes
 
@@ -223,7 +229,7 @@ class ImageRoutingKey:
     cache's own key; a multipart body is hashed without its boundary, which changes from request to
     request, so the same file sent the same way gets the same key. Larger bodies pass through unkeyed."""
 
-    def __init__(self, app, max_body_bytes: int = server.ServerConfig.max_upload_bytes):
+    def __init__(self, app, max_body_bytes: int = ServerConfig.max_upload_bytes):
         self.app = app
         self.max_body_bytes = max_body_bytes
 
@@ -267,7 +273,7 @@ def proxy_middlewares() -> list:
     return [Middleware(RetryLostReplica), Middleware(ImageRoutingKey), Middleware(JsonErrors)]
 
 
-def build(config: server.ServerConfig, replicas: int = 1, num_cpus: float = 1, min_replicas: int | None = None,
+def build(config: ServerConfig, replicas: int = 1, num_cpus: float = 1, min_replicas: int | None = None,
           max_replicas: int | None = None, target_ongoing_requests: float = DEFAULT_TARGET_ONGOING_REQUESTS,
           max_ongoing_requests: int = DEFAULT_MAX_ONGOING_REQUESTS,
           max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS) -> serve.Application:
@@ -290,12 +296,12 @@ def build_app(args: dict) -> serve.Application:
     Replica count, autoscaling, CPUs and queue limits are Ray's own deployment options: set them in the
     config file's `deployments:` section, which Ray applies on top of the defaults here.
     """
-    types = {f.name: f.type for f in fields(server.ServerConfig)}
+    types = {f.name: f.type for f in fields(ServerConfig)}
     unknown = sorted(set(args) - set(types))
     if unknown:
         raise ValueError(f"unknown mnv3 server options {unknown}; known: {sorted(types)}")
     # Values from `serve run ... key=value` arrive as strings; the config file's are typed already.
-    return build(server.ServerConfig(**{name: types[name](value) for name, value in args.items()}))
+    return build(ServerConfig(**{name: types[name](value) for name, value in args.items()}))
 
 
 # ---------------------------------------------------------------------------------------- local cluster
@@ -337,8 +343,8 @@ def bench(model: Path, provenance: str, results_dir: Path, concurrency: int, cou
     """
     cores = os.cpu_count()
     bodies = load_images(count)
-    config = server.ServerConfig(model=model, cache_size=0)
-    environment = loadtest.environment_row(model, provenance)
+    config = ServerConfig(model=model, cache_size=0)
+    environment = cli.environment_row(model, provenance)
     rows = []
 
     def measure(url: str, setup: dict) -> None:
@@ -369,20 +375,21 @@ def bench(model: Path, provenance: str, results_dir: Path, concurrency: int, cou
     finally:
         stop_local_cluster()
     measure_plain("after")
-    loadtest.write_results(results_dir, RESULTS_CSV, rows)
+    cli.write_results(results_dir, RAY_SERVE_CSV, rows)
     return rows
 
 
 # ---------------------------------------------------------------------------------------- command line
 
-def parse_args(argv=None):
+def get_args_parser():
     parser = argparse.ArgumentParser(
         prog="python -m mnv3.ray_serve",
         description="Serve the mnv3 app with Ray Serve (a local cluster on 127.0.0.1, or --address), or --bench it.",
         epilog="Every `python -m mnv3.server` flag is accepted too (--cache-size, --max-batch-size, ...); "
                "--host/--port are where Ray's HTTP proxy listens. ORT and preprocess threads per replica = --num-cpus.")
-    parser.add_argument("--model", type=Path, help="ONNX model (default: the static INT8 model stage 2 recorded)")
-    parser.add_argument("--artifacts-dir", type=Path, default=ARTIFACTS_DIR, help="where stages 1-2 wrote models")
+    cli.add_common_args(parser, "where stages 1-2 wrote models")
+    cli.add_load_args(parser, concurrency_help=f"--bench: {cli.full_and_quick('ray_bench_concurrency')}",
+                      requests_help=f"--bench: default {BENCH_REQUESTS_PER_SENDER}x concurrency")
     parser.add_argument("--replicas", type=int, default=1, help="replicas (with --max-replicas: the initial and minimum)")
     parser.add_argument("--num-cpus", type=float, default=1, help="CPUs Ray reserves per replica")
     parser.add_argument("--min-replicas", type=int, help="autoscaling floor (default --replicas)")
@@ -394,28 +401,34 @@ def parse_args(argv=None):
     parser.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS,
                         help="requests Ray queues for busy replicas; beyond it: 503 + Retry-After")
     parser.add_argument("--address", help="an existing Ray cluster (e.g. auto); default: start a local one")
-    parser.add_argument("--bench", action="store_true", help="plain vs Ray Serve (1, 2 replicas) -> " + RESULTS_CSV)
-    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="--bench: where the CSV goes")
-    parser.add_argument("--quick", action="store_true", help="--bench: small counts, a smoke run")
-    parser.add_argument("--concurrency", type=int, help="--bench: concurrent requests (default 64; --quick 8)")
-    parser.add_argument("--requests", type=int, help="--bench: requests per run (default 8x concurrency)")
-    args, server_argv = parser.parse_known_args(argv)
-    try:
-        args.model, args.provenance = loadtest.serving_model(args)
-    except MissingArtifact as exc:
-        parser.error(str(exc))
-    args.config = server.parse_args(["--model", str(args.model), *server_argv])
-    if not (args.address or args.bench) and args.replicas * args.num_cpus > os.cpu_count():
-        # Ray would wait forever for CPUs this machine does not have.
-        parser.error(f"--replicas {args.replicas} x --num-cpus {args.num_cpus:g} is more than this machine's "
-                     f"{os.cpu_count()} CPUs; lower --num-cpus (fractions such as 0.5 work)")
-    args.concurrency = args.concurrency or (8 if args.quick else 64)
-    args.requests = args.requests or 8 * args.concurrency
+    parser.add_argument("--bench", action="store_true", help="plain vs Ray Serve (1, 2 replicas) -> " + RAY_SERVE_CSV)
+    return parser
+
+
+def parse_args(argv=None):
+    """This module's flags; every other flag is a `python -m mnv3.server` one, kept in `args.server_flags`."""
+    args, server_flags = get_args_parser().parse_known_args(argv)
+    args.server_flags = server_flags
     return args
 
 
-def serve_forever(args) -> None:
-    config = args.config
+def server_config(args) -> ServerConfig:
+    """The replicas' ServerConfig from --model (or stage 2's) and the server flags."""
+    model, _ = cli.serving_model(args)
+    config = parse_server_args(["--model", str(model), *args.server_flags])
+    if not (args.address or args.bench) and args.replicas * args.num_cpus > os.cpu_count():
+        # Ray would wait forever for CPUs this machine does not have.
+        raise cli.UsageError(f"--replicas {args.replicas} x --num-cpus {args.num_cpus:g} is more than this "
+                             f"machine's {os.cpu_count()} CPUs; lower --num-cpus (fractions such as 0.5 work)")
+    return config
+
+
+def run_bench(args) -> list[dict]:
+    model, provenance = cli.serving_model(args)
+    return bench(model, provenance, args.results_dir, args.concurrency, args.requests)
+
+
+def serve_forever(args, config: ServerConfig) -> None:
     if args.address:
         ray.init(address=args.address)
         serve.start(http_options={"host": config.host, "port": config.port})
@@ -437,17 +450,19 @@ def serve_forever(args) -> None:
             stop_local_cluster()
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(args) -> int:
+    config = cli.run_stage(server_config, args)
     if args.bench:
-        return loadtest.run_stage(lambda a: bench(a.model, a.provenance, a.results_dir, a.concurrency, a.requests),
-                                  args)
+        cli.fill_unset(args, concurrency=cli.defaults(args).ray_bench_concurrency)
+        cli.fill_unset(args, requests=BENCH_REQUESTS_PER_SENDER * args.concurrency)
+        cli.run_stage(run_bench, args)
+        return 0
     try:
-        serve_forever(args)
+        serve_forever(args, config)
     except KeyboardInterrupt:
         pass
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(parse_args()))

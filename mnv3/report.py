@@ -106,28 +106,3 @@ def _without_repeated_facts(rows: list[dict], facts: dict) -> list[dict]:
     same = {key for key, value in facts.items() if rows and all(row.get(key) == value for row in rows)}
     return [{key: value for key, value in row.items() if key not in same} for row in rows]
 
-
-def plot_variants(rows: list[dict], path) -> Path:
-    """Bar chart: mean and p95 latency (left) and file size (right) per variant."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on servers and CI
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    names = [row["variant"] for row in rows]
-    x = np.arange(len(rows))
-    fig, (latency_ax, size_ax) = plt.subplots(1, 2, figsize=(11, 4))
-    latency_ax.bar(x - 0.2, [float(row["mean_ms"]) for row in rows], 0.4, label="mean")
-    latency_ax.bar(x + 0.2, [float(row["p95_ms"]) for row in rows], 0.4, label="p95")
-    latency_ax.set(ylabel="ms per single-image call", title="Latency (batch 1)")
-    latency_ax.legend()
-    size_ax.bar(x, [float(row["size_mb"]) for row in rows], 0.5, color="tab:green")
-    size_ax.set(ylabel="MB", title="Model size")
-    for ax in (latency_ax, size_ax):
-        ax.set_xticks(x, names, rotation=15)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path

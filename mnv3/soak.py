@@ -16,16 +16,13 @@ from pathlib import Path
 
 import numpy as np
 
-from mnv3 import loadtest
-from mnv3.latency import positive_int
+from mnv3 import cli, loadtest
+from mnv3.artifacts import SOAK_CSV
 from mnv3.loadtest import PredictClient, ServerProcess, read_metrics, run_closed_loop
 from mnv3.photos import load_images
 
-CSV_NAME = "07_soak.csv"
 CHECKPOINTS = 10
 INTENDED_REJECTIONS = {"503"}
-FULL = {"requests": 20_000, "cache_size": 256, "distinct": 1024, "concurrency": 16}
-QUICK = {"requests": 400, "cache_size": 32, "distinct": 128, "concurrency": 4}
 
 
 def rss_mib(pid: int) -> float:
@@ -37,10 +34,10 @@ def rss_mib(pid: int) -> float:
 
 def soak(args) -> tuple[list[dict], bool]:
     """Rows for the CSV (one per checkpoint) and whether the soak passed."""
-    model, provenance = loadtest.serving_model(args)
+    model, provenance = cli.serving_model(args)
     bodies = load_images(args.distinct, seed=11)
     order = np.random.default_rng(0).integers(0, args.distinct, args.requests)
-    server = ServerProcess(model, args.start_timeout, **loadtest.server_options(args, cache_size=args.cache_size))
+    server = ServerProcess(model, args.start_timeout, **cli.server_options(args, cache_size=args.cache_size))
     with server as url:
         settings = loadtest.server_settings(url)
         with PredictClient(url) as send:  # fills the cache; meets the batch sizes this load makes
@@ -72,33 +69,36 @@ def soak(args) -> tuple[list[dict], bool]:
     growth = rows[-1]["rss_mib"] / start_rss - 1
     errors = sum(row["errors"] for row in rows)
     passed = growth < args.max_growth and errors == 0
-    environment = loadtest.environment_row(model, provenance) | settings | {"distinct_images": args.distinct}
+    environment = cli.environment_row(model, provenance) | settings | {"distinct_images": args.distinct}
     rows = [environment | row | {"passed": passed} for row in rows]
     print(f"RSS {start_rss:.1f} -> {rows[-1]['rss_mib']:.1f} MiB ({100 * growth:+.2f}%, limit "
           f"{100 * args.max_growth:.0f}%), {errors} errors: {'PASS' if passed else 'FAIL'}")
     return rows, passed
 
 
-def main(argv=None) -> int:
-    parser = loadtest.add_common_args(argparse.ArgumentParser(prog="python -m mnv3.soak", description=__doc__,
-                                                              formatter_class=argparse.RawDescriptionHelpFormatter))
-    parser.add_argument("--cache-size", type=positive_int,
-                        help=f"server cache entries (default {FULL['cache_size']}; --quick {QUICK['cache_size']})")
-    parser.add_argument("--distinct", type=positive_int,
-                        help=f"distinct images, more than the cache holds (default {FULL['distinct']}; "
-                             f"--quick {QUICK['distinct']})")
+def get_args_parser():
+    parser = argparse.ArgumentParser(prog="python -m mnv3.soak", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    cli.add_load_test_args(parser, concurrency_help=cli.full_and_quick("soak_concurrency"),
+                           requests_help=cli.full_and_quick("soak_requests"))
+    parser.add_argument("--cache-size", type=cli.positive_int,
+                        help=f"server cache entries ({cli.full_and_quick('soak_cache_size')})")
+    parser.add_argument("--distinct", type=cli.positive_int,
+                        help=f"distinct images, more than the cache holds ({cli.full_and_quick('soak_distinct')})")
     parser.add_argument("--max-growth", type=float, default=0.10,
                         help="largest RSS growth allowed, as a fraction of the warmed-up RSS (default %(default)s)")
-    args = loadtest.apply_defaults(parser.parse_args(argv), FULL, QUICK)
-    outcome = {}
+    return parser
 
-    def run(args):
-        rows, outcome["passed"] = soak(args)
-        loadtest.write_results(args.results_dir, CSV_NAME, rows)
 
-    loadtest.run_stage(run, args)
-    return 0 if outcome["passed"] else 1
+def main(args) -> int:
+    """0 if the soak passed, else 1; exits 2 with one line on an error the user can fix."""
+    mode = cli.defaults(args)
+    cli.fill_unset(args, requests=mode.soak_requests, cache_size=mode.soak_cache_size, distinct=mode.soak_distinct,
+                   concurrency=mode.soak_concurrency)
+    rows, passed = cli.run_stage(soak, args)
+    cli.write_results(args.results_dir, SOAK_CSV, rows)
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(get_args_parser().parse_args()))

@@ -8,10 +8,12 @@ import torch
 import torchvision.models._api
 from torchvision.models import mobilenet_v3_large
 
-from mnv3.latency import make_session, ort_runner
+from mnv3.runtime import make_session, ort_runner
 from mnv3.model import EXPORT_TOLERANCE, BadWeights, export_max_abs_diff, export_onnx, load_model, recalibrate_batchnorm
 from mnv3.photos import CALIBRATION_SOURCES, augmented_views, held_out_images
 from mnv3.preprocess import preprocess_batch
+
+pytestmark = pytest.mark.integration
 
 
 def test_offline_falls_back_to_labelled_random_init(monkeypatch):

@@ -2,11 +2,16 @@
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.integration
+
 SERVE_ONE_IMAGE = """
 import io, sys
 from fastapi.testclient import TestClient
 from PIL import Image
-from mnv3.server import ServerConfig, create_app
+from mnv3.config import ServerConfig
+from mnv3.server import create_app
 
 image = io.BytesIO()
 Image.new("RGB", (320, 240), "orange").save(image, format="JPEG")

@@ -8,13 +8,16 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
+from mnv3.config import ServerConfig
 from mnv3.engine import Engine, ModelLoadError
 from mnv3.photos import held_out_images, load_images
 from mnv3.preprocess import decode_image, preprocess, preprocess_batch
-from mnv3.server import ServerConfig, create_app
+from mnv3.server import create_app
 
-# Relative, as the random-init model's probabilities are all ~1e-3 and its top two often differ by only
-# 0.02-0.2%: the same FP32 network in two runtimes differs by float rounding (2.4e-7 relative seen);
+pytestmark = pytest.mark.e2e
+
+# Relative, as the random-init model's probabilities are all ~1e-3 and its top two often differ by a
+# fraction of a percent: the same FP32 network in two runtimes differs only by float rounding;
 # BF16 (only on CPUs with AVX512_BF16/AMX; not measured here, no such CPU) keeps ~3 significant digits.
 RELATIVE_TOLERANCE = {"f32": 1e-5, "bf16": 5e-2}
 
@@ -80,7 +83,7 @@ def test_server_serves_with_the_openvino_backend(fp32_model_path, engines):
     assert max(body["batch_size"] for body in bodies) > 1  # a dynamic batch went through OpenVINO
     reference = ort_engine.predict(np.stack([preprocess(decode_image(data)) for data in photos]))
     tolerance = RELATIVE_TOLERANCE[precision(ov_engine)]
-    for body, ref in zip(bodies, reference):
+    for body, ref in zip(bodies, reference, strict=True):
         assert body["model"] == ort_engine.model_id
         shown = [p["class_id"] for p in body["predictions"]]  # the top 5 only
         np.testing.assert_allclose([p["probability"] for p in body["predictions"]], ref[shown], rtol=tolerance)
@@ -94,7 +97,7 @@ def test_missing_openvino_is_a_clear_load_error(fp32_model_path, monkeypatch):
 
 
 def test_onnxruntime_serving_never_imports_openvino(fp32_model_path):
-    code = ("import sys; from mnv3.server import ServerConfig, load_engine; "
+    code = ("import sys; from mnv3.config import ServerConfig; from mnv3.server import load_engine; "
             "load_engine(ServerConfig(model=sys.argv[1])); print('openvino imported:', 'openvino' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code, str(fp32_model_path)], capture_output=True, text=True,
                             timeout=60)

@@ -12,7 +12,10 @@ http_util = pytest.importorskip("ray.serve._private.http_util",
 from starlette.middleware import Middleware  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402
 
-from mnv3 import ray_serve, server  # noqa: E402
+from mnv3 import ray_serve  # noqa: E402
+from mnv3.errors import RETRY_AFTER_S  # noqa: E402
+
+pytestmark = pytest.mark.unit
 
 
 class StandInProxy:
@@ -61,7 +64,7 @@ def test_a_second_loss_is_a_json_502_not_a_plain_text_500():
     assert response.status_code == 502
     assert response.headers["content-type"] == "application/json"
     assert "lost" in response.json()["detail"]
-    assert response.headers["retry-after"] == str(server.RETRY_AFTER_S)
+    assert response.headers["retry-after"] == str(RETRY_AFTER_S)
     assert len(proxy.bodies) == 2  # one retry, no more
 
 
@@ -77,7 +80,8 @@ def test_answered_requests_are_not_retried_and_rays_plain_text_errors_become_jso
 
 def test_a_body_over_the_upload_limit_is_not_kept_for_a_retry():
     proxy = StandInProxy("replica lost", ANSWER)
-    client = client_for(proxy, [Middleware(ray_serve.RetryLostReplica, max_body_bytes=4), Middleware(ray_serve.JsonErrors)])
+    client = client_for(proxy, [Middleware(ray_serve.RetryLostReplica, max_body_bytes=4),
+                                Middleware(ray_serve.JsonErrors)])
     response = client.post("/predict", content=b"more than four", headers={"content-type": "image/jpeg"})
     assert response.status_code == 502 and len(proxy.bodies) == 1
 

@@ -2,6 +2,7 @@
 
 One local Ray cluster (127.0.0.1 only, 2 CPUs) for the module; it is shut down at the end.
 """
+import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -18,8 +19,12 @@ from fastapi.testclient import TestClient  # noqa: E402
 from ray import serve  # noqa: E402
 
 from mnv3 import ray_serve, server  # noqa: E402
+from mnv3.config import ServerConfig  # noqa: E402
+from mnv3.errors import RETRY_AFTER_S  # noqa: E402
 from mnv3.loadtest import free_port  # noqa: E402
 from mnv3.photos import load_images  # noqa: E402
+
+pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parent.parent
 IMAGES = 16
@@ -31,7 +36,7 @@ RTOL = 1e-4
 @pytest.fixture(scope="module")
 def config(fp32_model_path):
     # Cache off: every request runs the model in whichever replica gets it.
-    return server.ServerConfig(model=fp32_model_path, max_batch_size=8, batch_window_ms=10, cache_size=0)
+    return ServerConfig(model=fp32_model_path, max_batch_size=8, batch_window_ms=10, cache_size=0)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +70,7 @@ def test_answers_match_plain_server_and_both_replicas_serve(ray_url, config, ima
     with TestClient(server.create_app(config)) as plain:
         expected = [plain.post("/predict", files={"file": ("image.jpg", body, "image/jpeg")}).json()
                     for body in images]
-    for response, want in zip(responses, expected):
+    for response, want in zip(responses, expected, strict=True):
         got = response.json()
         assert got["model"] == want["model"]
         # Batch composition and thread count differ between the two: equal up to float rounding.
@@ -98,7 +103,7 @@ def test_ray_backpressure_has_the_plain_servers_error_shape(ray_url, config, ima
     for refused in (r for r in responses if r.status_code == 503):
         assert refused.headers["content-type"] == "application/json"
         assert set(refused.json()) == {"detail"} and "backpressure" in refused.json()["detail"]
-        assert refused.headers["retry-after"] == str(server.RETRY_AFTER_S)
+        assert refused.headers["retry-after"] == str(RETRY_AFTER_S)
 
 
 def test_ray_stays_optional():
@@ -110,3 +115,14 @@ def test_ray_stays_optional():
         if path.resolve() not in allowed:
             lines = path.read_text().splitlines()
             assert not [line for line in lines if line.lstrip().startswith(("import ray", "from ray"))], path
+
+
+def test_more_cpus_than_the_machine_has_is_one_line_and_exit_2(fp32_model_path, capsys):
+    args = ray_serve.parse_args(["--model", str(fp32_model_path), "--replicas", str(os.cpu_count() + 1),
+                                 "--num-cpus", "1", "--cache-size", "3"])
+    assert args.server_flags == ["--cache-size", "3"]
+    with pytest.raises(SystemExit) as exit_info:
+        ray_serve.main(args)  # before any Ray process starts
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: --replicas") and "lower --num-cpus" in error and error.count("\n") == 1

@@ -1,0 +1,398 @@
+"""Access control: API keys with scopes, per-key rate limits, decided before a request's body is read.
+
+`load_key_file(path)` reads a key file (grammar below) into `Keys`; `ApiKeyAuth(app, keys=...)` is a pure
+ASGI middleware that lets a request through only with a key of the scope its path needs:
+
+- open (no key needed): the probes `/healthz`, `/readyz`, `/v2/health/live`, `/v2/health/ready`; the
+  page's shell `/` and its assets under `/static/`, so a browser can load the page and then ask for a key;
+  and the API description `/docs`, `/redoc`, `/openapi.json` with their assets. The API description
+  holds no data (no model, no predictions, no counts), only what the open-source code already says.
+- `infer`: `POST /predict`, `POST /v2/models/{m}[/versions/{v}]/infer`, and the page's calls
+  `GET /stats` and `GET /models`.
+- `admin` (includes `infer`): everything else: `/metrics`, `/model`, `GET /v2`, model metadata, `ready`
+  and `config`, and any path nobody listed (default-deny: a new route needs admin until it is listed here).
+
+Guarantees:
+- Refusals never call `receive`: the body of a refused upload is not read, and the response asks for the
+  connection to be closed, so the unread rest is not taken as the next request (uvicorn then stops reading
+  the socket rather than buffering it).
+- A key may arrive as `Authorization: Bearer KEY` or `X-API-Key: KEY`, never in the query string: such a
+  request is refused (URLs end up in access logs and browser history) and the value is blanked in the
+  request's scope, so the server's own access log does not print it.
+- Keys are kept only as sha256 digests (keys are random tokens, not passwords, so a plain hash is the
+  right tool: nothing to slow down against a dictionary). A presented key is hashed and compared with
+  `hmac.compare_digest` against every stored digest, with no early exit.
+- No key, digest or fragment of either is ever put in a response, a log record or a metric; a key is
+  named by its `name=` option or its line number.
+- Rate limits are token buckets per key and per process (each worker or replica has its own buckets).
+  Past a limit: 429 with Retry-After, before the body is read. The event loop runs one check at a time;
+  the lock makes a bucket safe to share between threads as well.
+
+Key file: one key a line, `KEY SCOPE [rate=N/s|N/min] [burst=N] [name=LABEL]`; blank lines and lines
+starting with `#` are ignored. KEY is 16 to 512 visible ASCII characters, or `sha256:` and the 64 hex
+digits of its digest (`printf %s KEY | sha256sum`), so the file need not hold the key itself.
+"""
+import argparse
+import dataclasses
+import enum
+import hashlib
+import hmac
+import ipaddress
+import json
+import logging
+import math
+import re
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from urllib.parse import parse_qsl, urlencode
+
+log = logging.getLogger(__name__)
+
+DIGEST_PREFIX = "sha256:"
+MIN_KEY_CHARS = 16  # secrets.token_urlsafe(32) gives 43; anything this short is guessable, not a key
+MAX_KEY_CHARS = 512
+KEY_HEADER = b"x-api-key"
+# Query parameters that clients and other servers use for keys: a request carrying one is refused.
+QUERY_KEY_NAMES = frozenset({"api_key", "apikey", "api-key", "key", "token", "access_token", "x-api-key"})
+RATE_UNITS_S = {"s": 1.0, "min": 60.0}
+PLAIN_KEY = re.compile(r"[\x21-\x7e]+")  # what an HTTP header value can carry without quoting or spaces
+HEX_DIGEST = re.compile(r"[0-9a-fA-F]{64}")
+RATE = re.compile(r"(\d+(?:\.\d+)?)/(s|min)")
+NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+GRAMMAR = "KEY SCOPE [rate=N/s|N/min] [burst=N] [name=LABEL]"
+
+
+class Scope(enum.IntEnum):
+    """What a path needs; a key of a higher scope may do everything a lower one may."""
+    OPEN = 0
+    INFER = 1
+    ADMIN = 2
+
+
+KEY_SCOPES = {"infer": Scope.INFER, "admin": Scope.ADMIN}
+
+
+class KeyFileError(ValueError):
+    """A key file that cannot be used; the message is one line naming the file, the line and the fix."""
+
+
+# ------------------------------------------------------------------------------------------- the rules
+
+GET = frozenset({"GET", "HEAD"})
+# (methods or None for any, path pattern, scope), first match wins; no match means admin.
+RULES = [
+    (GET, re.compile(r"/(healthz|readyz)"), Scope.OPEN),
+    (GET, re.compile(r"/v2/health/(live|ready)"), Scope.OPEN),
+    (GET, re.compile(r"/|/static/.+"), Scope.OPEN),
+    (GET, re.compile(r"/(docs|redoc)(/.+)?|/openapi\.json"), Scope.OPEN),
+    (frozenset({"POST"}), re.compile(r"/predict"), Scope.INFER),
+    (frozenset({"POST"}), re.compile(r"/v2/models/[^/]+(/versions/[^/]+)?/infer"), Scope.INFER),
+    (GET, re.compile(r"/(stats|models)"), Scope.INFER),
+]
+
+
+def required_scope(method: str, path: str) -> Scope:
+    """The scope a request needs. A path with `.`, `..` or empty segments needs admin whatever it looks
+    like, so no spelling of a protected path can pass for an open one."""
+    if any(segment in ("", ".", "..") for segment in path.split("/")[1:-1]) or path.endswith(("/.", "/..")):
+        return Scope.ADMIN
+    for methods, pattern, scope in RULES:
+        if (methods is None or method in methods) and pattern.fullmatch(path):
+            return scope
+    return Scope.ADMIN
+
+
+# ----------------------------------------------------------------------------------------- rate limits
+
+class TokenBucket:
+    """`burst` tokens, refilled at `rate_per_s`; one request takes one token."""
+
+    def __init__(self, rate_per_s: float, burst: int, clock: Callable[[], float]):
+        self.rate_per_s, self.burst, self.clock = rate_per_s, burst, clock
+        self.tokens, self.updated = float(burst), clock()
+        self.lock = threading.Lock()
+
+    def take(self) -> float:
+        """0 if a token was taken, else the seconds until one will be there (nothing is taken)."""
+        with self.lock:
+            now = self.clock()
+            self.tokens = min(self.burst, self.tokens + (now - self.updated) * self.rate_per_s)
+            self.updated = now
+            if self.tokens >= 1:
+                self.tokens -= 1
+                return 0.0
+            return (1 - self.tokens) / self.rate_per_s
+
+
+@dataclasses.dataclass(frozen=True)
+class RateLimit:
+    rate_per_s: float
+    burst: int
+
+    def __str__(self):
+        return f"{self.rate_per_s:g}/s, burst {self.burst}"
+
+
+# ------------------------------------------------------------------------------------------------ keys
+
+@dataclasses.dataclass(frozen=True)
+class ApiKey:
+    """One line of the key file. `digest` is sha256 of the key; `name` is what logs may call it."""
+    digest: bytes = dataclasses.field(repr=False)
+    scope: Scope
+    name: str
+    limit: RateLimit | None = None
+
+
+class Keys:
+    """The keys a server accepts, and each key's rate-limit bucket (per process)."""
+
+    def __init__(self, keys: list[ApiKey], clock: Callable[[], float] = time.monotonic):
+        self.keys = keys
+        self.buckets = {key.digest: TokenBucket(key.limit.rate_per_s, key.limit.burst, clock)
+                        for key in keys if key.limit}
+
+    def __repr__(self):
+        return f"Keys({len(self.keys)} keys)"
+
+    def match(self, presented: str) -> ApiKey | None:
+        digest = hashlib.sha256(presented.encode()).digest()
+        found = None
+        for key in self.keys:  # every digest is compared, match or not: no early exit to time
+            if hmac.compare_digest(digest, key.digest):
+                found = key
+        return found
+
+    def wait_s(self, key: ApiKey) -> float:
+        """0 if `key` may make a request now (and it is counted), else the seconds until it may."""
+        bucket = self.buckets.get(key.digest)
+        return bucket.take() if bucket else 0.0
+
+
+def parse_keys(text: str, source: str = "key file", clock: Callable[[], float] = time.monotonic) -> Keys:
+    """Keys from the text of a key file; anything wrong is a KeyFileError naming `source`, the line and the fix."""
+    keys, lines_of = [], {}
+    for number, line in enumerate(text.splitlines(), 1):
+        words = line.split()
+        if not words or words[0].startswith("#"):
+            continue
+        error = partial(_line_error, source, number)
+        if len(words) < 2:
+            raise error(f"a key needs a scope: write {GRAMMAR}, SCOPE one of {', '.join(KEY_SCOPES)}")
+        written, scope_word, options = words[0], words[1], words[2:]
+        digest = _digest(written, error)
+        if scope_word not in KEY_SCOPES:
+            raise error(f"unknown scope {scope_word!r}: use one of {', '.join(KEY_SCOPES)} (admin includes infer)")
+        if digest in lines_of:
+            raise error(f"the same key as line {lines_of[digest]}: give each key one line")
+        lines_of[digest] = number
+        name, limit = _options(options, error)
+        keys.append(ApiKey(digest, KEY_SCOPES[scope_word], name or f"line {number}", limit))
+    if not keys:
+        raise KeyFileError(f"{source}: no keys: add a line {GRAMMAR}; python -m mnv3.auth makes a key and its line")
+    return Keys(keys, clock)
+
+
+def load_key_file(path: str | Path, clock: Callable[[], float] = time.monotonic) -> Keys:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise KeyFileError(f"cannot read key file {path}: {getattr(exc, 'strerror', None) or exc}; "
+                           f"--api-keys takes a UTF-8 text file, one {GRAMMAR} a line") from None
+    return parse_keys(text, str(path), clock)
+
+
+def _line_error(source: str, number: int, problem: str) -> KeyFileError:
+    return KeyFileError(f"{source}:{number}: {problem}")
+
+
+def _digest(written: str, error) -> bytes:
+    if written.startswith(DIGEST_PREFIX):
+        hex_digest = written[len(DIGEST_PREFIX):]
+        if not HEX_DIGEST.fullmatch(hex_digest):
+            raise error(f"{DIGEST_PREFIX} must be followed by the 64 hex digits of the key's sha256 "
+                        f"(got {len(hex_digest)} characters or a non-hex one): printf %s KEY | sha256sum")
+        return bytes.fromhex(hex_digest)
+    # The messages below say what is wrong with the key, never any of its characters.
+    if not PLAIN_KEY.fullmatch(written):
+        raise error("a key may hold only visible ASCII characters (it travels in an HTTP header)")
+    if not MIN_KEY_CHARS <= len(written) <= MAX_KEY_CHARS:
+        raise error(f"a key must have {MIN_KEY_CHARS} to {MAX_KEY_CHARS} characters, this one has {len(written)}: "
+                    "make one with python -m mnv3.auth")
+    return hashlib.sha256(written.encode()).digest()
+
+
+def _options(options: list[str], error) -> tuple[str | None, RateLimit | None]:
+    given = {}
+    for option in options:
+        option_name, sep, value = option.partition("=")
+        if not sep or option_name not in ("rate", "burst", "name"):
+            raise error(f"unknown option {option!r}: options are rate=N/s or N/min, burst=N, name=LABEL")
+        if option_name in given:
+            raise error(f"{option_name}= given twice: give it once")
+        given[option_name] = value
+    rate, burst = None, None
+    if "rate" in given:
+        match = RATE.fullmatch(given["rate"])
+        if not match or float(match[1]) <= 0:
+            raise error(f"rate={given['rate']} is not a rate: write rate=N/s or rate=N/min with N > 0, e.g. rate=50/s")
+        rate = float(match[1]) / RATE_UNITS_S[match[2]]
+    if "burst" in given:
+        if not given["burst"].isdigit() or int(given["burst"]) < 1:
+            raise error(f"burst={given['burst']} is not a whole number of requests of at least 1, e.g. burst=100")
+        if rate is None:
+            raise error("burst= without rate=: add rate=N/s (the burst is how far above the rate a key may go)")
+        burst = int(given["burst"])
+    if "name" in given and not NAME.fullmatch(given["name"]):
+        raise error("name= takes 1 to 64 letters, digits, '.', '_' or '-', e.g. name=ci-bot")
+    # Without burst=, a key may spend one second's worth of its rate at once (at least one request).
+    limit = RateLimit(rate, burst or max(1, math.ceil(rate))) if rate else None
+    return given.get("name"), limit
+
+
+# ---------------------------------------------------------------------------------------------- middleware
+
+class ApiKeyAuth:
+    """ASGI middleware: a request reaches `app` only with a key of the scope its path needs (see the module)."""
+
+    def __init__(self, app, keys: Keys):
+        self.app, self.keys = app, keys
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "lifespan":
+            return await self.app(scope, receive, send)
+        if scope["type"] != "http":  # the server has no websocket routes: nothing else is let in
+            return await send({"type": "websocket.close", "code": 1008})
+        refusal = self.refusal(scope)
+        if refusal is None:
+            return await self.app(scope, receive, send)
+        status, reason, headers = refusal
+        path = _route_path(scope)
+        body = json.dumps({"error" if path == "/v2" or path.startswith("/v2/") else "detail": reason}).encode()
+        await send({"type": "http.response.start", "status": status, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"), *headers]})
+        await send({"type": "http.response.body", "body": body})
+
+    def refusal(self, scope) -> tuple[int, str, list] | None:
+        """None to let the request in, else (status, reason, extra headers). Reads only the request line
+        and headers."""
+        if _blank_query_keys(scope):
+            return 400, ("an API key in the URL is not accepted (URLs are written to logs): send it as the header "
+                         "Authorization: Bearer KEY or X-API-Key: KEY (and if that was a real key, replace it: "
+                         "it has been exposed)"), []
+        needed = required_scope(scope["method"], _route_path(scope))
+        if needed is Scope.OPEN:
+            return None
+        presented, problem = _presented_key(scope["headers"])
+        if presented is None:
+            return 401, problem, [(b"www-authenticate", b'Bearer realm="mnv3"')]
+        key = self.keys.match(presented)
+        if key is None:
+            return 401, "the API key is not valid", [(b"www-authenticate",
+                                                      b'Bearer realm="mnv3", error="invalid_token"')]
+        if key.scope < needed:
+            scope_name = needed.name.lower()
+            log.info("refused %s %s to key %s: it needs scope %s", scope["method"], scope["path"], key.name, scope_name)
+            challenge = f'Bearer realm="mnv3", error="insufficient_scope", scope="{scope_name}"'
+            return 403, f"this API key's scope does not include this path: it needs a key of scope {scope_name}", \
+                [(b"www-authenticate", challenge.encode())]
+        wait_s = self.keys.wait_s(key)
+        if wait_s:
+            retry_after = max(1, math.ceil(wait_s))
+            log.info("rate-limited key %s (%s)", key.name, key.limit)
+            return 429, f"this API key is over its rate limit of {key.limit}: retry in {retry_after} s", \
+                [(b"retry-after", str(retry_after).encode())]
+        return None
+
+
+def _route_path(scope) -> str:
+    """The path the app routes on: without the root_path a proxy mounted the app under (as Starlette does)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and (path == root or path.startswith(root + "/")):
+        return path[len(root):] or "/"
+    return path
+
+
+def _presented_key(headers) -> tuple[str | None, str]:
+    """The key a request carries, or None and why not."""
+    bearer = other = None
+    for name, value in headers:
+        if name == b"authorization":
+            scheme, _, token = value.decode("latin-1").strip().partition(" ")
+            if scheme.lower() != "bearer" or not token.strip():
+                return None, "the Authorization header must be 'Bearer KEY'"
+            bearer = token.strip()
+        elif name == KEY_HEADER:
+            other = value.decode("latin-1").strip()
+    if bearer and other and bearer != other:
+        return None, "two different keys (Authorization and X-API-Key): send one"
+    if not (bearer or other):
+        return None, "this server needs an API key: send it as the header Authorization: Bearer KEY or X-API-Key: KEY"
+    return bearer or other, ""
+
+
+def _blank_query_keys(scope) -> bool:
+    """Whether the query string carries a key; if so its value is blanked in `scope` (the access log reads it)."""
+    query = scope.get("query_string", b"")
+    if not query:
+        return False
+    pairs = parse_qsl(query.decode("latin-1"), keep_blank_values=True)
+    if not any(name.lower() in QUERY_KEY_NAMES for name, _ in pairs):
+        return False
+    scope["query_string"] = urlencode([(name, "REDACTED" if name.lower() in QUERY_KEY_NAMES else value)
+                                       for name, value in pairs]).encode("latin-1")
+    return True
+
+
+# ---------------------------------------------------------------------------------------------- start-up
+
+def is_loopback(host: str) -> bool:
+    """Whether binding to `host` keeps the server reachable from this machine only. Host names other than
+    localhost count as reachable from outside: what they resolve to is not ours to know."""
+    host = host.strip().strip("[]")
+    if host.lower() == "localhost" or host.lower().endswith(".localhost"):
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return (mapped or address).is_loopback
+
+
+def exposure_warning(host: str, flag: str = "--api-keys") -> str | None:
+    """The start-up warning for serving on `host` without keys, or None on a loopback address."""
+    if is_loopback(host):
+        return None
+    return (f"binding to {host} without {flag}: anyone who can reach this port can run inference, read /metrics "
+            f"and /model and reach every model. Pass {flag} FILE (one '{GRAMMAR}' a line), or bind to 127.0.0.1 "
+            "behind a proxy that authenticates; ignore this only on a network you trust.")
+
+
+def new_key_line(scope: str = "infer") -> tuple[str, str]:
+    """A fresh random key and the key-file line that accepts it without holding it (its sha256)."""
+    key = secrets.token_urlsafe(32)
+    return key, f"{DIGEST_PREFIX}{hashlib.sha256(key.encode()).hexdigest()} {scope}"
+
+
+def get_args_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m mnv3.auth", description=(
+        "Make a new API key: prints the key (give it to the client) and the line for the --api-keys file, "
+        "which holds only the key's sha256."))
+    parser.add_argument("--scope", choices=tuple(KEY_SCOPES), default="infer", help="what the key may do")
+    return parser
+
+
+def main(args) -> None:
+    key, line = new_key_line(args.scope)
+    print(f"key (give it to the client; it is not stored anywhere): {key}")
+    print(f"line for the key file: {line}")
+
+
+if __name__ == "__main__":
+    main(get_args_parser().parse_args())

@@ -1,0 +1,169 @@
+"""Stage 5's measurement: the unbatched and the batching server under the same load in one run, and
+the in-process limit the batching server is held to.
+
+Both servers run with the cache off, so every request is decoded and classified. The headline is the
+two servers at the same concurrency, measured minutes apart on the same machine; the batching server
+is also swept over concurrencies and driven open loop. The limit is measured after both servers
+have stopped, so it has the machine to itself.
+"""
+from dataclasses import dataclass
+from pathlib import Path
+
+from mnv3 import loadtest, plots
+from mnv3.artifacts import BATCH_SIZE_HISTOGRAM_PNG, LATENCY_PNG, THROUGHPUT_PNG
+from mnv3.limit import LimitResult, run_limit
+from mnv3.loadtest import LoadResult
+
+MIN_SWEEP_REQUESTS = 32  # even at concurrency 1, enough requests for a median
+NO_BATCHING, BATCHING = "no_batching", "batching"
+
+
+@dataclass(frozen=True)
+class BatchingPlan:
+    """What stage 5 measures: its flags, after the --quick defaults are filled in."""
+    concurrency: int  # the headline: both servers at this concurrency
+    requests: int  # closed-loop requests at `concurrency`; other sweep points get proportionally fewer
+    sweep: tuple[int, ...]
+    batch_window_ms: float
+    max_batch_size: int
+    open_loop_fraction: float  # of the batching server's closed-loop req/s at `concurrency`
+    open_loop_seconds: float
+    limit_images: int
+    limit_batch_sizes: tuple[int, ...]
+    limit_thread_splits: tuple[tuple[int, int], ...]
+    limit_confirm_passes: int
+    server_options: dict  # tuning flags both servers get (threads, deadline)
+    start_timeout_s: float
+
+    @property
+    def concurrencies(self) -> list[int]:
+        return sorted(set(self.sweep) | {self.concurrency})
+
+    def requests_at(self, concurrency: int) -> int:
+        if concurrency == self.concurrency:
+            return self.requests
+        return max(round(self.requests * concurrency / self.concurrency), MIN_SWEEP_REQUESTS)
+
+    def title(self) -> str:
+        return f"window {self.batch_window_ms:g} ms, max batch {self.max_batch_size}, cache off"
+
+
+@dataclass(frozen=True)
+class BatchingResult:
+    plan: BatchingPlan
+    baseline: LoadResult  # the unbatched server at plan.concurrency
+    baseline_settings: dict  # what that server said it ran with (GET /model)
+    points: dict[int, LoadResult]  # the batching server, closed loop, per concurrency
+    batching_settings: dict
+    open_loop: LoadResult
+    limit: LimitResult  # the fastest configuration, measured again, longer
+    grid: list[LimitResult]  # every configuration tried
+
+    @property
+    def headline(self) -> LoadResult:
+        return self.points[self.plan.concurrency]
+
+    @property
+    def speedup(self) -> float:
+        return loadtest.ratio(self.headline.rps, self.baseline.rps)
+
+    @property
+    def of_limit(self) -> float:
+        return loadtest.ratio(self.headline.rps, self.limit.images_per_s)
+
+    @property
+    def histogram(self) -> dict[str, int]:
+        return loadtest.batch_size_histogram(self.headline.metrics)
+
+    def rows(self, environment: dict) -> list[dict]:
+        """The CSV rows: the unbatched server, the sweep (the headline row carries the ratios), the open
+        loop, every limit configuration and the confirmed limit; each ends with `environment`."""
+        ratios = {"speedup_vs_no_batching": self.speedup, "server_to_limit_ratio": self.of_limit}
+        rows = [{"configuration": NO_BATCHING} | self.baseline.as_row() | self.baseline_settings]
+        rows += [{"configuration": BATCHING} | result.as_row() | self.batching_settings
+                 | (ratios if concurrency == self.plan.concurrency else {})
+                 for concurrency, result in sorted(self.points.items())]
+        rows.append({"configuration": BATCHING} | self.open_loop.as_row() | self.batching_settings)
+        rows += [{"configuration": "in_process_limit", "mode": "in_process"} | r.as_row() for r in self.grid]
+        rows.append({"configuration": "in_process_limit_confirmed", "mode": "in_process"} | self.limit.as_row())
+        return [row | environment for row in rows]
+
+    def summary(self) -> str:
+        c, limit = self.plan.concurrency, self.limit
+        return "\n".join([
+            f"\nat concurrency {c}: {self.baseline.rps:.1f} req/s without batching -> "
+            f"{self.headline.rps:.1f} req/s with batching ({self.speedup}x)",
+            f"in-process limit: {limit.images_per_s:.1f} images/s (batch {limit.batch_size}, ORT intra-op "
+            f"{limit.intra_op_threads}, decode threads {limit.decode_threads}; the fastest of {len(self.grid)} "
+            f"configurations, measured again over {limit.images} images); the server reaches {self.of_limit} of it",
+            f"batches at concurrency {c} (size bucket: count): {self.histogram}",
+            f"open loop, latency from each request's scheduled send time: {self.open_loop.summary()}",
+        ])
+
+
+def closed_loop(url: str, bodies: list[bytes], concurrency: int, count: int, configuration: str) -> LoadResult:
+    """One closed-loop run with the server's metrics for it, printed as it is measured."""
+    result = loadtest.run_with_metrics(url, lambda send: loadtest.run_closed_loop(
+        send, bodies, concurrency, count, desc=f"{configuration} c={concurrency}"))
+    print(f"{configuration}: {result.summary()}")
+    return result
+
+
+def run_batching_benchmark(model: Path, bodies: list[bytes], plan: BatchingPlan) -> BatchingResult:
+    """The unbatched server, then the batching server (sweep, then open loop), then the in-process limit."""
+    unbatched = plan.server_options | {"cache_size": 0, "max_batch_size": 1}
+    with loadtest.ServerProcess(model, plan.start_timeout_s, **unbatched) as url:
+        loadtest.warm_up(url, bodies, plan.concurrency)
+        baseline_settings = loadtest.server_settings(url)
+        baseline = closed_loop(url, bodies, plan.concurrency, plan.requests, NO_BATCHING)
+
+    batched = plan.server_options | {"cache_size": 0, "batch_window_ms": plan.batch_window_ms,
+                                     "max_batch_size": plan.max_batch_size}
+    with loadtest.ServerProcess(model, plan.start_timeout_s, **batched) as url:
+        batching_settings = loadtest.server_settings(url)
+        loadtest.warm_up(url, bodies, plan.concurrency)
+        points = {c: closed_loop(url, bodies, c, plan.requests_at(c), BATCHING) for c in plan.concurrencies}
+        rate = plan.open_loop_fraction * points[plan.concurrency].rps
+        open_loop = loadtest.run_with_metrics(url, lambda send: loadtest.run_open_loop(
+            send, bodies, rate, plan.open_loop_seconds, max_in_flight=plan.concurrency, desc="open loop"))
+        print(f"batching, open loop: {open_loop.summary()}")
+
+    # After the servers stop, so the limit has the machine to itself.
+    limit, grid = run_limit(model, bodies[:plan.limit_images], plan.limit_batch_sizes, plan.limit_thread_splits,
+                            plan.limit_confirm_passes)
+    return BatchingResult(plan, baseline, baseline_settings, points, batching_settings, open_loop, limit, grid)
+
+
+def plot_batching(result: BatchingResult, results_dir: Path) -> None:
+    """Throughput and latency over concurrency (the unbatched server as one point), and the batch sizes
+    at the headline concurrency."""
+    plan, title = result.plan, result.plan.title()
+    concurrencies = sorted(result.points)
+    closed = [result.points[c] for c in concurrencies]
+    plots.plot_over_concurrency(
+        results_dir / THROUGHPUT_PNG, concurrencies, {"batching": [r.rps for r in closed]}, "requests / s",
+        f"Throughput ({title})", points={"no batching": (plan.concurrency, result.baseline.rps)},
+        level=("in-process limit", result.limit.images_per_s))
+    plots.plot_over_concurrency(
+        results_dir / LATENCY_PNG, concurrencies,
+        {f"batching {name[:3]}": [getattr(r.latency, name, float("nan")) for r in closed]
+         for name in ("p50_ms", "p95_ms", "p99_ms")},
+        "round trip (ms)", f"Latency, closed loop ({title})",
+        points={"no batching p50": (plan.concurrency, getattr(result.baseline.latency, "p50_ms", float("nan")))},
+        log_y=True)
+    histogram = result.histogram
+    plots.plot_bars(results_dir / BATCH_SIZE_HISTOGRAM_PNG, bucket_labels(list(histogram)), list(histogram.values()),
+                    "batch size", "batches", f"Batch sizes at concurrency {plan.concurrency} ({title})")
+
+
+def bucket_labels(bounds: list[str]) -> list[str]:
+    """Prometheus upper bounds ("1", "2", "4", .., "+Inf") as the batch sizes each bucket holds."""
+    labels, low = [], 1
+    for bound in bounds:
+        if bound == "+Inf":
+            labels.append(f">{low - 1}")
+            continue
+        high = int(float(bound))
+        labels.append(str(high) if high == low else f"{low}-{high}")
+        low = high + 1
+    return labels

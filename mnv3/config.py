@@ -1,0 +1,84 @@
+"""The settings of one server, and the command line and environment that set them.
+
+`ServerConfig` is the one list of settings: each field carries its default, its help and its bounds,
+and is also the flag `--<name>` and the variable `MNV3_<NAME>` (the flag wins over the variable, the
+variable over the default). A config is checked when it is built, from code or from `parse_args`, so a
+value out of bounds is a one-line error before any model is loaded, never a server that fails later.
+"""
+import argparse
+import os
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+
+from mnv3.engine import BACKENDS
+from mnv3.preprocess import DEFAULT_MAX_PIXELS
+from mnv3.runtime import DEFAULT_INTER_OP_THREADS, DEFAULT_INTRA_OP_THREADS
+
+# Pillow's decode/resize and numpy's normalisation release the GIL, so two threads keep both cores
+# of the target machine busy while the event loop stays free; more would only fight ORT's intra-op
+# threads for the same two cores. Raise it with the core count.
+DEFAULT_PREPROCESS_THREADS = 2
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def _option(default, help: str, minimum=None, choices=None):
+    return field(default=default, metadata={"help": help, "minimum": minimum, "choices": choices})
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Every setting of one server. Each field is also a CLI flag and an MNV3_<NAME> variable."""
+    model: Path = field(metadata={"help": "ONNX model file; imagenet_classes.json beside it names the classes"})
+    host: str = _option("127.0.0.1", "address to bind")
+    port: int = _option(8000, "port to bind", minimum=0)
+    backend: str = _option("onnxruntime", "inference runtime", choices=BACKENDS)
+    cache_size: int = _option(1024, "result cache entries; 0 disables the cache", minimum=0)
+    batch_window_ms: float = _option(20.0, "how long a batch waits for more requests after its first", minimum=0)
+    max_batch_size: int = _option(32, "largest batch; 1 runs every request alone, with no window wait", minimum=1)
+    max_in_flight: int = _option(512, "requests admitted at once (uploading, decoding, queued or running); more get "
+                                      "503 before their body is read", minimum=1)
+    queue_limit: int = _option(512, "requests waiting for inference before new ones get 503", minimum=1)
+    deadline_ms: float = _option(10_000.0, "per request from arrival; past it: 504, and unrun work is dropped",
+                                 minimum=1)
+    intra_op_threads: int = _option(DEFAULT_INTRA_OP_THREADS, "onnxruntime threads within an operator", minimum=1)
+    inter_op_threads: int = _option(DEFAULT_INTER_OP_THREADS, "onnxruntime threads across operators", minimum=1)
+    # Off by default: spinning intra-op threads steal the cores that decoding needs, so under many
+    # concurrent clients a server with spinning on answers fewer requests per second, not more.
+    ort_spinning: int = _option(0, "1 lets idle onnxruntime threads busy-wait (faster only on otherwise idle cores)",
+                                choices=(0, 1))
+    preprocess_threads: int = _option(DEFAULT_PREPROCESS_THREADS, "threads that decode and preprocess images",
+                                      minimum=1)
+    max_upload_bytes: int = _option(10 * 1024 * 1024, "largest request body in bytes (413 above)", minimum=1)
+    max_pixels: int = _option(DEFAULT_MAX_PIXELS, "largest image, width x height, checked before decoding (413)",
+                              minimum=1)
+    body_timeout_s: float = _option(30.0, "seconds to receive a whole request body; a slower or stalled upload "
+                                          "gets 408", minimum=0.001)
+    shutdown_timeout_s: float = _option(30.0, "on SIGTERM, how long in-flight requests may take before they are "
+                                              "cancelled", minimum=0)
+    top_k: int = _option(5, "predictions per response", minimum=1)
+    log_level: str = _option("info", "logging level", choices=LOG_LEVELS)
+
+    def __post_init__(self):
+        for f in fields(self):
+            value, minimum, choices = getattr(self, f.name), f.metadata.get("minimum"), f.metadata.get("choices")
+            if minimum is not None and value < minimum:
+                raise ValueError(f"{f.name} must be at least {minimum}, got {value}")
+            if choices is not None and value not in choices:
+                raise ValueError(f"{f.name} must be one of {', '.join(map(str, choices))}, got {value!r}")
+
+
+def parse_args(argv=None, environ=os.environ) -> ServerConfig:
+    parser = argparse.ArgumentParser(
+        prog="python -m mnv3.server", description="Serve an ONNX MobileNetV3 classifier over HTTP.",
+        epilog="Each flag can also be set as MNV3_<FLAG> (e.g. MNV3_CACHE_SIZE=0); the flag wins.")
+    for f in fields(ServerConfig):
+        env = f"MNV3_{f.name.upper()}"
+        default = environ.get(env, None if f.default is MISSING else f.default)
+        parser.add_argument(f"--{f.name.replace('_', '-')}", type=f.type, default=default, required=default is None,
+                            choices=f.metadata.get("choices"),
+                            help=f"{f.metadata['help']} [{env}" + ("]" if default is None else "; %(default)s]"))
+    args = parser.parse_args(argv)
+    try:
+        return ServerConfig(**vars(args))
+    except ValueError as exc:
+        parser.error(str(exc))

@@ -1,0 +1,91 @@
+"""Every way a request can fail, in one table: its HTTP status, its rejection reason and its API docs.
+
+`ERRORS` maps an exception class to (status, the `mnv3_rejections_total` reason or None, what it means).
+A subclass not in the table answers as its nearest listed base. `ERROR_DOCS` is the same table as
+FastAPI `responses=`, so the OpenAPI document cannot drift from what the server answers.
+`error_response` builds the answer; the body's shape is a small function of the message, so a router
+with another error convention reuses the table as it is.
+A 503 carries Retry-After; an answer sent before the body was read in full closes the connection.
+"""
+from collections.abc import Callable
+from typing import Any
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+from starlette.requests import ClientDisconnect
+
+from mnv3.batcher import DeadlineExceeded, QueueFull, ShuttingDown
+from mnv3.engine import InferenceError
+from mnv3.preprocess import ImageTooLarge, InvalidImage
+
+RETRY_AFTER_S = 1
+
+
+class BadUpload(ValueError):
+    """The request does not carry an image the way /predict takes one."""
+
+
+class UnsupportedMediaType(BadUpload):
+    pass
+
+
+class BodyTooLarge(BadUpload):
+    pass
+
+
+class SlowUpload(BadUpload):
+    pass
+
+
+class Busy(QueueFull):
+    """--max-in-flight requests are already admitted: refused before reading the body, so memory stays bounded."""
+
+
+# exception -> (HTTP status, mnv3_rejections_total reason or None, what it means for the API docs)
+ERRORS = {
+    BadUpload: (400, "bad_input", "no multipart field 'file', or a malformed multipart body"),
+    InvalidImage: (400, "bad_input", "empty body, not an image, or a corrupt/truncated image"),
+    SlowUpload: (408, "slow_upload", "the body did not arrive within --body-timeout-s"),
+    BodyTooLarge: (413, "too_large", "body over --max-upload-bytes (refused by its Content-Length before reading)"),
+    ImageTooLarge: (413, "too_large", "image over --max-pixels, or a decompression bomb"),
+    UnsupportedMediaType: (415, "bad_input", "content type is neither multipart/form-data nor image/*"),
+    InferenceError: (500, None, "inference failed for the batch this request ran in"),
+    QueueFull: (503, "queue_full", "--queue-limit requests already wait for inference"),
+    Busy: (503, "busy", "--max-in-flight requests already admitted (refused before reading the body)"),
+    ShuttingDown: (503, "shutting_down", "the server is stopping"),
+    DeadlineExceeded: (504, "deadline", "no result within --deadline-ms; work not yet run was dropped"),
+    # nginx's code for it: only the server's log and metrics see this, the client has gone
+    ClientDisconnect: (499, "disconnected", "the client closed the connection first; its work was dropped"),
+}
+REJECTION_REASONS = sorted({reason for _, reason, _ in ERRORS.values() if reason})
+
+
+class ErrorDetail(BaseModel):
+    detail: str = Field(description="what was wrong, for a person to read")
+
+
+# typed as FastAPI's `responses=` takes it
+ERROR_DOCS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorDetail, "description": "; ".join(doc for s, _, doc in ERRORS.values() if s == status)}
+    for status in sorted({status for status, _, _ in ERRORS.values()})}
+ERROR_DOCS[503]["headers"] = {"Retry-After": {"description": "seconds to wait before retrying",
+                                              "schema": {"type": "integer"}}}
+
+
+def error_entry(exc: Exception) -> tuple[int, str | None, str]:
+    """The ERRORS entry of `exc`'s class or of its nearest listed base."""
+    return next(ERRORS[t] for t in type(exc).__mro__ if t in ERRORS)
+
+
+def detail_body(message: str) -> dict:
+    """FastAPI's own error shape, `ErrorDetail`, the one /predict documents."""
+    return {"detail": message}
+
+
+def error_response(exc: Exception, body: Callable[[str], dict] = detail_body) -> JSONResponse:
+    """The answer to `exc`: its status and headers from the table, its message in `body`'s shape."""
+    status, _, _ = error_entry(exc)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else {}
+    if status in (408, 413) or isinstance(exc, Busy):
+        headers["Connection"] = "close"  # the rest of the body is unread: do not take it as the next request
+    return JSONResponse(body(str(exc) or "client disconnected"), status, headers=headers)

@@ -1,0 +1,24 @@
+"""GET /: a page to classify photos in the browser and watch the server, served by the server itself.
+
+Plain HTML, CSS and JavaScript from `mnv3/static/` (no build step, no framework, no CDN or external
+font: nothing the page loads comes from another host). Every URL the page uses is relative, so it
+also works when the app is served under a path prefix. What the page does is in `static/page.js`;
+it talks only to the API every client uses (`/predict`, `/model`, `/models`, `/stats`), so it adds no
+work to the /predict path.
+"""
+from pathlib import Path
+
+from fastapi import APIRouter
+from fastapi.responses import FileResponse
+from fastapi.staticfiles import StaticFiles
+
+STATIC = Path(__file__).parent / "static"
+FAVICON_PATH = "/static/favicon.svg"
+
+page_router = APIRouter(include_in_schema=False)
+page_router.mount("/static", StaticFiles(directory=STATIC), name="static")
+
+
+@page_router.get("/")
+async def page() -> FileResponse:
+    return FileResponse(STATIC / "index.html")

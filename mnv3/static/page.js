@@ -1,0 +1,360 @@
+// The page's behaviour: classify photos through POST /predict, compare models, and show GET /stats.
+// Plain browser JavaScript, no build step. Every URL is relative to the page, so it works under a prefix.
+"use strict";
+
+const STATS_EVERY_MS = 1500;
+const SPARK_POINTS = 40;
+const DOWNSCALE_SHORT_SIDE = 512;  // twice the server's 256 px resize: no detail the model could use is lost
+const DOWNSCALE_QUALITY = 0.92;
+const UPLOADS_AT_ONCE = 8;  // enough for the server to batch them, few enough not to crowd out other clients
+
+const $ = (id) => document.getElementById(id);
+
+const server = {
+  models: [],         // {name, model, backend, batching, limits, ...} from GET /models, or GET /model's one
+  defaultModel: null,
+  modelParam: false,  // true when the server lists its models: then /predict is told which one
+};
+const agreement = {photos: 0, sameTop1: {}};  // compare mode: per model, photos whose top-1 is the default's
+const rpsHistory = [];
+
+// ----------------------------------------------------------------------------------------- formatting
+
+function formatMs(ms) {
+  if (ms === null || ms === undefined) return "–";
+  if (ms >= 100) return `${Math.round(ms)} ms`;
+  return ms >= 1 ? `${ms.toFixed(1)} ms` : `${ms.toFixed(2)} ms`;
+}
+
+function formatPercent(probability) {
+  // Three significant digits below 10%: a random-init stand-in model's near-uniform top 5 still differ.
+  const percent = 100 * probability;
+  if (percent >= 10) return `${percent.toFixed(1)}%`;
+  return percent >= 0.001 ? `${percent.toPrecision(3)}%` : "<0.001%";
+}
+
+function formatBytes(bytes) {
+  if (bytes >= 1024 * 1024) return `${(bytes / 1024 / 1024).toFixed(1)} MiB`;
+  return bytes >= 1024 ? `${Math.round(bytes / 1024)} KiB` : `${bytes} B`;
+}
+
+function element(tag, attributes = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [name, value] of Object.entries(attributes)) {
+    if (name === "className") node.className = value;
+    else node.setAttribute(name, value);
+  }
+  node.append(...children);
+  return node;
+}
+
+function definitions(className, pairs) {
+  return element("dl", {className}, ...pairs.map(([term, value]) =>
+    element("div", {}, element("dt", {}, term), element("dd", {}, value))));
+}
+
+// ------------------------------------------------------------------------------------- what is served
+
+async function loadModels() {
+  // GET /models lists every loaded model; a server that has no such endpoint serves one, GET /model.
+  try {
+    const listed = await fetch("models");
+    if (listed.ok) {
+      const body = await listed.json();
+      server.models = body.models;
+      server.defaultModel = body.default;
+      server.modelParam = true;
+    } else {
+      const one = await fetch("model");
+      if (!one.ok) throw new Error(`GET /model answered ${one.status}`);
+      const info = await one.json();
+      server.models = [{name: info.variant, ...info}];
+      server.defaultModel = info.variant;
+    }
+  } catch (error) {
+    $("model-line").textContent = `Could not ask the server what it serves: ${error.message}`;
+    return;
+  }
+  describeModels();
+}
+
+function describeModels() {
+  const main = modelNamed(server.defaultModel);
+  const names = server.models.map((m) => m.name).join(", ");
+  $("model-line").textContent = server.models.length > 1
+    ? `${server.models.length} models: ${names} (default ${server.defaultModel})`
+    : `Serving ${main.model} on ${main.backend}: batches of up to ${main.batching.max_batch_size} ` +
+      `(window ${main.batching.batch_window_ms} ms), cache of ${main.cache.size} results`;
+  if (server.models.length < 2) return;
+  const select = $("model-select");
+  select.replaceChildren(...server.models.map((m) =>
+    element("option", {value: m.name}, `${m.name} (${m.backend})`)));
+  select.value = server.defaultModel;
+  $("model-choice").hidden = false;
+}
+
+function modelNamed(name) {
+  return server.models.find((m) => m.name === name) || server.models[0];
+}
+
+// ------------------------------------------------------------------------------------------ classify
+
+async function classifyAll(files) {
+  const photos = [...files];
+  if (!photos.length) return;
+  $("empty").hidden = true;
+  const cards = photos.map(addCard);
+  let next = 0;
+  const worker = async () => {
+    while (next < photos.length) {
+      const i = next++;
+      await classifyPhoto(photos[i], cards[i]);
+    }
+  };
+  await Promise.all(Array.from({length: Math.min(UPLOADS_AT_ONCE, photos.length)}, worker));
+}
+
+function addCard(file) {
+  const card = $("photo-template").content.firstElementChild.cloneNode(true);
+  const image = card.querySelector("img");
+  image.src = URL.createObjectURL(file);
+  image.alt = `Photo ${file.name}`;
+  image.addEventListener("load", () => URL.revokeObjectURL(image.src), {once: true});
+  card.querySelector("figcaption").textContent = `${file.name} · ${formatBytes(file.size)}`;
+  card.querySelector(".outcomes").append(element("p", {className: "pending"}, "Classifying…"));
+  card.setAttribute("aria-busy", "true");
+  $("photos").prepend(card);
+  return card;
+}
+
+async function classifyPhoto(file, card) {
+  const outcomes = card.querySelector(".outcomes");
+  const {blob, note} = $("downscale").checked ? await downscale(file) : {blob: file, note: null};
+  const comparing = $("compare").checked && server.models.length > 1;
+  const names = comparing ? server.models.map((m) => m.name) : [$("model-select").value || server.defaultModel];
+  const results = await Promise.all(names.map((name) => predict(blob, file.name, name)));
+  const nodes = results.map((result, i) => renderResult(result, comparing ? names[i] : null));
+  outcomes.replaceChildren(...(comparing ? [element("div", {className: "compare"}, ...nodes)] : nodes));
+  if (note) outcomes.prepend(element("p", {className: "hint"}, note));
+  if (comparing) outcomes.append(compareTop1(names, results));
+  card.removeAttribute("aria-busy");
+  const first = results[0];
+  $("announce").textContent = first.error
+    ? `${file.name}: ${first.error}`
+    : `${file.name}: most likely ${first.predictions[0].label}, ${formatPercent(first.predictions[0].probability)}`;
+}
+
+async function predict(blob, filename, modelName) {
+  const limit = modelNamed(modelName)?.limits?.max_upload_bytes;
+  if (limit && blob.size > limit) {
+    return {error: `${formatBytes(blob.size)} is over the server's upload limit of ${formatBytes(limit)}; ` +
+                   "tick “Shrink large photos” to send a smaller copy"};
+  }
+  const form = new FormData();
+  form.append("file", blob, filename);
+  const url = server.modelParam ? `predict?model=${encodeURIComponent(modelName)}` : "predict";
+  const started = performance.now();
+  let response, text;
+  try {
+    response = await fetch(url, {method: "POST", body: form});
+    text = await response.text();
+  } catch (error) {
+    return {error: `The server could not be reached (${error.message})`};
+  }
+  const roundTripMs = performance.now() - started;
+  let body = null;
+  try { body = JSON.parse(text); } catch { /* not JSON: shown as text below */ }
+  if (!response.ok) {
+    const reason = body && typeof body.detail === "string" ? body.detail : text.slice(0, 300) || response.statusText;
+    return {error: `${response.status}: ${reason}`};
+  }
+  return {...body, roundTripMs};
+}
+
+function renderResult(result, heading) {
+  const box = element("div", {className: "result"});
+  if (heading) box.append(element("h3", {}, heading));
+  if (result.error) {
+    box.append(element("p", {className: "error", role: "alert"}, result.error));
+    return box;
+  }
+  box.append(element("ol", {className: "top5", "aria-label": "Top 5 classes"}, ...result.predictions.map(topItem)));
+  const hit = result.cache_hit;
+  box.append(definitions("timings", [
+    ["queue", hit ? "–" : formatMs(result.queue_ms)],
+    ["decode + preprocess", hit ? "–" : formatMs(result.preprocess_ms)],
+    ["inference", hit ? "–" : formatMs(result.inference_ms)],
+    ["round trip", formatMs(result.roundTripMs)],
+    ["batch size", hit ? "–" : String(result.batch_size)],
+    ["cache", hit ? "hit: no inference ran" : "miss"],
+  ]));
+  return box;
+}
+
+function topItem(prediction) {
+  const percent = formatPercent(prediction.probability);
+  const bar = element("span", {className: "bar", "aria-hidden": "true"}, element("span"));
+  bar.firstChild.style.width = `${Math.max(100 * prediction.probability, 0.5)}%`;
+  return element("li", {"data-class-id": String(prediction.class_id), "data-probability": String(prediction.probability)},
+    element("span", {className: "label"}, prediction.label),
+    element("span", {className: "percent"}, percent),
+    bar);
+}
+
+function compareTop1(names, results) {
+  const top1 = results.map((r) => (r.error ? null : r.predictions[0]));
+  const reference = top1[names.indexOf(server.defaultModel)] || top1[0];
+  const answered = top1.filter(Boolean);
+  let text;
+  if (!reference || answered.length < names.length) {
+    text = "Top-1: not every model answered";
+  } else if (answered.every((p) => p.class_id === reference.class_id)) {
+    text = `Top-1: all ${names.length} models agree (${reference.label})`;
+  } else {
+    text = "Top-1 differs: " + names.map((n, i) => `${n} → ${top1[i].label}`).join(", ");
+  }
+  if (reference && answered.length === names.length) recordAgreement(names, top1, reference);
+  return element("p", {className: "agreement-line"}, text);
+}
+
+function recordAgreement(names, top1, reference) {
+  agreement.photos += 1;
+  names.forEach((name, i) => {
+    if (name === server.defaultModel) return;
+    agreement.sameTop1[name] = (agreement.sameTop1[name] || 0) + (top1[i].class_id === reference.class_id ? 1 : 0);
+  });
+  const parts = Object.entries(agreement.sameTop1).map(([name, same]) =>
+    `${name} ${same}/${agreement.photos} (${Math.round((100 * same) / agreement.photos)}%)`);
+  $("agreement").textContent = `Top-1 agreement with ${server.defaultModel} over the photos compared: ${parts.join(", ")}`;
+  $("agreement").hidden = false;
+}
+
+async function downscale(file) {
+  let bitmap;
+  try {
+    bitmap = await createImageBitmap(file);
+  } catch {
+    return {blob: file, note: null};  // the browser cannot decode it: send it as it is, the server says why
+  }
+  const {width, height} = bitmap;
+  const scale = DOWNSCALE_SHORT_SIDE / Math.min(width, height);
+  if (scale >= 1) {
+    bitmap.close();
+    return {blob: file, note: null};
+  }
+  const canvas = document.createElement("canvas");
+  canvas.width = Math.round(width * scale);
+  canvas.height = Math.round(height * scale);
+  const context = canvas.getContext("2d");
+  context.imageSmoothingQuality = "high";
+  context.drawImage(bitmap, 0, 0, canvas.width, canvas.height);
+  bitmap.close();
+  const blob = await new Promise((resolve) => canvas.toBlob(resolve, "image/jpeg", DOWNSCALE_QUALITY));
+  return {blob, note: `Shrunk in the browser: ${width}×${height} → ${canvas.width}×${canvas.height}, ` +
+                      `${formatBytes(file.size)} → ${formatBytes(blob.size)} uploaded`};
+}
+
+// ------------------------------------------------------------------------------- choose, drop, paste
+
+function wireInputs() {
+  const input = $("file-input");
+  input.addEventListener("change", () => {
+    classifyAll(input.files);
+    input.value = "";  // choosing the same photo again is a new request (and a cache hit)
+  });
+  const zone = $("drop-zone");
+  // The whole window takes drops, so a photo dropped a little off target is not opened by the browser instead.
+  window.addEventListener("dragover", (event) => {
+    event.preventDefault();
+    zone.classList.add("dragging");
+  });
+  window.addEventListener("dragleave", (event) => {
+    if (!event.relatedTarget) zone.classList.remove("dragging");
+  });
+  window.addEventListener("drop", (event) => {
+    event.preventDefault();
+    zone.classList.remove("dragging");
+    classifyAll(event.dataTransfer.files);  // anything dropped is sent: the server says what is wrong with it
+  });
+  document.addEventListener("paste", (event) => {
+    classifyAll(event.clipboardData.files);  // pasted text has no files: nothing is sent
+  });
+}
+
+// ------------------------------------------------------------------------------------------ live panel
+
+async function refreshStats() {
+  if (document.hidden) return;  // nobody is looking: ask the server nothing
+  let stats;
+  try {
+    const response = await fetch("stats", {cache: "no-store"});
+    if (!response.ok) throw new Error(`GET /stats answered ${response.status}`);
+    stats = await response.json();
+  } catch (error) {
+    $("live-window").textContent = `No stats: ${error.message}`;
+    return;
+  }
+  renderStats(stats);
+}
+
+function renderStats(stats) {
+  $("live-window").textContent = `Last ${Math.round(stats.window_s)} s, refreshed every ${STATS_EVERY_MS / 1000} s. ` +
+    "Quantiles are estimated from histogram buckets; counts and means are exact.";
+  $("stat-rps").textContent = stats.requests_per_s.toFixed(1);
+  $("stat-requests").textContent = String(stats.requests);
+  $("stat-p50").textContent = formatMs(stats.latency.p50_ms);
+  $("stat-p95").textContent = formatMs(stats.latency.p95_ms);
+  $("stat-p99").textContent = formatMs(stats.latency.p99_ms);
+  $("stat-hit-rate").textContent = stats.cache.hit_rate === null ? "–" : `${Math.round(100 * stats.cache.hit_rate)}%`;
+  $("stat-queue").textContent = String(stats.queue_depth);
+  $("stat-in-flight").textContent = String(stats.in_flight);
+  $("stage-queue").textContent = formatMs(stats.stages.queue.mean_ms);
+  $("stage-preprocess").textContent = formatMs(stats.stages.preprocess.mean_ms);
+  $("stage-inference").textContent = formatMs(stats.stages.inference.mean_ms);
+  renderBatchSizes(stats.batch_size);
+  const rejected = Object.entries(stats.rejected).filter(([, count]) => count > 0);
+  $("rejected").textContent = rejected.length
+    ? "Refused: " + rejected.map(([reason, count]) => `${reason.replaceAll("_", " ")} ${count}`).join(", ")
+    : "No request refused.";
+  rpsHistory.push(stats.requests_per_s);
+  if (rpsHistory.length > SPARK_POINTS) rpsHistory.shift();
+  drawSpark();
+}
+
+function renderBatchSizes(batches) {
+  const largest = Math.max(...server.models.map((m) => m.batching?.max_batch_size || 0));
+  const buckets = batches.buckets.filter((b) => !largest || b.smallest <= largest);
+  const most = Math.max(1, ...buckets.map((b) => b.inferences));
+  $("batch-mean").textContent = batches.mean === null ? ""
+    : `(mean ${batches.mean.toFixed(1)} over ${batches.inferences} ${batches.inferences === 1 ? "call" : "calls"})`;
+  $("batch-sizes").replaceChildren(...buckets.map((b) => {
+    const range = b.largest === null ? `${b.smallest}+` : b.largest === b.smallest ? `${b.smallest}` : `${b.smallest}–${b.largest}`;
+    const bar = element("span", {className: "bar", "aria-hidden": "true"}, element("span"));
+    bar.firstChild.style.width = `${(100 * b.inferences) / most}%`;
+    return element("div", {className: "histogram-row"},
+      element("span", {className: "range"}, range),
+      bar,
+      element("span", {className: "count", "aria-label": `${b.inferences} inference calls with batch size ${range}`},
+        String(b.inferences)));
+  }));
+}
+
+function drawSpark() {
+  const top = Math.max(1, ...rpsHistory);  // at least 1/s full height, so an idle server stays a flat line
+  const step = 120 / (SPARK_POINTS - 1);
+  const points = rpsHistory.map((rps, i) => `${(i + SPARK_POINTS - rpsHistory.length) * step},${31 - (28 * rps) / top}`);
+  $("rps-spark").querySelector("polyline").setAttribute("points", points.join(" "));
+  $("spark-peak").textContent = `peak ${Math.max(...rpsHistory).toFixed(1)}/s`;
+}
+
+async function statsLoop() {
+  await refreshStats();
+  setTimeout(statsLoop, STATS_EVERY_MS);  // not setInterval: a slow answer never piles up requests
+}
+
+document.addEventListener("visibilitychange", () => {
+  if (!document.hidden) refreshStats();
+});
+
+wireInputs();
+loadModels().then(statsLoop);

@@ -1,0 +1,394 @@
+"""The Open Inference Protocol (KServe v2, Triton's REST protocol) as pure functions: no app, no I/O.
+
+`parse_infer_request` turns an infer request body (JSON, or JSON header + raw tensors with the binary
+tensor data extension) into an `InferRequest`; `encode_infer_response` turns class probabilities back
+into a response body; `server_metadata`, `model_metadata` and `model_config` are the documents of
+`GET /v2`, `GET /v2/models/{name}` and its `/config`. Every malformed request raises `V2Error` with
+the HTTP status Triton would answer and a reason for the client: nothing else escapes the parser.
+
+One model takes either of two inputs, one per request:
+- `IMAGE`, BYTES, one element per encoded image (JPEG, PNG, ...), shape [N] or [N, 1]. In binary each
+  element is a uint32 little-endian length and the bytes, as Triton's clients send them. A JSON BYTES
+  element is a string, which cannot carry arbitrary bytes, so in JSON the input must say
+  `"parameters": {"content_type": "base64"}` (MLServer's convention) and hold base64 strings.
+- `PIXELS`, FP32 [N, *input_shape], already preprocessed; JSON data flat or nested, binary little-endian.
+Both are `optional` in the model config: that is how a Triton config says "not every input is required",
+and `perf_analyzer` then sends only the inputs its data file provides.
+
+The one output is `PROBABILITIES`, FP32 [N, classes]; Triton's classification extension
+(`"parameters": {"classification": k}`) returns it as BYTES [N, k] of `"probability:index[:label]"`,
+most probable first, the probability printed as C++'s std::to_string prints a float (6 decimals).
+"""
+import base64
+import binascii
+import json
+import math
+import re
+import struct
+from dataclasses import dataclass, field
+
+import numpy as np
+
+IMAGE_INPUT = "IMAGE"
+PIXELS_INPUT = "PIXELS"
+PROBABILITIES_OUTPUT = "PROBABILITIES"
+INPUT_NAMES = (IMAGE_INPUT, PIXELS_INPUT)
+
+# The response header carrying the JSON length when binary sections follow it (both directions).
+HEADER_LENGTH = "Inference-Header-Content-Length"
+# What the server implements of Triton's extensions; `statistics` is not one of them, and perf_analyzer
+# polls /stats when a server lists it.
+EXTENSIONS = ("binary_tensor_data", "classification", "model_configuration")
+DATATYPES = ("BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
+             "FP16", "FP32", "FP64", "BF16", "BYTES")
+_DATATYPE_OF_INPUT = {IMAGE_INPUT: "BYTES", PIXELS_INPUT: "FP32"}
+_LENGTH = struct.Struct("<I")  # the prefix of each BYTES element
+
+
+class V2Error(Exception):
+    """A request the protocol refuses: `status` is the HTTP status, `message` the reason for `{"error": ...}`."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def _bad(message: str) -> V2Error:
+    return V2Error(400, message)
+
+
+@dataclass(frozen=True)
+class ModelDescription:
+    """What the metadata documents and the parser need to know about one served model."""
+    name: str
+    version: str
+    input_shape: tuple[int, ...]  # of one image, e.g. (3, 224, 224)
+    class_names: list[str]  # may be empty: then labels are left out, as Triton does without a label file
+    num_classes: int
+    max_images: int  # per request; Triton's `max_batch_size`
+    batcher_max_batch_size: int
+    batch_window_s: float
+    platform: str = "onnxruntime_onnx"
+
+
+@dataclass(frozen=True)
+class RequestedOutput:
+    name: str
+    binary_data: bool | None = None  # None: the request-level `binary_data_output`
+    classification: int | None = None  # top-k strings instead of the probabilities
+
+
+@dataclass(frozen=True)
+class InferRequest:
+    """A valid infer request: exactly one of `images` (encoded, one per image) and `pixels` (N, *shape)."""
+    id: str | None
+    images: list[bytes] | None
+    pixels: np.ndarray | None
+    outputs: tuple[RequestedOutput, ...]  # empty: every output, in binary iff `binary_output`
+    binary_output: bool = False
+
+    @property
+    def count(self) -> int:
+        return len(self.images) if self.images is not None else len(self.pixels)
+
+
+@dataclass(frozen=True)
+class InferResponse:
+    """`body` to send; `header_length` is None for pure JSON (Content-Type application/json), else the
+    value of `Inference-Header-Content-Length` (Content-Type application/octet-stream)."""
+    body: bytes
+    header_length: int | None = field(default=None)
+
+
+# ---- request ---------------------------------------------------------------------------------------
+
+def parse_infer_request(body: bytes, header_length: str | None, model: ModelDescription) -> InferRequest:
+    """Parse and validate an infer request body; `header_length` is the `Inference-Header-Content-Length`
+    header's value (None when absent: the whole body is JSON)."""
+    json_end = len(body) if header_length is None else _parse_header_length(header_length, len(body))
+    header = _parse_json_header(body[:json_end])
+    request_id = header.get("id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise _bad('"id" must be a string')
+    parameters = _object(header.get("parameters", {}), '"parameters"')
+    binary_output = _flag(parameters.get("binary_data_output", False), '"parameters.binary_data_output"')
+
+    tensor = _the_one_input(header.get("inputs"))
+    name, shape = _name_and_shape(tensor)
+    count = _batch_size(name, shape, model)
+    raw = _input_bytes(tensor, body, json_end)
+    images = pixels = None
+    if name == IMAGE_INPUT:
+        images = _binary_bytes_elements(raw) if raw is not None else _json_bytes_elements(tensor)
+        if len(images) != count:
+            raise _bad(f"{name} has shape {shape} ({count} elements) but holds {len(images)} elements")
+    else:
+        pixels = _binary_fp32(raw, shape) if raw is not None else _json_fp32(tensor["data"], shape)
+    return InferRequest(request_id, images, pixels, _requested_outputs(header.get("outputs")), binary_output)
+
+
+def _parse_header_length(value: str, body_length: int) -> int:
+    text = value.strip()
+    if text.startswith("-") and text[1:].isdigit():
+        raise _bad(f"{HEADER_LENGTH} is negative ({text})")
+    if not re.fullmatch(r"[0-9]+", text):
+        raise _bad(f"{HEADER_LENGTH} must be a decimal byte count, got {value!r}")
+    length = int(text)
+    if length > body_length:
+        raise _bad(f"{HEADER_LENGTH} is {length} but the body has only {body_length} bytes")
+    return length
+
+
+def _parse_json_header(data: bytes) -> dict:
+    try:
+        header = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise _bad(f"the inference header is not JSON ({exc or 'nested too deeply'}); with binary tensors, send its length "
+                   f"in {HEADER_LENGTH}") from None
+    if not isinstance(header, dict):
+        raise _bad("the inference header must be a JSON object")
+    return header
+
+
+def _the_one_input(inputs) -> dict:
+    if inputs is None or inputs == []:
+        raise _bad(f"missing input: send one of {', '.join(INPUT_NAMES)}")
+    if not isinstance(inputs, list) or not all(isinstance(tensor, dict) for tensor in inputs):
+        raise _bad('"inputs" must be a list of tensor objects')
+    names = [tensor.get("name") for tensor in inputs]
+    unknown = [name for name in names if name not in INPUT_NAMES]
+    if unknown:
+        raise _bad(f"unknown input {unknown[0]!r}; the inputs are {', '.join(INPUT_NAMES)} (send one)")
+    if len(inputs) > 1:
+        raise _bad(f"send one input, not {len(inputs)} ({', '.join(names)}): {IMAGE_INPUT} for encoded "
+                   f"images or {PIXELS_INPUT} for a preprocessed tensor")
+    return inputs[0]
+
+
+def _name_and_shape(tensor: dict) -> tuple[str, list[int]]:
+    name, datatype, shape = tensor["name"], tensor.get("datatype"), tensor.get("shape")
+    if datatype not in DATATYPES:
+        raise _bad(f"{name} has unknown datatype {datatype!r}; the protocol's are {', '.join(DATATYPES)}")
+    if datatype != _DATATYPE_OF_INPUT[name]:
+        raise _bad(f"{name} takes {_DATATYPE_OF_INPUT[name]}, not {datatype}")
+    if not isinstance(shape, list) or not all(type(dim) is int and dim >= 0 for dim in shape):
+        raise _bad(f"{name}'s shape must be a list of non-negative integers, got {shape!r}")
+    if math.prod(shape) == 0:
+        raise _bad(f"{name} is an empty tensor (shape {shape})")
+    return name, shape
+
+
+def _batch_size(name: str, shape: list[int], model: ModelDescription) -> int:
+    if name == IMAGE_INPUT:
+        if len(shape) not in (1, 2) or (len(shape) == 2 and shape[1] != 1):
+            raise _bad(f"{name} has shape {shape}; send [N] or [N, 1]: one element per image")
+    elif shape[1:] != list(model.input_shape):
+        expected = ", ".join(map(str, model.input_shape))
+        raise _bad(f"{name} has shape {shape}; model {model.name} takes [N, {expected}]")
+    if shape[0] > model.max_images:
+        raise _bad(f"{shape[0]} images in one request; the limit is {model.max_images} (split the request)")
+    return shape[0]
+
+
+def _input_bytes(tensor: dict, body: bytes, json_end: int) -> bytes | None:
+    """The tensor's binary section, or None if its data is in the JSON; the body holds nothing else."""
+    name, parameters = tensor["name"], _object(tensor.get("parameters", {}), f"{tensor['name']}'s parameters")
+    size = parameters.get("binary_data_size")
+    if size is None:
+        if "data" not in tensor:
+            raise _bad(f"{name} has neither \"data\" nor parameters.binary_data_size")
+        if json_end != len(body):
+            raise _bad(f"{len(body) - json_end} bytes follow the inference header but no input is binary")
+        return None
+    if "data" in tensor:
+        raise _bad(f"{name} has both \"data\" and parameters.binary_data_size; send one")
+    if type(size) is not int or size < 0:
+        raise _bad(f"{name}'s binary_data_size must be a non-negative integer, got {size!r}")
+    available = len(body) - json_end
+    if size != available:
+        raise _bad(f"{name}'s binary_data_size is {size} but {available} bytes follow the inference header")
+    return body[json_end:]
+
+
+def _binary_bytes_elements(raw: bytes) -> list[bytes]:
+    elements, offset = [], 0
+    while offset < len(raw):
+        if offset + _LENGTH.size > len(raw):
+            raise _bad(f"{IMAGE_INPUT} element {len(elements)} is cut off in its 4-byte length")
+        (length,) = _LENGTH.unpack_from(raw, offset)
+        offset += _LENGTH.size
+        if offset + length > len(raw):
+            raise _bad(f"{IMAGE_INPUT} element {len(elements)} says {length} bytes but only "
+                       f"{len(raw) - offset} remain in the tensor data")
+        elements.append(raw[offset:offset + length])
+        offset += length
+    return elements
+
+
+def _json_bytes_elements(tensor: dict) -> list[bytes]:
+    parameters = tensor.get("parameters", {})
+    if parameters.get("content_type") != "base64":
+        raise _bad(f'{IMAGE_INPUT} in JSON needs "parameters": {{"content_type": "base64"}} and base64 strings '
+                   "(a JSON BYTES element is text); or send the images with the binary tensor data extension")
+    strings = _flatten(tensor["data"])
+    if not all(isinstance(item, str) for item in strings):
+        raise _bad(f"{IMAGE_INPUT}'s data must be base64 strings")
+    try:
+        return [base64.b64decode(item, validate=True) for item in strings]
+    except binascii.Error as exc:
+        raise _bad(f"{IMAGE_INPUT} holds a string that is not base64 ({exc})") from None
+
+
+def _binary_fp32(raw: bytes, shape: list[int]) -> np.ndarray:
+    expected = math.prod(shape) * 4
+    if len(raw) != expected:
+        raise _bad(f"{PIXELS_INPUT} has shape {shape}: {expected} bytes of FP32, but binary_data_size is {len(raw)}")
+    return np.frombuffer(raw, dtype="<f4").astype(np.float32).reshape(shape)
+
+
+def _json_fp32(data, shape: list[int]) -> np.ndarray:
+    try:
+        values = np.asarray(data)
+    except (ValueError, RecursionError):  # ragged, or nested deeper than numpy's dimensions
+        raise _bad(f"{PIXELS_INPUT}'s data is not a rectangular array of numbers") from None
+    if values.dtype.kind not in "fiu":
+        raise _bad(f"{PIXELS_INPUT}'s data must be numbers")
+    if values.size != math.prod(shape):
+        raise _bad(f"{PIXELS_INPUT} has shape {shape} ({math.prod(shape)} elements) but holds {values.size}")
+    return values.astype(np.float32).reshape(shape)
+
+
+def _flatten(data) -> list:
+    """Row-major elements of flat or nested JSON data (iterative: the nesting depth is the client's)."""
+    items, pending = [], [data]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, list):
+            pending.extend(reversed(item))
+        else:
+            items.append(item)
+    return items
+
+
+def _requested_outputs(outputs) -> tuple[RequestedOutput, ...]:
+    if outputs is None:
+        return ()
+    if not isinstance(outputs, list) or not all(isinstance(output, dict) for output in outputs):
+        raise _bad('"outputs" must be a list of objects')
+    requested = []
+    for output in outputs:
+        name = output.get("name")
+        if name != PROBABILITIES_OUTPUT:
+            raise _bad(f"unknown output {name!r}; the output is {PROBABILITIES_OUTPUT}")
+        if any(seen.name == name for seen in requested):
+            raise _bad(f"output {name} is requested twice")
+        parameters = _object(output.get("parameters", {}), f"output {name}'s parameters")
+        binary = parameters.get("binary_data")
+        k = parameters.get("classification")
+        if k is not None and (type(k) is not int or k < 1):
+            raise _bad(f"classification must be a positive integer (the top k), got {k!r}")
+        requested.append(RequestedOutput(name, None if binary is None else _flag(binary, "binary_data"), k))
+    return tuple(requested)
+
+
+def _object(value, what: str) -> dict:
+    if not isinstance(value, dict):
+        raise _bad(f"{what} must be a JSON object")
+    return value
+
+
+def _flag(value, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise _bad(f"{what} must be true or false, got {value!r}")
+    return value
+
+
+# ---- response --------------------------------------------------------------------------------------
+
+def encode_infer_response(request: InferRequest, probabilities: np.ndarray, model: ModelDescription) -> InferResponse:
+    """The response to `request`, given the model's (N, classes) probabilities for its N images."""
+    outputs, sections = [], []
+    for requested in request.outputs or (RequestedOutput(PROBABILITIES_OUTPUT),):
+        binary = requested.binary_data if requested.binary_data is not None else request.binary_output
+        tensor, section = _output(requested, probabilities, model.class_names, binary)
+        outputs.append(tensor)
+        sections.append(section)
+    header = {"model_name": model.name, "model_version": model.version, "outputs": outputs}
+    if request.id is not None:
+        header["id"] = request.id
+    header_bytes = json.dumps(header).encode()
+    if not any(section is not None for section in sections):
+        return InferResponse(header_bytes)
+    return InferResponse(header_bytes + b"".join(filter(None, sections)), len(header_bytes))
+
+
+def _output(requested: RequestedOutput, probabilities: np.ndarray, class_names: list[str],
+            binary: bool) -> tuple[dict, bytes | None]:
+    """One output tensor's JSON, and its binary section if it goes in binary."""
+    if requested.classification is None:
+        tensor = {"name": requested.name, "datatype": "FP32", "shape": list(probabilities.shape)}
+        if not binary:
+            return {**tensor, "data": probabilities.ravel().tolist()}, None
+        section = probabilities.astype("<f4").tobytes()
+    else:
+        rows = classifications(probabilities, requested.classification, class_names)
+        tensor = {"name": requested.name, "datatype": "BYTES", "shape": [len(rows), len(rows[0])]}
+        if not binary:
+            return {**tensor, "data": [text for row in rows for text in row]}, None
+        section = b"".join(_LENGTH.pack(len(item)) + item for row in rows for item in map(str.encode, row))
+    return {**tensor, "parameters": {"binary_data_size": len(section)}}, section
+
+
+def classifications(probabilities: np.ndarray, k: int, class_names: list[str]) -> list[list[str]]:
+    """Triton's classification strings, per row the k (at most all) most probable classes, highest first."""
+    k = min(k, probabilities.shape[1])
+    best = np.argsort(-probabilities, axis=1, kind="stable")[:, :k]
+    return [[_classification(float(row[i]), int(i), class_names) for i in order]
+            for row, order in zip(probabilities, best)]
+
+
+def _classification(probability: float, index: int, class_names: list[str]) -> str:
+    text = f"{probability:f}:{index}"
+    return f"{text}:{class_names[index]}" if index < len(class_names) else text
+
+
+# ---- metadata --------------------------------------------------------------------------------------
+
+def server_metadata(version: str) -> dict:
+    """`GET /v2`."""
+    return {"name": "mnv3", "version": version, "extensions": list(EXTENSIONS)}
+
+
+def model_metadata(model: ModelDescription) -> dict:
+    """`GET /v2/models/{name}[/versions/{v}]`: shapes with the batch dimension, -1 = any."""
+    return {
+        "name": model.name,
+        "versions": [model.version],
+        "platform": model.platform,
+        "inputs": [
+            {"name": IMAGE_INPUT, "datatype": "BYTES", "shape": [-1, 1]},
+            {"name": PIXELS_INPUT, "datatype": "FP32", "shape": [-1, *model.input_shape]},
+        ],
+        "outputs": [{"name": PROBABILITIES_OUTPUT, "datatype": "FP32", "shape": [-1, model.num_classes]}],
+    }
+
+
+def model_config(model: ModelDescription) -> dict:
+    """`GET /v2/models/{name}/config`, Triton's ModelConfig: dims without the batch dimension, which
+    `max_batch_size` > 0 announces; the batcher as `dynamic_batching`."""
+    return {
+        "name": model.name,
+        "platform": model.platform,
+        "max_batch_size": model.max_images,
+        "input": [
+            {"name": IMAGE_INPUT, "data_type": "TYPE_STRING", "dims": [1], "optional": True},
+            {"name": PIXELS_INPUT, "data_type": "TYPE_FP32", "format": "FORMAT_NCHW",
+             "dims": list(model.input_shape), "optional": True},
+        ],
+        "output": [{"name": PROBABILITIES_OUTPUT, "data_type": "TYPE_FP32", "dims": [model.num_classes]}],
+        "dynamic_batching": {
+            "preferred_batch_size": [model.batcher_max_batch_size],
+            "max_queue_delay_microseconds": round(model.batch_window_s * 1e6),
+        },
+    }

@@ -1,0 +1,220 @@
+"""Model variants measured against ONNX FP32: stage 1's runtimes, stage 2's static INT8 recipes, and
+the table that puts them side by side.
+
+Variants are timed in turns with an ONNX FP32 session in one interleaved run, never against an FP32
+from another run: on a shared machine only ratios taken in turns hold. Agreement and SQNR are against
+that FP32 session's logits on the same held-out photos.
+"""
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from mnv3.accuracy import array_batches, evaluate, predict
+from mnv3.latency import Timing, interleaved_benchmark
+from mnv3.quantize import RECIPES, preprocess_photos, quantize_static_int8, size_mb
+from mnv3.runtime import make_session, ort_runner
+
+FP32 = "onnx_fp32"
+STATIC_INT8 = "onnx_static_int8"
+RATIO_KEYS = ("mean_ms", "p50_ms", "per_image_ms", "per_image_p50_ms")  # timed columns compared with FP32
+FP32_COLUMNS = ("mean_ms", "p50_ms", "per_image_ms", "size_mb")  # FP32's own, beside each recipe's ratios
+COMPARISON_ROUNDS = 8  # --compare-recipes: more rounds than a stage-1 benchmark, so drift averages out
+RATIO_TABLE_COLUMNS = ("recipe", "mean_ms_vs_onnx_fp32", "p50_ms_vs_onnx_fp32", "per_image_ms_vs_onnx_fp32",
+                       "size_mb_vs_onnx_fp32", "top1_agreement", "sqnr_db")
+OPENVINO_PRECISIONS = {"f32": "fp32", "bf16": "bf16"}  # OpenVINO's precision hint -> the variant-name suffix
+VARIANT_NAMES = {
+    "pytorch_fp32": "PyTorch FP32",
+    "onnx_fp32": "ONNX FP32",
+    "onnx_dynamic_int8": "ONNX Dynamic INT8",
+    "onnx_static_int8": "ONNX Static INT8",
+    "openvino_fp32": "OpenVINO FP32",
+    "openvino_bf16": "OpenVINO BF16",
+}
+COMPARISON_COLUMNS = ("mean_ms", "p95_ms", "size_mb", "batch_size", "per_image_ms", "top1_agreement",
+                      "top5_agreement", "sqnr_db", "top1_accuracy", "top5_accuracy", "threads", "weights")
+
+
+@dataclass(frozen=True)
+class Bench:
+    """How a stage measures variants against ONNX FP32, and what every row it writes records."""
+    threads: int
+    timing: Timing
+    batch_size: int
+    held_out: np.ndarray  # preprocessed held-out photos: agreement, and the timed inputs
+    labelled: tuple[list[Path], np.ndarray] | None  # --labels: true accuracy too
+    weights: str  # provenance
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One model from an interleaved run: its latency row, file size, and scores against FP32."""
+    latency: dict
+    size_mb: float
+    scores: dict
+
+    def columns(self) -> dict:
+        return self.latency | {"size_mb": self.size_mb}
+
+
+def measure_against_fp32(fp32_path: Path, models: dict[str, Path], bench: Bench, rounds: int = 5
+                         ) -> dict[str, Measured]:
+    """Each of `models` and ONNX FP32 (key FP32) timed in turns in one run, scored against FP32's logits."""
+    runners = {FP32: ort_runner(make_session(fp32_path, bench.threads))}
+    runners |= {name: ort_runner(make_session(path, bench.threads)) for name, path in models.items()}
+    reference = predict(runners[FP32], array_batches(bench.held_out, bench.batch_size))
+    latency = interleaved_benchmark(runners, bench.held_out, bench.batch_size, bench.timing, rounds=rounds)
+    measured = {FP32: Measured(latency[FP32], size_mb(fp32_path), {})}
+    for name, path in models.items():
+        scores = evaluate(runners[name], bench.held_out, reference, bench.labelled, bench.batch_size)
+        measured[name] = Measured(latency[name], size_mb(path), scores)
+    return measured
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A stage-1 variant: its name (the CSV's `variant`), `run(batch) -> logits`, and its size."""
+    name: str
+    run: Callable[[np.ndarray], np.ndarray]
+    size_mb: float
+
+
+def openvino_variants(fp32_path: Path, threads: int) -> list[Variant]:
+    """OpenVINO on the FP32 file: FP32, plus BF16 where the CPU computes it natively; none without openvino.
+
+    Runs through the session the server's `--backend openvino` uses: its static batch-1 model times batch 1,
+    its dynamic-batch model the batched run."""
+    try:
+        from mnv3.openvino_backend import OpenVINOSession, bf16_supported
+    except ModuleNotFoundError as exc:
+        if exc.name != "openvino":
+            raise
+        print("openvino: not installed, openvino rows SKIPPED (pip install -r requirements-openvino.txt to add them)")
+        return []
+
+    precisions = ["f32"]
+    if bf16_supported():
+        precisions.append("bf16")
+    else:
+        print("openvino: this CPU has no native BF16 (no AVX512_BF16/AMX), openvino_bf16 row skipped")
+    return [Variant(f"openvino_{OPENVINO_PRECISIONS[precision]}",
+                    ort_runner(OpenVINOSession(fp32_path, threads, precision)), size_mb(fp32_path))
+            for precision in precisions]
+
+
+def baseline_rows(variants: list[Variant], bench: Bench, reference: np.ndarray, bn_recalibration_images: int,
+                  export_max_abs_diff: float) -> list[dict]:
+    """Stage 1's rows: the variants timed in turns (a noisy neighbour slows all alike, so the ratios
+    hold), each scored against ONNX FP32's `reference` logits."""
+    latency = interleaved_benchmark({variant.name: variant.run for variant in variants}, bench.held_out,
+                                    bench.batch_size, bench.timing)
+    return [{"variant": variant.name, **latency[variant.name], "size_mb": variant.size_mb, "threads": bench.threads,
+             "weights": bench.weights, "bn_recalibration_images": bn_recalibration_images,
+             "export_max_abs_diff": f"{export_max_abs_diff:.2e}" if variant.name == FP32 else "",
+             # ONNX FP32 is the reference (it equals PyTorch to EXPORT_TOLERANCE), so it has no agreement.
+             **evaluate(variant.run, bench.held_out, None if variant.name == FP32 else reference, bench.labelled,
+                        bench.batch_size)}
+            for variant in variants]
+
+
+def fastest(rows: list[dict]) -> str:
+    """Which variant is fastest for one image at a time and which per image in a batch, and by how much."""
+    def verdict(column: str) -> str:
+        first, second = sorted(rows, key=lambda row: row[column])[:2]
+        return (f"{first['variant']} ({first[column]} ms; next {second['variant']} at "
+                f"{second[column] / first[column]:.2f}x)")
+
+    return (f"fastest at batch 1 (mean): {verdict('mean_ms')}\n"
+            f"fastest per image at batch {rows[0]['batch_size']}: {verdict('per_image_ms')}")
+
+
+def same_run_ratios(measured: dict, fp32: dict, keys=RATIO_KEYS) -> dict:
+    """`<key>_vs_onnx_fp32` columns: a variant against the ONNX FP32 timed in turns with it."""
+    return {f"{key}_vs_onnx_fp32": round(measured[key] / fp32[key], 3) for key in keys}
+
+
+def static_row(static: Measured, fp32: Measured, bench: Bench) -> dict:
+    """The 02_static.csv row of the shipped model (its recipe columns are added by the stage)."""
+    return {"variant": STATIC_INT8, **static.latency, **same_run_ratios(static.latency, fp32.latency),
+            "size_mb": static.size_mb, "threads": bench.threads, "weights": bench.weights, **static.scores}
+
+
+def measure_static(fp32_path: Path, static_path: Path, bench: Bench) -> dict:
+    """The static INT8 model at `static_path` against FP32 in turns: its 02_static.csv row."""
+    measured = measure_against_fp32(fp32_path, {STATIC_INT8: static_path}, bench)
+    return static_row(measured[STATIC_INT8], measured[FP32], bench)
+
+
+def recipe_columns(name: str) -> dict:
+    """Every field of recipe `name` as one CSV cell (lists space-separated, extra options as JSON)."""
+    return {key: " ".join(value) if isinstance(value, list) else json.dumps(value) if isinstance(value, dict) else value
+            for key, value in RECIPES[name].record().items()}
+
+
+def recipe_path(recipes_dir: Path, name: str) -> Path:
+    return Path(recipes_dir) / f"{name}.onnx"
+
+
+def build_recipes(fp32_path: Path, names: list[str], calibration: list[Path], recipes_dir: Path
+                  ) -> dict[str, float]:
+    """Build each recipe into `recipes_dir` on one preprocessed calibration set; seconds each took."""
+    calibration_images = preprocess_photos(calibration)
+    Path(recipes_dir).mkdir(parents=True, exist_ok=True)
+    build_s = {}
+    # One calibration cache for all: recipes that share a calibrated graph calibrate it once.
+    with tempfile.TemporaryDirectory() as calibration_cache:
+        for name in names:
+            print(f"building recipe {name}")
+            start = time.perf_counter()
+            quantize_static_int8(fp32_path, recipe_path(recipes_dir, name), calibration_images, RECIPES[name],
+                                 cache_dir=calibration_cache)
+            build_s[name] = round(time.perf_counter() - start, 1)
+    return build_s
+
+
+def compare_recipes(fp32_path: Path, names: list[str], shipped: str, calibration: list[Path], recipes_dir: Path,
+                    bench: Bench, repeats: int) -> tuple[list[dict], dict]:
+    """Build every recipe in `names` into `recipes_dir`, time them and ONNX FP32 in turns in one run
+    (`repeats` x the bench's calls, in COMPARISON_ROUNDS rounds), and score them against FP32.
+
+    Returns (one 02_recipes.csv row per recipe, the `shipped` recipe's 02_static.csv row): the
+    shipped row is the same measurement as its comparison row, not a second one."""
+    build_s = build_recipes(fp32_path, names, calibration, recipes_dir)
+    timing = replace(bench.timing, iters=bench.timing.iters * repeats,
+                     batch_iters=bench.timing.batch_iters * repeats)
+    measured = measure_against_fp32(fp32_path, {name: recipe_path(recipes_dir, name) for name in names},
+                                    replace(bench, timing=timing), rounds=COMPARISON_ROUNDS)
+    fp32 = measured[FP32].columns()
+    rows = [{"recipe": name, "shipped": name == shipped, **recipe_columns(name),
+             "calibration_images": len(calibration), "build_s": build_s[name], **measured[name].columns(),
+             **same_run_ratios(measured[name].columns(), fp32, keys=RATIO_KEYS + ("size_mb",)),
+             **measured[name].scores, **{f"onnx_fp32_{key}": fp32[key] for key in FP32_COLUMNS},
+             "threads": bench.threads, "weights": bench.weights}
+            for name in names]
+    return rows, static_row(measured[shipped], measured[FP32], bench)
+
+
+def ratio_table_rows(recipe_rows: list[dict]) -> list[dict]:
+    """What stage 2 prints of the comparison: each recipe's ratios to FP32 and its agreement."""
+    return [{key: row[key] for key in RATIO_TABLE_COLUMNS} for row in recipe_rows]
+
+
+def compare_variants(rows: list[dict]) -> list[dict]:
+    """The seed's four-row table (plus any other stage-1 variants), with latency relative to ONNX FP32."""
+    settings = {(str(row["threads"]), str(row["batch_size"])) for row in rows}
+    if len(settings) > 1:
+        print(f"warning: stages 1 and 2 ran with different (threads, batch size) {sorted(settings)}; "
+              "rerun stage 1 with the same flags for a fair comparison", file=sys.stderr)
+    onnx_fp32_ms = next(float(row["mean_ms"]) for row in rows if row["variant"] == FP32)
+    return [
+        {"variant": VARIANT_NAMES.get(row["variant"], row["variant"]),
+         **{column: row.get(column, "") for column in COMPARISON_COLUMNS if any(r.get(column) for r in rows)},
+         # INT8's own same-run ratio where stage 2 timed it in turns with FP32, else across the two runs
+         "mean_vs_onnx_fp32": round(float(row.get("mean_ms_vs_onnx_fp32") or float(row["mean_ms"]) / onnx_fp32_ms), 2)}
+        for row in rows
+    ]

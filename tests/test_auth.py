@@ -1,0 +1,385 @@
+"""Access control (mnv3.auth) in front of a small app with the server's routes: who gets through where,
+what refusals say, rate limits on an injected clock, bad key files, no key material anywhere, and over a
+real socket that a refused 10 MiB upload is answered without being read."""
+import hashlib
+import logging
+import select
+import socket
+import threading
+import time
+
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.testclient import TestClient
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from mnv3.auth import (ApiKeyAuth, KeyFileError, Scope, exposure_warning, is_loopback, load_key_file, parse_keys,
+                       required_scope)
+from mnv3.loadtest import free_port
+
+pytestmark = pytest.mark.integration
+
+WAIT_S = 30  # upper bound on any wait; a broken test fails instead of hanging
+INFER_KEY = "infer-key-0123456789abcdef"
+ADMIN_KEY = "admin-key-0123456789abcdef"  # given in the file as its sha256 only
+LIMITED_KEY = "limited-key-0123456789abcdef"
+KEYS = (INFER_KEY, ADMIN_KEY, LIMITED_KEY)
+KEY_FILE = f"""# keys for the tests
+{INFER_KEY} infer name=client
+
+sha256:{hashlib.sha256(ADMIN_KEY.encode()).hexdigest()} admin
+{LIMITED_KEY} infer rate=30/min burst=2
+"""
+
+# (method, path, what it needs), for the server's routes as the other issues add them
+ROUTES = [
+    ("GET", "/healthz", Scope.OPEN), ("GET", "/readyz", Scope.OPEN),
+    ("GET", "/v2/health/live", Scope.OPEN), ("GET", "/v2/health/ready", Scope.OPEN),
+    ("GET", "/", Scope.OPEN), ("GET", "/static/page.js", Scope.OPEN),
+    ("GET", "/docs", Scope.OPEN), ("GET", "/redoc", Scope.OPEN), ("GET", "/openapi.json", Scope.OPEN),
+    ("POST", "/predict", Scope.INFER), ("POST", "/v2/models/fp32/infer", Scope.INFER),
+    ("POST", "/v2/models/fp32/versions/1/infer", Scope.INFER),
+    ("GET", "/stats", Scope.INFER), ("GET", "/models", Scope.INFER),
+    ("GET", "/metrics", Scope.ADMIN), ("GET", "/model", Scope.ADMIN), ("GET", "/v2", Scope.ADMIN),
+    ("GET", "/v2/models/fp32", Scope.ADMIN), ("GET", "/v2/models/fp32/versions/1", Scope.ADMIN),
+    ("GET", "/v2/models/fp32/ready", Scope.ADMIN), ("GET", "/v2/models/fp32/config", Scope.ADMIN),
+    ("GET", "/debug/unlisted", Scope.ADMIN),  # nobody listed it: default-deny
+]
+
+
+def stand_in_app() -> FastAPI:
+    """The server's routes, each answering 200 with what it read of the body."""
+    app = FastAPI()
+
+    async def answer(request: Request):
+        return {"body_bytes": len(await request.body())}
+
+    for method, path, _ in ROUTES:
+        if path not in ("/docs", "/redoc", "/openapi.json"):  # FastAPI's own
+            app.add_api_route(path, answer, methods=[method])
+
+    @app.websocket("/ws")
+    async def ws(websocket: WebSocket):
+        await websocket.accept()
+        await websocket.send_text("hello")
+
+    return app
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+class ReceiveCounter:
+    """Outermost ASGI wrapper: counts the body bytes anything inside it took from the connection."""
+
+    def __init__(self, app):
+        self.app, self.calls, self.body_bytes = app, 0, 0
+
+    async def __call__(self, scope, receive, send):
+        async def counted():
+            message = await receive()
+            if message["type"] == "http.request":
+                self.calls += 1
+                self.body_bytes += len(message.get("body", b""))
+            return message
+
+        await self.app(scope, counted, send)
+
+
+def protected_app(clock=None) -> FastAPI:
+    app = stand_in_app()
+    app.add_middleware(ApiKeyAuth, keys=parse_keys(KEY_FILE, clock=clock or Clock()))
+    return app
+
+
+@pytest.fixture
+def clock():
+    return Clock()
+
+
+@pytest.fixture
+def client(clock):
+    with TestClient(protected_app(clock)) as client:
+        yield client
+
+
+def bearer(key):
+    return {"Authorization": f"Bearer {key}"}
+
+
+def call(client, method, path, headers=None):
+    return client.request(method, path, headers=headers, content=b"x" * 100 if method == "POST" else None)
+
+
+@pytest.mark.parametrize("method, path, needed", ROUTES, ids=[f"{m} {p}" for m, p, _ in ROUTES])
+def test_each_path_needs_its_scope(client, method, path, needed):
+    anonymous = call(client, method, path)
+    if needed is Scope.OPEN:
+        assert anonymous.status_code == 200
+        return
+    assert anonymous.status_code == 401
+    assert anonymous.headers["www-authenticate"].startswith("Bearer")
+    assert "Authorization: Bearer KEY" in reason(anonymous)
+
+    with_infer = call(client, method, path, bearer(INFER_KEY))
+    if needed is Scope.INFER:
+        assert with_infer.status_code == 200
+        if method == "POST":
+            assert with_infer.json() == {"body_bytes": 100}  # let through, body and all
+    else:
+        assert with_infer.status_code == 403 and "scope admin" in reason(with_infer)
+        assert 'error="insufficient_scope"' in with_infer.headers["www-authenticate"]
+    assert call(client, method, path, bearer(ADMIN_KEY)).status_code == 200  # admin includes infer
+
+
+def reason(response) -> str:
+    body = response.json()
+    assert len(body) == 1
+    return body.get("error") or body["detail"]
+
+
+def test_refusals_on_v2_paths_use_the_protocols_error_shape(client):
+    assert set(client.post("/v2/models/fp32/infer").json()) == {"error"}
+    assert set(client.get("/v2/models/fp32", headers=bearer(INFER_KEY)).json()) == {"error"}
+    assert set(client.get("/v2", headers=bearer("not-a-key-0123456789")).json()) == {"error"}
+    assert set(client.post("/predict").json()) == {"detail"}
+
+
+def test_bearer_and_x_api_key_both_work_and_the_sha256_line_accepts_its_key(client):
+    for headers in (bearer(ADMIN_KEY), {"X-API-Key": ADMIN_KEY}, {"authorization": f"bearer  {ADMIN_KEY} "}):
+        assert client.get("/metrics", headers=headers).status_code == 200, headers
+    # the digest itself is not a key
+    digest = hashlib.sha256(ADMIN_KEY.encode()).hexdigest()
+    assert client.get("/metrics", headers=bearer(f"sha256:{digest}")).status_code == 401
+
+
+@pytest.mark.parametrize("headers, why", [
+    (bearer("wrong-key-0123456789abcdef"), "not valid"),
+    (bearer(INFER_KEY[:-1]), "not valid"),
+    ({"Authorization": f"Basic {INFER_KEY}"}, "must be 'Bearer KEY'"),
+    ({"Authorization": "Bearer "}, "must be 'Bearer KEY'"),
+    ({"Authorization": f"Bearer {INFER_KEY}", "X-API-Key": ADMIN_KEY}, "two different keys"),
+])
+def test_a_wrong_key_is_a_401_with_its_reason(client, headers, why):
+    response = client.post("/predict", headers=headers, content=b"x")
+    assert response.status_code == 401 and why in reason(response)
+    assert response.headers["www-authenticate"].startswith("Bearer")
+    assert response.headers["connection"] == "close"
+
+
+@pytest.mark.parametrize("query", ["api_key", "key", "token", "access_token", "API_KEY"])
+def test_a_key_in_the_query_string_is_refused_even_a_valid_one(client, query):
+    for path in ("/predict", "/healthz"):
+        response = client.post(path, params={query: INFER_KEY}, headers=bearer(INFER_KEY), content=b"x") \
+            if path == "/predict" else client.get(path, params={query: INFER_KEY})
+        assert response.status_code == 400 and "send it as the header" in reason(response)
+    assert client.post("/predict", params={"model": "fp32"}, headers=bearer(INFER_KEY)).status_code == 200
+
+
+def test_rate_limit_hit_then_recovered(client, clock):
+    limited = bearer(LIMITED_KEY)  # 30/min = one token every 2 s, burst 2
+    assert [client.post("/predict", headers=limited).status_code for _ in range(2)] == [200, 200]
+    refused = client.post("/predict", headers=limited)
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "2"
+    assert "rate limit of 0.5/s, burst 2" in reason(refused)
+    assert client.post("/predict", headers=bearer(INFER_KEY)).status_code == 200  # other keys are not limited
+
+    clock.now += 1.5  # 0.75 of a token: the wait, 0.5 s, rounds up to 1
+    assert client.post("/predict", headers=limited).headers["retry-after"] == "1"
+    clock.now += 0.5
+    assert client.post("/predict", headers=limited).status_code == 200
+    assert client.post("/predict", headers=limited).status_code == 429
+    clock.now += 60  # refills to the burst, no further
+    assert [client.post("/predict", headers=limited).status_code for _ in range(3)] == [200, 200, 429]
+
+
+def test_refused_requests_do_not_spend_tokens(client, clock):
+    limited = bearer(LIMITED_KEY)
+    for _ in range(5):
+        assert client.get("/metrics", headers=limited).status_code == 403
+    assert [client.post("/predict", headers=limited).status_code for _ in range(3)] == [200, 200, 429]
+
+
+def test_no_key_material_in_bodies_or_logs(client, clock, caplog):
+    caplog.set_level(logging.DEBUG)
+    digest = hashlib.sha256(ADMIN_KEY.encode())
+    responses = [
+        client.post("/predict", headers=bearer(INFER_KEY + "x")),
+        client.get("/metrics", headers=bearer(INFER_KEY)),
+        client.get("/metrics", headers={"X-API-Key": LIMITED_KEY}),
+        client.get("/stats", params={"api_key": ADMIN_KEY}),
+        client.get("/v2", headers=bearer(digest.hexdigest())),
+        *[client.post("/predict", headers=bearer(LIMITED_KEY)) for _ in range(3)],
+    ]
+    assert [r.status_code for r in responses] == [401, 403, 403, 400, 401, 200, 200, 429]
+    assert any(record.name == "mnv3.auth" for record in caplog.records)  # refusals are logged, by key name
+    assert "key client" in caplog.text
+    secrets = [*KEYS, digest.hexdigest(), hashlib.sha256(INFER_KEY.encode()).hexdigest()]
+    # the client's own log (httpx) prints the URL with the key in it: which is why such URLs are refused
+    server_log = [record.getMessage() for record in caplog.records if record.name != "httpx"]
+    for text in [*(r.text for r in responses), *(str(r.headers) for r in responses), *server_log]:
+        assert not any(secret in text for secret in secrets)
+
+
+def test_websockets_are_refused(client):
+    with pytest.raises(WebSocketDisconnect), client.websocket_connect("/ws", headers=bearer(ADMIN_KEY)) as ws:
+        ws.receive_text()
+
+
+@pytest.mark.parametrize("path", ["/static/../metrics", "/static/./x/../../model", "//metrics", "/docs/../model",
+                                  "/v2/health/live/..", "/predict/", "/PREDICT"])
+def test_odd_spellings_of_a_path_need_admin(path):
+    assert required_scope("GET", path) is Scope.ADMIN
+    assert required_scope("POST", path) is Scope.ADMIN
+
+
+def test_open_paths_are_open_to_reads_only():
+    assert required_scope("GET", "/healthz") is Scope.OPEN and required_scope("HEAD", "/") is Scope.OPEN
+    assert required_scope("POST", "/healthz") is Scope.ADMIN and required_scope("DELETE", "/static/a.js") is Scope.ADMIN
+    assert required_scope("GET", "/predict") is Scope.ADMIN  # only POST /predict is inference
+
+
+@pytest.mark.parametrize("text, line, fix", [
+    ("", None, "no keys: add a line KEY SCOPE"),
+    ("# only a comment\n\n", None, "no keys"),
+    (f"{INFER_KEY}\n", 1, "a key needs a scope"),
+    (f"\n{INFER_KEY} write\n", 2, "unknown scope 'write': use one of infer, admin"),
+    (f"{INFER_KEY} infer\n{ADMIN_KEY} admin\n{INFER_KEY} admin\n", 3, "the same key as line 1"),
+    (f"sha256:{hashlib.sha256(INFER_KEY.encode()).hexdigest().upper()} admin\n{INFER_KEY} infer\n", 2,
+     "the same key as line 1"),
+    ("sha256:abc infer\n", 1, "64 hex digits"),
+    (f"sha256:{'g' * 64} infer\n", 1, "64 hex digits"),
+    ("short-key infer\n", 1, "16 to 512 characters, this one has 9"),
+    (f"{INFER_KEY}\u00e9 infer\n", 1, "visible ASCII"),
+    (f"{INFER_KEY} infer rate=50\n", 1, "rate=N/s or rate=N/min"),
+    (f"{INFER_KEY} infer rate=0/s\n", 1, "N > 0"),
+    (f"{INFER_KEY} infer rate=5/h\n", 1, "rate=N/s or rate=N/min"),
+    (f"{INFER_KEY} infer burst=10\n", 1, "burst= without rate="),
+    (f"{INFER_KEY} infer rate=5/s burst=0\n", 1, "at least 1"),
+    (f"{INFER_KEY} infer rate=5/s rate=6/s\n", 1, "given twice"),
+    (f"{INFER_KEY} infer limit=5\n", 1, "unknown option 'limit=5'"),
+    (f"{INFER_KEY} infer name=a/b\n", 1, "name= takes"),
+])
+def test_a_bad_key_file_is_one_line_naming_the_line_and_the_fix(tmp_path, text, line, fix):
+    path = tmp_path / "keys.txt"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(KeyFileError) as error:
+        load_key_file(path)
+    message = str(error.value)
+    assert "\n" not in message and fix in message
+    assert message.startswith(f"{path}:{line}: " if line else f"{path}: ")
+    assert INFER_KEY not in message and ADMIN_KEY not in message
+
+
+def test_an_unreadable_key_file_is_one_line(tmp_path):
+    with pytest.raises(KeyFileError, match=r"^cannot read key file .*missing.*: No such file"):
+        load_key_file(tmp_path / "missing")
+
+
+def test_a_good_key_file_loads_with_its_options(tmp_path):
+    path = tmp_path / "keys.txt"
+    path.write_text(KEY_FILE + f"{'k' * 40} admin rate=120/min\n", encoding="utf-8")
+    keys = load_key_file(path)
+    assert [(k.name, k.scope, k.limit and (k.limit.rate_per_s, k.limit.burst)) for k in keys.keys] == [
+        ("client", Scope.INFER, None), ("line 4", Scope.ADMIN, None), ("line 5", Scope.INFER, (0.5, 2)),
+        ("line 6", Scope.ADMIN, (2.0, 2))]  # without burst=, one second's worth, at least 1
+    assert keys.match(ADMIN_KEY).name == "line 4" and keys.match("k" * 39) is None
+    assert not any(key in repr(keys) + repr(keys.keys) for key in KEYS)
+
+
+@pytest.mark.parametrize("host, loopback", [
+    ("127.0.0.1", True), ("127.0.0.2", True), ("::1", True), ("[::1]", True), ("localhost", True),
+    ("LOCALHOST", True), ("::ffff:127.0.0.1", True),
+    ("0.0.0.0", False), ("::", False), ("192.168.1.20", False), ("10.0.0.1", False), ("myhost.example", False),
+    ("", False),
+])
+def test_is_loopback_and_the_warning_names_the_flag(host, loopback):
+    assert is_loopback(host) is loopback
+    warning = exposure_warning(host)
+    assert (warning is None) is loopback
+    if not loopback:
+        assert "--api-keys FILE" in warning and f"binding to {host} " in warning and "\n" not in warning
+
+
+# ------------------------------------------------------------------------------------ over a real socket
+
+@pytest.fixture(params=["httptools", "h11"])
+def live_server(request):
+    """The protected stand-in app under uvicorn on 127.0.0.1 (with each of its HTTP parsers), inside a counter
+    of the body bytes it took."""
+    counter = ReceiveCounter(protected_app())
+    port = free_port()
+    # log_config=None: uvicorn's access log then reaches caplog
+    server = uvicorn.Server(uvicorn.Config(counter, host="127.0.0.1", port=port, http=request.param,
+                                           log_config=None, lifespan="off"))
+    thread = threading.Thread(target=server.run, name="uvicorn")
+    thread.start()
+    give_up = time.monotonic() + WAIT_S
+    while not server.started:
+        assert time.monotonic() < give_up and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.01)
+    try:
+        yield port, counter
+    finally:
+        server.should_exit = True
+        thread.join(WAIT_S)
+
+
+def upload(port: int, size: int, first: int, headers: str = "") -> tuple[bytes, bool]:
+    """POST /predict announcing `size` bytes and sending the first `first` of them; the rest only once the
+    server has not answered within 2 s. Returns the response, and whether the server closed the
+    connection after it (rather than waiting for the rest of the body)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
+        sock.sendall(f"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\n{headers}"
+                     f"Content-Length: {size}\r\n\r\n".encode() + b"\0" * first)
+        if not select.select([sock], [], [], 2)[0]:
+            sock.sendall(b"\0" * (size - first))
+        response = b""
+        while b"\r\n\r\n" not in response:
+            response += sock.recv(65536)
+        head, _, body = response.partition(b"\r\n\r\n")
+        length = int(next(line for line in head.lower().split(b"\r\n") if line.startswith(b"content-length:"))[15:])
+        while len(body) < length:
+            body += sock.recv(65536)
+        # The whole response is in: does the server close the connection? (Sooner than uvicorn's 5 s keep-alive.)
+        sock.settimeout(2)
+        try:
+            closed = sock.recv(1) == b""
+        except ConnectionResetError:  # closed with our unread body on its way: also a close
+            closed = True
+        except TimeoutError:
+            closed = False
+    return head + b"\r\n\r\n" + body, closed
+
+
+def test_an_unauthenticated_10_mib_upload_is_refused_without_being_read(live_server):
+    port, counter = live_server
+    size = 10 * 1024 * 1024
+    response, closed = upload(port, size, first=65536)  # the other 10 MiB - 64 KiB are never sent
+    assert response.startswith(b"HTTP/1.1 401") and b"www-authenticate: Bearer" in response
+    assert closed and b"connection: close" in response.lower()
+    assert counter.calls == counter.body_bytes == 0  # nothing inside the server took a byte of the body
+
+    # the same upload with a key is read, and answered once all of it is in: the counter does count
+    response, closed = upload(port, size, first=65536, headers=f"Authorization: Bearer {INFER_KEY}\r\n")
+    assert response.startswith(b"HTTP/1.1 200") and f'{{"body_bytes":{size}}}'.encode() in response
+    assert counter.body_bytes == size and not closed  # kept alive for the next request
+
+
+def test_a_key_in_the_url_does_not_reach_the_access_log(live_server, caplog):
+    port, _ = live_server
+    caplog.set_level(logging.INFO, logger="uvicorn.access")
+    with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
+        sock.sendall(f"GET /stats?model=fp32&api_key={INFER_KEY} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        assert sock.recv(65536).startswith(b"HTTP/1.1 400")
+    give_up = time.monotonic() + WAIT_S
+    while "/stats" not in caplog.text:
+        assert time.monotonic() < give_up, "no access log record"
+        time.sleep(0.01)
+    assert "/stats?model=fp32&api_key=REDACTED" in caplog.text and INFER_KEY not in caplog.text

@@ -1,0 +1,49 @@
+"""The plumbing every entry point shares: --quick defaults that never override a flag, and one-line errors."""
+import pytest
+
+import batching_loadtest
+import caching
+from mnv3 import cli
+from mnv3.artifacts import MissingArtifact
+
+pytestmark = pytest.mark.unit
+
+
+def parse(stage, *flags):
+    return stage.get_args_parser().parse_args(list(flags))
+
+
+def test_quick_and_full_fill_only_what_the_user_left_unset():
+    full = cli.fill_load_defaults(parse(caching), sequential_requests=cli.FULL.sequential_requests)
+    assert (full.concurrency, full.requests, full.sequential_requests) == (250, 1000, 50)
+    quick = cli.fill_load_defaults(parse(caching, "--quick"), sequential_requests=cli.QUICK.sequential_requests)
+    assert (quick.concurrency, quick.requests, quick.sequential_requests) == (8, 32, 8)
+    chosen = cli.fill_load_defaults(parse(caching, "--quick", "--concurrency", "5", "--requests", "7"))
+    assert (chosen.concurrency, chosen.requests) == (5, 7)
+    assert cli.defaults(parse(caching, "--quick")) is cli.QUICK and cli.defaults(parse(caching)) is cli.FULL
+
+
+def test_load_tests_take_the_servers_defaults():
+    from mnv3.config import ServerConfig
+
+    args = parse(batching_loadtest)
+    assert (args.batch_window_ms, args.max_batch_size) == (ServerConfig.batch_window_ms, ServerConfig.max_batch_size)
+    assert (args.intra_op_threads, args.inter_op_threads) == (ServerConfig.intra_op_threads,
+                                                              ServerConfig.inter_op_threads)
+
+
+@pytest.mark.parametrize("error", [MissingArtifact("x.onnx not found: run stage 1"), cli.UsageError("lower --x")])
+def test_an_error_the_user_can_fix_is_one_line_and_exit_2(error, capsys):
+    def run(args):
+        raise error
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.run_stage(run, None)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == f"error: {error}\n"
+
+
+def test_run_stage_returns_what_the_stage_returns_and_lets_bugs_through():
+    assert cli.run_stage(lambda args: args * 2, 21) == 42
+    with pytest.raises(ZeroDivisionError):
+        cli.run_stage(lambda args: 1 / 0, None)

@@ -1,0 +1,319 @@
+"""The v2 codec against Triton's own Python client: requests built by tritonclient.http, responses read by it."""
+import base64
+import json
+import random
+import struct
+
+import numpy as np
+import pytest
+from tritonclient.http import InferenceServerClient, InferInput, InferRequestedOutput
+
+from mnv3.v2_protocol import (EXTENSIONS, IMAGE_INPUT, PIXELS_INPUT, PROBABILITIES_OUTPUT, InferRequest,
+                              ModelDescription, V2Error, encode_infer_response, model_config, model_metadata,
+                              parse_infer_request, server_metadata)
+
+pytestmark = pytest.mark.unit
+
+CLASS_NAMES = ["tench", "goldfish", "great white shark", "tiger shark", "hammerhead"]
+MODEL = ModelDescription(name="fp32", version="1", input_shape=(3, 4, 5), class_names=CLASS_NAMES,
+                         num_classes=len(CLASS_NAMES), max_images=4, batcher_max_batch_size=8,
+                         batch_window_s=0.002)
+# Not images, but every byte value: the codec must carry them untouched (decoding is the server's job).
+PAYLOADS = [bytes(range(256)) * 3, b"\xff\xd8\xff\x00\x00jpeg", b"\x89PNG\r\n\x1a\n" + bytes(17)]
+
+
+def request_body(inputs, outputs=None, **kwargs) -> tuple[bytes, str | None]:
+    """The body and Inference-Header-Content-Length exactly as tritonclient.http sends them."""
+    body, json_size = InferenceServerClient.generate_request_body(inputs, outputs=outputs, **kwargs)
+    return body, None if json_size is None else str(json_size)
+
+
+def image_input(payloads, binary=True, shape=None) -> InferInput:
+    array = np.array(payloads, dtype=object).reshape(shape or [len(payloads)])
+    tensor = InferInput(IMAGE_INPUT, list(array.shape), "BYTES")
+    tensor.set_data_from_numpy(array, binary_data=binary)
+    return tensor
+
+
+def pixels_input(pixels: np.ndarray, binary=True) -> InferInput:
+    tensor = InferInput(PIXELS_INPUT, list(pixels.shape), "FP32")
+    tensor.set_data_from_numpy(pixels, binary_data=binary)
+    return tensor
+
+
+def parse(body, header_length=None, model=MODEL) -> InferRequest:
+    return parse_infer_request(body, header_length, model)
+
+
+def random_pixels(n: int) -> np.ndarray:
+    return np.random.default_rng(n).standard_normal((n, *MODEL.input_shape), dtype=np.float32)
+
+
+def probabilities(n: int) -> np.ndarray:
+    logits = np.random.default_rng(100 + n).standard_normal((n, MODEL.num_classes)).astype(np.float32)
+    return np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
+
+
+def read_response(response):
+    """tritonclient's own parser (InferResult) over what we encoded."""
+    return InferenceServerClient.parse_response_body(response.body, header_length=response.header_length)
+
+
+# ---- requests ----------------------------------------------------------------------------------------
+
+def test_binary_images_as_the_client_sends_them():
+    request = parse(*request_body([image_input(PAYLOADS)], request_id="req-7"))
+    assert request.images == PAYLOADS and request.pixels is None and request.count == 3
+    assert request.id == "req-7"
+    # tritonclient asks for every output in binary when it names none.
+    assert request.outputs == () and request.binary_output
+
+
+def test_images_shaped_n_by_1_as_perf_analyzer_sends_them():
+    request = parse(*request_body([image_input(PAYLOADS[:2], shape=[2, 1])]))
+    assert request.images == PAYLOADS[:2]
+
+
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+def test_pixels_round_trip(binary):
+    pixels = random_pixels(2)
+    request = parse(*request_body([pixels_input(pixels, binary=binary)]))
+    assert request.images is None and request.pixels.dtype == np.float32
+    np.testing.assert_array_equal(request.pixels, pixels)
+
+
+def test_nested_json_pixels_equal_flat_ones():
+    pixels = random_pixels(1)
+    header = {"inputs": [{"name": PIXELS_INPUT, "datatype": "FP32", "shape": list(pixels.shape),
+                          "data": pixels.tolist()}]}
+    np.testing.assert_array_equal(parse(json.dumps(header).encode()).pixels, pixels)
+
+
+def test_json_images_in_base64():
+    header = {"id": "b64", "inputs": [{"name": IMAGE_INPUT, "datatype": "BYTES", "shape": [2, 1],
+                                       "parameters": {"content_type": "base64"},
+                                       "data": [[base64.b64encode(p).decode()] for p in PAYLOADS[:2]]}]}
+    request = parse(json.dumps(header).encode())
+    assert request.images == PAYLOADS[:2] and request.id == "b64" and not request.binary_output
+
+
+def test_requested_outputs_and_their_parameters():
+    outputs = [InferRequestedOutput(PROBABILITIES_OUTPUT, binary_data=False, class_count=3)]
+    request = parse(*request_body([image_input(PAYLOADS[:1])], outputs=outputs))
+    [output] = request.outputs
+    assert (output.name, output.binary_data, output.classification) == (PROBABILITIES_OUTPUT, False, 3)
+    assert not request.binary_output
+
+
+# ---- responses ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+def test_probabilities_read_back_by_tritonclient(binary):
+    request = parse(*request_body([image_input(PAYLOADS)], request_id="r1",
+                                  outputs=[InferRequestedOutput(PROBABILITIES_OUTPUT, binary_data=binary)]))
+    probs = probabilities(3)
+    response = encode_infer_response(request, probs, MODEL)
+    assert (response.header_length is not None) == binary
+    result = read_response(response)
+    np.testing.assert_array_equal(result.as_numpy(PROBABILITIES_OUTPUT), probs)
+    header = result.get_response()
+    assert (header["model_name"], header["model_version"], header["id"]) == ("fp32", "1", "r1")
+    [output] = header["outputs"]
+    # perf_analyzer requires binary_data_size in any parameters object of a binary output.
+    assert ("binary_data_size" in output.get("parameters", {})) == binary
+
+
+def test_binary_by_default_when_the_client_names_no_output():
+    request = parse(*request_body([image_input(PAYLOADS[:2])]))
+    response = encode_infer_response(request, probabilities(2), MODEL)
+    assert response.header_length is not None
+    np.testing.assert_array_equal(read_response(response).as_numpy(PROBABILITIES_OUTPUT), probabilities(2))
+
+
+def test_no_id_in_the_request_none_in_the_response():
+    request = parse(*request_body([image_input(PAYLOADS[:1])]))
+    assert "id" not in read_response(encode_infer_response(request, probabilities(1), MODEL)).get_response()
+
+
+def expected_classification(row: np.ndarray, k: int, class_names) -> list[str]:
+    """Triton's classification.cc: std::to_string(prob) + ":" + index [+ ":" + label], highest first."""
+    ranked = sorted(range(len(row)), key=lambda i: -row[i])[:k]
+    return [":".join(["%f" % row[i], str(i)] + ([class_names[i]] if class_names else [])) for i in ranked]
+
+
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+@pytest.mark.parametrize("k", [1, 3, 50])
+def test_classification_extension(binary, k):
+    outputs = [InferRequestedOutput(PROBABILITIES_OUTPUT, binary_data=binary, class_count=k)]
+    request = parse(*request_body([image_input(PAYLOADS)], outputs=outputs))
+    probs = probabilities(3)
+    result = read_response(encode_infer_response(request, probs, MODEL))
+    strings = result.as_numpy(PROBABILITIES_OUTPUT)
+    assert strings.shape == (3, min(k, MODEL.num_classes))
+    for row, got in zip(probs, strings):
+        assert [s.decode() if isinstance(s, bytes) else s for s in got] == expected_classification(row, k, CLASS_NAMES)
+
+
+def test_classification_without_class_names_has_no_label():
+    unlabelled = ModelDescription(**{**MODEL.__dict__, "class_names": []})
+    outputs = [InferRequestedOutput(PROBABILITIES_OUTPUT, binary_data=False, class_count=2)]
+    request = parse(*request_body([image_input(PAYLOADS[:1])], outputs=outputs), model=unlabelled)
+    probs = probabilities(1)
+    [row] = read_response(encode_infer_response(request, probs, unlabelled)).as_numpy(PROBABILITIES_OUTPUT)
+    assert list(row) == expected_classification(probs[0], 2, [])
+
+
+# ---- metadata ----------------------------------------------------------------------------------------
+
+def test_server_metadata_lists_only_what_is_implemented():
+    document = server_metadata("0.1.0")
+    assert document["version"] == "0.1.0"
+    assert set(document["extensions"]) == set(EXTENSIONS) and "statistics" not in document["extensions"]
+
+
+def test_model_metadata_and_config_agree():
+    metadata, config = model_metadata(MODEL), model_config(MODEL)
+    assert metadata["name"] == config["name"] == "fp32" and metadata["versions"] == ["1"]
+    assert config["max_batch_size"] == MODEL.max_images > 0
+    # With max_batch_size > 0 the config's dims leave out the batch dimension that the metadata shows as -1.
+    config_inputs = {tensor["name"]: tensor for tensor in config["input"]}
+    for tensor in metadata["inputs"]:
+        assert tensor["shape"][0] == -1 and config_inputs[tensor["name"]]["dims"] == tensor["shape"][1:]
+        assert config_inputs[tensor["name"]]["optional"]  # a request sends one of the two
+    assert config_inputs[PIXELS_INPUT]["dims"] == list(MODEL.input_shape)
+    [output] = metadata["outputs"]
+    assert output["shape"] == [-1, MODEL.num_classes] and config["output"][0]["dims"] == output["shape"][1:]
+    assert config["dynamic_batching"] == {"preferred_batch_size": [8], "max_queue_delay_microseconds": 2000}
+
+
+# ---- bad input ---------------------------------------------------------------------------------------
+
+def json_request(*inputs, **header) -> tuple[bytes, None]:
+    return json.dumps({"inputs": list(inputs), **header}).encode(), None
+
+
+def binary_images(elements: bytes, shape, size=None) -> tuple[bytes, str]:
+    header = json.dumps({"inputs": [{"name": IMAGE_INPUT, "datatype": "BYTES", "shape": shape,
+                                     "parameters": {"binary_data_size": len(elements) if size is None else size}}]})
+    return header.encode() + elements, str(len(header))
+
+
+def resized(tensor: InferInput, shape) -> InferInput:
+    tensor.set_shape(shape)  # after the data: tritonclient checks the shape against the array only then
+    return tensor
+
+
+def tritonclient_body(*inputs, outputs=None):
+    return request_body(list(inputs), outputs=outputs)
+
+
+def _fp32_named(name) -> InferInput:
+    tensor = InferInput(name, [1], "FP32")
+    tensor.set_data_from_numpy(np.zeros(1, np.float32))
+    return tensor
+
+
+def _bytes_input(name) -> InferInput:
+    tensor = InferInput(name, [1], "BYTES")
+    tensor.set_data_from_numpy(np.array([b"x"], dtype=object))
+    return tensor
+
+
+_BASE64_IMAGE = {"name": IMAGE_INPUT, "datatype": "BYTES", "shape": [1], "parameters": {"content_type": "base64"},
+                 "data": ["eA=="]}
+
+
+BAD_REQUESTS = {
+    "wrong datatype": (lambda: tritonclient_body(_fp32_named(IMAGE_INPUT)), "takes BYTES, not FP32"),
+    "unknown datatype": (lambda: json_request({"name": IMAGE_INPUT, "datatype": "FP8", "shape": [1], "data": ["x"]}),
+                         "unknown datatype 'FP8'"),
+    "shape larger than the data": (lambda: tritonclient_body(resized(image_input(PAYLOADS[:1]), [2])),
+                                   "holds 1 elements"),
+    "fp32 byte count": (lambda: tritonclient_body(resized(pixels_input(random_pixels(1)[:, :, :, :4]), [1, 3, 4, 5])),
+                        "bytes of FP32, but binary_data_size is"),
+    "json element count": (lambda: json_request({"name": PIXELS_INPUT, "datatype": "FP32", "shape": [1, 3, 4, 5],
+                                                 "data": [0.5] * 59}), "(60 elements) but holds 59"),
+    "ragged json": (lambda: json_request({"name": PIXELS_INPUT, "datatype": "FP32", "shape": [1, 3, 4, 5],
+                                          "data": [[0.5] * 30, [0.5] * 29]}), "not a rectangular array"),
+    "strings as pixels": (lambda: json_request({"name": PIXELS_INPUT, "datatype": "FP32", "shape": [1, 3, 4, 5],
+                                                "data": ["1.5"] * 60}), "must be numbers"),
+    "missing input": (lambda: tritonclient_body(), "missing input"),
+    "two inputs": (lambda: tritonclient_body(image_input(PAYLOADS[:1]), pixels_input(random_pixels(1))),
+                   "send one input, not 2"),
+    "unknown input": (lambda: tritonclient_body(_bytes_input("INPUT0")), "unknown input 'INPUT0'"),
+    "unknown output": (lambda: tritonclient_body(image_input(PAYLOADS[:1]), outputs=[InferRequestedOutput("OUTPUT0")]),
+                       "unknown output 'OUTPUT0'"),
+    "output twice": (lambda: tritonclient_body(image_input(PAYLOADS[:1]),
+                                               outputs=[InferRequestedOutput(PROBABILITIES_OUTPUT)] * 2),
+                     "requested twice"),
+    # tritonclient leaves out class_count=0, so this one is written by hand.
+    "classification 0": (lambda: json_request(_BASE64_IMAGE, outputs=[{"name": PROBABILITIES_OUTPUT,
+                                                                      "parameters": {"classification": 0}}]),
+                         "positive integer"),
+    "negative header length": (lambda: (tritonclient_body(image_input(PAYLOADS[:1]))[0], "-5"), "negative"),
+    "non-numeric header length": (lambda: (tritonclient_body(image_input(PAYLOADS[:1]))[0], "12a"),
+                                  "decimal byte count"),
+    "header length past the body": (lambda: (tritonclient_body(image_input(PAYLOADS[:1]))[0], "100000"),
+                                    "the body has only"),
+    "header not json": (lambda: (b"\xff\xfe not json", None), "not JSON"),
+    "binary without its header length": (lambda: (tritonclient_body(image_input(PAYLOADS[:1]))[0], None), "not JSON"),
+    "header not an object": (lambda: (b"[1, 2]", None), "must be a JSON object"),
+    "bytes element runs past the data": (lambda: binary_images(struct.pack("<I", 1000) + b"x" * 10, [1]),
+                                         "says 1000 bytes but only 10 remain"),
+    "bytes length cut off": (lambda: binary_images(struct.pack("<I", 1) + b"x" + b"\x01\x00", [2]),
+                             "cut off in its 4-byte length"),
+    "binary_data_size past the body": (lambda: binary_images(struct.pack("<I", 1) + b"x", [1], size=50),
+                                       "binary_data_size is 50 but 5 bytes follow"),
+    "bytes after the json": (lambda: (json_request(_BASE64_IMAGE)[0] + b"trailing", None), "not JSON"),
+    "bytes after the json header": (lambda: (json_request(_BASE64_IMAGE)[0] + b"trailing",
+                                             str(len(json_request(_BASE64_IMAGE)[0]))), "no input is binary"),
+    "data and binary_data_size": (lambda: json_request({"name": IMAGE_INPUT, "datatype": "BYTES", "shape": [1],
+                                                        "data": ["eA=="], "parameters": {"binary_data_size": 5}}),
+                                  "both \"data\" and parameters.binary_data_size"),
+    "empty tensor": (lambda: json_request({"name": IMAGE_INPUT, "datatype": "BYTES", "shape": [0], "data": []}),
+                     "empty tensor"),
+    "too many images": (lambda: tritonclient_body(image_input(PAYLOADS + PAYLOADS[:2])),
+                        "5 images in one request; the limit is 4"),
+    "fp32 of another image size": (lambda: tritonclient_body(pixels_input(np.zeros((1, 3, 224, 224), np.float32))),
+                                   "takes [N, 3, 4, 5]"),
+    "json bytes without base64": (lambda: tritonclient_body(image_input(["not an image"], binary=False)),
+                                  "content_type"),
+    "json bytes not base64": (lambda: json_request({"name": IMAGE_INPUT, "datatype": "BYTES", "shape": [1],
+                                                    "parameters": {"content_type": "base64"}, "data": ["%%%"]}),
+                              "not base64"),
+    "negative dimension": (lambda: json_request({"name": IMAGE_INPUT, "datatype": "BYTES", "shape": [-1], "data": []}),
+                           "non-negative integers"),
+    "id not a string": (lambda: json_request(_BASE64_IMAGE, id=7),
+                        '"id" must be a string'),
+    "no data at all": (lambda: json_request({"name": IMAGE_INPUT, "datatype": "BYTES", "shape": [1]}),
+                       "neither \"data\" nor"),
+    "deeply nested header": (lambda: (b"[" * 100_000 + b"]" * 100_000, None), "not JSON"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_REQUESTS)
+def test_bad_request_is_a_400_with_its_reason(case):
+    make, reason = BAD_REQUESTS[case]
+    with pytest.raises(V2Error) as caught:
+        parse(*make())
+    assert caught.value.status == 400
+    assert reason in caught.value.message
+
+
+def test_mutated_bodies_give_a_request_or_a_v2_error():
+    """Whatever a client sends, the parser answers with a request or a V2Error, never another exception."""
+    valid = [request_body([image_input(PAYLOADS)], request_id="x"),
+             request_body([pixels_input(random_pixels(1), binary=False)]),
+             request_body([pixels_input(random_pixels(2))], outputs=[InferRequestedOutput(PROBABILITIES_OUTPUT)])]
+    rng = random.Random(0)
+    for _ in range(600):
+        body, header_length = rng.choice(valid)
+        mutated = bytearray(body)
+        for _ in range(rng.randint(1, 4)):
+            mutated[rng.randrange(len(mutated))] = rng.randrange(256)
+        if header_length is not None and rng.random() < 0.2:
+            header_length = str(int(header_length) + rng.randint(-8, 8))
+        try:
+            parse(bytes(mutated), header_length)
+        except V2Error as exc:
+            assert exc.status == 400 and exc.message
