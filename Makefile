@@ -59,6 +59,7 @@ bench: $(EXTRAS_STAMP)
 	$(PY) caching.py
 	$(PY) batching_loadtest.py --phone-photos 64
 	$(PY) -m mnv3.ray_serve --bench
+	$(PY) -m mnv3.ray_cluster --bench-loss --bench-cache --bench-autoscale
 	$(PY) -m mnv3.soak
 	$(PY) -m mnv3.goals
 

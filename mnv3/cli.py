@@ -55,6 +55,13 @@ class Defaults:
     soak_concurrency: int
     # python -m mnv3.ray_serve --bench
     ray_bench_concurrency: int
+    # python -m mnv3.ray_cluster: closed-loop clients, seconds of load and the kill's time in a loss run,
+    # distinct photos, and requests per photo in the cache run
+    cluster_concurrency: int
+    cluster_seconds: float
+    cluster_loss_at: float
+    cluster_images: int
+    cluster_repeats: int
 
 
 FULL = Defaults(
@@ -66,6 +73,7 @@ FULL = Defaults(
     phone_concurrency=32, phone_decode_rounds=5,
     soak_requests=20_000, soak_cache_size=256, soak_distinct=1024, soak_concurrency=16,
     ray_bench_concurrency=64,
+    cluster_concurrency=16, cluster_seconds=60.0, cluster_loss_at=15.0, cluster_images=64, cluster_repeats=16,
 )
 QUICK = Defaults(
     timing=Timing(warmup=3, iters=10, batch_warmup=1, batch_iters=3), batch_size=8, held_out_images=16,
@@ -75,6 +83,7 @@ QUICK = Defaults(
     phone_concurrency=4, phone_decode_rounds=2,
     soak_requests=400, soak_cache_size=32, soak_distinct=128, soak_concurrency=4,
     ray_bench_concurrency=8,
+    cluster_concurrency=8, cluster_seconds=30.0, cluster_loss_at=10.0, cluster_images=16, cluster_repeats=8,
 )
 
 
