@@ -18,6 +18,9 @@ MANIFEST_JSON = "manifest.json"
 # file-name order, so the number prefix orders the stages.
 BASELINE_CSV = "01_baseline.csv"
 DYNAMIC_INT8_PROFILE_CSV = "01_dynamic_int8_profile.csv"
+# stage 1 --transformer-control: the same dynamic-INT8 harness on a ViT, and its INT8 profile
+TRANSFORMER_CONTROL_CSV = "01_transformer_control.csv"
+TRANSFORMER_CONTROL_PROFILE_CSV = "01_transformer_control_profile.csv"
 STATIC_CSV = "02_static.csv"
 RECIPES_CSV = "02_recipes.csv"
 ENGINES_CSV = "02_engines.csv"
@@ -29,8 +32,12 @@ BATCHING_CSV = "05_batching_loadtest.csv"
 THROUGHPUT_PNG = "05_throughput_vs_concurrency.png"
 LATENCY_PNG = "05_latency_vs_concurrency.png"
 BATCH_SIZE_HISTOGRAM_PNG = "05_batch_size_histogram.png"
+PHONE_PHOTOS_CSV = "05_phone_photos.csv"
 RAY_SERVE_CSV = "06_ray_serve.csv"
 SOAK_CSV = "07_soak.csv"
+RAY_CLUSTER_LOSS_CSV = "08_ray_cluster_loss.csv"
+RAY_CLUSTER_CACHE_CSV = "09_ray_cluster_cache.csv"
+RAY_CLUSTER_AUTOSCALE_CSV = "10_ray_cluster_autoscale.csv"
 GOALS_CSV = "goals.csv"
 
 STAGE_SCRIPTS = {

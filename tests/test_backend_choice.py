@@ -22,6 +22,8 @@ from mnv3.quantize import DEFAULT_RECIPE, RECIPES, calibration_photos, quantize_
 from mnv3.server import create_app
 from mnv3.variants import Bench, EngineVariant, build_openvino_int8, engine_rows, engine_runner, engine_variants
 
+pytestmark = pytest.mark.e2e
+
 REAL_WEIGHTS = "imagenet"  # any provenance but the stand-in's: the guard applies
 # The random-init stand-in amplifies small perturbations layer by layer (see test_quantize.py): the same FP32
 # network in another engine agrees exactly, INT8 only partly. Its bounds here are test_quantize's for static
@@ -131,6 +133,7 @@ def measured_rows(models_dir, calibration, held_out):
     return {row["variant"]: row for row in engine_rows(models_dir / FP32_ONNX, runners, bench)}
 
 
+@pytest.mark.slow
 def test_every_engine_variant_computes_the_same_network(measured_rows):
     same_fp32 = [name for name, row in measured_rows.items() if row["file"] == FP32_ONNX and row["precision"] != "bf16"
                  and name not in ("onnxruntime_fp32", "degraded_noise")]
@@ -144,6 +147,7 @@ def test_every_engine_variant_computes_the_same_network(measured_rows):
     assert measured_rows["degraded_noise"]["top1_agreement"] < INT8_TOP1  # the bound tells noise apart
 
 
+@pytest.mark.slow
 def test_the_guard_refuses_a_degraded_variant_with_real_weights_only(measured_rows):
     rows = list(measured_rows.values())
     chosen, refused = choose(rows, 0.99, guard_applies=True)

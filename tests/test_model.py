@@ -13,6 +13,8 @@ from mnv3.model import EXPORT_TOLERANCE, BadWeights, export_max_abs_diff, export
 from mnv3.photos import CALIBRATION_SOURCES, augmented_views, held_out_images
 from mnv3.preprocess import preprocess_batch
 
+pytestmark = pytest.mark.integration
+
 
 def test_offline_falls_back_to_labelled_random_init(monkeypatch):
     def offline(*args, **kwargs):
