@@ -19,10 +19,10 @@ from mnv3.accuracy import UnreadableLabels, held_out_batch, load_labels
 from mnv3.artifacts import (BASELINE_CSV, CALIBRATION_DIR, CLASS_NAMES_JSON, ENGINES_CSV, FP32_ONNX,
                             MODEL_VARIANTS_CSV, MODEL_VARIANTS_PNG, RECIPES_CSV, STATIC_CSV, STATIC_INT8_ONNX,
                             read_manifest, require, update_manifest)
+from mnv3.backend_choice import DEFAULT_MIN_AGREEMENT, MANIFEST_KEY, STAND_IN_PROVENANCE, choose, manifest_entry
 from mnv3.plots import plot_variants
 from mnv3.preprocess import InvalidImage
 from mnv3.quantize import DEFAULT_RECIPE, RECIPES, calibration_photos, quantize_static_int8
-from mnv3.backend_choice import DEFAULT_MIN_AGREEMENT, MANIFEST_KEY, STAND_IN_PROVENANCE, choose, manifest_entry
 from mnv3.variants import (ENGINE_TABLE_COLUMNS, Bench, build_openvino_int8, compare_recipes, compare_variants,
                            engine_rows, engine_runner, engine_variants, measure_static, ratio_table_rows, recipe_path)
 from mnv3.report import markdown_table, read_csv, write_csv, write_summary

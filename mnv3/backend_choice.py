@@ -110,8 +110,8 @@ def choose(rows: list[dict], min_agreement: float, guard_applies: bool) -> tuple
 
 def guard_note(provenance: str, min_agreement: float) -> str:
     if provenance == STAND_IN_PROVENANCE:
-        return (f"not applied: the weights are the random-init stand-in, whose agreement with FP32 says nothing "
-                f"about a trained model's; rerun stage 1 with --weights for a guarded choice")
+        return ("not applied: the weights are the random-init stand-in, whose agreement with FP32 says nothing "
+                "about a trained model's; rerun stage 1 with --weights for a guarded choice")
     return f"applied: a variant needs top-1 agreement with FP32 >= {min_agreement} on the held-out photos"
 
 

@@ -16,8 +16,8 @@ from tqdm import tqdm
 
 from mnv3.backend_choice import Choice
 from mnv3.engine import open_session
-from mnv3.runtime import DEFAULT_INTER_OP_THREADS
 from mnv3.preprocess import decode_and_preprocess
+from mnv3.runtime import DEFAULT_INTER_OP_THREADS
 
 BATCH_SIZES = (1, 8, 16, 32, 64)
 # (ORT intra-op threads, decode threads): on 2 cores, each side gets one core, or shares both.

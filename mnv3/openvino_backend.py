@@ -79,7 +79,7 @@ class OpenVINOSession:
             requests = self._any_batch[:len(parts)]
         with self._lock:
             # share_inputs: no copy of the batch in; outputs are copied out, the requests reuse their buffers.
-            for request, part in zip(requests, parts):
+            for request, part in zip(requests, parts, strict=True):
                 request.start_async({0: np.ascontiguousarray(part)}, share_inputs=True)
             for request in requests:
                 request.wait()

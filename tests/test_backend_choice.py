@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from mnv3.accuracy import agreement
 from mnv3.artifacts import CLASS_NAMES_JSON, FP32_ONNX, STATIC_INT8_ONNX, update_manifest
 from mnv3.backend_choice import MANIFEST_KEY, choose, manifest_entry, resolve_auto
 from mnv3.batching_benchmark import limit_engines
