@@ -79,7 +79,7 @@ def resolve_auto(model: Path) -> Choice:
     if not chosen.is_file():
         return fallback(f"stage 2 chose {entry['variant']}, but its file {chosen} is missing", True)
     return Choice(chosen, entry["engine"], entry["precision"], AUTO, entry["reason"], False, entry,
-                  entry.get("streams", 1))
+                  entry["streams"])
 
 
 def variant_name(engine: str, file: str, precision: str, streams: int = 1) -> str:
@@ -122,7 +122,7 @@ def manifest_entry(chosen: dict, refused: dict[str, str], for_model: str, candid
                "top5_agreement", "sqnr_db")
     return {
         "variant": chosen["variant"], "engine": chosen["engine"], "file": chosen["file"],
-        "precision": chosen["precision"], "streams": chosen.get("streams", 1), "for_model": for_model,
+        "precision": chosen["precision"], "streams": chosen["streams"], "for_model": for_model,
         **{column: chosen.get(column) for column in columns},
         "reason": (f"fastest of {candidates} engine x precision variants timed in turns with ONNX FP32 on this "
                    f"machine (batch 1 {chosen['mean_ms_vs_onnx_fp32']}x, per image at batch "

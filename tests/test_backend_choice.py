@@ -52,7 +52,7 @@ def models_dir(fp32_model_dir, calibration, tmp_path_factory):
 
 
 def entry_for(engine: str, file: str, precision: str = "f32", for_model: str = STATIC_INT8_ONNX) -> dict:
-    row = {"variant": f"{engine}_{file}", "engine": engine, "file": file, "precision": precision,
+    row = {"variant": f"{engine}_{file}", "engine": engine, "file": file, "precision": precision, "streams": 1,
            "mean_ms_vs_onnx_fp32": 0.5, "per_image_ms_vs_onnx_fp32": 0.4, "batch_size": 32, "top1_agreement": 1.0}
     return manifest_entry(row, {}, for_model, 3, REAL_WEIGHTS, 0.99, {"cpu": "test"})
 
