@@ -2,6 +2,8 @@
 import json
 from pathlib import Path
 
+from mnv3.preprocess import DEFAULT_PREPROCESSING, Preprocessing
+
 ARTIFACTS_DIR = Path("artifacts")  # git-ignored: ONNX files, profiles, manifest
 RESULTS_DIR = Path("results")  # committed: CSVs, plots, summary.md
 CALIBRATION_DIR = Path("calibration_images")
@@ -9,9 +11,10 @@ CALIBRATION_DIR = Path("calibration_images")
 FP32_ONNX = "fp32.onnx"
 DYNAMIC_INT8_ONNX = "dynamic_int8.onnx"
 STATIC_INT8_ONNX = "static_int8.onnx"
-# ImageNet class names written beside the models so serving never needs torchvision.
-CLASS_NAMES_JSON = "imagenet_classes.json"
-# What each stage produced (weights provenance, which file is the shipped INT8 model, ...).
+# The model's class names (a JSON list, index = class id) written beside the models by stage 1, so
+# serving needs neither torchvision nor the training folders.
+CLASS_NAMES_JSON = "class_names.json"
+# What each stage produced (weights provenance, arch, preprocessing, which file is the shipped INT8 model, ...).
 MANIFEST_JSON = "manifest.json"
 
 # Under RESULTS_DIR: what each stage and tool writes. summary.md has one section per file stem, in
@@ -59,6 +62,19 @@ def require(path, stage: int) -> Path:
 def read_manifest(artifacts_dir) -> dict:
     path = Path(artifacts_dir) / MANIFEST_JSON
     return json.loads(path.read_text()) if path.exists() else {}
+
+
+def write_class_names(model_dir, names: list[str]) -> Path:
+    path = Path(model_dir) / CLASS_NAMES_JSON
+    path.write_text(json.dumps(names))
+    return path
+
+
+def model_preprocessing(model_dir) -> Preprocessing:
+    """The preprocessing stage 1 recorded for the models in `model_dir`; torchvision's ImageNet one for a
+    model with no manifest beside it (one exported elsewhere)."""
+    record = read_manifest(model_dir).get("preprocessing")
+    return DEFAULT_PREPROCESSING if record is None else Preprocessing.from_record(record)
 
 
 def update_manifest(artifacts_dir, **entries) -> dict:

@@ -28,7 +28,8 @@ def _option(default, help: str, minimum=None, choices=None):
 @dataclass(frozen=True)
 class ServerConfig:
     """Every setting of one server. Each field is also a CLI flag and an MNV3_<NAME> variable."""
-    model: Path = field(metadata={"help": "ONNX model file; imagenet_classes.json beside it names the classes"})
+    model: Path = field(metadata={"help": "ONNX model file; class_names.json and manifest.json beside it give "
+                                          "its class names and preprocessing"})
     host: str = _option("127.0.0.1", "address to bind")
     port: int = _option(8000, "port to bind", minimum=0)
     backend: str = _option("onnxruntime", "inference runtime", choices=BACKENDS)

@@ -1,19 +1,23 @@
 """The in-process limit: how many images/s this machine classifies with no HTTP, no queue, no JSON.
 
-The same work the server does per image (preprocess.decode_and_preprocess, then one ORT run per batch), on
-the same JPEG bodies, in one process. Decoding the next batch runs in a thread pool while ORT runs
-the current one, as the server's preprocessing overlaps its inference. The best configuration is the
-ceiling stage 5 holds the batched server to: server req/s / limit images/s is the serving overhead.
+The same work the server does per image (preprocess.decode_and_preprocess with the preprocessing the
+manifest beside the model records, then one ORT run per batch), on the same JPEG bodies, in one process.
+Decoding the next batch runs in a thread pool while ORT runs the current one, as the server's
+preprocessing overlaps its inference. The best configuration is the ceiling stage 5 holds the batched
+server to: server req/s / limit images/s is the serving overhead.
 """
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
+from mnv3.artifacts import model_preprocessing
 from mnv3.runtime import DEFAULT_INTER_OP_THREADS, make_session
-from mnv3.preprocess import decode_and_preprocess
+from mnv3.preprocess import Preprocessing, decode_and_preprocess
 
 BATCH_SIZES = (1, 8, 16, 32, 64)
 # (ORT intra-op threads, decode threads): on 2 cores, each side gets one core, or shares both.
@@ -37,16 +41,17 @@ class LimitResult:
         return asdict(self) | {"seconds": round(self.seconds, 3), "images_per_s": round(self.images_per_s, 2)}
 
 
-def classify_all(session, pool, bodies: list[bytes], batch_size: int) -> float:
+def classify_all(session, pool, bodies: list[bytes], batch_size: int, preprocessing: Preprocessing) -> float:
     """Seconds to classify every body in batches, decoding batch k+1 while batch k runs."""
     input_name = session.get_inputs()[0].name
     batches = [bodies[i:i + batch_size] for i in range(0, len(bodies), batch_size)]
+    decode = partial(decode_and_preprocess, preprocessing=preprocessing)
     start = time.perf_counter()
-    pending = [pool.submit(decode_and_preprocess, body) for body in batches[0]]
+    pending = [pool.submit(decode, body) for body in batches[0]]
     for k in range(len(batches)):
         arrays = [future.result() for future in pending]
         if k + 1 < len(batches):
-            pending = [pool.submit(decode_and_preprocess, body) for body in batches[k + 1]]
+            pending = [pool.submit(decode, body) for body in batches[k + 1]]
         session.run(None, {input_name: np.stack(arrays)})
     return time.perf_counter() - start
 
@@ -56,9 +61,10 @@ def measure_limit(model_path, bodies: list[bytes], batch_size: int, intra_op_thr
     """Images/s of one configuration over `passes` runs through `bodies`, after an untimed warm-up batch."""
     # No spinning, as the server runs by default: decoding shares the cores with ORT here too.
     session = make_session(model_path, intra_op_threads, DEFAULT_INTER_OP_THREADS, allow_spinning=False)
+    preprocessing = model_preprocessing(Path(model_path).parent)  # as the server serving this file does
     with ThreadPoolExecutor(max_workers=decode_threads) as pool:
-        classify_all(session, pool, bodies[:batch_size], batch_size)  # ORT allocates its buffers for this shape
-        seconds = sum(classify_all(session, pool, bodies, batch_size) for _ in range(passes))
+        classify_all(session, pool, bodies[:batch_size], batch_size, preprocessing)  # ORT allocates for this shape
+        seconds = sum(classify_all(session, pool, bodies, batch_size, preprocessing) for _ in range(passes))
     return LimitResult(batch_size, intra_op_threads, decode_threads, passes * len(bodies), seconds)
 
 

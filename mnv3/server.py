@@ -106,7 +106,8 @@ class Serving:
             async with asyncio.timeout_at(deadline):
                 array = await asyncio.get_running_loop().run_in_executor(self.preprocess_pool,
                                                                          decode_and_preprocess, data,
-                                                                         self.config.max_pixels)
+                                                                         self.config.max_pixels,
+                                                                         self.engine.preprocessing)
         except TimeoutError:
             raise DeadlineExceeded("deadline passed while waiting to decode the image") from None
         finally:

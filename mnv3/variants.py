@@ -17,6 +17,7 @@ import numpy as np
 
 from mnv3.accuracy import array_batches, evaluate, predict
 from mnv3.latency import Timing, interleaved_benchmark
+from mnv3.preprocess import Preprocessing
 from mnv3.quantize import RECIPES, preprocess_photos, quantize_static_int8, size_mb
 from mnv3.runtime import make_session, ort_runner
 
@@ -37,7 +38,8 @@ VARIANT_NAMES = {
     "openvino_bf16": "OpenVINO BF16",
 }
 COMPARISON_COLUMNS = ("mean_ms", "p95_ms", "size_mb", "batch_size", "per_image_ms", "top1_agreement",
-                      "top5_agreement", "sqnr_db", "top1_accuracy", "top5_accuracy", "threads", "weights")
+                      "top5_agreement", "sqnr_db", "top1_accuracy", "top5_accuracy", "threads", "weights", "arch",
+                      "classes")
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,13 @@ class Bench:
     held_out: np.ndarray  # preprocessed held-out photos: agreement, and the timed inputs
     labelled: tuple[list[Path], np.ndarray] | None  # --labels: true accuracy too
     weights: str  # provenance
+    arch: str
+    classes: int
+    preprocessing: Preprocessing  # the model's, which `held_out` already went through; `labelled` goes through it
+
+    def provenance(self) -> dict:
+        """The columns every row records: which weights, which architecture, how many classes."""
+        return {"weights": self.weights, "arch": self.arch, "classes": self.classes}
 
 
 @dataclass(frozen=True)
@@ -71,7 +80,8 @@ def measure_against_fp32(fp32_path: Path, models: dict[str, Path], bench: Bench,
     latency = interleaved_benchmark(runners, bench.held_out, bench.batch_size, bench.timing, rounds=rounds)
     measured = {FP32: Measured(latency[FP32], size_mb(fp32_path), {})}
     for name, path in models.items():
-        scores = evaluate(runners[name], bench.held_out, reference, bench.labelled, bench.batch_size)
+        scores = evaluate(runners[name], bench.held_out, reference, bench.labelled, bench.batch_size,
+                          bench.preprocessing)
         measured[name] = Measured(latency[name], size_mb(path), scores)
     return measured
 
@@ -114,11 +124,11 @@ def baseline_rows(variants: list[Variant], bench: Bench, reference: np.ndarray, 
     latency = interleaved_benchmark({variant.name: variant.run for variant in variants}, bench.held_out,
                                     bench.batch_size, bench.timing)
     return [{"variant": variant.name, **latency[variant.name], "size_mb": variant.size_mb, "threads": bench.threads,
-             "weights": bench.weights, "bn_recalibration_images": bn_recalibration_images,
+             **bench.provenance(), "bn_recalibration_images": bn_recalibration_images,
              "export_max_abs_diff": f"{export_max_abs_diff:.2e}" if variant.name == FP32 else "",
              # ONNX FP32 is the reference (it equals PyTorch to EXPORT_TOLERANCE), so it has no agreement.
              **evaluate(variant.run, bench.held_out, None if variant.name == FP32 else reference, bench.labelled,
-                        bench.batch_size)}
+                        bench.batch_size, bench.preprocessing)}
             for variant in variants]
 
 
@@ -141,7 +151,7 @@ def same_run_ratios(measured: dict, fp32: dict, keys=RATIO_KEYS) -> dict:
 def static_row(static: Measured, fp32: Measured, bench: Bench) -> dict:
     """The 02_static.csv row of the shipped model (its recipe columns are added by the stage)."""
     return {"variant": STATIC_INT8, **static.latency, **same_run_ratios(static.latency, fp32.latency),
-            "size_mb": static.size_mb, "threads": bench.threads, "weights": bench.weights, **static.scores}
+            "size_mb": static.size_mb, "threads": bench.threads, **bench.provenance(), **static.scores}
 
 
 def measure_static(fp32_path: Path, static_path: Path, bench: Bench) -> dict:
@@ -160,10 +170,10 @@ def recipe_path(recipes_dir: Path, name: str) -> Path:
     return Path(recipes_dir) / f"{name}.onnx"
 
 
-def build_recipes(fp32_path: Path, names: list[str], calibration: list[Path], recipes_dir: Path
-                  ) -> dict[str, float]:
+def build_recipes(fp32_path: Path, names: list[str], calibration: list[Path], recipes_dir: Path,
+                  preprocessing: Preprocessing) -> dict[str, float]:
     """Build each recipe into `recipes_dir` on one preprocessed calibration set; seconds each took."""
-    calibration_images = preprocess_photos(calibration)
+    calibration_images = preprocess_photos(calibration, preprocessing)
     Path(recipes_dir).mkdir(parents=True, exist_ok=True)
     build_s = {}
     # One calibration cache for all: recipes that share a calibrated graph calibrate it once.
@@ -184,7 +194,7 @@ def compare_recipes(fp32_path: Path, names: list[str], shipped: str, calibration
 
     Returns (one 02_recipes.csv row per recipe, the `shipped` recipe's 02_static.csv row): the
     shipped row is the same measurement as its comparison row, not a second one."""
-    build_s = build_recipes(fp32_path, names, calibration, recipes_dir)
+    build_s = build_recipes(fp32_path, names, calibration, recipes_dir, bench.preprocessing)
     timing = replace(bench.timing, iters=bench.timing.iters * repeats,
                      batch_iters=bench.timing.batch_iters * repeats)
     measured = measure_against_fp32(fp32_path, {name: recipe_path(recipes_dir, name) for name in names},
@@ -194,7 +204,7 @@ def compare_recipes(fp32_path: Path, names: list[str], shipped: str, calibration
              "calibration_images": len(calibration), "build_s": build_s[name], **measured[name].columns(),
              **same_run_ratios(measured[name].columns(), fp32, keys=RATIO_KEYS + ("size_mb",)),
              **measured[name].scores, **{f"onnx_fp32_{key}": fp32[key] for key in FP32_COLUMNS},
-             "threads": bench.threads, "weights": bench.weights}
+             "threads": bench.threads, **bench.provenance()}
             for name in names]
     return rows, static_row(measured[shipped], measured[FP32], bench)
 

@@ -8,14 +8,15 @@ def export_random_init(arch: str, directory):
     import torch
     import torchvision.models
 
-    from mnv3.artifacts import CLASS_NAMES_JSON, FP32_ONNX
-    from mnv3.model import export_onnx, recalibrate_batchnorm
+    from mnv3.artifacts import FP32_ONNX, write_class_names
+    from mnv3.model import IMAGENET_CLASSES, export_onnx, recalibrate_batchnorm
     from mnv3.photos import CALIBRATION_SOURCES, augmented_views
 
     torch.manual_seed(0)
     model = recalibrate_batchnorm(getattr(torchvision.models, arch)(weights=None),
                                   augmented_views(CALIBRATION_SOURCES, 16, 0))
-    export_onnx(model, directory / FP32_ONNX, directory / CLASS_NAMES_JSON)
+    export_onnx(model, directory / FP32_ONNX)
+    write_class_names(directory, IMAGENET_CLASSES)
     return directory
 
 

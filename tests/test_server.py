@@ -312,7 +312,7 @@ def test_corrupt_class_names_file_is_a_clear_load_error(fp32_model_path, tmp_pat
 
     model = tmp_path / "fp32.onnx"
     model.write_bytes(fp32_model_path.read_bytes())
-    (tmp_path / "imagenet_classes.json").write_text("{not json")
+    (tmp_path / CLASS_NAMES_JSON).write_text("{not json")
     with pytest.raises(ModelLoadError, match="not a JSON list of class names"):
         Engine.load(model)
 
