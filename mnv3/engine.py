@@ -93,8 +93,9 @@ class Engine:
         return shifted / shifted.sum(axis=1, keepdims=True)
 
     def top_k(self, probabilities: np.ndarray, k: int) -> list[Prediction]:
-        """The k most probable classes of one row (all of them when k is larger), most probable first."""
-        best = np.argsort(probabilities)[::-1][:k]
+        """The k most probable classes of one row (all of them when k is larger), most probable first; equal
+        probabilities (an INT8 model's logits are quantized, so they tie) in class order, as argmax has it."""
+        best = np.argsort(-probabilities, kind="stable")[:k]
         return [Prediction(int(i), self.label(int(i)), float(probabilities[i])) for i in best]
 
     def label(self, class_id: int) -> str:
@@ -135,8 +136,9 @@ def _check_input(path, inputs, max_batch_size: int, input_shape: tuple[int, int,
         raise ModelLoadError(f"{path} has {len(inputs)} inputs; expected one image input")
     shape = inputs[0].shape
     if len(shape) != 4 or tuple(shape[1:]) != input_shape:
-        raise ModelLoadError(f"{path} takes input of shape {shape}; its preprocessing (the manifest beside it, else "
-                             f"torchvision's) gives [batch, {', '.join(map(str, input_shape))}]")
+        expected = ", ".join(map(str, input_shape))
+        raise ModelLoadError(f"{path} takes input of shape {shape}; expected [batch, {expected}] as the preprocessing "
+                             "in the manifest beside it (else torchvision's) gives")
     # A fixed batch axis runs only batches of exactly that size; batch 1 still serves without batching.
     if isinstance(shape[0], int) and (shape[0], max_batch_size) != (1, 1):
         raise ModelLoadError(f"{path} has a fixed batch size of {shape[0]}; export it with a dynamic batch axis "

@@ -29,7 +29,9 @@ CLASSIFIER_WEIGHT = "classifier.3.weight"  # the last Linear: (classes, features
 RANDOM_INIT_SEED = 0
 DOWNLOAD_TIMEOUT_S = 10  # offline machines must fall back in seconds, not hang
 OPSET = 17
-EXPORT_TOLERANCE = 1e-3  # max abs logit difference ONNX FP32 may have from PyTorch FP32
+# Max abs logit difference ONNX FP32 may have from PyTorch FP32, per unit of the largest |logit| above 1:
+# float32 rounding grows with the logits' scale, and a fine-tuned head's can be far larger than ImageNet's.
+EXPORT_TOLERANCE = 1e-3
 EXPORT_CHECK_BATCHES = (1, 8)  # batch sizes the export is checked at: one image, and a batch
 SAVE_STATE_DICT = "torch.save(model.state_dict(), 'weights.pth')"
 
@@ -247,11 +249,13 @@ def export_max_abs_diff(model: torch.nn.Module, onnx_run, batches) -> float:
 
 
 def check_export(model: torch.nn.Module, onnx_run, images) -> float:
-    """`export_max_abs_diff` at each EXPORT_CHECK_BATCHES size of `images`; over EXPORT_TOLERANCE it raises:
-    a wrong export is a bug, never shipped."""
-    diff = export_max_abs_diff(model, onnx_run, [images[:n] for n in EXPORT_CHECK_BATCHES])
-    if diff > EXPORT_TOLERANCE:
-        raise RuntimeError(f"ONNX export differs from PyTorch by {diff:.2e} > {EXPORT_TOLERANCE} "
+    """`export_max_abs_diff` at each EXPORT_CHECK_BATCHES size of `images`; over EXPORT_TOLERANCE (scaled by
+    the largest |logit| when that is above 1) it raises: a wrong export is a bug, never shipped."""
+    batches = [images[:n] for n in EXPORT_CHECK_BATCHES]
+    diff = export_max_abs_diff(model, onnx_run, batches)
+    tolerance = EXPORT_TOLERANCE * max(1.0, max(float(abs(onnx_run(batch)).max()) for batch in batches))
+    if diff > tolerance:
+        raise RuntimeError(f"ONNX export differs from PyTorch by {diff:.2e} > {tolerance:.2e} "
                            f"(max abs logit, batches {EXPORT_CHECK_BATCHES}): the export is wrong, not shipping it")
     return diff
 
