@@ -7,7 +7,9 @@ ones (--weights, --class-names, and the preprocessing it was trained with).
 
 Writes artifacts/{fp32,dynamic_int8}.onnx, artifacts/class_names.json, the manifest (arch, weights,
 classes, preprocessing: every later stage and the server read them from there), results/01_baseline.csv,
-results/01_dynamic_int8_profile.csv and results/summary.md.
+results/01_dynamic_int8_profile.csv and results/summary.md. `--transformer-control` runs the same export ->
+dynamic INT8 -> timing -> profile on a ViT as well (results/01_transformer_control*.csv): the other
+direction of the dynamic-INT8 finding.
 """
 import argparse
 
@@ -16,7 +18,8 @@ import torch
 from mnv3 import cli
 from mnv3.accuracy import UnreadableLabels, array_batches, held_out_batch, load_labels, predict
 from mnv3.artifacts import (BASELINE_CSV, CLASS_NAMES_JSON, DYNAMIC_INT8_ONNX, DYNAMIC_INT8_PROFILE_CSV, FP32_ONNX,
-                            update_manifest, write_class_names)
+                            TRANSFORMER_CONTROL_CSV, TRANSFORMER_CONTROL_PROFILE_CSV, update_manifest,
+                            write_class_names)
 from mnv3.model import (ARCHS, DEFAULT_ARCH, EXPORT_CHECK_BATCHES, BadClassNames, BadWeights, check_export,
                         class_names_for, export_onnx, load_model, recalibrate_batchnorm, state_dict_size_mb,
                         torch_runner)
@@ -26,6 +29,7 @@ from mnv3.profiling import op_type_summary, profile_model
 from mnv3.quantize import quantize_dynamic_int8, size_mb
 from mnv3.report import markdown_table, write_csv, write_summary
 from mnv3.runtime import make_session, ort_runner
+from mnv3.transformer_control import INTEGER_MATMUL_OPS, control_vit, int8_vs_fp32, op_shares, transformer_control
 from mnv3.variants import Bench, Variant, baseline_rows, fastest, openvino_variants
 
 BACKENDS = ("onnxruntime", "openvino")
@@ -53,6 +57,10 @@ def get_args_parser(add_help=True):
     parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS),
                         help="runtimes to measure (default: both; openvino is skipped when not installed). "
                              "PyTorch and onnxruntime always run: ORT FP32 is the accuracy reference")
+    parser.add_argument("--transformer-control", action="store_true",
+                        help="also run the same export -> dynamic INT8 -> timing -> profile on a random-init ViT "
+                             "(ViT-Ti/16's shape; a 2-layer one with --quick), the control for the dynamic-INT8 "
+                             "finding (on in make bench)")
     return cli.add_model_stage_args(parser, artifacts_help="where models and profiles go")
 
 
@@ -111,9 +119,18 @@ def run(args):
                           artifacts_dir / "dynamic_int8_profile.json")
     profile = op_type_summary(trace, mode.profile_runs)
     write_csv(results_dir / DYNAMIC_INT8_PROFILE_CSV, profile)
-    shares = {row["op_type"]: row["share_pct"] for row in profile}
-    print("dynamic INT8 kernel time at batch 1: " + ", ".join(f"{op} {shares.get(op, 0)}%" for op in PROFILED_OPS)
-          + f", other op types {round(100 - sum(shares.get(op, 0) for op in PROFILED_OPS), 2)}%")
+    print("dynamic INT8 kernel time at batch 1: " + op_shares(profile, PROFILED_OPS))
+    print(f"MobileNetV3 {int8_vs_fp32(rows)}")
+    if args.transformer_control:
+        shape = control_vit(args.quick)
+        # its own photos at ViT's 224 x 224, whatever preprocessing the MobileNetV3 was trained with
+        control = transformer_control(shape, held_out_batch(mode.held_out_images), mode.timing, args.batch_size,
+                                      args.threads, mode.profile_runs, artifacts_dir)
+        write_csv(results_dir / TRANSFORMER_CONTROL_CSV, control.rows)
+        write_csv(results_dir / TRANSFORMER_CONTROL_PROFILE_CSV, control.profile)
+        print(f"control, {shape.name} (random-init) {int8_vs_fp32(control.rows)}")
+        print("its dynamic INT8 kernel time at batch 1: "
+              + op_shares(control.profile, INTEGER_MATMUL_OPS + ("ConvInteger",)))
 
     update_manifest(
         artifacts_dir, weights_bn_recalibration_images=bn_images,

@@ -21,6 +21,9 @@ MANIFEST_JSON = "manifest.json"
 # file-name order, so the number prefix orders the stages.
 BASELINE_CSV = "01_baseline.csv"
 DYNAMIC_INT8_PROFILE_CSV = "01_dynamic_int8_profile.csv"
+# stage 1 --transformer-control: the same dynamic-INT8 harness on a ViT, and its INT8 profile
+TRANSFORMER_CONTROL_CSV = "01_transformer_control.csv"
+TRANSFORMER_CONTROL_PROFILE_CSV = "01_transformer_control_profile.csv"
 STATIC_CSV = "02_static.csv"
 RECIPES_CSV = "02_recipes.csv"
 MODEL_VARIANTS_CSV = "model_variants.csv"

@@ -175,7 +175,8 @@ class Keys:
 
 def parse_keys(text: str, source: str = "key file", clock: Callable[[], float] = time.monotonic) -> Keys:
     """Keys from the text of a key file; anything wrong is a KeyFileError naming `source`, the line and the fix."""
-    keys, lines_of = [], {}
+    keys: list[ApiKey] = []
+    lines_of: dict[bytes, int] = {}
     for number, line in enumerate(text.splitlines(), 1):
         words = line.split()
         if not words or words[0].startswith("#"):

@@ -17,8 +17,9 @@ class ResultCache:
         client gone), not about the image: followers then compute under their own budget instead."""
         self.maxsize = maxsize
         self.model_id = model_id
-        self.leader_only_errors = leader_only_errors
-        self._results = LRUCache(maxsize) if maxsize > 0 else None
+        # A leader ending with one of these hands over to a follower instead of failing it.
+        self._handover_errors: tuple[type[BaseException], ...] = (asyncio.CancelledError, *leader_only_errors)
+        self._results: LRUCache[str, object] | None = LRUCache(maxsize) if maxsize > 0 else None
         self._in_flight: dict[str, asyncio.Future] = {}
         self.hits = 0
         self.misses = 0
@@ -50,19 +51,20 @@ class ResultCache:
             try:
                 result = await asyncio.shield(shared)
             except asyncio.CancelledError:
-                if not shared.cancelled() or asyncio.current_task().cancelling():
+                if not shared.cancelled() or asyncio.current_task().cancelling():  # type: ignore[union-attr]
                     raise  # this request itself was cancelled
                 continue  # the leader was cancelled, not us: try again, perhaps as leader
             self.hits += 1
             return result, True
 
     async def _lead(self, key: str, compute: Callable[[], Awaitable]):
+        assert self._results is not None  # get_or_compute computes directly when the cache is off
         self.misses += 1
         future = asyncio.get_running_loop().create_future()
         self._in_flight[key] = future
         try:
             result = await compute()
-        except (asyncio.CancelledError, *self.leader_only_errors):
+        except self._handover_errors:
             future.cancel()  # followers see a cancelled leader and retry, one of them as the new leader
             raise
         except BaseException as exc:

@@ -50,7 +50,8 @@ def interleaved_benchmark(runners: dict, images: np.ndarray, batch_size: int, ti
     single = images[:1]
     batch = np.ascontiguousarray(images[np.arange(batch_size) % len(images)])
     rounds = max(1, min(rounds, timing.batch_iters, timing.iters))
-    singles, batches = {name: [] for name in runners}, {name: [] for name in runners}
+    singles: dict[str, list[float]] = {name: [] for name in runners}
+    batches: dict[str, list[float]] = {name: [] for name in runners}
     for run in runners.values():
         for _ in range(timing.warmup):
             run(single)

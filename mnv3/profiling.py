@@ -21,7 +21,8 @@ def profile_model(model_path, batch, runs: int, threads: int, trace_path) -> Pat
 
 def op_type_summary(trace_path, runs: int) -> list[dict]:
     """Kernel time per op type, largest share first. Session set-up and fences are not counted."""
-    micros, calls = defaultdict(float), defaultdict(int)
+    micros: defaultdict[str, float] = defaultdict(float)
+    calls: defaultdict[str, int] = defaultdict(int)
     for event in json.loads(Path(trace_path).read_text()):
         if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
             op_type = event["args"]["op_name"]

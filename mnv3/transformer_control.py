@@ -61,6 +61,10 @@ CONTROL_VIT = ViTShape("vit_ti_16", num_layers=12, num_heads=3, hidden_dim=192, 
 QUICK_CONTROL_VIT = ViTShape("vit_2x64", num_layers=2, num_heads=2, hidden_dim=64, mlp_dim=128)  # --quick
 
 
+def control_vit(quick: bool) -> ViTShape:
+    return QUICK_CONTROL_VIT if quick else CONTROL_VIT
+
+
 @dataclass(frozen=True)
 class ControlResult:
     """`rows`: stage 1's `01_baseline.csv` columns plus `model`, one row each for onnx_fp32 and
@@ -150,7 +154,7 @@ def get_args_parser(add_help=True):
 
 def main(args):
     mode = cli.defaults(args)  # stage 1's counts, as the control runs stage 1's steps
-    shape = QUICK_CONTROL_VIT if args.quick else CONTROL_VIT
+    shape = control_vit(args.quick)
     result = transformer_control(shape, held_out_batch(mode.held_out_images), mode.timing,
                                  args.batch_size or mode.batch_size, args.threads, mode.profile_runs,
                                  args.artifacts_dir)

@@ -90,7 +90,7 @@ class InferRequest:
 
     @property
     def count(self) -> int:
-        return len(self.images) if self.images is not None else len(self.pixels)
+        return len(self.images) if self.images is not None else len(self.pixels)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -212,7 +212,8 @@ def _input_bytes(tensor: dict, body: bytes, json_end: int) -> bytes | None:
 
 
 def _binary_bytes_elements(raw: bytes) -> list[bytes]:
-    elements, offset = [], 0
+    elements: list[bytes] = []
+    offset = 0
     while offset < len(raw):
         if offset + _LENGTH.size > len(raw):
             raise _bad(f"{IMAGE_INPUT} element {len(elements)} is cut off in its 4-byte length")
@@ -276,7 +277,7 @@ def _requested_outputs(outputs) -> tuple[RequestedOutput, ...]:
         return ()
     if not isinstance(outputs, list) or not all(isinstance(output, dict) for output in outputs):
         raise _bad('"outputs" must be a list of objects')
-    requested = []
+    requested: list[RequestedOutput] = []
     for output in outputs:
         name = output.get("name")
         if name != PROBABILITIES_OUTPUT:

@@ -1,5 +1,20 @@
-"""Shared fixtures. Nothing here downloads: models are seeded random-init MobileNetV3 exports."""
+"""Shared fixtures and the helpers several test modules use (`from conftest import ...`).
+
+Nothing here downloads: models are seeded random-init MobileNetV3 exports.
+"""
+import threading
+import time
+from contextlib import contextmanager
+
 import pytest
+import requests
+from fastapi.testclient import TestClient
+
+from mnv3.config import ServerConfig
+from mnv3.engine import Engine
+from mnv3.server import create_app
+
+WAIT_S = 30  # upper bound on any wait; a broken test fails instead of hanging
 
 
 def export_random_init(arch: str, directory):
@@ -48,3 +63,58 @@ def held_out():
     from mnv3.preprocess import preprocess_batch
 
     return preprocess_batch(held_out_images(32))
+
+
+def wait_until(condition, what: str):
+    give_up = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < give_up, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+@contextmanager
+def serving_client(model_path, **settings):
+    with TestClient(create_app(ServerConfig(model=model_path, **settings))) as client:
+        wait_until(lambda: client.get("/readyz").status_code == 200, "warm-up")
+        yield client
+
+
+def post_file(client, data: bytes, field: str = "file"):
+    return client.post("/predict", files={field: ("photo.jpg", data, "image/jpeg")})
+
+
+def post_raw(client, data, content_type: str | None = "image/jpeg"):
+    return client.post("/predict", content=data, headers={"content-type": content_type} if content_type else {})
+
+
+def post(url: str, body: bytes) -> requests.Response:
+    """POST one image to a server listening at `url` (a real socket, not a TestClient)."""
+    return requests.post(url + "/predict", files={"file": ("a.jpg", body, "image/jpeg")}, timeout=WAIT_S)
+
+
+class Gate:
+    """Wraps Engine.predict so a test can hold an inference call open and count the calls made."""
+
+    def __init__(self, engine: Engine):
+        self.real = engine.predict
+        self.batch_sizes: list[int] = []
+        self.entered, self.release = threading.Event(), threading.Event()
+        engine.predict = self
+
+    def __call__(self, batch):
+        self.batch_sizes.append(len(batch))
+        self.entered.set()
+        self.release.wait(WAIT_S)
+        return self.real(batch)
+
+
+TIERS = ("unit", "integration", "e2e")
+
+
+def pytest_collection_modifyitems(items):
+    """A test without a tier would drop out of `make test-fast` unnoticed: refuse to run one."""
+    untiered = sorted({item.nodeid.split("::")[0] for item in items
+                       if not any(item.get_closest_marker(tier) for tier in TIERS)})
+    if untiered:
+        raise pytest.UsageError(f"no tier marker (pytestmark = pytest.mark.<{'|'.join(TIERS)}>) in: "
+                                f"{', '.join(untiered)}")

@@ -18,6 +18,8 @@ from mnv3.auth import (ApiKeyAuth, KeyFileError, Scope, exposure_warning, is_loo
                        required_scope)
 from mnv3.loadtest import free_port
 
+pytestmark = pytest.mark.integration
+
 WAIT_S = 30  # upper bound on any wait; a broken test fails instead of hanging
 INFER_KEY = "infer-key-0123456789abcdef"
 ADMIN_KEY = "admin-key-0123456789abcdef"  # given in the file as its sha256 only

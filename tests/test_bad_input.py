@@ -20,10 +20,12 @@ import pytest
 import requests
 from PIL import Image
 
+from conftest import WAIT_S, post_file, post_raw, serving_client, wait_until
 from mnv3.loadtest import ServerProcess
 from mnv3.photos import load_images
 from mnv3.preprocess import ACCEPTED_FORMATS, decode_image
-from test_server import WAIT_S, post_file, post_raw, serving_client, wait_until
+
+pytestmark = pytest.mark.integration
 
 UPLOAD_LIMIT = 2_000_000
 PIXEL_LIMIT = 4_000_000

@@ -7,6 +7,8 @@ import pytest
 
 from mnv3.batcher import DeadlineExceeded, DynamicBatcher, QueueFull, ShuttingDown
 
+pytestmark = pytest.mark.unit
+
 BLOCK_TIMEOUT_S = 10  # a broken test fails instead of hanging
 
 

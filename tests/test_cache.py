@@ -4,6 +4,8 @@ import pytest
 
 from mnv3.cache import ResultCache
 
+pytestmark = pytest.mark.unit
+
 
 class Computation:
     """An async compute function that counts its calls and can be held open until released."""

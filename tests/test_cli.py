@@ -6,6 +6,8 @@ import caching
 from mnv3 import cli
 from mnv3.artifacts import MissingArtifact
 
+pytestmark = pytest.mark.unit
+
 
 def parse(stage, *flags):
     return stage.get_args_parser().parse_args(list(flags))

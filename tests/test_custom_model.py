@@ -20,6 +20,8 @@ from mnv3.preprocess import Preprocessing, decode_image
 from mnv3.report import read_csv
 from mnv3.runtime import make_session, ort_runner
 
+pytestmark = pytest.mark.e2e
+
 # Four classes, each a photo that installed packages ship; the names in ImageFolder's (sorted) order.
 SOURCES = {"cat": ("skimage", "data/chelsea.png"), "coins": ("skimage", "data/coins.png"),
            "retina": ("skimage", "data/retina.jpg"), "rocket": ("skimage", "data/rocket.jpg")}
@@ -99,11 +101,13 @@ def user_run(tmp_path_factory):
             "labels": test_labels.numpy(), "torch_logits": logits, "user_inputs": inputs.numpy()}
 
 
+@pytest.mark.slow
 def test_the_fine_tune_learned_its_classes(user_run):
     # Otherwise "the server agrees with PyTorch" could be one class for every photo.
     assert np.mean(user_run["torch_logits"].argmax(axis=1) == user_run["labels"]) >= 0.75
 
 
+@pytest.mark.slow
 def test_stage_1_records_the_users_model_and_preprocessing(user_run):
     artifacts = user_run["artifacts"]
     manifest = json.loads((artifacts / "manifest.json").read_text())
@@ -120,6 +124,7 @@ def test_stage_1_records_the_users_model_and_preprocessing(user_run):
         np.mean(user_run["torch_logits"].argmax(axis=1) == user_run["labels"]))
 
 
+@pytest.mark.slow
 def test_stage_2_quantizes_and_tables_the_small_model(user_run):
     static = read_csv(user_run["results"] / "02_static.csv")[0]
     assert (static["arch"], static["classes"]) == ("mobilenet_v3_small", "4")
@@ -130,6 +135,7 @@ def test_stage_2_quantizes_and_tables_the_small_model(user_run):
     assert "ONNX Static INT8" in table and "| mobilenet_v3_small |" in (user_run["results"] / "summary.md").read_text()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["fp32.onnx", "static_int8.onnx"])
 def test_server_answers_with_the_users_labels_as_the_model_does_on_the_users_preprocessing(user_run, model):
     """FP32: the server's top-1 is PyTorch's. Static INT8: the server's top-1 is the INT8 file's own on

@@ -9,6 +9,8 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance
 from mnv3.config import ServerConfig
 from mnv3.server import create_app
 
+pytestmark = pytest.mark.integration
+
 EXAMPLES = 100  # per generation mode, spread over all operations: about a second each
 
 

@@ -1,5 +1,9 @@
+import pytest
+
 from mnv3.goals import measured_goals
 from mnv3.report import write_csv
+
+pytestmark = pytest.mark.unit
 
 
 def test_goals_are_ratios_of_measured_rows_and_name_the_missing_stage(tmp_path):

@@ -10,13 +10,19 @@ from mnv3.graph_rewrites import (GRAPH_REWRITES, HARDSWISH_SIXTH, apply_graph_re
 from mnv3.quantize import RECIPES
 from mnv3.runtime import make_session, ort_runner
 
+pytestmark = pytest.mark.integration
+
 FIXTURE_MODELS = {"mobilenet_v3_large": "fp32_model_path", "mobilenet_v3_small": "fp32_small_model_path"}
 # Each rewrite alone, and every list of them a recipe applies (the shipped one among them).
 REWRITE_LISTS = sorted({(name,) for name in GRAPH_REWRITES} | {recipe.graph_rewrites for recipe in RECIPES.values()}
                        - {()})
 
 
-@pytest.fixture(scope="module", params=sorted(FIXTURE_MODELS))
+# MobileNetV3-Small needs an export of its own (seconds): `make test` runs it, `make test-fast` does not.
+SMALL = pytest.param("mobilenet_v3_small", marks=pytest.mark.slow)
+
+
+@pytest.fixture(scope="module", params=["mobilenet_v3_large", SMALL])
 def fp32_path(request):
     return request.getfixturevalue(FIXTURE_MODELS[request.param])
 
@@ -66,8 +72,10 @@ def test_graph_rewrites_are_exact_in_fp32_on_photos(fp32_path, held_out, referen
     np.testing.assert_allclose(run(rewritten, held_out), reference, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize(("arch", "unaligned"), [("mobilenet_v3_large", {72, 120, 200, 184}),
-                                                 ("mobilenet_v3_small", {72, 88, 120})])
+@pytest.mark.parametrize(("arch", "unaligned"), [
+    ("mobilenet_v3_large", {72, 120, 200, 184}),
+    pytest.param("mobilenet_v3_small", {72, 88, 120}, marks=pytest.mark.slow),
+])
 def test_pad_depthwise_channels_rounds_every_depthwise_conv_up_to_16_exactly(request, held_out, arch, unaligned):
     fp32_path = request.getfixturevalue(FIXTURE_MODELS[arch])
     original = onnx.load(str(fp32_path))

@@ -15,6 +15,8 @@ from mnv3.model import (EXPORT_TOLERANCE, IMAGENET_CLASSES, BadClassNames, BadWe
 from mnv3.photos import CALIBRATION_SOURCES, augmented_views, held_out_images
 from mnv3.preprocess import preprocess_batch
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.mark.parametrize("arch", ["mobilenet_v3_large", "mobilenet_v3_small"])
 def test_offline_falls_back_to_labelled_random_init(monkeypatch, arch):

@@ -2,6 +2,10 @@
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.integration
+
 SERVE_ONE_IMAGE = """
 import io, sys
 from fastapi.testclient import TestClient

@@ -14,6 +14,8 @@ from mnv3.photos import held_out_images, load_images
 from mnv3.preprocess import decode_image, preprocess, preprocess_batch
 from mnv3.server import create_app
 
+pytestmark = pytest.mark.e2e
+
 # Relative, as the random-init model's probabilities are all ~1e-3 and its top two often differ by a
 # fraction of a percent: the same FP32 network in two runtimes differs only by float rounding;
 # BF16 (only on CPUs with AVX512_BF16/AMX; not measured here, no such CPU) keeps ~3 significant digits.
@@ -81,7 +83,7 @@ def test_server_serves_with_the_openvino_backend(fp32_model_path, engines):
     assert max(body["batch_size"] for body in bodies) > 1  # a dynamic batch went through OpenVINO
     reference = ort_engine.predict(np.stack([preprocess(decode_image(data)) for data in photos]))
     tolerance = RELATIVE_TOLERANCE[precision(ov_engine)]
-    for body, ref in zip(bodies, reference):
+    for body, ref in zip(bodies, reference, strict=True):
         assert body["model"] == ort_engine.model_id
         shown = [p["class_id"] for p in body["predictions"]]  # the top 5 only
         np.testing.assert_allclose([p["probability"] for p in body["predictions"]], ref[shown], rtol=tolerance)

@@ -12,14 +12,16 @@ import pytest
 import requests
 import uvicorn
 
+from conftest import WAIT_S, Gate, post, wait_until
 from mnv3 import report
+from mnv3.config import ServerConfig
 from mnv3.engine import Engine
 from mnv3.loadtest import PredictClient, ServerProcess, free_port, run_closed_loop, run_open_loop
 from mnv3.photos import load_images
 from mnv3.preprocess import decode_image, preprocess
-from mnv3.config import ServerConfig
 from mnv3.server import create_app
-from test_server import WAIT_S, Gate, wait_until
+
+pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +47,6 @@ def live_server(model_path, **settings):
     finally:
         server.should_exit = True
         thread.join(WAIT_S)
-
-
-def post(url: str, body: bytes) -> requests.Response:
-    return requests.post(url + "/predict", files={"file": ("a.jpg", body, "image/jpeg")}, timeout=WAIT_S)
 
 
 def open_socket(url: str, content_length: int, body: bytes) -> socket.socket:
@@ -120,6 +118,7 @@ def test_disconnected_clients_work_is_dropped_and_nothing_leaks(fp32_model_path,
         assert 'mnv3_rejections_total{reason="disconnected"} 5.0' in metrics and "mnv3_dropped_total 5.0" in metrics
 
 
+@pytest.mark.slow
 def test_twice_the_sustainable_rate_sheds_load_and_answers_every_accepted_request_right(fp32_model_path, images):
     deadline_s = 0.5
     engine = Engine.load(fp32_model_path)
@@ -155,6 +154,7 @@ def test_twice_the_sustainable_rate_sheds_load_and_answers_every_accepted_reques
     assert len({round(float(p.max()), 6) for p in expected.values()}) > 1, "the images must be told apart"
 
 
+@pytest.mark.slow
 def test_soak_quick_mode_keeps_memory_flat_with_a_churning_cache(fp32_model_path, tmp_path):
     result = subprocess.run([sys.executable, "-m", "mnv3.soak", "--model", str(fp32_model_path), "--quick",
                              "--results-dir", str(tmp_path)], capture_output=True, text=True, timeout=300)

@@ -13,8 +13,11 @@ from mnv3.browser import CHROMIUM, local_browser
 from mnv3.loadtest import ServerProcess
 from mnv3.photos import load_images
 
-pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason=f"{CHROMIUM} not installed (Debian: apt-get install "
-                                                                "chromium; `make test` installs it)")
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(not CHROMIUM.exists(), reason=f"{CHROMIUM} not installed (Debian: apt-get install "
+                                                     "chromium; `make test` installs it)"),
+]
 WAIT_MS = 30_000  # upper bound on any wait in the page; a broken page fails instead of hanging
 
 

@@ -7,6 +7,8 @@ from torchvision.models import MobileNet_V3_Large_Weights
 from mnv3.photos import HELD_OUT_SOURCES, source_photos
 from mnv3.preprocess import preprocess
 
+pytestmark = pytest.mark.unit
+
 PHOTOS = source_photos(HELD_OUT_SOURCES[:2])
 # (width, height): landscape, portrait, square, tall and thin, smaller than the crop, already 256 short side.
 SIZES = [(640, 480), (375, 500), (300, 300), (1200, 260), (200, 150), (256, 341)]

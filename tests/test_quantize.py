@@ -18,6 +18,8 @@ from mnv3.profiling import op_type_summary, profile_model
 from mnv3.quantize import (DEFAULT_RECIPE, RECIPES, ArrayCalibrationReader, PhotoCalibrationReader, StaticRecipe,
                            calibration_photos, preprocess_photos, quantize_dynamic_int8, quantize_static_int8)
 
+pytestmark = pytest.mark.integration
+
 CALIBRATION_COUNT = 32
 # Bounds from measurement on the random-init fixture (BN re-estimated), 32 calibration / 32 held-out
 # photos: static INT8 gave top-1 agreement 0.66 and SQNR 10.9 dB; a model that always outputs FP32's
@@ -102,6 +104,7 @@ def test_static_int8_kernels_match_simulated_quantization(static_model, held_out
 
 # Measured on the fixture (32 calibration / 32 held-out photos): top-1 agreement 0.50 (per-tensor) to
 # 0.66, SQNR 10.6-11.2 dB with reduce_range and 7.6 dB without, so the bounds above hold with margin.
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_every_recipe_builds_and_agrees_with_fp32(name, fp32_model_path, build_recipe, held_out):
     recipe = RECIPES[name]
@@ -125,6 +128,7 @@ def test_every_recipe_builds_and_agrees_with_fp32(name, fp32_model_path, build_r
         assert sqnr_db(simulated(held_out[:8]), integer(held_out[:8])) >= 20.0
 
 
+@pytest.mark.slow  # an export of MobileNetV3-Small of its own
 def test_shipped_recipe_on_mobilenet_v3_small_runs_in_integers_and_agrees_with_fp32(
         fp32_small_model_path, calibration_array, held_out, tmp_path):
     """Small's channel counts differ from Large's: the same rewrites still leave no FP32 activation behind."""
@@ -170,10 +174,11 @@ def test_array_reader_matches_photo_reader(calibration_paths):
     photos = list(iter(PhotoCalibrationReader(calibration_paths[:10], batch_size=4).get_next, None))
     arrays = list(iter(ArrayCalibrationReader(preprocess_photos(calibration_paths[:10]), batch_size=4).get_next, None))
     assert len(photos) == len(arrays) == 3
-    for photo, array in zip(photos, arrays):
+    for photo, array in zip(photos, arrays, strict=True):
         np.testing.assert_array_equal(photo["input"], array["input"])
 
 
+@pytest.mark.slow
 def test_another_recipe_plugs_in(fp32_model_path, calibration_paths, tmp_path):
     recipe = StaticRecipe(quant_format="QOperator", per_channel=False)
     path = quantize_static_int8(fp32_model_path, tmp_path / "qop.onnx", calibration_paths[:8], recipe)

@@ -24,6 +24,8 @@ from mnv3.errors import RETRY_AFTER_S  # noqa: E402
 from mnv3.loadtest import free_port  # noqa: E402
 from mnv3.photos import load_images  # noqa: E402
 
+pytestmark = pytest.mark.e2e
+
 REPO = Path(__file__).resolve().parent.parent
 IMAGES = 16
 CONCURRENCY = 8
@@ -68,7 +70,7 @@ def test_answers_match_plain_server_and_both_replicas_serve(ray_url, config, ima
     with TestClient(server.create_app(config)) as plain:
         expected = [plain.post("/predict", files={"file": ("image.jpg", body, "image/jpeg")}).json()
                     for body in images]
-    for response, want in zip(responses, expected):
+    for response, want in zip(responses, expected, strict=True):
         got = response.json()
         assert got["model"] == want["model"]
         # Batch composition and thread count differ between the two: equal up to float rounding.

@@ -1,6 +1,10 @@
 """summary.md is rebuilt from whatever CSVs and PNGs are in results/, so later stages need no changes."""
+import pytest
+
 from mnv3.plots import plot_variants
 from mnv3.report import cpu_info, markdown_table, write_csv, write_summary
+
+pytestmark = pytest.mark.unit
 
 
 def test_summary_includes_every_csv_and_png_in_file_name_order(tmp_path):

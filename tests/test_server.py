@@ -3,40 +3,23 @@ import io
 import json
 import subprocess
 import sys
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 
 import numpy as np
 import pytest
-from fastapi.testclient import TestClient
 from PIL import Image
 
+from conftest import WAIT_S, Gate, post_file, post_raw, serving_client, wait_until
 from mnv3.artifacts import CLASS_NAMES_JSON
-from mnv3.config import ServerConfig, parse_args
+from mnv3.config import parse_args
 from mnv3.engine import Engine
 from mnv3.photos import load_images
 from mnv3.preprocess import decode_image, preprocess
-from mnv3.server import create_app
 
-WAIT_S = 30  # upper bound on any wait; a broken test fails instead of hanging
+pytestmark = pytest.mark.integration
+
 UPLOAD_LIMIT = 1_000_000
 PIXEL_LIMIT = 1_000_000
-
-
-def wait_until(condition, what: str):
-    give_up = time.monotonic() + WAIT_S
-    while not condition():
-        assert time.monotonic() < give_up, f"timed out waiting for {what}"
-        time.sleep(0.01)
-
-
-@contextmanager
-def serving_client(model_path, **settings):
-    with TestClient(create_app(ServerConfig(model=model_path, **settings))) as client:
-        wait_until(lambda: client.get("/readyz").status_code == 200, "warm-up")
-        yield client
 
 
 @pytest.fixture(scope="module")
@@ -49,14 +32,6 @@ def client(fp32_model_path):
 @pytest.fixture(scope="module")
 def images():
     return load_images(12, seed=3)
-
-
-def post_file(client, data: bytes, field: str = "file"):
-    return client.post("/predict", files={field: ("photo.jpg", data, "image/jpeg")})
-
-
-def post_raw(client, data, content_type: str | None = "image/jpeg"):
-    return client.post("/predict", content=data, headers={"content-type": content_type} if content_type else {})
 
 
 def png(size, mode="RGB") -> bytes:
@@ -99,7 +74,7 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own_answer(client, im
     assert max(b["batch_size"] for b in bodies) > 1
 
     engine = Engine.load(fp32_model_path)
-    for data, body in zip(distinct, bodies):
+    for data, body in zip(distinct, bodies, strict=True):
         alone = engine.predict(preprocess(decode_image(data))[None])[0]
         assert body["predictions"][0]["class_id"] == int(alone.argmax())
         for p in body["predictions"]:
@@ -148,22 +123,6 @@ def test_operational_endpoints(client, fp32_model_path):
     predict_doc = client.get("/openapi.json").json()["paths"]["/predict"]["post"]
     assert {"200", "400", "408", "413", "415", "500", "503", "504"} <= set(predict_doc["responses"])
     assert {"multipart/form-data", "image/*"} <= set(predict_doc["requestBody"]["content"])
-
-
-class Gate:
-    """Wraps Engine.predict so a test can hold an inference call open and count the calls made."""
-
-    def __init__(self, engine: Engine):
-        self.real = engine.predict
-        self.batch_sizes: list[int] = []
-        self.entered, self.release = threading.Event(), threading.Event()
-        engine.predict = self
-
-    def __call__(self, batch):
-        self.batch_sizes.append(len(batch))
-        self.entered.set()
-        self.release.wait(WAIT_S)
-        return self.real(batch)
 
 
 def test_full_queue_gives_503_with_retry_after(fp32_model_path, images):

@@ -3,12 +3,14 @@ import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import requests
 
+from conftest import WAIT_S, post, wait_until
 from mnv3.loadtest import ServerProcess
 from mnv3.photos import load_images
-from test_overload import post
-from test_server import WAIT_S, wait_until
+
+pytestmark = pytest.mark.integration
 
 REQUESTS = 48
 

@@ -1,7 +1,10 @@
 import onnxruntime as ort
+import pytest
 
 from mnv3.photos import held_out_images
 from mnv3.preprocess import preprocess_batch
+
+pytestmark = pytest.mark.integration
 
 
 def test_fixture_model_gives_distinct_non_degenerate_logits(fp32_model_path):

@@ -13,6 +13,8 @@ import static_quantization
 from mnv3.quantize import DEFAULT_RECIPE, RECIPES
 from mnv3.report import read_csv
 
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -30,7 +32,7 @@ def stage_dirs(tmp_path_factory):
                       lambda *a, **k: (_ for _ in ()).throw(urllib.error.URLError("offline test")))
         with pytest.warns(UserWarning, match="RANDOM INIT"):
             run_stage(baseline_export_quantize, "--quick", "--artifacts-dir", dirs["artifacts"],
-                      "--results-dir", dirs["results"])
+                      "--results-dir", dirs["results"], "--transformer-control")
     run_stage(static_quantization, "--quick", "--artifacts-dir", dirs["artifacts"], "--results-dir", dirs["results"],
               "--calibration-dir", dirs["calibration"], "--compare-recipes", "all")
     return dirs
@@ -52,6 +54,18 @@ def test_stage_1_writes_sane_baseline_rows(stage_dirs):
     profile = read_csv(stage_dirs["results"] / "01_dynamic_int8_profile.csv")
     assert "ConvInteger" in {row["op_type"] for row in profile}
     assert (stage_dirs["artifacts"] / "dynamic_int8_profile.json").exists()
+
+
+def test_stage_1_transformer_control_writes_its_rows_and_integer_matmul_profile(stage_dirs):
+    rows = {row["variant"]: row for row in read_csv(stage_dirs["results"] / "01_transformer_control.csv")}
+    assert set(rows) == {"onnx_fp32", "onnx_dynamic_int8"}
+    assert {row["model"] for row in rows.values()} == {"vit_2x64"}  # --quick's ViT, not MobileNetV3
+    assert float(rows["onnx_dynamic_int8"]["size_mb"]) < 0.5 * float(rows["onnx_fp32"]["size_mb"])
+    assert float(rows["onnx_dynamic_int8"]["sqnr_db"]) > 20
+    profiled = {row["op_type"] for row in read_csv(stage_dirs["results"] / "01_transformer_control_profile.csv")}
+    assert profiled & {"MatMulInteger", "DynamicQuantizeMatMul"}
+    # The baseline table stays MobileNetV3's alone: goals and model_variants compare its rows with its FP32.
+    assert "model" not in read_csv(stage_dirs["results"] / "01_baseline.csv")[0]
 
 
 def test_stage_2_writes_static_row_and_four_variant_table(stage_dirs):
@@ -108,7 +122,7 @@ def test_stage_2_without_compare_builds_only_the_chosen_recipe(stage_dirs, tmp_p
     static = read_csv(results / "02_static.csv")[0]
     assert static["recipe"] == "qdq_per_tensor_minmax" and static["per_channel"] == "False"
     # timed in turns with an FP32 session of its own, not against stage 1's FP32 from another run
-    assert float(static["mean_ms_vs_onnx_fp32"]) > 0 and float(static["per_image_ms_vs_onnx_fp32"]) > 0
+    assert 0.05 < float(static["mean_ms_vs_onnx_fp32"]) < 20 and 0.05 < float(static["per_image_ms_vs_onnx_fp32"]) < 20
     variants = {row["variant"]: row for row in read_csv(results / "model_variants.csv")}
     assert variants["ONNX Static INT8"]["mean_vs_onnx_fp32"] == str(round(float(static["mean_ms_vs_onnx_fp32"]), 2))
     assert not (results / "02_recipes.csv").exists() and not (artifacts / "recipes").exists()

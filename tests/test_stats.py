@@ -12,6 +12,8 @@ from mnv3.photos import load_images
 from mnv3.server import ServerConfig, create_app
 from mnv3.stats import HISTOGRAMS, HistogramReading, LiveStats, read_histogram
 
+pytestmark = pytest.mark.integration
+
 BOUNDS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, float("inf"))
 
 

@@ -14,6 +14,8 @@ from mnv3.report import read_csv
 from mnv3.runtime import make_session, ort_runner
 from mnv3.transformer_control import INTEGER_MATMUL_OPS, QUICK_CONTROL_VIT, build_vit
 
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = QUICK_CONTROL_VIT  # what --quick builds
 THREADS = 2

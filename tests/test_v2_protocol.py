@@ -12,6 +12,8 @@ from mnv3.v2_protocol import (EXTENSIONS, IMAGE_INPUT, PIXELS_INPUT, PROBABILITI
                               ModelDescription, V2Error, encode_infer_response, model_config, model_metadata,
                               parse_infer_request, server_metadata)
 
+pytestmark = pytest.mark.unit
+
 CLASS_NAMES = ["tench", "goldfish", "great white shark", "tiger shark", "hammerhead"]
 MODEL = ModelDescription(name="fp32", version="1", input_shape=(3, 4, 5), class_names=CLASS_NAMES,
                          num_classes=len(CLASS_NAMES), max_images=4, batcher_max_batch_size=8,
