@@ -1,7 +1,7 @@
 """mnv3.preprocess (numpy/Pillow) must match torchvision's own transforms for the weights we ship."""
 import numpy as np
-import torch
 import pytest
+import torch
 from torchvision.models import MobileNet_V3_Large_Weights
 
 from mnv3.photos import HELD_OUT_SOURCES, source_photos
