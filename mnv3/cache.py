@@ -27,12 +27,15 @@ class ResultCache:
     def __len__(self) -> int:
         return len(self._results) if self._results is not None else 0
 
-    def key(self, data: bytes) -> str:
+    def key(self, data: bytes, kind: str = "") -> str:
         # The model id is in the key so a cache can never answer for a different model file.
-        return f"{hashlib.sha256(data).hexdigest()}:{self.model_id}"
+        key = f"{hashlib.sha256(data).hexdigest()}:{self.model_id}"
+        return f"{key}:{kind}" if kind else key
 
-    async def get_or_compute(self, data: bytes, compute: Callable[[], Awaitable]) -> tuple[object, bool]:
+    async def get_or_compute(self, data: bytes, compute: Callable[[], Awaitable], kind: str = ""
+                             ) -> tuple[object, bool]:
         """Return (result, hit). A hit is a stored result or one shared with an identical request in flight.
+        `kind` tells apart results of different shapes computed from the same bytes.
 
         The first request for a key (the leader) computes; identical requests arriving meanwhile await
         its future. A leader's exception reaches its followers and is not stored, except a
@@ -40,7 +43,7 @@ class ResultCache:
         """
         if self._results is None:
             return await compute(), False
-        key = self.key(data)
+        key = self.key(data, kind)
         while True:
             if key in self._results:
                 self.hits += 1

@@ -4,9 +4,15 @@
 and is also the flag `--<name>` and the variable `MNV3_<NAME>` (the flag wins over the variable, the
 variable over the default). A config is checked when it is built, from code or from `parse_args`, so a
 value out of bounds is a one-line error before any model is loaded, never a server that fails later.
+
+One server serves one model or several: `--model` may be repeated, each as `PATH`, `NAME=PATH`,
+`PATH@BACKEND` or `NAME=PATH@BACKEND` (`ModelSpec`); the first is the default model. `MNV3_MODEL`
+gives one. Every other setting applies to each model (each has its own batcher and cache of
+`--cache-size` entries).
 """
 import argparse
 import os
+import re
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
@@ -21,15 +27,50 @@ DEFAULT_PREPROCESS_THREADS = 2
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
+# A model's name is a URL path segment (/v2/models/NAME) and a query value (?model=NAME): nothing to escape.
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
 def _option(default, help: str, minimum=None, choices=None):
     return field(default=default, metadata={"help": help, "minimum": minimum, "choices": choices})
 
 
 @dataclass(frozen=True)
+class ModelSpec:
+    """One model to serve: its name in URLs, its file, and its backend (None: the server's --backend)."""
+    name: str
+    path: Path
+    backend: str | None = None
+
+    @classmethod
+    def parse(cls, text: str | os.PathLike) -> "ModelSpec":
+        """`PATH`, `NAME=PATH`, `PATH@BACKEND` or `NAME=PATH@BACKEND`; the name defaults to the file's stem.
+        Text before `=` that looks like a directory, or after `@` that is no backend, belongs to the path."""
+        spec, backend = str(text), None
+        head, at, tail = spec.rpartition("@")
+        if at and tail in BACKENDS:
+            spec, backend = head, tail
+        name, equals, path = spec.partition("=")
+        if not equals or os.sep in name:
+            name, path = Path(spec).stem, spec
+        return cls(name, Path(path), backend)
+
+    def check(self) -> None:
+        if not MODEL_NAME.fullmatch(self.name):
+            raise ValueError(f"model name {self.name!r} is not URL-safe: name the model with NAME={self.path} (a "
+                             "letter or digit, then up to 63 letters, digits, '.', '_' or '-')")
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """Every setting of one server. Each field is also a CLI flag and an MNV3_<NAME> variable."""
-    model: Path = field(metadata={"help": "ONNX model file; class_names.json and manifest.json beside it give "
-                                          "its class names and preprocessing"})
+    model: Path = field(metadata={"help": "ONNX model file as PATH, NAME=PATH or NAME=PATH@BACKEND (name: the file's "
+                                          "stem; backend: --backend); repeat --model to serve several, the first is "
+                                          "the default; class_names.json and manifest.json beside it give its class "
+                                          "names and preprocessing",
+                                  "metavar": "[NAME=]PATH[@BACKEND]"})
+    # Not a flag of its own: every --model after the first.
+    extra_models: tuple[str, ...] = field(default=(), metadata={"help": "models served besides --model"})
     host: str = _option("127.0.0.1", "address to bind")
     port: int = _option(8000, "port to bind", minimum=0)
     backend: str = _option("onnxruntime", "inference runtime", choices=BACKENDS)
@@ -52,11 +93,18 @@ class ServerConfig:
     max_upload_bytes: int = _option(10 * 1024 * 1024, "largest request body in bytes (413 above)", minimum=1)
     max_pixels: int = _option(DEFAULT_MAX_PIXELS, "largest image, width x height, checked before decoding (413)",
                               minimum=1)
+    # On by default: it makes a phone photo's decode several times cheaper and moves its preprocessed
+    # pixels by a few grey levels at most (README, "Limits and errors"); a JPEG whose shorter side is
+    # under 1024 px, and every other format, decodes exactly as with 0.
+    jpeg_draft: int = _option(1, "1 decodes large JPEGs at a reduced DCT scale (1/2-1/8) that still leaves twice the "
+                                 "resize size; 0 always decodes in full", choices=(0, 1))
     body_timeout_s: float = _option(30.0, "seconds to receive a whole request body; a slower or stalled upload "
                                           "gets 408", minimum=0.001)
     shutdown_timeout_s: float = _option(30.0, "on SIGTERM, how long in-flight requests may take before they are "
                                               "cancelled", minimum=0)
     top_k: int = _option(5, "predictions per response", minimum=1)
+    max_request_images: int = _option(0, "images in one /v2 infer request (400 above); 0: --max-batch-size",
+                                      minimum=0)
     log_level: str = _option("info", "logging level", choices=LOG_LEVELS)
 
     def __post_init__(self):
@@ -66,6 +114,26 @@ class ServerConfig:
                 raise ValueError(f"{f.name} must be at least {minimum}, got {value}")
             if choices is not None and value not in choices:
                 raise ValueError(f"{f.name} must be one of {', '.join(map(str, choices))}, got {value!r}")
+        names = set()
+        for spec in self.models:
+            spec.check()
+            if spec.name in names:
+                raise ValueError(f"two models are named {spec.name!r}: name each --model with NAME=PATH")
+            names.add(spec.name)
+
+    @property
+    def models(self) -> tuple[ModelSpec, ...]:
+        """Every model to serve, the default first."""
+        texts: tuple[str | Path, ...] = (self.model, *self.extra_models)
+        return tuple(ModelSpec.parse(text) for text in texts)
+
+    def backend_of(self, spec: ModelSpec) -> str:
+        return spec.backend or self.backend
+
+    @property
+    def images_per_request(self) -> int:
+        """The most images one /v2 infer request may carry."""
+        return self.max_request_images or self.max_batch_size
 
 
 def parse_args(argv=None, environ=os.environ) -> ServerConfig:
@@ -74,12 +142,21 @@ def parse_args(argv=None, environ=os.environ) -> ServerConfig:
         epilog="Each flag can also be set as MNV3_<FLAG> (e.g. MNV3_CACHE_SIZE=0); the flag wins.")
     for f in fields(ServerConfig):
         env = f"MNV3_{f.name.upper()}"
+        if f.name == "extra_models":
+            continue
+        if f.name == "model":  # repeatable; argparse would append to a default, so the variable is read below
+            parser.add_argument("--model", type=Path, action="append", metavar=f.metadata["metavar"],
+                                help=f"{f.metadata['help']} [{env}: one model]")
+            continue
         default = environ.get(env, None if f.default is MISSING else f.default)
         parser.add_argument(f"--{f.name.replace('_', '-')}", type=f.type, default=default, required=default is None,
                             choices=f.metadata.get("choices"),
                             help=f"{f.metadata['help']} [{env}" + ("]" if default is None else "; %(default)s]"))
     args = parser.parse_args(argv)
+    models = args.model or ([Path(environ["MNV3_MODEL"])] if environ.get("MNV3_MODEL") else [])
+    if not models:
+        parser.error("the following arguments are required: --model (or MNV3_MODEL)")
     try:
-        return ServerConfig(**vars(args))
+        return ServerConfig(**vars(args) | {"model": models[0], "extra_models": tuple(map(str, models[1:]))})
     except ValueError as exc:
         parser.error(str(exc))

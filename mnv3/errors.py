@@ -37,6 +37,10 @@ class SlowUpload(BadUpload):
     pass
 
 
+class UnknownModel(LookupError):
+    """The request names a model this server does not serve."""
+
+
 class Busy(QueueFull):
     """--max-in-flight requests are already admitted: refused before reading the body, so memory stays bounded."""
 
@@ -48,6 +52,7 @@ ERRORS = {
     SlowUpload: (408, "slow_upload", "the body did not arrive within --body-timeout-s"),
     BodyTooLarge: (413, "too_large", "body over --max-upload-bytes (refused by its Content-Length before reading)"),
     ImageTooLarge: (413, "too_large", "image over --max-pixels, or a decompression bomb"),
+    UnknownModel: (404, "unknown_model", "no model of that name is served (the message lists them)"),
     UnsupportedMediaType: (415, "bad_input", "content type is neither multipart/form-data nor image/*"),
     InferenceError: (500, None, "inference failed for the batch this request ran in"),
     QueueFull: (503, "queue_full", "--queue-limit requests already wait for inference"),

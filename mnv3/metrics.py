@@ -5,48 +5,90 @@ attributes (`request_latency`, `batch_size`, ...) for anything else that reports
 the cache and the batcher already keep (hits, misses, entries, queue depth, dropped) and the requests
 in flight are read where they are kept, at scrape time, so there is one source for each. Every
 rejection reason of `mnv3.errors` is exported, as 0, before its first rejection.
+
+A server of several models labels every per-model series with `model` (its name); a server of one
+model exports the same names without that label, exactly as before models could be several.
+`for_model(name)` hands a model the series it observes.
 """
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from mnv3.batcher import DynamicBatcher
 from mnv3.cache import ResultCache
-from mnv3.errors import REJECTION_REASONS
+from mnv3.errors import REJECTION_REASONS, error_entry
+
+
+@dataclass(frozen=True)
+class ModelMetrics:
+    """The histograms of one model (children of the app's labelled ones when there are several models)."""
+    request_latency: Histogram
+    queue_wait: Histogram
+    preprocess: Histogram
+    inference: Histogram
+    batch_size: Histogram
 
 
 class Metrics:
-    def __init__(self, cache: ResultCache, batcher: DynamicBatcher, in_flight: Callable[[], int]):
+    def __init__(self, model_names: list[str], in_flight: Callable[[], int]):
         self.registry = CollectorRegistry()  # per app, so tests can build several
         registry = self.registry
-        self.request_latency = Histogram("mnv3_request_latency_seconds", "POST /predict, arrival to response",
-                                         registry=registry)
-        self.queue_wait = Histogram("mnv3_queue_wait_seconds", "queued until its batch's inference started",
+        self.labelled = len(model_names) > 1
+        labels = ["model"] if self.labelled else []
+        self.request_latency = Histogram("mnv3_request_latency_seconds", "POST /predict or /v2 infer, arrival to "
+                                         "response", labels, registry=registry)
+        self.queue_wait = Histogram("mnv3_queue_wait_seconds", "queued until its batch's inference started", labels,
                                     registry=registry)
         self.preprocess = Histogram("mnv3_preprocess_seconds", "decode + preprocess, including waiting for a thread",
-                                    registry=registry)
-        self.inference = Histogram("mnv3_inference_seconds", "one batched inference call", registry=registry)
-        self.batch_size = Histogram("mnv3_batch_size", "requests per inference call",
+                                    labels, registry=registry)
+        self.inference = Histogram("mnv3_inference_seconds", "one batched inference call", labels, registry=registry)
+        self.batch_size = Histogram("mnv3_batch_size", "requests per inference call", labels,
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=registry)
         self.rejections = Counter("mnv3_rejections", "requests refused, by reason", ["reason"], registry=registry)
         for reason in REJECTION_REASONS:
             self.rejections.labels(reason)  # exported as 0 before the first rejection
-        registry.register(_LiveCounts(cache, batcher, in_flight))
+        self._live = _LiveCounts(self.labelled, in_flight)
+        registry.register(self._live)
+
+    def for_model(self, name: str, cache: ResultCache, batcher: DynamicBatcher) -> ModelMetrics:
+        """The series model `name` observes; its cache's and batcher's counts are exported from now on."""
+        self._live.models[name] = (cache, batcher)
+        histograms = (self.request_latency, self.queue_wait, self.preprocess, self.inference, self.batch_size)
+        return ModelMetrics(*(h.labels(name) if self.labelled else h for h in histograms))
+
+    def count_rejection(self, exc: Exception) -> None:
+        _, reason, _ = error_entry(exc)
+        if reason:
+            self.rejections.labels(reason).inc()
 
 
 class _LiveCounts:
     """Reads counts where they are kept, at scrape time, so the cache and batcher stay the one source."""
 
-    def __init__(self, cache: ResultCache, batcher: DynamicBatcher, in_flight: Callable[[], int]):
-        self.cache, self.batcher, self.in_flight = cache, batcher, in_flight
+    def __init__(self, labelled: bool, in_flight: Callable[[], int]):
+        self.labelled, self.in_flight = labelled, in_flight
+        self.models: dict[str, tuple[ResultCache, DynamicBatcher]] = {}
 
     def collect(self):
-        yield CounterMetricFamily("mnv3_cache_hits", "answered from the cache or a shared computation",
-                                  value=self.cache.hits)
-        yield CounterMetricFamily("mnv3_cache_misses", "computed", value=self.cache.misses)
-        yield GaugeMetricFamily("mnv3_cache_entries", "results stored", value=len(self.cache))
-        yield GaugeMetricFamily("mnv3_queue_depth", "requests waiting for inference", value=self.batcher.depth)
+        per_model = (
+            (CounterMetricFamily, "mnv3_cache_hits", "answered from the cache or a shared computation",
+             lambda cache, batcher: cache.hits),
+            (CounterMetricFamily, "mnv3_cache_misses", "computed", lambda cache, batcher: cache.misses),
+            (GaugeMetricFamily, "mnv3_cache_entries", "results stored", lambda cache, batcher: len(cache)),
+            (GaugeMetricFamily, "mnv3_queue_depth", "requests waiting for inference",
+             lambda cache, batcher: batcher.depth),
+            (CounterMetricFamily, "mnv3_dropped", "requests skipped before inference: deadline passed or client gone",
+             lambda cache, batcher: batcher.dropped),
+        )
+        for family_type, name, documentation, read in per_model:
+            if not self.labelled:
+                (cache, batcher), = self.models.values()
+                yield family_type(name, documentation, value=read(cache, batcher))
+                continue
+            family = family_type(name, documentation, labels=["model"])
+            for model, (cache, batcher) in self.models.items():
+                family.add_metric([model], read(cache, batcher))
+            yield family
         yield GaugeMetricFamily("mnv3_in_flight", "requests admitted and not yet answered", value=self.in_flight())
-        yield CounterMetricFamily("mnv3_dropped", "requests skipped before inference: deadline passed or client gone",
-                                  value=self.batcher.dropped)

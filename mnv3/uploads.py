@@ -1,13 +1,14 @@
 """Reading an uploaded image from a request: bounded in size and in time, streamed.
 
-`read_upload` returns the bytes of a multipart field 'file' or of a raw image/* body. It never holds
+`read_upload` returns the bytes of a multipart field 'file' or of a raw image/* body, `read_body` a whole
+body of any type (the Open Inference Protocol's JSON or binary requests). Either never holds
 more than `limit` bytes of a body (a Content-Length over it is refused before reading; a chunked or
 lying one is cut off as it arrives) and never waits past `timeout_s` for them, so one slow or huge
 client cannot hold memory or an admission slot for long. Every refusal is a `BadUpload` subclass from
 `mnv3.errors`, which gives its status.
 """
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
@@ -19,11 +20,31 @@ from mnv3.errors import BadUpload, BodyTooLarge, SlowUpload, UnsupportedMediaTyp
 async def read_upload(request: Request, limit: int, timeout_s: float) -> bytes:
     """The image bytes of a multipart 'file' field or a raw image/* body, never reading past `limit` bytes
     nor waiting past `timeout_s` for them: a stalled client would otherwise hold its slot forever."""
+    return await _within(timeout_s, _read_upload(request, limit))
+
+
+async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The whole body, whatever its content type, within the same limits as `read_upload`."""
+    return await _within(timeout_s, _read_body(request, limit))
+
+
+async def _within(timeout_s: float, reading: Awaitable[bytes]) -> bytes:
     try:
         async with asyncio.timeout(timeout_s):
-            return await _read_upload(request, limit)
+            return await reading
     except TimeoutError:
         raise SlowUpload(f"the request body did not arrive within {timeout_s:g} s") from None
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    _check_declared_length(request, limit)
+    return b"".join([chunk async for chunk in _bounded(request.stream(), limit)])
+
+
+def _check_declared_length(request: Request, limit: int) -> None:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(f"body of {declared} bytes is over the limit of {limit}")
 
 
 async def _read_upload(request: Request, limit: int) -> bytes:
@@ -32,12 +53,10 @@ async def _read_upload(request: Request, limit: int) -> bytes:
     if media_type != "multipart/form-data" and not media_type.startswith("image/"):
         raise UnsupportedMediaType(f"content type {content_type or '(none)'!r} not accepted: send multipart/form-data "
                                    "with the image in field 'file', or the raw image with an image/* content type")
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise BodyTooLarge(f"body of {declared} bytes is over the limit of {limit}")
-    body = _bounded(request.stream(), limit)
     if media_type.startswith("image/"):
-        return b"".join([chunk async for chunk in body])
+        return await _read_body(request, limit)
+    _check_declared_length(request, limit)
+    body = _bounded(request.stream(), limit)
     try:
         form = await MultiPartParser(request.headers, body, max_files=1, max_fields=16).parse()
     except MultiPartException as exc:

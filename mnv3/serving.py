@@ -1,0 +1,241 @@
+"""The serving core of one app: the models it serves, each with its own cache and batcher, and what they share.
+
+`Serving` holds, for the app's lifetime, one `ServedModel` per configured model (engine, result cache,
+dynamic batcher, metrics series) and what they share: the preprocess thread pool, the admission count
+(--max-in-flight counts every request, whatever its model) and one inference lock. Endpoints reach it
+with `Depends(serving)`, and the model a request names with `Depends(served_model)` (`?model=NAME`,
+default: the first configured model) or `Serving.model(name)`; an unknown name is `UnknownModel` (404).
+
+Guarantees:
+- at most one inference call runs at a time across all models: each batcher has its own inference
+  thread, and the lock makes them take turns, because one call already spreads over every core
+  (--intra-op-threads) and two at once would only oversubscribe them;
+- a model's batcher starts only after every model has warmed up, so warm-up calls never overlap
+  anything; readiness (`not_ready_reason` None) means every model is warmed up;
+- a request's decode, queueing and inference are cancelled when its deadline passes or its client
+  leaves (`unless_disconnected`), so abandoned work is dropped, not computed.
+"""
+import asyncio
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+from fastapi import Query, Request
+from starlette.requests import ClientDisconnect
+
+from mnv3.batcher import BatchResult, DeadlineExceeded, DynamicBatcher, QueueFull
+from mnv3.cache import ResultCache
+from mnv3.config import ModelSpec, ServerConfig
+from mnv3.engine import Engine, InferenceError, Prediction
+from mnv3.errors import Busy, UnknownModel
+from mnv3.metrics import Metrics
+from mnv3.preprocess import decode_and_preprocess
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Classified:
+    predictions: list[Prediction]
+    batch_size: int
+    queue_ms: float
+    preprocess_ms: float
+    inference_ms: float
+
+
+@dataclass(frozen=True)
+class ModelMemory:
+    file_bytes: int
+    warm_up_rss_bytes: int | None  # None: not warmed up yet, or no /proc to read
+
+
+class ServedModel:
+    """One model being served: its engine, its result cache and its batcher."""
+
+    def __init__(self, spec: ModelSpec, backend: str, engine: Engine, default: bool, config: ServerConfig,
+                 preprocess_pool: ThreadPoolExecutor, inference_lock: threading.Lock, metrics: Metrics):
+        self.name, self.backend, self.engine, self.default, self.config = spec.name, backend, engine, default, config
+        self.preprocess_pool, self.inference_lock = preprocess_pool, inference_lock
+        self.cache = ResultCache(config.cache_size, engine.model_id,
+                                 leader_only_errors=(DeadlineExceeded, QueueFull, ClientDisconnect))
+        self.preprocessing = 0  # this model's requests being decoded: its batcher's window waits only for these
+        self.batcher = DynamicBatcher(self._run_batch, config.max_batch_size, config.batch_window_ms,
+                                      config.queue_limit, incoming=lambda: self.preprocessing)
+        self.metrics = metrics.for_model(self.name, self.cache, self.batcher)
+        self.warmed_up = False
+        self.memory = ModelMemory(engine.path.stat().st_size, None)
+
+    def warm_up(self) -> None:
+        """Run batch 1 and the largest batch once (in a thread), so first requests do not pay for allocations."""
+        before = _rss_bytes()
+        with self.inference_lock:
+            self.engine.warm_up(sorted({1, self.config.max_batch_size}))
+        after = _rss_bytes()
+        if before is not None and after is not None:
+            self.memory = ModelMemory(self.memory.file_bytes, after - before)
+        self.warmed_up = True
+
+    async def preprocessed(self, data: bytes, deadline: float) -> tuple[np.ndarray, float]:
+        """The image decoded and preprocessed in the shared pool, and the seconds that took."""
+        started = time.perf_counter()
+        self.preprocessing += 1  # only ever changed on the event loop, so no lock
+        try:
+            # Cancelling a decode that has not started yet removes it from the pool's queue.
+            async with asyncio.timeout_at(deadline):
+                array = await asyncio.get_running_loop().run_in_executor(self.preprocess_pool,
+                                                                         decode_and_preprocess, data,
+                                                                         self.config.max_pixels,
+                                                                         bool(self.config.jpeg_draft))
+        except TimeoutError:
+            raise DeadlineExceeded("deadline passed while waiting to decode the image") from None
+        finally:
+            self.preprocessing -= 1
+        preprocess_s = time.perf_counter() - started
+        self.metrics.preprocess.observe(preprocess_s)
+        return array, preprocess_s
+
+    async def infer(self, array: np.ndarray, deadline: float) -> BatchResult:
+        """One preprocessed image's probabilities, as one entry of this model's batcher."""
+        result = await self.batcher.submit(array, deadline)
+        self.metrics.queue_wait.observe(result.queue_s)
+        return result
+
+    async def classify(self, data: bytes, deadline: float) -> Classified:
+        """/predict's answer for one encoded image: the top-k and where the time went."""
+        array, preprocess_s = await self.preprocessed(data, deadline)
+        result = await self.infer(array, deadline)
+        return Classified(self.engine.top_k(result.row, self.config.top_k), result.batch_size,
+                          1000 * result.queue_s, 1000 * preprocess_s, 1000 * result.inference_s)
+
+    async def probabilities(self, data: bytes, deadline: float) -> np.ndarray:
+        """Every class's probability for one encoded image (what the Open Inference Protocol returns)."""
+        array, _ = await self.preprocessed(data, deadline)
+        # A copy: the row is a view of its whole batch's output, which a cached view would keep alive.
+        return (await self.infer(array, deadline)).row.copy()
+
+    def _run_batch(self, batch: np.ndarray) -> np.ndarray:
+        with self.inference_lock:
+            started = time.perf_counter()
+            probabilities = self.engine.predict(batch)
+            self.metrics.inference.observe(time.perf_counter() - started)
+        self.metrics.batch_size.observe(len(batch))
+        return probabilities
+
+
+class Serving:
+    """Everything one app serves with; built at start-up and handed to endpoints by `Depends(serving)`."""
+
+    def __init__(self, config: ServerConfig, engines: list[Engine]):
+        """`engines`: one per `config.models`, in that order."""
+        self.config = config
+        self.preprocess_pool = ThreadPoolExecutor(config.preprocess_threads, thread_name_prefix="mnv3-preprocess")
+        self.inference_lock = threading.Lock()
+        self.in_flight = 0  # admitted requests, from arrival to response
+        specs = config.models
+        self.metrics = Metrics([spec.name for spec in specs], in_flight=lambda: self.in_flight)
+        self.models = {spec.name: ServedModel(spec, config.backend_of(spec), engine, i == 0, config,
+                                              self.preprocess_pool, self.inference_lock, self.metrics)
+                       for i, (spec, engine) in enumerate(zip(specs, engines, strict=True))}
+        self.default = self.models[specs[0].name]
+        self.not_ready_reason: str | None = "warming up"
+
+    # The default model's pieces: what a one-model server has (tests and /stats hold them).
+    @property
+    def engine(self) -> Engine:
+        return self.default.engine
+
+    @property
+    def batcher(self) -> DynamicBatcher:
+        return self.default.batcher
+
+    @property
+    def cache(self) -> ResultCache:
+        return self.default.cache
+
+    def model(self, name: str | None) -> ServedModel:
+        """The model called `name` (None: the default one), or UnknownModel listing those served."""
+        if name is None:
+            return self.default
+        try:
+            return self.models[name]
+        except KeyError:
+            raise UnknownModel(f"no model named {name!r}; this server serves {', '.join(self.models)} "
+                               f"(default {self.default.name})") from None
+
+    async def warm_up(self) -> None:
+        """Warm every model up, one after the other, then start batching. Requests queue meanwhile."""
+        try:
+            for served in self.models.values():
+                await asyncio.to_thread(served.warm_up)
+            self.not_ready_reason = None
+        except InferenceError as exc:
+            log.error("warm-up failed: %s", exc)
+            self.not_ready_reason = f"warm-up failed: {exc}"
+        # Even after a failure, so requests fail with its error instead of timing out.
+        for served in self.models.values():
+            served.batcher.start()
+
+    @contextmanager
+    def admit(self):
+        """Count a request in for its whole life, or refuse it at once when --max-in-flight are in."""
+        if self.in_flight >= self.config.max_in_flight:
+            raise Busy(f"server busy: {self.in_flight} requests in flight (limit {self.config.max_in_flight})")
+        self.in_flight += 1  # only ever changed on the event loop, so no lock
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(served.batcher.stop(self.config.shutdown_timeout_s) for served in self.models.values()))
+        self.preprocess_pool.shutdown(wait=False, cancel_futures=True)
+
+
+async def serving(request: Request) -> Serving:
+    # async: FastAPI runs a plain `def` dependency in its thread pool, a thread hop on every request.
+    return request.app.state.serving
+
+
+async def served_model(request: Request, model: str | None = Query(
+        None, description="the model's name (GET /models lists them); default: the server's default model")
+                       ) -> ServedModel:
+    return request.app.state.serving.model(model)
+
+
+async def unless_disconnected(request: Request, work):
+    """Await `work`, cancelling it if the client goes away first, so its decode and inference are dropped.
+
+    Neither uvicorn nor Starlette cancel an endpoint whose client left; with the body read, the next
+    ASGI message can only be the disconnect (or the end of our response).
+    """
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientDisconnect()
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _rss_bytes() -> int | None:
+    """This process's resident memory, from /proc (Linux); None elsewhere."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None

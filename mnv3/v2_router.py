@@ -1,0 +1,263 @@
+"""The Open Inference Protocol's REST endpoints (KServe v2, Triton's HTTP API) over `mnv3.v2_protocol`.
+
+Served by the same models as /predict: `/v2/models/{name}` is the model `?model={name}` names, in its
+one version, "1". An encoded image (input `IMAGE`) goes the way a /predict upload goes: the model's
+result cache (its whole probability row, under a key of its own), the shared preprocess pool and the
+model's batcher, one batcher entry per image, all of a request's images at once; a preprocessed row
+(input `PIXELS`) goes straight to the batcher, again one entry per row. /predict's limits hold here
+too (body size and time, pixels, requests in flight, queue, deadline), plus --max-request-images.
+
+Every failure on these routes answers as Triton does, `{"error": "..."}`, with the status of
+`mnv3.errors`' table (400 bad request, 404 unknown model or version, 503 busy or not ready, 504
+deadline...), and is counted in `mnv3_rejections_total` as /predict's are.
+"""
+import asyncio
+import time
+from collections.abc import Callable, Coroutine
+from typing import Annotated, Any, cast
+
+import numpy as np
+from fastapi import APIRouter, Depends, Path, Request
+from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, Field
+
+from mnv3.errors import ERRORS, error_response
+from mnv3.preprocess import InvalidImage
+from mnv3.serving import ServedModel, Serving, serving, unless_disconnected
+from mnv3.uploads import read_body
+from mnv3.v2_protocol import (HEADER_LENGTH, InferRequest, ModelDescription, V2Error, encode_infer_response,
+                              model_config, model_metadata, parse_infer_request, server_metadata)
+
+MODEL_VERSION = "1"  # one version per model: the file it was started with
+SERVER_VERSION = "1"
+
+
+# What a V2Error counts as in mnv3_rejections_total (a 503 "not ready" answers a probe, refuses no work).
+V2_REJECTION_REASONS = {400: "bad_input", 404: "unknown_model"}
+
+
+def error_body(message: str) -> dict:
+    """The protocol's error shape; Triton's clients read `error`."""
+    return {"error": message}
+
+
+class V2Route(APIRoute):
+    """A route that answers every failure in the protocol's shape (FastAPI's documented way to handle
+    errors per router: the app's own handlers answer `{"detail": ...}`)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handle = super().get_route_handler()
+
+        async def handle_in_protocol_shape(request: Request) -> Response:
+            try:
+                return await handle(request)
+            except V2Error as exc:
+                if exc.status in V2_REJECTION_REASONS:
+                    request.app.state.serving.metrics.rejections.labels(V2_REJECTION_REASONS[exc.status]).inc()
+                return JSONResponse(error_body(exc.message), exc.status)
+            except tuple(ERRORS) as exc:
+                request.app.state.serving.metrics.count_rejection(exc)
+                return error_response(exc, body=error_body)
+
+        return handle_in_protocol_shape
+
+
+class V2ErrorBody(BaseModel):
+    error: str = Field(description="what was wrong, for a person to read")
+
+
+V2_ERROR_DOCS: dict[int | str, dict[str, Any]] = {
+    status: {"model": V2ErrorBody, "description": description} for status, description in (
+        (400, "malformed request: see the message (datatype, shape, binary lengths, JSON, images per request...), "
+              "or an image that is not one"),
+        (404, "no model of that name, or no such version (each model has version 1)"),
+        (408, "the body did not arrive within --body-timeout-s"),
+        (413, "body over --max-upload-bytes; image over --max-pixels"),
+        (500, "inference failed for the batch an image ran in"),
+        (503, "not ready, --max-in-flight or --queue-limit reached, or shutting down (+ Retry-After)"),
+        (504, "no result within --deadline-ms"),
+    )}
+
+v2_router = APIRouter(prefix="/v2", tags=["Open Inference Protocol (KServe v2)"], route_class=V2Route)
+
+
+class ServerMetadata(BaseModel):
+    name: str
+    version: str
+    extensions: list[str] = Field(description="Triton extensions implemented")
+
+
+@v2_router.get("", response_model=ServerMetadata, summary="Server metadata")
+async def metadata() -> dict:
+    return server_metadata(SERVER_VERSION)
+
+
+@v2_router.get("/health/live", response_class=Response, responses={200: {"description": "the process is up"}},
+               summary="Liveness: 200, empty body")
+async def live() -> Response:
+    return Response()
+
+
+@v2_router.get("/health/ready", response_class=Response,
+               responses={200: {"description": "every model is warmed up"}, 503: V2_ERROR_DOCS[503]},
+               summary="Readiness: 200 once every model is warmed up, else 503")
+async def ready(s: Serving = Depends(serving)) -> Response:
+    if s.not_ready_reason:
+        raise V2Error(503, s.not_ready_reason)
+    return Response()
+
+
+# ---- per model: /v2/models/{name} and /v2/models/{name}/versions/{version} alike
+
+def description(served: ServedModel) -> ModelDescription:
+    engine, config = served.engine, served.config
+    num_classes = engine.session.get_outputs()[0].shape[-1]
+    return ModelDescription(
+        name=served.name, version=MODEL_VERSION, input_shape=tuple(engine.input_shape[1:]),
+        class_names=engine.class_names,
+        num_classes=num_classes if isinstance(num_classes, int) else len(engine.class_names),
+        max_images=config.images_per_request, batcher_max_batch_size=config.max_batch_size,
+        batch_window_s=config.batch_window_ms / 1000,
+        platform="onnxruntime_onnx" if served.backend == "onnxruntime" else served.backend)
+
+
+async def named_model(request: Request,
+                      name: Annotated[str, Path(description="the model's name, as GET /models lists it")]
+                      ) -> ServedModel:
+    s: Serving = request.app.state.serving
+    if name not in s.models:
+        raise V2Error(404, f"unknown model {name!r}; this server serves {', '.join(s.models)}")
+    return s.models[name]
+
+
+async def versioned_model(version: Annotated[str, Path(description=f"each model has one version, {MODEL_VERSION}")],
+                          model: ServedModel = Depends(named_model)) -> ServedModel:
+    if version != MODEL_VERSION:
+        raise V2Error(404, f"model {model.name} has no version {version!r}; its one version is {MODEL_VERSION}")
+    return model
+
+
+class TensorMetadata(BaseModel):
+    name: str
+    datatype: str
+    shape: list[int] = Field(description="-1: any size")
+
+
+class ModelMetadata(BaseModel):
+    name: str
+    versions: list[str]
+    platform: str
+    inputs: list[TensorMetadata] = Field(description="send one of them: IMAGE (encoded images) or PIXELS")
+    outputs: list[TensorMetadata]
+
+
+class InferResponseBody(BaseModel):
+    model_name: str
+    model_version: str
+    id: str | None = Field(None, description="the request's id, when it had one")
+    outputs: list[dict] = Field(description="PROBABILITIES, FP32 [N, classes] (or BYTES [N, k] "
+                                            "'probability:index:label' with parameters.classification = k)")
+
+
+INFER_BODY = {"requestBody": {"required": True, "content": {
+    "application/json": {"schema": {"type": "object", "required": ["inputs"], "properties": {
+        "id": {"type": "string"},
+        "parameters": {"type": "object"},
+        "inputs": {"type": "array", "items": {"type": "object", "required": ["name", "shape", "datatype"],
+                                              "properties": {"name": {"type": "string", "enum": ["IMAGE", "PIXELS"]},
+                                                             "shape": {"type": "array", "items": {"type": "integer"}},
+                                                             "datatype": {"type": "string"},
+                                                             "parameters": {"type": "object"},
+                                                             "data": {}}}},
+        "outputs": {"type": "array", "items": {"type": "object", "properties": {
+            "name": {"type": "string"}, "parameters": {"type": "object"}}}}}}},
+    "application/octet-stream": {"schema": {"type": "string", "format": "binary"},
+                                 "description": f"binary tensor data extension: the JSON header, then the raw "
+                                                f"tensors; {HEADER_LENGTH} gives the header's length"},
+}}}
+INFER_RESPONSES: dict[int | str, dict[str, Any]] = V2_ERROR_DOCS | {200: {"content": {
+    "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+    "description": f"JSON, or with binary outputs the JSON header and the raw tensors ({HEADER_LENGTH})"}}
+
+
+def _add_model_routes(path: str, model_dependency) -> None:
+    """The model endpoints under `path`, which names the model (and maybe its version) for `model_dependency`."""
+    not_found: dict[int | str, dict[str, Any]] = {404: V2_ERROR_DOCS[404]}
+
+    @v2_router.get(path, response_model=ModelMetadata, responses=not_found, summary="Model metadata")
+    async def model_metadata_(model: ServedModel = Depends(model_dependency)) -> dict:
+        return model_metadata(description(model))
+
+    @v2_router.get(path + "/ready", response_class=Response,
+                   responses={200: {"description": "warmed up"}, **not_found, 503: V2_ERROR_DOCS[503]},
+                   summary="Model readiness: 200 once it is warmed up")
+    async def model_ready(model: ServedModel = Depends(model_dependency)) -> Response:
+        if not model.warmed_up:
+            raise V2Error(503, f"model {model.name} is warming up")
+        return Response()
+
+    @v2_router.get(path + "/config", response_model=dict, responses=not_found,
+                   summary="Model configuration (Triton's extension: max_batch_size, dynamic_batching, inputs, "
+                           "outputs)")
+    async def model_configuration(model: ServedModel = Depends(model_dependency)) -> dict:
+        return model_config(description(model))
+
+    @v2_router.post(path + "/infer", response_model=InferResponseBody, responses=INFER_RESPONSES,
+                    openapi_extra=INFER_BODY, summary="Classify encoded images (IMAGE, BYTES) or preprocessed "
+                                                      "pixels (PIXELS, FP32 [N, 3, 224, 224])")
+    async def infer(request: Request, model: ServedModel = Depends(model_dependency),
+                    s: Serving = Depends(serving)) -> Response:
+        return await _infer(request, model, s)
+
+
+_add_model_routes("/models/{name}", named_model)
+_add_model_routes("/models/{name}/versions/{version}", versioned_model)
+
+
+async def _infer(request: Request, model: ServedModel, s: Serving) -> Response:
+    started = time.perf_counter()
+    deadline = asyncio.get_running_loop().time() + s.config.deadline_ms / 1000
+    try:
+        with s.admit():
+            body = await read_body(request, s.config.max_upload_bytes, s.config.body_timeout_s)
+            described = description(model)
+            parsed = parse_infer_request(body, request.headers.get(HEADER_LENGTH), described)
+            probabilities = np.stack(await unless_disconnected(request, _rows(model, parsed, deadline)))
+    finally:
+        model.metrics.request_latency.observe(time.perf_counter() - started)
+    response = encode_infer_response(parsed, probabilities, described)
+    if response.header_length is None:
+        return Response(response.body, media_type="application/json")
+    return Response(response.body, media_type="application/octet-stream",
+                    headers={HEADER_LENGTH: str(response.header_length)})
+
+
+async def _rows(model: ServedModel, parsed: InferRequest, deadline: float) -> list[np.ndarray]:
+    """Every image's or pixel row's probabilities, computed concurrently, each as its own batcher entry;
+    the first failure cancels the others and is raised as it is."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            if parsed.images is not None:
+                tasks = [group.create_task(_image_row(model, i, data, deadline))
+                         for i, data in enumerate(parsed.images)]
+            elif parsed.pixels is not None:
+                tasks = [group.create_task(_pixels_row(model, row, deadline)) for row in parsed.pixels]
+    except BaseExceptionGroup as failures:
+        raise failures.exceptions[0] from None
+    return [task.result() for task in tasks]
+
+
+async def _image_row(model: ServedModel, index: int, data: bytes, deadline: float) -> np.ndarray:
+    """One encoded image's probabilities, through the model's cache under a key of its own (/predict
+    stores only the top-k of an image, and this needs every class)."""
+    try:
+        row, _ = await model.cache.get_or_compute(data, lambda: model.probabilities(data, deadline),
+                                                  kind="probabilities")
+    except InvalidImage as exc:  # and ImageTooLarge, its subclass
+        raise type(exc)(f"image {index}: {exc}") from None
+    return cast(np.ndarray, row)
+
+
+async def _pixels_row(model: ServedModel, row: np.ndarray, deadline: float) -> np.ndarray:
+    return (await model.infer(row, deadline)).row
