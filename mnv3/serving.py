@@ -90,7 +90,8 @@ class ServedModel:
                 array = await asyncio.get_running_loop().run_in_executor(self.preprocess_pool,
                                                                          decode_and_preprocess, data,
                                                                          self.config.max_pixels,
-                                                                         bool(self.config.jpeg_draft))
+                                                                         bool(self.config.jpeg_draft),
+                                                                         self.engine.preprocessing)
         except TimeoutError:
             raise DeadlineExceeded("deadline passed while waiting to decode the image") from None
         finally:
