@@ -1,12 +1,13 @@
 """GET /stats: the server's recent behaviour as small JSON (requests/s, latency quantiles, batch sizes,
-cache hit rate, queue depth, in flight), for the page's live panel and for `curl`.
+cache hit rate, queue depth, in flight), for the page's live panel and for `curl`. Server-wide: with
+several models, every figure is over all of them.
 
 It adds no work to the /predict hot path: it reads only what the server already counts, the
-prometheus_client Histograms and Counters in `Metrics` and the live counts the cache, the batcher and
-`Serving` keep. Windowed figures come from differences of cumulative readings: each call reads the
-cumulative histogram buckets, keeps that reading in a small ring (at most one per `spacing_s`), and
-subtracts the newest kept reading that is at least `window_s` old. Nothing runs between calls, so
-nobody watching costs nothing.
+prometheus_client Histograms and Counters in `Metrics` and the live counts the caches, the batchers
+(every model's, summed) and `Serving` keep. Windowed figures come from differences of cumulative
+readings: each call reads the cumulative histogram buckets, keeps that reading in a small ring (at
+most one per `spacing_s`), and subtracts the newest kept reading that is at least `window_s` old.
+Nothing runs between calls, so nobody watching costs nothing.
 
 How exact it is:
 - counts, rates, means, the cache hit rate and the batch-size distribution over the window are exact
@@ -161,10 +162,10 @@ class BatchSizes(BaseModel):
 
 
 class CacheStats(BaseModel):
-    hits: int = Field(description="in the window")
-    misses: int = Field(description="in the window")
+    hits: int = Field(description="in the window, all models")
+    misses: int = Field(description="in the window, all models")
     hit_rate: float | None = Field(description="hits / (hits + misses) in the window; None without requests")
-    entries: int = Field(description="results stored now")
+    entries: int = Field(description="results stored now, in every model's cache")
 
 
 class Stages(BaseModel):
@@ -176,14 +177,15 @@ class Stages(BaseModel):
 class StatsResponse(BaseModel):
     window_s: float = Field(description="seconds the windowed figures cover: the last minute, or less right after "
                                         "start-up, or more if /stats was not called for longer than that")
-    requests: int = Field(description="POST /predict requests answered in the window, any status")
+    requests: int = Field(description="POST /predict and /v2 infer requests answered in the window, any status, "
+                                      "any model")
     requests_per_s: float
-    latency: LatencySummary = Field(description="POST /predict, arrival to response")
+    latency: LatencySummary = Field(description="those requests, arrival to response")
     stages: Stages
     batch_size: BatchSizes
     cache: CacheStats
     rejected: dict[str, int] = Field(description="requests refused in the window, by reason")
-    queue_depth: int = Field(description="now: requests waiting for inference")
+    queue_depth: int = Field(description="now: requests waiting for inference, all models")
     in_flight: int = Field(description="now: requests admitted and not yet answered")
 
 
@@ -195,15 +197,16 @@ HISTOGRAMS = ("request_latency", "queue_wait", "preprocess", "inference", "batch
 
 
 class LiveStats:
-    """Reads one `Serving`'s counts and reports them over a sliding window."""
+    """Reads one `Serving`'s counts, all its models together, and reports them over a sliding window."""
 
     def __init__(self, serving, window_s: float = WINDOW_S, spacing_s: float = SPACING_S, clock=time.monotonic):
         self.serving, self.clock = serving, clock
         self.ring = ReadingRing(self.read(), window_s, spacing_s)
 
     def read(self) -> Reading:
-        metrics, cache = self.serving.metrics, self.serving.cache
-        counters = {"cache_hits": cache.hits, "cache_misses": cache.misses}
+        metrics, models = self.serving.metrics, self.serving.models.values()
+        counters = {"cache_hits": sum(m.cache.hits for m in models),
+                    "cache_misses": sum(m.cache.misses for m in models)}
         counters |= {f"rejected_{reason}": value for reason, value in read_counter(metrics.rejections, "reason").items()}
         return Reading(self.clock(), {name: read_histogram(getattr(metrics, name)) for name in HISTOGRAMS}, counters)
 
@@ -226,9 +229,9 @@ class LiveStats:
                                          inferences=int(n))
                          for low, high, n in zip(lower_bounds, batches.bounds, batches.bucket_counts())]),
             cache=CacheStats(hits=hits, misses=misses, hit_rate=hits / (hits + misses) if hits + misses else None,
-                             entries=len(self.serving.cache)),
+                             entries=sum(len(m.cache) for m in self.serving.models.values())),
             rejected={name.removeprefix("rejected_"): int(v) for name, v in c.items() if name.startswith("rejected_")},
-            queue_depth=self.serving.batcher.depth,
+            queue_depth=sum(m.batcher.depth for m in self.serving.models.values()),
             in_flight=self.serving.in_flight,
         )
 
