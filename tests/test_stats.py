@@ -90,7 +90,7 @@ def fake_serving():
     for name in HISTOGRAMS:
         buckets = (1, 2, 4, 8, 16, 32, 64, 128) if name == "batch_size" else Histogram.DEFAULT_BUCKETS
         setattr(metrics, name, Histogram(name, name, buckets=buckets, registry=registry))
-    model = SimpleNamespace(cache=FakeCache(), batcher=SimpleNamespace(depth=3))
+    model = SimpleNamespace(cache=FakeCache(), batcher=SimpleNamespace(depth=3), metrics=metrics)  # one model
     return SimpleNamespace(metrics=metrics, models={"only": model}, in_flight=5)
 
 
@@ -125,6 +125,9 @@ def test_the_window_covers_the_last_minute_only():
            [(1, 1, 5), (2, 2, 0), (3, 4, 0), (5, 8, 0)]
     assert stats.batch_size.buckets[-1].largest is None
     assert (stats.queue_depth, stats.in_flight, stats.cache.entries) == (3, 5, 7)
+    only = stats.models["only"]  # a server of one model: its figures are the server's
+    assert (only.requests, only.cache_hit_rate, only.queue_depth) == (10, 0.5, 3)
+    assert only.latency == stats.latency and only.requests_per_s == stats.requests_per_s
 
 
 def test_right_after_start_the_window_is_the_time_since_start():
@@ -195,3 +198,9 @@ def test_with_two_models_the_stats_are_over_both(fp32_model_path, other_model_pa
     assert (stats["cache"]["hits"], stats["cache"]["misses"]) == (1, 3)
     assert stats["cache"]["entries"] == sum(m["cache"]["entries"] for m in models) == 3
     assert stats["queue_depth"] == 0
+    each = stats["models"]
+    assert list(each) == ["fp32", "shifted"]
+    assert (each["fp32"]["requests"], each["fp32"]["cache_hit_rate"]) == (1, 0)
+    assert (each["shifted"]["requests"], each["shifted"]["cache_hit_rate"]) == (3, pytest.approx(1 / 3))
+    assert each["shifted"]["requests_per_s"] == pytest.approx(3 * stats["requests_per_s"] / 4)
+    assert each["fp32"]["latency"]["mean_ms"] > 0 and each["shifted"]["queue_depth"] == 0
