@@ -3,6 +3,7 @@
 The browser may reach 127.0.0.1 only: every test checks the page tried nothing else.
 """
 import io
+import math
 import re
 from contextlib import contextmanager
 
@@ -185,6 +186,7 @@ def test_the_live_panel_follows_the_server(browser, fp32_model_path, photos, tmp
         assert page.locator("#stat-p50").inner_text().endswith(" ms")
         assert page.locator("#stat-hit-rate").inner_text() == "0%"
         assert page.locator("#batch-sizes .histogram-row").count() == 4  # sizes 1, 2, 3-4, 5-8: up to max_batch_size
+        assert page.locator("#per-model").is_hidden()  # one model: its figures are the server's, shown above
         counts = [int(n) for n in page.locator("#batch-sizes .count").all_inner_texts()]
         assert counts == [b["inferences"] for b in stats["batch_size"]["buckets"][:4]] and sum(counts) > 0
 
@@ -223,6 +225,7 @@ def test_compare_mode_shows_every_model_side_by_side_and_their_top1_agreement(tw
                                                                              tmp_path):
     page = two_model_page
     page.get_by_label("Compare all models").check()
+    assert page.get_by_label("Model", exact=True).is_disabled()  # every model answers: nothing to choose
     paths = []
     for i, data in enumerate(photos[1:]):  # photos[0] may be cached already: every side here must be a miss
         paths.append(tmp_path / f"compare{i}.jpg")
@@ -254,7 +257,22 @@ def test_compare_mode_shows_every_model_side_by_side_and_their_top1_agreement(tw
         assert card.locator(".agreement-line").inner_text() == expected
     assert page.locator("#agreement").inner_text() == (
         f"Top-1 agreement with fp32 over the photos compared: shifted {same_top1}/{len(paths)} "
-        f"({round(100 * same_top1 / len(paths))}%)")
+        f"({math.floor(100 * same_top1 / len(paths) + 0.5)}%)")
+
+    # The live panel's table of each model shows what GET /stats says of each (read and shown in one go).
+    models, rows = page.evaluate("""async () => {
+        const stats = await (await fetch("stats")).json();
+        renderStats(stats);
+        return [stats.models, [...document.querySelectorAll("#per-model tbody tr")].map(
+            (row) => [...row.children].map((cell) => cell.textContent))];
+    }""")
+    assert page.locator("#per-model").is_visible()
+    assert [row[0] for row in rows] == list(models) == ["fp32", "shifted"]
+    assert models["shifted"]["requests"] >= len(paths) + 1  # the selector's photo, then the compared ones
+    for row, m in zip(rows, models.values(), strict=True):
+        assert row[1] == f"{m['requests_per_s']:.1f}" and float(row[1]) > 0
+        assert row[2].endswith(" ms") and row[3].endswith(" ms")
+        assert row[4] == f"{math.floor(100 * m['cache_hit_rate'] + 0.5)}%"  # as Math.round: halves up
 
 
 def test_the_page_fits_a_narrow_window(page):

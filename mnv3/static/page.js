@@ -82,6 +82,8 @@ function describeModels() {
   select.replaceChildren(...server.models.map((m) =>
     element("option", {value: m.name}, `${m.name} (${m.backend})`)));
   select.value = server.defaultModel;
+  const compare = $("compare");
+  compare.addEventListener("change", () => { select.disabled = compare.checked; });  // every model answers then
   $("model-choice").hidden = false;
 }
 
@@ -305,6 +307,7 @@ function renderStats(stats) {
   $("stage-preprocess").textContent = formatMs(stats.stages.preprocess.mean_ms);
   $("stage-inference").textContent = formatMs(stats.stages.inference.mean_ms);
   renderBatchSizes(stats.batch_size);
+  renderPerModel(stats.models);
   const rejected = Object.entries(stats.rejected).filter(([, count]) => count > 0);
   $("rejected").textContent = rejected.length
     ? "Refused: " + rejected.map(([reason, count]) => `${reason.replaceAll("_", " ")} ${count}`).join(", ")
@@ -340,6 +343,22 @@ function renderBatchSizes(batches) {
       bar,
       element("span", {className: "count", "aria-label": `${b.inferences} inference calls with batch size ${range}`},
         String(b.inferences)));
+  }));
+}
+
+function renderPerModel(models) {
+  // One model's figures are the server's, already shown above: the table is for two or more.
+  const names = Object.keys(models);
+  $("per-model").hidden = names.length < 2;
+  if (names.length < 2) return;
+  $("per-model").querySelector("tbody").replaceChildren(...names.map((name) => {
+    const m = models[name];
+    return element("tr", {"data-model": name},
+      element("th", {scope: "row"}, name),
+      element("td", {}, m.requests_per_s.toFixed(1)),
+      element("td", {}, formatMs(m.latency.p50_ms)),
+      element("td", {}, formatMs(m.latency.p95_ms)),
+      element("td", {}, m.cache_hit_rate === null ? "–" : `${Math.round(100 * m.cache_hit_rate)}%`));
   }));
 }
 
