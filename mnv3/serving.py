@@ -145,7 +145,7 @@ class Serving:
         self.default = self.models[specs[0].name]
         self.not_ready_reason: str | None = "warming up"
 
-    # The default model's pieces: what a one-model server has (tests and /stats hold them).
+    # The default model's pieces: what a one-model server has (tests hold them).
     @property
     def engine(self) -> Engine:
         return self.default.engine
