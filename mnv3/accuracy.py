@@ -68,7 +68,7 @@ def evaluate(run, held_out: np.ndarray, reference=None, labelled=None, batch_siz
              preprocessing: Preprocessing = DEFAULT_PREPROCESSING) -> dict:
     """Agreement with `reference` logits on `held_out`, plus true accuracy on `labelled` (paths, labels),
     whose images are preprocessed as the model's `preprocessing` says."""
-    row = {}
+    row: dict = {}
     if reference is not None:
         row |= agreement(reference, predict(run, array_batches(held_out, batch_size)))
     if labelled is not None:

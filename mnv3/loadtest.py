@@ -14,7 +14,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
+from typing import IO
+from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -94,8 +95,8 @@ class ServerProcess:
             if value is not None:
                 self.command += [f"--{name.replace('_', '-')}", str(value)]
         self.start_timeout_s = start_timeout_s
-        self.process = None
-        self._log = None
+        self.process: subprocess.Popen | None = None
+        self._log: IO[bytes] | None = None
 
     def __enter__(self) -> str:
         # Output goes to a file, not a pipe: a pipe nobody reads fills up and blocks the server.
@@ -138,7 +139,14 @@ class ServerProcess:
         if self._log is not None and not self._log.closed:
             self._log.close()
 
+    @property
+    def pid(self) -> int:
+        assert self.process is not None, "the server has not been started"
+        return self.process.pid
+
     def output_tail(self, lines: int = OUTPUT_TAIL_LINES) -> str:
+        if self._log is None:
+            return ""  # never started
         self._log.seek(0)
         return "\n".join(self._log.read().decode(errors="replace").splitlines()[-lines:])
 
@@ -213,7 +221,8 @@ class LoadResult:
                "seconds": round(self.seconds, 3), "req_per_s": round(self.rps, 2)}
         if self.target_rps is not None:
             row |= {"target_rps": round(self.target_rps, 2), "dropped": self.dropped}
-        latency = (self.latency or LatencyStats(*[float("nan")] * 4, 0)).as_row("latency_")
+        nan = float("nan")
+        latency = (self.latency or LatencyStats(nan, nan, nan, nan, 0)).as_row("latency_")
         server = {key: _round(value) for key, value in self.server.items()}
         return row | latency | server | (metrics_row(self.metrics) if self.metrics else {})
 
@@ -302,7 +311,7 @@ def run_open_loop(send, bodies: list[bytes], rate: float, seconds: float, max_re
 
 def parse_metrics(text: str) -> dict[tuple[str, str], float]:
     """Prometheus text -> {(sample name, le bound or ""): value}, summed over any other labels."""
-    values = Counter()
+    values: defaultdict[tuple[str, str], float] = defaultdict(float)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             values[(sample.name, sample.labels.get("le", ""))] += sample.value

@@ -79,7 +79,9 @@ def load_model(arch: str = DEFAULT_ARCH, weights_path=None) -> tuple[torch.nn.Mo
 
 
 def num_classes(model: torch.nn.Module) -> int:
-    return model.classifier[-1].out_features
+    head = model.classifier[-1]  # type: ignore[index]
+    assert isinstance(head, torch.nn.Linear)  # every torchvision MobileNetV3 ends in one
+    return head.out_features
 
 
 def _read_weights_file(path) -> bytes:
@@ -204,7 +206,7 @@ def export_onnx(model: torch.nn.Module, path, preprocessing: Preprocessing = DEF
     path.parent.mkdir(parents=True, exist_ok=True)
     example = torch.randn(1, *preprocessing.input_shape)
     torch.onnx.export(
-        model, example, str(path), dynamo=False, opset_version=OPSET,
+        model, (example,), str(path), dynamo=False, opset_version=OPSET,
         input_names=["input"], output_names=["logits"],
         dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}},
     )

@@ -104,10 +104,10 @@ def resize_and_crop(image: Image.Image, size: int = RESIZE_SIZE, crop: int = CRO
     if (new_w, new_h) == (w, h):
         return image.crop((left, top, left + crop, top + crop))
     if max(new_w, new_h) <= MAX_RESIZED_SIDE:
-        return image.resize((new_w, new_h), Image.BILINEAR).crop((left, top, left + crop, top + crop))
+        return image.resize((new_w, new_h), Image.Resampling.BILINEAR).crop((left, top, left + crop, top + crop))
     sx, sy = w / new_w, h / new_h
     box = (left * sx, top * sy, (left + crop) * sx, (top + crop) * sy)
-    return image.resize((crop, crop), Image.BILINEAR, box=box)
+    return image.resize((crop, crop), Image.Resampling.BILINEAR, box=box)
 
 
 def preprocess(image: Image.Image, preprocessing: Preprocessing = DEFAULT_PREPROCESSING) -> np.ndarray:
@@ -163,8 +163,7 @@ def decode_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS, jpeg_draft: 
                     # Pillow picks the largest reduction r with size // (requested size) >= r.
                     image.draft(image.mode, (w // reduction, h // reduction))
             image.load()
-            image = ImageOps.exif_transpose(image)
-            return _to_rgb(image)
+            return _to_rgb(ImageOps.exif_transpose(image))
     except InvalidImage:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
