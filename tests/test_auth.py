@@ -13,10 +13,10 @@ from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from conftest import upload
 from mnv3.auth import (ApiKeyAuth, KeyFileError, Scope, exposure_warning, is_loopback, load_key_file, parse_keys,
                        required_scope)
 from mnv3.loadtest import free_port
-from conftest import upload
 
 pytestmark = pytest.mark.integration
 

@@ -10,13 +10,13 @@ import requests
 import tritonclient.http as triton
 from tritonclient.utils import InferenceServerException
 
+from conftest import WAIT_S, upload
 from mnv3 import server
 from mnv3.auth import KeyFileError, Scope, required_scope
 from mnv3.config import ServerConfig
 from mnv3.loadtest import API_KEY_ENV, PredictClient, ServerProcess, read_metrics, server_settings
 from mnv3.photos import load_images
 from mnv3.server import create_app
-from conftest import WAIT_S, upload
 
 pytestmark = pytest.mark.integration
 
