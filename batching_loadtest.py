@@ -9,18 +9,24 @@ In one run, with the result cache off so every request is a miss:
      throughput, latency from each request's scheduled send time;
   4. the in-process limit (mnv3/limit.py): the same decode + preprocess + inference with no server,
      over a grid of batch sizes and thread splits; the fastest is measured again, longer, as the limit.
-Writes results/05_batching_loadtest.csv and three plots, and prints the ratios.
+  5. with --phone-photos N (make bench: 64): N distinct 12-megapixel phone JPEGs (mnv3/phone_benchmark.py):
+     full vs draft JPEG decoding in process (cost in turns, and what it changes), then the batching
+     server under those uploads with draft decoding on and off, and where a request's time goes.
+Writes results/05_batching_loadtest.csv and three plots (and results/05_phone_photos.csv), and prints
+the ratios.
 
     python batching_loadtest.py            # 250 concurrent; sweep 1..250
+    python batching_loadtest.py --phone-photos 64
     python batching_loadtest.py --quick
 """
 import argparse
 
 from mnv3 import cli
-from mnv3.artifacts import BATCHING_CSV
+from mnv3.artifacts import BATCHING_CSV, PHONE_PHOTOS_CSV
 from mnv3.batching_benchmark import BatchingPlan, plot_batching, run_batching_benchmark
 from mnv3.config import ServerConfig
-from mnv3.photos import load_images
+from mnv3.phone_benchmark import PhonePlan, run_phone_benchmark
+from mnv3.photos import load_images, phone_photos
 
 
 def get_args_parser():
@@ -41,13 +47,19 @@ def get_args_parser():
                         help=f"images per in-process limit run ({cli.full_and_quick('limit_images')})")
     parser.add_argument("--limit-batch-sizes", type=cli.positive_int, nargs="+",
                         help=cli.full_and_quick("limit_batch_sizes"))
+    parser.add_argument("--phone-photos", type=cli.non_negative_int, default=0,
+                        help="distinct 12-megapixel phone JPEGs (2-4 MB) for the phone-photo rows; 0 skips them "
+                             "(default %(default)s; make bench: 64)")
+    parser.add_argument("--phone-concurrency", type=cli.positive_int,
+                        help=f"concurrent phone uploads ({cli.full_and_quick('phone_concurrency')})")
     return parser
 
 
 def main(args):
     mode = cli.defaults(args)
     cli.fill_load_defaults(args, sweep=mode.sweep, open_loop_seconds=mode.open_loop_seconds,
-                           limit_images=mode.limit_images, limit_batch_sizes=mode.limit_batch_sizes)
+                           limit_images=mode.limit_images, limit_batch_sizes=mode.limit_batch_sizes,
+                           phone_concurrency=mode.phone_concurrency)
     cli.run_stage(run, args)
 
 
@@ -65,6 +77,18 @@ def run(args):
     result = run_batching_benchmark(model, bodies, plan)
     plot_batching(result, args.results_dir)
     cli.write_results(args.results_dir, BATCHING_CSV, result.rows(cli.environment_row(model, provenance)))
+    print(result.summary())
+    if args.phone_photos > 0:
+        run_phone_photos(args, model, provenance, plan.batching_options)
+
+
+def run_phone_photos(args, model, provenance, batching_options: dict):
+    """The phone-photo rows: the batching server's settings, phone uploads instead of 500x375 photos."""
+    plan = PhonePlan(concurrency=args.phone_concurrency, requests=cli.REQUESTS_PER_SENDER * args.phone_concurrency,
+                     decode_rounds=cli.defaults(args).phone_decode_rounds, server_options=batching_options,
+                     start_timeout_s=args.start_timeout)
+    result = run_phone_benchmark(model, phone_photos(args.phone_photos), plan)
+    cli.write_results(args.results_dir, PHONE_PHOTOS_CSV, result.rows(cli.environment_row(model, provenance)))
     print(result.summary())
 
 

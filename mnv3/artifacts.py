@@ -31,8 +31,12 @@ BATCHING_CSV = "05_batching_loadtest.csv"
 THROUGHPUT_PNG = "05_throughput_vs_concurrency.png"
 LATENCY_PNG = "05_latency_vs_concurrency.png"
 BATCH_SIZE_HISTOGRAM_PNG = "05_batch_size_histogram.png"
+PHONE_PHOTOS_CSV = "05_phone_photos.csv"
 RAY_SERVE_CSV = "06_ray_serve.csv"
 SOAK_CSV = "07_soak.csv"
+RAY_CLUSTER_LOSS_CSV = "08_ray_cluster_loss.csv"
+RAY_CLUSTER_CACHE_CSV = "09_ray_cluster_cache.csv"
+RAY_CLUSTER_AUTOSCALE_CSV = "10_ray_cluster_autoscale.csv"
 GOALS_CSV = "goals.csv"
 
 STAGE_SCRIPTS = {

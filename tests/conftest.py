@@ -50,6 +50,25 @@ def fp32_model_path(fp32_model_dir):
 
 
 @pytest.fixture(scope="session")
+def other_model_path(fp32_model_path, tmp_path_factory):
+    """The fixture model with its classifier's bias shifted: another model (other answers) in a second."""
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    from mnv3.artifacts import CLASS_NAMES_JSON
+
+    model = onnx.load(fp32_model_path)
+    bias = next(tensor for tensor in model.graph.initializer if tensor.name == model.graph.node[-1].input[2])
+    shifted = numpy_helper.to_array(bias) + np.random.default_rng(0).normal(0, 1, bias.dims).astype(np.float32)
+    bias.CopyFrom(numpy_helper.from_array(shifted, bias.name))
+    directory = tmp_path_factory.mktemp("other_model")
+    onnx.save(model, directory / "other.onnx")
+    (directory / CLASS_NAMES_JSON).write_bytes((fp32_model_path.parent / CLASS_NAMES_JSON).read_bytes())
+    return directory / "other.onnx"
+
+
+@pytest.fixture(scope="session")
 def fp32_small_model_path(tmp_path_factory):
     """The same for MobileNetV3-Small, whose depthwise channel counts differ from Large's."""
     from mnv3.artifacts import FP32_ONNX
