@@ -106,6 +106,9 @@ class ServerConfig:
     max_request_images: int = _option(0, "images in one /v2 infer request (400 above); 0: --max-batch-size",
                                       minimum=0)
     log_level: str = _option("info", "logging level", choices=LOG_LEVELS)
+    api_keys: str = _option("", "key file (one 'KEY SCOPE [rate=N/s] [burst=N] [name=LABEL]' a line; python -m "
+                                "mnv3.auth makes one): every path but the probes, the page and the docs then "
+                                "needs a key; empty: no keys")
 
     def __post_init__(self):
         for f in fields(self):

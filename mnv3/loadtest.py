@@ -6,6 +6,11 @@ throughput at a fixed concurrency, but a slow server also slows the senders down
 reports is optimistic (coordinated omission). The open loop fixes every send time in advance (Poisson
 arrivals) and measures each latency from the request's scheduled send time, so a stalled server shows
 up as latency instead of as a politely reduced load.
+
+Against a server started with --api-keys, every client here sends the key in MNV3_API_KEY (or the one
+given) as `Authorization: Bearer`; an environment variable, not a flag, so the key stays out of `ps`
+and shell history. A server started here inherits the environment, so MNV3_API_KEYS (its key file)
+and MNV3_API_KEY together run any stage against a protected server.
 """
 import os
 import signal
@@ -35,6 +40,7 @@ REQUEST_TIMEOUT_S = 60
 READY_POLL_S = 0.1
 MAX_CONNECTIONS = 1024  # kept-alive client connections: more than any load here has threads
 OUTPUT_TAIL_LINES = 20
+API_KEY_ENV = "MNV3_API_KEY"
 SERVER_FIELDS = ("batch_size", "queue_ms", "preprocess_ms", "inference_ms")
 TIME_HISTOGRAMS = {
     "request_ms": "mnv3_request_latency_seconds",
@@ -45,6 +51,12 @@ TIME_HISTOGRAMS = {
 
 
 # ---------------------------------------------------------------------------------------- the server
+
+def auth_headers(api_key: str | None = None) -> dict[str, str]:
+    """The header that carries `api_key` (default: $MNV3_API_KEY); none without a key."""
+    api_key = api_key or os.environ.get(API_KEY_ENV)
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
 
 class ServerStartError(RuntimeError):
     """The server exited or never became ready. `output` holds the tail of what it printed."""
@@ -161,14 +173,15 @@ class PredictClient:
     cores shared with the server, the server's throughput would otherwise be charged with.
     """
 
-    def __init__(self, base_url: str, timeout_s: float = REQUEST_TIMEOUT_S):
+    def __init__(self, base_url: str, timeout_s: float = REQUEST_TIMEOUT_S, api_key: str | None = None):
         self._pool = urllib3.connection_from_url(base_url, maxsize=MAX_CONNECTIONS)
         self.timeout_s = timeout_s
+        self.headers = auth_headers(api_key)
 
     def __call__(self, body: bytes) -> tuple[str, dict | None]:
         try:
             response = self._pool.request("POST", "/predict", fields={"file": ("image.jpg", body, "image/jpeg")},
-                                          timeout=self.timeout_s, retries=False)
+                                          headers=self.headers, timeout=self.timeout_s, retries=False)
         except urllib3.exceptions.HTTPError as exc:
             return type(exc).__name__, None
         if response.status != 200:
@@ -318,8 +331,8 @@ def parse_metrics(text: str) -> dict[tuple[str, str], float]:
     return dict(values)
 
 
-def read_metrics(base_url: str) -> dict[tuple[str, str], float]:
-    response = requests.get(base_url + "/metrics", timeout=10)
+def read_metrics(base_url: str, api_key: str | None = None) -> dict[tuple[str, str], float]:
+    response = requests.get(base_url + "/metrics", headers=auth_headers(api_key), timeout=10)
     response.raise_for_status()
     return parse_metrics(response.text)
 
@@ -369,9 +382,9 @@ def run_with_metrics(base_url: str, run) -> LoadResult:
     return replace(result, metrics=metrics_delta(before, read_metrics(base_url)))
 
 
-def server_settings(base_url: str) -> dict:
+def server_settings(base_url: str, api_key: str | None = None) -> dict:
     """What the server says it runs with (GET /model), as CSV columns: the record never guesses defaults."""
-    response = requests.get(base_url + "/model", timeout=10)
+    response = requests.get(base_url + "/model", headers=auth_headers(api_key), timeout=10)
     response.raise_for_status()
     info = response.json()
     return ({"server_model": info["model"]} | {f"server_{name}_threads": n for name, n in info["threads"].items()}

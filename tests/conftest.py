@@ -2,6 +2,8 @@
 
 Nothing here downloads: models are seeded random-init MobileNetV3 exports.
 """
+import select
+import socket
 import threading
 import time
 from contextlib import contextmanager
@@ -109,6 +111,34 @@ def post_raw(client, data, content_type: str | None = "image/jpeg"):
 def post(url: str, body: bytes) -> requests.Response:
     """POST one image to a server listening at `url` (a real socket, not a TestClient)."""
     return requests.post(url + "/predict", files={"file": ("a.jpg", body, "image/jpeg")}, timeout=WAIT_S)
+
+
+def upload(port: int, size: int, first: int, headers: str = "") -> tuple[bytes, bool, bool]:
+    """POST /predict to 127.0.0.1:`port` announcing `size` bytes and sending the first `first` of them; the
+    rest only once the server has not answered within 2 s. Returns the response, whether the server closed
+    the connection after it (rather than waiting for the rest of the body), and whether the rest was sent."""
+    with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
+        sock.sendall(f"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\n{headers}"
+                     f"Content-Length: {size}\r\n\r\n".encode() + b"\0" * first)
+        rest_sent = not select.select([sock], [], [], 2)[0]
+        if rest_sent:
+            sock.sendall(b"\0" * (size - first))
+        response = b""
+        while b"\r\n\r\n" not in response:
+            response += sock.recv(65536)
+        head, _, body = response.partition(b"\r\n\r\n")
+        length = int(next(line for line in head.lower().split(b"\r\n") if line.startswith(b"content-length:"))[15:])
+        while len(body) < length:
+            body += sock.recv(65536)
+        # The whole response is in: does the server close the connection? (Sooner than uvicorn's 5 s keep-alive.)
+        sock.settimeout(2)
+        try:
+            closed = sock.recv(1) == b""
+        except ConnectionResetError:  # closed with our unread body on its way: also a close
+            closed = True
+        except TimeoutError:
+            closed = False
+    return head + b"\r\n\r\n" + body, closed, rest_sent
 
 
 class Gate:

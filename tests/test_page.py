@@ -11,6 +11,7 @@ import pytest
 import requests
 from PIL import Image
 
+from mnv3.auth import new_key_line
 from mnv3.browser import CHROMIUM, local_browser
 from mnv3.loadtest import ServerProcess
 from mnv3.photos import load_images
@@ -308,3 +309,46 @@ def test_requests_to_other_hosts_are_blocked_and_recorded(browser, server):
     finally:
         page.close()
         del browser.off_host[tried_before:]  # recorded on purpose: not a failure of the other tests
+
+
+def test_a_protected_server_gets_a_key_from_the_page_for_this_tab_only(browser, fp32_model_path, photos, tmp_path):
+    key = new_key_line()[0]
+    key_file = tmp_path / "api_keys"
+    key_file.write_text(f"{key} infer\n")
+    with ServerProcess(fp32_model_path, api_keys=key_file, max_batch_size=8, cache_size=64) as url:
+        tried_before = len(browser.off_host)
+        page = browser.context.new_page()
+        page.set_default_timeout(WAIT_MS)
+        try:
+            page.goto(url + "/")
+            key_input = page.get_by_label("API key")
+            key_input.wait_for()  # the page asked what the server serves and got a 401
+            assert page.locator("#key-reason").inner_text() == "This server needs an API key."
+            key_input.fill("not-the-key-0123456789")
+            page.get_by_role("button", name="Use this key").click()
+            page.get_by_text("did not accept this tab's API key").wait_for()
+
+            key_input.fill(key)
+            page.get_by_role("button", name="Use this key").click()
+            page.get_by_text("Serving fp32.onnx").wait_for()  # GET /models went through with the key
+            assert page.locator("#key-form").is_hidden()
+            path = tmp_path / "street.jpg"
+            path.write_bytes(photos[0])
+            page.get_by_label("Choose photos").set_input_files(path)
+            shown = shown_predictions(page.locator("#photos .photo").first)
+            answer = requests.post(url + "/predict", files={"file": ("street.jpg", photos[0], "image/jpeg")},
+                                   headers={"Authorization": f"Bearer {key}"}, timeout=WAIT_MS / 1000).json()
+            assert [p["class_id"] for p in shown] == [p["class_id"] for p in answer["predictions"]]
+            page.wait_for_function("() => Number(document.getElementById('stat-requests').textContent) >= 1")
+
+            # Kept in this tab's sessionStorage, nowhere else: a new tab asks again.
+            assert page.evaluate("[sessionStorage.getItem('mnv3-api-key'), localStorage.length]") == [key, 0]
+            other_tab = browser.context.new_page()
+            try:
+                other_tab.goto(url + "/")
+                other_tab.get_by_label("API key").wait_for()
+            finally:
+                other_tab.close()
+        finally:
+            page.close()
+        assert browser.off_host[tried_before:] == []

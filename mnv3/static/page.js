@@ -8,6 +8,7 @@ const SPARK_POINTS = 40;
 const DOWNSCALE_SHORT_SIDE = 512;  // twice the server's 256 px resize: no detail the model could use is lost
 const DOWNSCALE_QUALITY = 0.92;
 const UPLOADS_AT_ONCE = 8;  // enough for the server to batch them, few enough not to crowd out other clients
+const KEY_STORAGE = "mnv3-api-key";  // in sessionStorage: this tab only, forgotten when it closes
 
 const $ = (id) => document.getElementById(id);
 
@@ -53,12 +54,48 @@ function definitions(className, pairs) {
     element("div", {}, element("dt", {}, term), element("dd", {}, value))));
 }
 
+// ------------------------------------------------------------------------------------------- API key
+
+let keyEntered = null;  // while the key form is shown: the promise every refused call waits on
+
+// Every API call goes through here. It sends the key this tab was given, if any; on a 401 (the server
+// wants a key, or not that one) it shows the key form and, once a key is entered, sends the call again.
+async function api(url, options = {}) {
+  for (;;) {
+    const key = sessionStorage.getItem(KEY_STORAGE);
+    const response = await fetch(url, key ? {...options, headers: {Authorization: `Bearer ${key}`}} : options);
+    if (response.status !== 401) return response;
+    await askForKey(key ? "The server did not accept this tab's API key: enter another."
+                        : "This server needs an API key.");
+  }
+}
+
+function askForKey(reason) {
+  if (!keyEntered) {
+    const form = $("key-form");
+    $("key-reason").textContent = reason;
+    form.hidden = false;
+    $("key-input").focus();
+    keyEntered = new Promise((resolve) => {
+      form.addEventListener("submit", (event) => {
+        event.preventDefault();
+        sessionStorage.setItem(KEY_STORAGE, $("key-input").value.trim());
+        $("key-input").value = "";
+        form.hidden = true;
+        keyEntered = null;
+        resolve();
+      }, {once: true});
+    });
+  }
+  return keyEntered;
+}
+
 // ------------------------------------------------------------------------------------- what is served
 
 async function loadModels() {
   // GET /models: {"default": NAME, "models": [what GET /model says of each, the default first]}.
   try {
-    const response = await fetch("models");
+    const response = await api("models");
     if (!response.ok) throw new Error(`GET /models answered ${response.status}`);
     const body = await response.json();
     server.models = body.models;
@@ -151,7 +188,7 @@ async function predict(blob, filename, modelName) {
   const started = performance.now();
   let response, text;
   try {
-    response = await fetch(url, {method: "POST", body: form});
+    response = await api(url, {method: "POST", body: form});
     text = await response.text();
   } catch (error) {
     return {error: `The server could not be reached (${error.message})`};
@@ -282,7 +319,7 @@ async function refreshStats() {
   if (document.hidden) return;  // nobody is looking: ask the server nothing
   let stats;
   try {
-    const response = await fetch("stats", {cache: "no-store"});
+    const response = await api("stats", {cache: "no-store"});
     if (!response.ok) throw new Error(`GET /stats answered ${response.status}`);
     stats = await response.json();
   } catch (error) {
