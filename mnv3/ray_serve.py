@@ -25,6 +25,7 @@ import sys
 import time
 from dataclasses import fields, replace
 from pathlib import Path
+from typing import Any
 
 import ray
 from ray import serve
@@ -283,6 +284,7 @@ def build(config: ServerConfig, replicas: int = 1, num_cpus: float = 1, min_repl
           max_ongoing_requests: int = DEFAULT_MAX_ONGOING_REQUESTS,
           max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS) -> serve.Application:
     """The application: `replicas` fixed replicas, or autoscaling between min and max if max_replicas is set."""
+    scaling: dict[str, object]
     if max_replicas is not None:
         scaling = {"autoscaling_config": {"min_replicas": replicas if min_replicas is None else min_replicas,
                                           "max_replicas": max_replicas,
@@ -294,8 +296,10 @@ def build(config: ServerConfig, replicas: int = 1, num_cpus: float = 1, min_repl
     if config.api_keys:
         config = replace(config, api_keys=str(Path(config.api_keys).resolve()))
         load_key_file(config.api_keys)  # a KeyFileError here, once, rather than in every replica
-    return MobileNetV3.options(ray_actor_options={"num_cpus": num_cpus}, max_ongoing_requests=max_ongoing_requests,
-                               max_queued_requests=max_queued_requests, **scaling).bind(config)
+    # serve.deployment made the class a Deployment, which mypy cannot see through the decorator.
+    return MobileNetV3.options(  # type: ignore[attr-defined]
+        ray_actor_options={"num_cpus": num_cpus}, max_ongoing_requests=max_ongoing_requests,
+        max_queued_requests=max_queued_requests, **scaling).bind(config)
 
 
 def build_app(args: dict) -> serve.Application:
@@ -304,7 +308,7 @@ def build_app(args: dict) -> serve.Application:
     Replica count, autoscaling, CPUs and queue limits are Ray's own deployment options: set them in the
     config file's `deployments:` section, which Ray applies on top of the defaults here.
     """
-    types = {f.name: f.type for f in fields(ServerConfig)}
+    types: dict[str, Any] = {f.name: f.type for f in fields(ServerConfig)}
     unknown = sorted(set(args) - set(types))
     if unknown:
         raise ValueError(f"unknown mnv3 server options {unknown}; known: {sorted(types)}")
@@ -349,7 +353,7 @@ def bench(model: Path, provenance: str, results_dir: Path, concurrency: int, cou
     The cache is off and the bodies distinct, so every request is decoded and classified. The machine's
     cores are split between replicas (2 cores: 1 replica x 2 threads, 2 replicas x 1 thread).
     """
-    cores = os.cpu_count()
+    cores = os.cpu_count() or 1
     bodies = load_images(count)
     config = ServerConfig(model=model, cache_size=0)
     environment = cli.environment_row(model, provenance)

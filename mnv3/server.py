@@ -240,7 +240,8 @@ def main(argv=None) -> None:
     # uvicorn re-raises the SIGTERM it shut down gracefully on; a requested, completed stop is a success.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level,
-                timeout_graceful_shutdown=config.shutdown_timeout_s)
+                # typed int, but uvicorn waits with asyncio.wait_for, which takes a float
+                timeout_graceful_shutdown=config.shutdown_timeout_s)  # type: ignore[arg-type]
 
 
 if __name__ == "__main__":
