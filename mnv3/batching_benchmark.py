@@ -47,6 +47,12 @@ class BatchingPlan:
     def title(self) -> str:
         return f"window {self.batch_window_ms:g} ms, max batch {self.max_batch_size}, cache off"
 
+    @property
+    def batching_server(self) -> dict:
+        """Flags of the batching server: every request a cache miss."""
+        return self.server_options | {"cache_size": 0, "batch_window_ms": self.batch_window_ms,
+                                      "max_batch_size": self.max_batch_size}
+
 
 @dataclass(frozen=True)
 class BatchingResult:
@@ -101,10 +107,11 @@ class BatchingResult:
         ])
 
 
-def closed_loop(url: str, bodies: list[bytes], concurrency: int, count: int, configuration: str) -> LoadResult:
-    """One closed-loop run with the server's metrics for it, printed as it is measured."""
+def closed_loop(url: str, bodies: list, concurrency: int, count: int, configuration: str,
+                client=loadtest.PredictClient) -> LoadResult:
+    """One closed-loop run through a fresh `client(url)` with the server's metrics for it, printed as it is measured."""
     result = loadtest.run_with_metrics(url, lambda send: loadtest.run_closed_loop(
-        send, bodies, concurrency, count, desc=f"{configuration} c={concurrency}"))
+        send, bodies, concurrency, count, desc=f"{configuration} c={concurrency}"), client)
     print(f"{configuration}: {result.summary()}")
     return result
 
@@ -117,9 +124,7 @@ def run_batching_benchmark(model: Path, bodies: list[bytes], plan: BatchingPlan)
         baseline_settings = loadtest.server_settings(url)
         baseline = closed_loop(url, bodies, plan.concurrency, plan.requests, NO_BATCHING)
 
-    batched = plan.server_options | {"cache_size": 0, "batch_window_ms": plan.batch_window_ms,
-                                     "max_batch_size": plan.max_batch_size}
-    with loadtest.ServerProcess(model, plan.start_timeout_s, **batched) as url:
+    with loadtest.ServerProcess(model, plan.start_timeout_s, **plan.batching_server) as url:
         batching_settings = loadtest.server_settings(url)
         loadtest.warm_up(url, bodies, plan.concurrency)
         points = {c: closed_loop(url, bodies, c, plan.requests_at(c), BATCHING) for c in plan.concurrencies}
