@@ -8,8 +8,13 @@ In one run, with the result cache off so every request is a miss:
   3. the batching server open loop: Poisson arrivals at `--open-loop-fraction` of its measured
      throughput, latency from each request's scheduled send time;
   4. the in-process limit (mnv3/limit.py): the same decode + preprocess + inference with no server,
-     over a grid of batch sizes and thread splits; the fastest is measured again, longer, as the limit.
-Writes results/05_batching_loadtest.csv and three plots, and prints the ratios.
+     over a grid of batch sizes and thread splits; the fastest is measured again, longer, as the limit;
+  5. (mnv3/v2_benchmark.py) a batching server answering the same photos through /predict and through the
+     Open Inference Protocol's binary path (/v2/models/NAME/infer) in turns at `--concurrency`;
+  6. FP32 and static INT8 in one batching server (`--side-by-side-models`) under mixed traffic, every
+     photo to both: throughput per model and their top-1 agreement.
+Writes results/05_batching_loadtest.csv, 05_v2_vs_predict.csv, 05_side_by_side.csv and three plots,
+and prints the ratios.
 
     python batching_loadtest.py            # 250 concurrent; sweep 1..250
     python batching_loadtest.py --quick
@@ -17,10 +22,11 @@ Writes results/05_batching_loadtest.csv and three plots, and prints the ratios.
 import argparse
 
 from mnv3 import cli
-from mnv3.artifacts import BATCHING_CSV
+from mnv3.artifacts import BATCHING_CSV, SIDE_BY_SIDE_CSV, V2_VS_PREDICT_CSV
 from mnv3.batching_benchmark import BatchingPlan, plot_batching, run_batching_benchmark
 from mnv3.config import ServerConfig
 from mnv3.photos import load_images
+from mnv3.v2_benchmark import run_side_by_side, run_v2_vs_predict, side_by_side_models
 
 
 def get_args_parser():
@@ -41,6 +47,9 @@ def get_args_parser():
                         help=f"images per in-process limit run ({cli.full_and_quick('limit_images')})")
     parser.add_argument("--limit-batch-sizes", type=cli.positive_int, nargs="+",
                         help=cli.full_and_quick("limit_batch_sizes"))
+    parser.add_argument("--side-by-side-models", nargs=2, metavar="[NAME=]PATH",
+                        help="the two models served together under mixed traffic (default: fp32.onnx and "
+                             "the static INT8 model in --artifacts-dir)")
     return parser
 
 
@@ -54,6 +63,7 @@ def main(args):
 def run(args):
     mode = cli.defaults(args)
     model, provenance = cli.serving_model(args)
+    side_by_side = side_by_side_models(args.side_by_side_models, args.artifacts_dir)  # fails before any load
     plan = BatchingPlan(
         concurrency=args.concurrency, requests=args.requests, sweep=tuple(args.sweep),
         batch_window_ms=args.batch_window_ms, max_batch_size=args.max_batch_size,
@@ -66,6 +76,16 @@ def run(args):
     plot_batching(result, args.results_dir)
     cli.write_results(args.results_dir, BATCHING_CSV, result.rows(cli.environment_row(model, provenance)))
     print(result.summary())
+
+    environment = cli.environment_row(model, provenance)
+    v2 = run_v2_vs_predict(model, bodies[:plan.requests], plan.concurrency, plan.requests, plan.batching_server,
+                           plan.start_timeout_s)
+    cli.write_results(args.results_dir, V2_VS_PREDICT_CSV, v2.rows(environment))
+    print(v2.summary())
+    # Each photo goes to both models: as many requests in all as a headline run.
+    mixed = run_side_by_side(side_by_side, bodies[:plan.requests // 2], plan.concurrency, plan.batching_server,
+                             plan.start_timeout_s)
+    cli.write_results(args.results_dir, SIDE_BY_SIDE_CSV, mixed.rows(environment))
 
 
 if __name__ == "__main__":

@@ -56,6 +56,25 @@ def fp32_small_model_path(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def other_model_path(fp32_model_path, tmp_path_factory):
+    """The fixture model with its classifier's bias shifted: another model (other answers) in a second."""
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    from mnv3.artifacts import CLASS_NAMES_JSON
+
+    model = onnx.load(fp32_model_path)
+    bias = next(tensor for tensor in model.graph.initializer if tensor.name == model.graph.node[-1].input[2])
+    shifted = numpy_helper.to_array(bias) + np.random.default_rng(0).normal(0, 1, bias.dims).astype(np.float32)
+    bias.CopyFrom(numpy_helper.from_array(shifted, bias.name))
+    directory = tmp_path_factory.mktemp("other_model")
+    onnx.save(model, directory / "other.onnx")
+    (directory / CLASS_NAMES_JSON).write_bytes((fp32_model_path.parent / CLASS_NAMES_JSON).read_bytes())
+    return directory / "other.onnx"
+
+
+@pytest.fixture(scope="session")
 def held_out():
     """32 preprocessed photos none of the calibration sets use."""
     from mnv3.photos import held_out_images
@@ -89,6 +108,12 @@ def post_raw(client, data, content_type: str | None = "image/jpeg"):
 def post(url: str, body: bytes) -> requests.Response:
     """POST one image to a server listening at `url` (a real socket, not a TestClient)."""
     return requests.post(url + "/predict", files={"file": ("a.jpg", body, "image/jpeg")}, timeout=WAIT_S)
+
+
+def assert_rate(rate, count, seconds):
+    """`rate` is `count` / `seconds`, all three as the CSV holds them: seconds to 1 ms, rates to 0.01/s."""
+    count, seconds = int(count), float(seconds)
+    assert count / (seconds + 0.0005) - 0.005 <= float(rate) <= count / (seconds - 0.0005) + 0.005
 
 
 class Gate:
