@@ -57,8 +57,9 @@ bench: $(EXTRAS_STAMP)
 	$(PY) static_quantization.py --compare-recipes all
 	$(PY) fastapi_serving.py
 	$(PY) caching.py
-	$(PY) batching_loadtest.py
+	$(PY) batching_loadtest.py --phone-photos 64
 	$(PY) -m mnv3.ray_serve --bench
+	$(PY) -m mnv3.ray_cluster --bench-loss --bench-cache --bench-autoscale
 	$(PY) -m mnv3.soak
 	$(PY) -m mnv3.goals
 

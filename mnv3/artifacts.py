@@ -31,12 +31,16 @@ BATCHING_CSV = "05_batching_loadtest.csv"
 THROUGHPUT_PNG = "05_throughput_vs_concurrency.png"
 LATENCY_PNG = "05_latency_vs_concurrency.png"
 BATCH_SIZE_HISTOGRAM_PNG = "05_batch_size_histogram.png"
+PHONE_PHOTOS_CSV = "05_phone_photos.csv"
 # stage 5: the Open Inference Protocol's binary path against /predict, in turns on one server
 V2_VS_PREDICT_CSV = "05_v2_vs_predict.csv"
 # stage 5: two models in one server under mixed traffic, and their top-1 agreement
 SIDE_BY_SIDE_CSV = "05_side_by_side.csv"
 RAY_SERVE_CSV = "06_ray_serve.csv"
 SOAK_CSV = "07_soak.csv"
+RAY_CLUSTER_LOSS_CSV = "08_ray_cluster_loss.csv"
+RAY_CLUSTER_CACHE_CSV = "09_ray_cluster_cache.csv"
+RAY_CLUSTER_AUTOSCALE_CSV = "10_ray_cluster_autoscale.csv"
 GOALS_CSV = "goals.csv"
 
 STAGE_SCRIPTS = {

@@ -44,14 +44,14 @@ class BatchingPlan:
             return self.requests
         return max(round(self.requests * concurrency / self.concurrency), MIN_SWEEP_REQUESTS)
 
-    def title(self) -> str:
-        return f"window {self.batch_window_ms:g} ms, max batch {self.max_batch_size}, cache off"
-
     @property
-    def batching_server(self) -> dict:
-        """Flags of the batching server: every request a cache miss."""
+    def batching_options(self) -> dict:
+        """The batching server's flags (cache off, so every request is decoded and classified)."""
         return self.server_options | {"cache_size": 0, "batch_window_ms": self.batch_window_ms,
                                       "max_batch_size": self.max_batch_size}
+
+    def title(self) -> str:
+        return f"window {self.batch_window_ms:g} ms, max batch {self.max_batch_size}, cache off"
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ def run_batching_benchmark(model: Path, bodies: list[bytes], plan: BatchingPlan)
         baseline_settings = loadtest.server_settings(url)
         baseline = closed_loop(url, bodies, plan.concurrency, plan.requests, NO_BATCHING)
 
-    with loadtest.ServerProcess(model, plan.start_timeout_s, **plan.batching_server) as url:
+    with loadtest.ServerProcess(model, plan.start_timeout_s, **plan.batching_options) as url:
         batching_settings = loadtest.server_settings(url)
         loadtest.warm_up(url, bodies, plan.concurrency)
         points = {c: closed_loop(url, bodies, c, plan.requests_at(c), BATCHING) for c in plan.concurrencies}

@@ -46,6 +46,8 @@ class Defaults:
     limit_batch_sizes: tuple[int, ...]
     limit_thread_splits: tuple[tuple[int, int], ...]
     limit_confirm_passes: int
+    phone_concurrency: int  # stage 5 --phone-photos: each request uploads 2-4 MB
+    phone_decode_rounds: int  # full vs draft decode, in turns
     # python -m mnv3.soak: more distinct images than cache entries, so the cache churns
     soak_requests: int
     soak_cache_size: int
@@ -53,6 +55,13 @@ class Defaults:
     soak_concurrency: int
     # python -m mnv3.ray_serve --bench
     ray_bench_concurrency: int
+    # python -m mnv3.ray_cluster: closed-loop clients, seconds of load and the kill's time in a loss run,
+    # distinct photos, and requests per photo in the cache run
+    cluster_concurrency: int
+    cluster_seconds: float
+    cluster_loss_at: float
+    cluster_images: int
+    cluster_repeats: int
 
 
 FULL = Defaults(
@@ -61,16 +70,20 @@ FULL = Defaults(
     concurrency=250, sequential_requests=50, sweep=(1, 8, 32, 64, 128, 250), open_loop_seconds=15.0,
     limit_images=128, limit_batch_sizes=BATCH_SIZES, limit_thread_splits=THREAD_SPLITS,
     limit_confirm_passes=CONFIRM_PASSES,
+    phone_concurrency=32, phone_decode_rounds=5,
     soak_requests=20_000, soak_cache_size=256, soak_distinct=1024, soak_concurrency=16,
     ray_bench_concurrency=64,
+    cluster_concurrency=16, cluster_seconds=60.0, cluster_loss_at=15.0, cluster_images=64, cluster_repeats=16,
 )
 QUICK = Defaults(
     timing=Timing(warmup=3, iters=10, batch_warmup=1, batch_iters=3), batch_size=8, held_out_images=16,
     bn_recalibration_images=16, profile_runs=3, calibration_images=16, comparison_repeats=1,
     concurrency=8, sequential_requests=8, sweep=(1, 8), open_loop_seconds=2.0,
     limit_images=16, limit_batch_sizes=(1, 8), limit_thread_splits=THREAD_SPLITS[:2], limit_confirm_passes=1,
+    phone_concurrency=4, phone_decode_rounds=2,
     soak_requests=400, soak_cache_size=32, soak_distinct=128, soak_concurrency=4,
     ray_bench_concurrency=8,
+    cluster_concurrency=8, cluster_seconds=30.0, cluster_loss_at=10.0, cluster_images=16, cluster_repeats=8,
 )
 
 
@@ -98,6 +111,13 @@ def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise ValueError(text)  # argparse turns this into "invalid positive_int value" and exit code 2
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError(text)
     return value
 
 

@@ -79,14 +79,17 @@ class ServerProcess:
     """`with ServerProcess(model, cache_size=0) as url:` a server on a free 127.0.0.1 port, stopped on exit.
 
     Keyword options become server flags (`max_batch_size=1` -> `--max-batch-size 1`); None keeps the
-    server's default. Entering returns once GET /readyz answers 200. Logging defaults to warnings only:
+    server's default. `extra_models` are served besides `model` (each a further `--model`, as
+    `ServerConfig.extra_models`). Entering returns once GET /readyz answers 200. Logging defaults to warnings only:
     an access-log line per request would cost the server CPU under load.
     """
 
-    def __init__(self, model, start_timeout_s: float = START_TIMEOUT_S, log_level: str = "warning", **options):
+    def __init__(self, model, start_timeout_s: float = START_TIMEOUT_S, log_level: str = "warning",
+                 extra_models: tuple[str, ...] = (), **options):
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.command = [sys.executable, "-m", "mnv3.server", "--model", str(model),
+                        *(flag for extra in extra_models for flag in ("--model", str(extra))),
                         "--host", "127.0.0.1", "--port", str(port)]
         for name, value in (options | {"log_level": log_level}).items():
             if value is not None:

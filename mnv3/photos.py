@@ -4,13 +4,15 @@ Nothing is downloaded and no binary is committed: the sources are scikit-image's
 matplotlib's `sample_data/grace_hopper.jpg`. Deterministic augmentations (random resized crop, flip,
 colour jitter) turn the ~14 sources into as many distinct images as a stage needs. Calibration and
 held-out images come from disjoint source photos, so accuracy is never measured on what calibrated.
+`phone_photos` makes 12-megapixel JPEGs the size a phone uploads, generated when a run needs them.
 """
 import io
+from concurrent.futures import ThreadPoolExecutor
 from importlib.resources import files
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, ImageEnhance
+from PIL import Image, ImageChops, ImageEnhance
 
 # (package, path inside it). Near-duplicates (the motorcycle stereo pair) stay in one split.
 CALIBRATION_SOURCES = (
@@ -34,6 +36,17 @@ HELD_OUT_SOURCES = (
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".gif"}
 LOAD_IMAGE_SIZE = (500, 375)  # a typical ImageNet validation photo
 LOAD_IMAGE_QUALITY = 90
+PHONE_PHOTO_SIZE = (4032, 3024)  # 12 megapixels, 4:3, as the sensor stores it whichever way the phone is held
+PHONE_PHOTO_QUALITY = 90
+# Sensor-like grain, +-N grey levels, drawn per photo: an upscaled sample photo alone is so smooth that
+# it compresses to a fraction of a phone JPEG's 2-4 MB, and decoding cost grows with the bytes.
+PHONE_GRAIN_LEVELS = (6, 11)
+# EXIF orientation as phones write it (1 upright, 6 held upright in portrait, 3 upside down, 8 the other
+# portrait), with the transpose that turns what the viewer sees into what the sensor stored.
+PHONE_ORIENTATIONS = {1: None, 6: Image.Transpose.ROTATE_90, 3: Image.Transpose.ROTATE_180,
+                      8: Image.Transpose.ROTATE_270}
+PHONE_ORIENTATION_SHARES = (0.5, 0.3, 0.1, 0.1)
+EXIF_ORIENTATION_TAG = 0x0112
 
 
 def source_photos(sources) -> list[Image.Image]:
@@ -107,3 +120,40 @@ def load_images(count: int, seed: int = 2, size=LOAD_IMAGE_SIZE, quality=LOAD_IM
     """`count` distinct JPEG bodies for load tests: every one is a cache miss."""
     sources = CALIBRATION_SOURCES + HELD_OUT_SOURCES
     return [encode_jpeg(image, quality) for image in augmented_views(sources, count, seed, size)]
+
+
+def phone_photo(photo: Image.Image, orientation: int, rng: np.random.Generator) -> bytes:
+    """A 12-megapixel JPEG of an augmented view of `photo`, with grain, stored as a phone held in
+    `orientation` (a key of PHONE_ORIENTATIONS) stores it."""
+    width, height = PHONE_PHOTO_SIZE
+    view = augment(photo, rng, (height, width) if orientation in (6, 8) else (width, height))
+    stored = PHONE_ORIENTATIONS[orientation]
+    if stored is not None:
+        view = view.transpose(stored)
+    levels = int(rng.integers(*PHONE_GRAIN_LEVELS, endpoint=True))
+    grain = rng.integers(128 - levels, 128 + levels, size=(height, width), dtype=np.uint8, endpoint=True)
+    grain_image = Image.fromarray(grain)
+    view = ImageChops.add(view, Image.merge("RGB", (grain_image,) * 3), offset=-128)  # luminance grain, clipped
+    exif = Image.Exif()
+    exif[EXIF_ORIENTATION_TAG] = orientation
+    buffer = io.BytesIO()
+    view.save(buffer, format="JPEG", quality=PHONE_PHOTO_QUALITY, exif=exif.tobytes())
+    return buffer.getvalue()
+
+
+def phone_photos(count: int, seed: int = 3, threads: int = 2) -> list[bytes]:
+    """`count` distinct phone-size JPEG bodies (2-4 MB each), cycling through every source photo, in
+    PHONE_ORIENTATION_SHARES of the orientations.
+
+    Made in memory when a run needs them (never written to the repository); Pillow releases the GIL
+    while it resizes and encodes, so `threads` make them in parallel, each from its own seed.
+    """
+    photos = source_photos(CALIBRATION_SOURCES + HELD_OUT_SOURCES)
+
+    def make(i):
+        rng = np.random.default_rng([seed, i])
+        orientation = int(rng.choice(list(PHONE_ORIENTATIONS), p=PHONE_ORIENTATION_SHARES))
+        return phone_photo(photos[i % len(photos)], orientation, rng)
+
+    with ThreadPoolExecutor(threads) as pool:
+        return list(pool.map(make, range(count)))

@@ -3,6 +3,9 @@
 `preprocess` reproduces torchvision's `MobileNet_V3_Large_Weights.IMAGENET1K_V1.transforms()` on PIL
 images: shorter side to 256 (bilinear, antialiased as Pillow always is), centre crop 224, /255,
 ImageNet mean/std, channels first. tests/test_preprocess.py holds it to that.
+`decode_image` decodes a JPEG at least four times the resize size on its shorter side at a reduced
+DCT scale unless told not to (`jpeg_draft`): close to a full decode, not equal to it; smaller JPEGs
+and every other format decode in full (tests/test_phone_photos.py holds it to both).
 """
 import io
 import warnings
@@ -18,6 +21,14 @@ STD = np.array([0.229, 0.224, 0.225], dtype=np.float32)
 # Folded into one multiply-add per pixel: (x/255 - mean)/std = x*SCALE + SHIFT.
 _SCALE = (1.0 / (255.0 * STD)).reshape(3, 1, 1)
 _SHIFT = (-MEAN / STD).reshape(3, 1, 1)
+
+# Draft decoding: libjpeg can decode a JPEG at 1/2, 1/4 or 1/8 scale straight from its DCT blocks, at
+# a fraction of a full decode's cost (the resize that follows then has far fewer pixels to read too).
+# The reduced image keeps a shorter side of at least JPEG_DRAFT_MARGIN x the resize size, so the resize
+# is still an antialiased downscale; a JPEG smaller than 2x that is decoded in full, exactly.
+JPEG_DRAFT_MARGIN = 2  # as Pillow's own reducing_gap default for thumbnail()
+JPEG_DRAFT_FORMATS = ("JPEG", "MPO")  # MPO: a phone's multi-frame JPEG, whose first frame is a JPEG
+JPEG_DRAFT_REDUCTIONS = (8, 4, 2)  # the DCT scalings libjpeg offers, largest first
 
 MAX_RESIZED_SIDE = 4096  # longer side of the full resize; beyond it, resample only the crop (aspect > 16:1)
 DEFAULT_MAX_PIXELS = 40_000_000  # ~ a 7300x5500 photo; larger is refused before decoding
@@ -76,7 +87,15 @@ def preprocess_batch(images) -> np.ndarray:
     return np.stack([preprocess(image) for image in images])
 
 
-def decode_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS, draft: bool = True) -> Image.Image:
+def jpeg_draft_reduction(width: int, height: int, resize_size: int = RESIZE_SIZE) -> int:
+    """The largest DCT reduction (8, 4 or 2; 1 = full decode) whose image keeps a shorter side of at least
+    JPEG_DRAFT_MARGIN x `resize_size`."""
+    needed = JPEG_DRAFT_MARGIN * resize_size
+    return next((r for r in JPEG_DRAFT_REDUCTIONS if min(width, height) // r >= needed), 1)
+
+
+def decode_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS, jpeg_draft: bool = True,
+                 resize_size: int = RESIZE_SIZE) -> Image.Image:
     """Decode untrusted bytes into an RGB PIL image, or raise InvalidImage with a clear reason.
 
     - Opens only ACCEPTED_FORMATS; any image mode they carry (1-bit to 16-bit, CMYK, alpha, palette...)
@@ -84,8 +103,10 @@ def decode_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS, draft: bool 
     - Refuses images over `max_pixels` from the header alone (decompression bombs never decode).
     - Animated GIF/WebP/PNG: the first frame is classified.
     - EXIF orientation is honoured, as a phone camera intends.
-    - With `draft`, large JPEGs are decoded at a reduced DCT scale that still leaves the shorter side
-      at least 256 px: much cheaper, and the resize to 256 follows anyway.
+    - With `jpeg_draft`, a JPEG at least 2 x JPEG_DRAFT_MARGIN x `resize_size` on its shorter side is
+      decoded at a reduced DCT scale (`jpeg_draft_reduction`): much cheaper, and close to, not equal to,
+      the full decode once resized (README, "Limits and errors"). Other formats and smaller JPEGs
+      decode in full either way.
     """
     if not data:
         raise InvalidImage(f"empty body: send an image file ({', '.join(ACCEPTED_FORMATS)})")
@@ -96,10 +117,11 @@ def decode_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS, draft: bool 
             w, h = image.size
             if w * h > max_pixels:
                 raise ImageTooLarge(f"image is {w}x{h} = {w * h} pixels, over the limit of {max_pixels}")
-            if draft and image.format == "JPEG":
-                scale = min(w, h) / RESIZE_SIZE
-                if scale >= 2:
-                    image.draft("RGB", (int(w / scale * 1.0001) + 1, int(h / scale * 1.0001) + 1))
+            if jpeg_draft and image.format in JPEG_DRAFT_FORMATS:
+                reduction = jpeg_draft_reduction(w, h, resize_size)
+                if reduction > 1:
+                    # Pillow picks the largest reduction r with size // (requested size) >= r.
+                    image.draft(image.mode, (w // reduction, h // reduction))
             image.load()
             image = ImageOps.exif_transpose(image)
             return _to_rgb(image)
@@ -126,9 +148,9 @@ def _to_rgb(image: Image.Image) -> Image.Image:
     return image if image.mode == "RGB" else image.convert("RGB")
 
 
-def decode_and_preprocess(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray:
+def decode_and_preprocess(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS, jpeg_draft: bool = True) -> np.ndarray:
     """What the server does to each upload before inference (and the in-process limit, to match it)."""
-    return preprocess(decode_image(data, max_pixels))
+    return preprocess(decode_image(data, max_pixels, jpeg_draft))
 
 
 def open_image(path) -> Image.Image:

@@ -12,7 +12,9 @@ free capacity, queues up to `max_queued_requests` when all are busy, and refuses
 Ray is an optional dependency (requirements-ray.txt): nothing else in mnv3 imports this module.
 """
 import argparse
+import hashlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -22,6 +24,8 @@ from pathlib import Path
 
 import ray
 from ray import serve
+from ray.serve.config import RequestRouterConfig
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 from starlette.middleware import Middleware
 
 from mnv3 import cli, loadtest, server
@@ -31,9 +35,16 @@ from mnv3.config import parse_args as parse_server_args
 from mnv3.errors import RETRY_AFTER_S
 from mnv3.photos import load_images
 
+logger = logging.getLogger("ray.serve")  # in Ray's proxy: its log files
 APP_NAME = "mnv3"
 REPLICA_HEADER = "x-mnv3-replica"  # which replica answered: lets a client (and the test) see the spread
+RETRIED_HEADER = "x-mnv3-retried"  # set on an answer that took a second try after its replica was lost
+# Ray's proxy puts this header's value in each request's routing metadata (multiplexed_model_id): the one
+# per-request value a request router can read. The proxy middleware sets it to the image's hash.
+ROUTING_KEY_HEADER = "serve_multiplexed_model_id"
 BENCH_REQUESTS_PER_SENDER = 8
+IMAGE_ROUTER = "mnv3.ray_serve:ImageAffinityRouter"
+LOAD_ROUTER = RequestRouterConfig().request_router_class  # Ray's default: power of two choices by queue length
 # The proxy is a separate Ray process; Ray calls this (from its environment) for middleware to wrap it in.
 PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 PROXY_CALLBACK = "mnv3.ray_serve:proxy_middlewares"
@@ -45,12 +56,34 @@ DEFAULT_TARGET_ONGOING_REQUESTS = ServerConfig.max_batch_size
 DEFAULT_MAX_QUEUED_REQUESTS = ServerConfig.queue_limit  # Ray's proxy-side queue, beyond the replicas'
 
 
+class ImageAffinityRouter(RequestRouter):
+    """Request router: the same image goes to the same replica, whose cache then has it.
+
+    Each replica keeps its own result cache, so with load-based routing a repeated image reaches a replica
+    that has it cached only about 1/N of the time. Here each request's key (the image hash the proxy
+    middleware put in its routing metadata) ranks the replicas by rendezvous hashing: the top one first,
+    then the rest, so a full replica's requests still go elsewhere. Adding or losing a replica moves only
+    the keys that replica ranked first. Requests without a key go to any replica.
+    """
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        key = pending_request.metadata.multiplexed_model_id if pending_request is not None else ""
+        if not key or len(candidate_replicas) < 2:
+            return [candidate_replicas]
+        ranked = sorted(candidate_replicas, reverse=True,
+                        key=lambda replica: hashlib.sha256(f"{key}:{replica.replica_id.unique_id}".encode()).digest())
+        return [ranked[:1], ranked[1:]]
+
+
 @serve.deployment(
     ray_actor_options={"num_cpus": 1},
     max_ongoing_requests=DEFAULT_MAX_ONGOING_REQUESTS,
     max_queued_requests=DEFAULT_MAX_QUEUED_REQUESTS,
     # Ray's own rejection gets the plain server's status and Retry-After; proxy_middlewares gives it its body.
     backpressure_config={"status_code": 503, "retry_after_s": RETRY_AFTER_S},
+    # Repeats of an image reach the replica whose cache has it (the key comes from proxy_middlewares).
+    request_router_config={"request_router_class": IMAGE_ROUTER},
 )
 @serve.ingress()  # no app here: each replica builds its own in __serve_build_asgi_app__, with its own threads
 class MobileNetV3:
@@ -83,8 +116,10 @@ class ReplicaHeader:
 
 
 class JsonErrors:
-    """ASGI middleware for Ray's proxy: its own plain-text errors (backpressure 503, timeout 408, ...) become
-    the app's `{"detail": "..."}`. Replies from the app are JSON already and pass through untouched."""
+    """ASGI middleware for Ray's proxy: its own errors get the app's `{"detail": "..."}` body. Ray answers
+    backpressure (503), timeouts (408) and unavailable deployments (503) in plain text; a request whose
+    replica died while holding it gets no answer from Ray at all (uvicorn would send a plain-text 500):
+    that becomes a JSON 502, the proxy's upstream having failed. Replies from the app pass through."""
 
     def __init__(self, app):
         self.app = app
@@ -92,10 +127,11 @@ class JsonErrors:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        held = {}
+        held, started = {}, []
 
         async def send_json_errors(message):
             if message["type"] == "http.response.start":
+                started.append(True)
                 content_type = dict(message.get("headers", [])).get(b"content-type", b"")
                 if message["status"] >= 400 and content_type.startswith(b"text/plain"):
                     held["start"], held["body"] = message, b""
@@ -104,20 +140,137 @@ class JsonErrors:
                 held["body"] += message.get("body", b"")
                 if message.get("more_body"):
                     return
-                body = json.dumps({"detail": held["body"].decode(errors="replace")}).encode()
-                headers = [(k, v) for k, v in held["start"].get("headers", [])
-                           if k.lower() not in (b"content-type", b"content-length")]
-                headers += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-                await send({**held.pop("start"), "headers": headers})
-                message = {"type": "http.response.body", "body": body}
+                start = held.pop("start")
+                await send_json(send, start["status"], held["body"].decode(errors="replace"), start.get("headers", []))
+                return
             await send(message)
 
-        await self.app(scope, receive, send_json_errors)
+        try:
+            await self.app(scope, receive, send_json_errors)
+        except Exception as exc:  # Ray's proxy failed on this request: still one JSON answer
+            if not started:
+                await send_json(send, 500, f"the Ray proxy failed on this request: {type(exc).__name__}: {exc}")
+            raise
+        if not started:
+            await send_json(send, 502, "the replica handling this request was lost before it answered "
+                                       "(Ray restarts it); retry the request",
+                            [(b"retry-after", str(RETRY_AFTER_S).encode())])
+
+
+async def send_json(send, status: int, detail: str, headers=()) -> None:
+    body = json.dumps({"detail": detail}).encode()
+    headers = [(k, v) for k, v in headers if k.lower() not in (b"content-type", b"content-length")]
+    headers += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class RetryLostReplica:
+    """ASGI middleware for Ray's proxy: a request whose replica died before answering is sent once more.
+
+    Ray's router already retries a request that never reached a live replica (it reserves a slot on a
+    replica before sending, and picks another when that replica is dead). A request already on a replica
+    that then dies gets no answer; Ray does not resend it, because it cannot know whether resending is
+    safe. Here it is: POST /predict is a pure function of the upload. So the body is kept as the proxy
+    reads it (up to the app's upload limit) and, if no response started, replayed once to another replica.
+    """
+
+    def __init__(self, app, max_body_bytes: int = ServerConfig.max_upload_bytes):
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        body, started, disconnected = [], [], []
+        size = 0
+
+        async def recording_receive():
+            nonlocal size
+            message = await receive()
+            if message["type"] == "http.request":
+                size += len(message.get("body", b""))
+                if size <= self.max_body_bytes:
+                    body.append(message)
+            elif message["type"] == "http.disconnect":
+                disconnected.append(True)
+            return message
+
+        async def tracking_send(message):
+            if message["type"] == "http.response.start":
+                started.append(True)
+            await send(message)
+
+        await self.app(scope, recording_receive, tracking_send)
+        complete = body and not body[-1].get("more_body") and size <= self.max_body_bytes
+        if started:
+            return
+        if disconnected or not complete:
+            logger.warning("mnv3: not retrying a request whose replica was lost: %s",
+                           "the client left" if disconnected else "its body was not all read or is over the limit")
+            return
+        logger.warning("mnv3: retrying a request whose replica was lost")
+        replay = iter(body)
+
+        async def replaying_receive():  # the recorded body, then the client's own (disconnect)
+            return next(replay, None) or await receive()
+
+        async def send_marked(message):
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (RETRIED_HEADER.encode(), b"1")]
+            await send(message)
+
+        await self.app(scope, replaying_receive, send_marked)
+
+
+class ImageRoutingKey:
+    """ASGI middleware for Ray's proxy: reads a request's body first (up to the app's upload limit) and puts
+    a hash of the image in ROUTING_KEY_HEADER, for ImageAffinityRouter. A raw image body's hash is the
+    cache's own key; a multipart body is hashed without its boundary, which changes from request to
+    request, so the same file sent the same way gets the same key. Larger bodies pass through unkeyed."""
+
+    def __init__(self, app, max_body_bytes: int = ServerConfig.max_upload_bytes):
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        messages, size = [], 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            size += len(message.get("body", b""))
+            if message["type"] != "http.request" or not message.get("more_body") or size > self.max_body_bytes:
+                break
+        if message["type"] == "http.request" and not message.get("more_body"):
+            scope = {**scope, "headers": [*[(k, v) for k, v in scope["headers"] if k != ROUTING_KEY_HEADER.encode()],
+                                          (ROUTING_KEY_HEADER.encode(), routing_key(scope, messages).encode())]}
+        buffered = iter(messages)
+
+        async def replaying_receive():
+            return next(buffered, None) or await receive()
+
+        await self.app(scope, replaying_receive, send)
+
+
+def routing_key(scope, messages: list) -> str:
+    body = b"".join(message.get("body", b"") for message in messages)
+    content_type = dict(scope["headers"]).get(b"content-type", b"")
+    if content_type.startswith(b"multipart/") and b"boundary=" in content_type:
+        boundary = content_type.split(b"boundary=", 1)[1].split(b";", 1)[0].strip(b'"')
+        body = body.replace(boundary, b"")
+    return hashlib.sha256(body).hexdigest()
 
 
 def proxy_middlewares() -> list:
-    """What Ray's proxy calls via RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=mnv3.ray_serve:proxy_middlewares."""
-    return [Middleware(JsonErrors)]
+    """What Ray's proxy calls via RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=mnv3.ray_serve:proxy_middlewares.
+
+    Ray wraps its app in these in list order, so the LAST is outermost (Starlette's own list is the other
+    way round): the retry sits next to Ray's app, the routing key is set before it, and JsonErrors, outside
+    both, answers a request still unanswered after its one retry.
+    """
+    return [Middleware(RetryLostReplica), Middleware(ImageRoutingKey), Middleware(JsonErrors)]
 
 
 def build(config: ServerConfig, replicas: int = 1, num_cpus: float = 1, min_replicas: int | None = None,

@@ -89,7 +89,8 @@ class ServedModel:
             async with asyncio.timeout_at(deadline):
                 array = await asyncio.get_running_loop().run_in_executor(self.preprocess_pool,
                                                                          decode_and_preprocess, data,
-                                                                         self.config.max_pixels)
+                                                                         self.config.max_pixels,
+                                                                         bool(self.config.jpeg_draft))
         except TimeoutError:
             raise DeadlineExceeded("deadline passed while waiting to decode the image") from None
         finally:
@@ -143,7 +144,7 @@ class Serving:
         self.default = self.models[specs[0].name]
         self.not_ready_reason: str | None = "warming up"
 
-    # The default model's pieces: what a one-model server has (tests and /stats hold them).
+    # The default model's pieces: what a one-model server has (tests hold them).
     @property
     def engine(self) -> Engine:
         return self.default.engine

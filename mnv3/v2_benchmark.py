@@ -232,8 +232,7 @@ def run_side_by_side(models: tuple[ModelSpec, ModelSpec], photos: list[bytes], c
                      server_options: dict, start_timeout_s: float) -> SideBySideResult:
     """Both models in one server; every photo to each, alternating models, through one closed loop."""
     first, second = (f"{spec.name}={spec.path}" + (f"@{spec.backend}" if spec.backend else "") for spec in models)
-    server = loadtest.ServerProcess(first, start_timeout_s, **server_options)
-    server.command += ["--model", second]  # a second --model: a second model
+    server = loadtest.ServerProcess(first, start_timeout_s, extra_models=(second,), **server_options)
     names = tuple(spec.name for spec in models)
     items = [(name, index, photo) for index, photo in enumerate(photos) for name in names]
     with server as url:

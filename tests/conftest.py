@@ -48,14 +48,6 @@ def fp32_model_path(fp32_model_dir):
 
 
 @pytest.fixture(scope="session")
-def fp32_small_model_path(tmp_path_factory):
-    """The same for MobileNetV3-Small, whose depthwise channel counts differ from Large's."""
-    from mnv3.artifacts import FP32_ONNX
-
-    return export_random_init("mobilenet_v3_small", tmp_path_factory.mktemp("fp32_small_model")) / FP32_ONNX
-
-
-@pytest.fixture(scope="session")
 def other_model_path(fp32_model_path, tmp_path_factory):
     """The fixture model with its classifier's bias shifted: another model (other answers) in a second."""
     import numpy as np
@@ -72,6 +64,14 @@ def other_model_path(fp32_model_path, tmp_path_factory):
     onnx.save(model, directory / "other.onnx")
     (directory / CLASS_NAMES_JSON).write_bytes((fp32_model_path.parent / CLASS_NAMES_JSON).read_bytes())
     return directory / "other.onnx"
+
+
+@pytest.fixture(scope="session")
+def fp32_small_model_path(tmp_path_factory):
+    """The same for MobileNetV3-Small, whose depthwise channel counts differ from Large's."""
+    from mnv3.artifacts import FP32_ONNX
+
+    return export_random_init("mobilenet_v3_small", tmp_path_factory.mktemp("fp32_small_model")) / FP32_ONNX
 
 
 @pytest.fixture(scope="session")

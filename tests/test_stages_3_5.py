@@ -16,18 +16,11 @@ import batching_loadtest
 import caching
 import fastapi_serving
 from conftest import assert_rate
-from mnv3.artifacts import (
-    BATCH_SIZE_HISTOGRAM_PNG,
-    BATCHING_CSV,
-    CACHING_CSV,
-    LATENCY_PNG,
-    SERVING_BASELINE_CSV,
-    SIDE_BY_SIDE_CSV,
-    THROUGHPUT_PNG,
-    V2_VS_PREDICT_CSV,
-    update_manifest,
-)
+from mnv3.artifacts import (BATCH_SIZE_HISTOGRAM_PNG, BATCHING_CSV, CACHING_CSV, LATENCY_PNG, PHONE_PHOTOS_CSV,
+                            SERVING_BASELINE_CSV, SIDE_BY_SIDE_CSV, THROUGHPUT_PNG, V2_VS_PREDICT_CSV,
+                            update_manifest)
 from mnv3.cli import serving_model
+from mnv3.phone_benchmark import TIME_PARTS
 from mnv3.report import read_csv
 
 pytestmark = pytest.mark.e2e
@@ -132,6 +125,35 @@ def test_stage5_batching_sweep_open_loop_and_limit(fp32_model_path, other_model_
     for row in v2_rows + side_by_side:
         assert int(row["errors"]) == 0 and row["ok"] == row["sent"] and int(row["concurrency"]) == 8
     assert v2_rows[-1]["sent"] == side_by_side[-1]["sent"] == headline["sent"]
+
+
+def test_stage5_phone_photo_rows(fp32_model_path, tmp_path):
+    run_quick(batching_loadtest, BATCHING_CSV, fp32_model_path, tmp_path, "--phone-photos", "3")
+    decode, *uploads = read_csv(tmp_path / PHONE_PHOTOS_CSV)
+    assert decode["configuration"] == "phone_decode" and decode["photos"] == "3" and decode["decode_rounds"] == "2"
+    assert 2 <= float(decode["photo_mb_min"]) <= float(decode["photo_mb_mean"]) <= float(decode["photo_mb_max"]) <= 4
+    assert decode["draft_decoded_size"] in ("1008x756", "756x1008")
+    assert 0 < float(decode["tensor_mean_abs_diff"]) <= float(decode["tensor_max_abs_diff"])
+    assert 0 < float(decode["pixel_mean_abs_diff_levels"]) <= float(decode["pixel_max_abs_diff_levels"])
+    assert "reference_model" not in decode  # the served model is FP32 itself: no second comparison
+    assert [(r["configuration"], r["jpeg_draft"]) for r in uploads] == [("phone_upload", "1"), ("phone_upload", "0")]
+    for row in uploads:
+        assert row["load_image_size"] == "4032x3024" and row["server_cache_size"] == "0"
+        assert (int(row["concurrency"]), int(row["sent"]), int(row["ok"]), int(row["errors"])) == (4, 16, 16, 0)
+        assert_closed_loop_throughput(row)
+        assert_server_batched_every_answer(row, max_batch_size=int(row["server_max_batch_size"]))
+        # every part of the round trip took time, and together they are the round trip
+        parts = {name: float(row[f"time_{name}"]) for name in TIME_PARTS}
+        assert min(parts.values()) > 0
+        assert sum(parts.values()) == pytest.approx(float(row["latency_mean_ms"]), abs=0.05)
+        assert parts["decode_preprocess_ms"] == pytest.approx(float(row["mean_preprocess_ms"]), abs=0.01)
+    assert float(uploads[0]["draft_speedup"]) == pytest.approx(
+        float(uploads[0]["req_per_s"]) / float(uploads[1]["req_per_s"]), abs=0.01)
+
+
+def test_stage5_refuses_a_negative_phone_photo_count(tmp_path):
+    result = run_cli("batching_loadtest.py", "--quick", "--phone-photos", "-1", "--results-dir", str(tmp_path))
+    assert result.returncode == 2 and "--phone-photos" in result.stderr and "Traceback" not in result.stderr
 
 
 def run_cli(script, *args):

@@ -29,10 +29,9 @@ PROBABILITY_TOLERANCE = 1e-4  # the same model in batches of other sizes: float 
 @pytest.fixture(scope="module")
 def server(fp32_model_path, other_model_path):
     """Two models with different answers, `large` (the default) and `small`, in one server process."""
-    process = ServerProcess(f"large={fp32_model_path}", max_batch_size=MAX_BATCH_SIZE, batch_window_ms=50,
-                            cache_size=64, max_upload_bytes=UPLOAD_LIMIT)
-    process.command += ["--model", f"small={other_model_path}"]  # a second --model: a second model
-    with process as url:
+    with ServerProcess(f"large={fp32_model_path}", extra_models=(f"small={other_model_path}",),
+                       max_batch_size=MAX_BATCH_SIZE, batch_window_ms=50, cache_size=64,
+                       max_upload_bytes=UPLOAD_LIMIT) as url:
         yield url
 
 

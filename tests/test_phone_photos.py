@@ -1,0 +1,161 @@
+"""Phone-size photos and JPEG draft decoding: the generator makes what a phone uploads, and the draft
+decode stays close to a full decode where it applies and changes nothing where it does not."""
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from conftest import post_file, serving_client
+from mnv3.config import parse_args
+from mnv3.engine import Engine
+from mnv3.phone_benchmark import compare_decodes
+from mnv3.photos import (EXIF_ORIENTATION_TAG, HELD_OUT_SOURCES, PHONE_ORIENTATIONS, PHONE_PHOTO_SIZE, phone_photo,
+                         phone_photos, source_photos)
+from mnv3.preprocess import (JPEG_DRAFT_MARGIN, RESIZE_SIZE, ImageTooLarge, decode_image, jpeg_draft_reduction,
+                             preprocess)
+from test_preprocess import SIZES as EQUALITY_TEST_SIZES
+
+# How far a draft decode's preprocessed tensor may be from the full decode's, in normalised units (one
+# grey level is 1/(255*std) ~ 0.017): about 8 grey levels at most, half a grey level on average.
+# Measured on the 64 phone photos of make bench: at most 5 grey levels, 0.2 on average.
+DRAFT_MAX_ABS_DIFF = 0.15
+DRAFT_MEAN_ABS_DIFF = 0.01
+SMALLEST_DRAFTED_SIDE = 2 * JPEG_DRAFT_MARGIN * RESIZE_SIZE
+WIDTH, HEIGHT = PHONE_PHOTO_SIZE
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def oriented():
+    """The same view of one photo stored as a phone held upright (1), upside down (3) and in portrait (6)."""
+    [photo] = source_photos(HELD_OUT_SOURCES[:1])
+    return {orientation: phone_photo(photo, orientation, np.random.default_rng(0)) for orientation in (1, 3, 6)}
+
+
+def encode(image: Image.Image, format: str, **params) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format=format, **params)
+    return buffer.getvalue()
+
+
+def photo_of_size(width: int, height: int) -> Image.Image:
+    [photo] = source_photos(HELD_OUT_SOURCES[1:2])
+    return photo.resize((width, height), Image.BILINEAR)
+
+
+@pytest.mark.slow
+def test_phone_photos_are_distinct_12_megapixel_jpegs_of_2_to_4_mb():
+    bodies = phone_photos(4, seed=5)
+    assert len(set(bodies)) == 4
+    for body in bodies:
+        assert 2_000_000 <= len(body) <= 4_000_000
+        image = Image.open(io.BytesIO(body))
+        assert (image.format, image.size) == ("JPEG", PHONE_PHOTO_SIZE)
+        assert image.getexif()[EXIF_ORIENTATION_TAG] in PHONE_ORIENTATIONS
+    assert phone_photos(2, seed=5) == bodies[:2]  # seeded: a rerun measures the same photos
+
+
+def test_exif_orientation_is_applied_to_a_draft_decode(oriented):
+    portrait = decode_image(oriented[6])
+    assert portrait.size == (HEIGHT // 4, WIDTH // 4)  # stored landscape, reduced 4x, turned upright
+    upright, upside_down = (preprocess(decode_image(oriented[o])) for o in (1, 3))
+    # The same view stored upside down with its tag says so comes out as the upright one (JPEG blocks aside).
+    assert np.abs(upright - upside_down).mean() < DRAFT_MEAN_ABS_DIFF
+    assert np.abs(upright - preprocess(decode_image(oriented[3], jpeg_draft=False))).mean() < DRAFT_MEAN_ABS_DIFF
+
+
+@pytest.mark.parametrize("orientation", [1, 6])
+def test_draft_decode_of_a_phone_photo_is_close_to_the_full_decode(oriented, orientation):
+    body = oriented[orientation]
+    drafted, full = decode_image(body, jpeg_draft=True), decode_image(body, jpeg_draft=False)
+    assert full.size in (PHONE_PHOTO_SIZE, PHONE_PHOTO_SIZE[::-1])
+    assert min(drafted.size) == min(full.size) // 4 >= JPEG_DRAFT_MARGIN * RESIZE_SIZE  # reduced, not below the margin
+    difference = np.abs(preprocess(drafted) - preprocess(full))
+    assert 0 < difference.max() <= DRAFT_MAX_ABS_DIFF  # close, and not equal: the draft path really ran
+    assert difference.mean() <= DRAFT_MEAN_ABS_DIFF
+
+
+def test_draft_reduction_keeps_the_margin():
+    assert jpeg_draft_reduction(WIDTH, HEIGHT) == 4  # 3024 // 8 = 378 < 512 <= 3024 // 4 = 756
+    assert jpeg_draft_reduction(SMALLEST_DRAFTED_SIDE, SMALLEST_DRAFTED_SIDE) == 2
+    assert jpeg_draft_reduction(SMALLEST_DRAFTED_SIDE - 1, 10_000) == 1
+    assert jpeg_draft_reduction(8000, 8 * SMALLEST_DRAFTED_SIDE // 2) == 8
+    assert jpeg_draft_reduction(4000, 3000, resize_size=1024) == 1  # a model that resizes to more needs more
+
+
+# Every size the torchvision equality test uses is among them: draft decoding never reaches it.
+@pytest.mark.parametrize("width, height", [(SMALLEST_DRAFTED_SIDE - 1, 1400), *EQUALITY_TEST_SIZES])
+def test_draft_changes_nothing_for_a_jpeg_under_twice_the_margin(width, height):
+    body = encode(photo_of_size(width, height), "JPEG", quality=90)
+    drafted, full = decode_image(body, jpeg_draft=True), decode_image(body, jpeg_draft=False)
+    assert drafted.size == full.size == (width, height)
+    assert np.array_equal(np.asarray(drafted), np.asarray(full))
+
+
+def test_draft_starts_at_twice_the_margin():
+    body = encode(photo_of_size(SMALLEST_DRAFTED_SIDE, 1400), "JPEG", quality=90)
+    assert decode_image(body).size == (SMALLEST_DRAFTED_SIDE // 2, 700)
+
+
+@pytest.mark.parametrize("format", ["PNG", "WEBP"])
+def test_draft_changes_nothing_for_other_formats(format):
+    body = encode(photo_of_size(2048, 1536), format)
+    drafted, full = decode_image(body, jpeg_draft=True), decode_image(body, jpeg_draft=False)
+    assert drafted.size == full.size == (2048, 1536)
+    assert np.array_equal(np.asarray(drafted), np.asarray(full))
+
+
+def test_draft_applies_to_a_phone_mpo_too():
+    image = photo_of_size(2048, 1536)
+    body = encode(image, "MPO", save_all=True, append_images=[image.resize((1024, 768))])
+    assert Image.open(io.BytesIO(body)).format == "MPO"
+    assert decode_image(body).size == (1024, 768)
+    assert decode_image(body, jpeg_draft=False).size == (2048, 1536)
+
+
+def test_pixel_limit_is_checked_from_the_header_before_any_draft_decode(oriented):
+    header_only = oriented[1][:4096]  # no image data: anything that decoded would fail as truncated
+    with pytest.raises(ImageTooLarge, match=f"{WIDTH}x{HEIGHT}"):
+        decode_image(header_only, max_pixels=WIDTH * HEIGHT - 1, jpeg_draft=True)
+    assert decode_image(oriented[1], max_pixels=WIDTH * HEIGHT).size == (WIDTH // 4, HEIGHT // 4)
+
+
+def test_jpeg_draft_is_a_server_setting():
+    assert parse_args(["--model", "m.onnx"], environ={}).jpeg_draft == 1
+    assert parse_args(["--model", "m.onnx"], environ={"MNV3_JPEG_DRAFT": "0"}).jpeg_draft == 0
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "m.onnx", "--jpeg-draft", "2"], environ={})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("jpeg_draft", [0, 1])
+def test_the_server_decodes_as_its_jpeg_draft_setting_says(fp32_model_path, oriented, jpeg_draft):
+    body = oriented[6]
+    engine = Engine.load(fp32_model_path)
+    expected = {flag: engine.predict(preprocess(decode_image(body, jpeg_draft=bool(flag)))[None])[0] for flag in (0, 1)}
+    assert not np.allclose(expected[0], expected[1], rtol=1e-4, atol=0)  # the two decodes are told apart
+    with serving_client(fp32_model_path, cache_size=0, jpeg_draft=jpeg_draft) as client:
+        response = post_file(client, body)
+    assert response.status_code == 200
+    for prediction in response.json()["predictions"]:
+        assert prediction["probability"] == pytest.approx(float(expected[jpeg_draft][prediction["class_id"]]),
+                                                          rel=1e-5)
+
+
+@pytest.mark.slow
+def test_decode_comparison_measures_the_draft_against_the_full_decode(fp32_model_path, oriented):
+    bodies = [oriented[1], oriented[6]]
+    comparison = compare_decodes(fp32_model_path, bodies, rounds=1, reference=fp32_model_path)
+    row = comparison.as_row()
+    assert (row["photos"], row["decode_rounds"], row["draft_decoded_size"]) == (2, 1, f"{WIDTH // 4}x{HEIGHT // 4}")
+    assert 0 < row["tensor_mean_abs_diff"] <= row["tensor_max_abs_diff"] <= DRAFT_MAX_ABS_DIFF
+    # one round: the ratio is that round's full time over its draft time
+    assert row["full_to_draft_time_ratio"] == pytest.approx(
+        row["full_decode_ms_per_image"] / row["draft_decode_ms_per_image"], rel=0.01)
+    # The reference is the served model itself here: the same comparison, and full agreement with itself.
+    for name in ("top1_agreement", "top5_agreement", "sqnr_db"):
+        assert row[f"fp32_draft_vs_full_{name}"] == row[f"draft_vs_full_{name}"]
+    assert (row["served_vs_fp32_top1_agreement"], row["served_vs_fp32_sqnr_db"]) == (1.0, float("inf"))
+    assert np.isfinite(row["draft_vs_full_sqnr_db"])  # the draft did change the logits
