@@ -48,8 +48,9 @@ class V2Request:
 def v2_request(photo: bytes, top_k: int = TOP_K) -> V2Request:
     """One encoded photo as tritonclient.http sends it, byte for byte: input IMAGE, BYTES [1, 1], in
     binary (a 4-byte little-endian length, then the JPEG). The output is PROBABILITIES through the
-    classification extension, top `top_k` as JSON strings "probability:index:label": what Triton's
-    image_client asks for, the same answer /predict gives, and a JSON answer needs no binary parsing."""
+    classification extension (Triton's image_client asks for its classes so), the top `top_k` as
+    "probability:index:label" strings: the answer /predict gives. They come back in JSON, not binary:
+    five short strings gain nothing from binary, and JSON needs no length-prefixed parsing."""
     element = struct.pack("<I", len(photo)) + photo
     header = json.dumps({
         "inputs": [{"name": IMAGE_INPUT, "shape": [1, 1], "datatype": "BYTES",
