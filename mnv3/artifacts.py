@@ -35,6 +35,10 @@ THROUGHPUT_PNG = "05_throughput_vs_concurrency.png"
 LATENCY_PNG = "05_latency_vs_concurrency.png"
 BATCH_SIZE_HISTOGRAM_PNG = "05_batch_size_histogram.png"
 PHONE_PHOTOS_CSV = "05_phone_photos.csv"
+# stage 5: the Open Inference Protocol's binary path against /predict, in turns on one server
+V2_VS_PREDICT_CSV = "05_v2_vs_predict.csv"
+# stage 5: two models in one server under mixed traffic, and their top-1 agreement
+SIDE_BY_SIDE_CSV = "05_side_by_side.csv"
 RAY_SERVE_CSV = "06_ray_serve.csv"
 SOAK_CSV = "07_soak.csv"
 RAY_CLUSTER_LOSS_CSV = "08_ray_cluster_loss.csv"

@@ -24,6 +24,7 @@ from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from urllib.parse import urlencode
 
 import numpy as np
 import requests
@@ -173,15 +174,23 @@ class PredictClient:
     cores shared with the server, the server's throughput would otherwise be charged with.
     """
 
-    def __init__(self, base_url: str, timeout_s: float = REQUEST_TIMEOUT_S, api_key: str | None = None):
+    def __init__(self, base_url: str, timeout_s: float = REQUEST_TIMEOUT_S, model: str | None = None,
+                 api_key: str | None = None):
         self._pool = urllib3.connection_from_url(base_url, maxsize=MAX_CONNECTIONS)
         self.timeout_s = timeout_s
         self.headers = auth_headers(api_key)
+        # ?model= picks one of a server's models; without it, the server's default model answers.
+        self._path = "/predict" if model is None else f"/predict?{urlencode({'model': model})}"
 
     def __call__(self, body: bytes) -> tuple[str, dict | None]:
+        return self.post(self._path, fields={"file": ("image.jpg", body, "image/jpeg")})
+
+    def post(self, path: str, **request) -> tuple[str, dict | None]:
+        """POST `path` with urllib3's request keywords (fields=, or body= and headers=): (status, JSON or None)."""
         try:
-            response = self._pool.request("POST", "/predict", fields={"file": ("image.jpg", body, "image/jpeg")},
-                                          headers=self.headers, timeout=self.timeout_s, retries=False)
+            headers = self.headers | request.pop("headers", {})
+            response = self._pool.request("POST", path, headers=headers, timeout=self.timeout_s, retries=False,
+                                          **request)
         except urllib3.exceptions.HTTPError as exc:
             return type(exc).__name__, None
         if response.status != 200:
@@ -262,7 +271,7 @@ def _round(value):
     return round(value, 3) if isinstance(value, float) else value
 
 
-def run_closed_loop(send, bodies: list[bytes], concurrency: int, count: int | None = None,
+def run_closed_loop(send, bodies: list, concurrency: int, count: int | None = None,
                     desc: str | None = None) -> LoadResult:
     """`count` requests (default: one per body, cycling) through `concurrency` threads, as fast as answered."""
     count = len(bodies) if count is None else count
@@ -366,18 +375,20 @@ def metrics_row(metrics: dict) -> dict:
     return row
 
 
-def warm_up(base_url: str, bodies: list[bytes], concurrency: int) -> None:
+def warm_up(base_url: str, bodies: list, concurrency: int, client=PredictClient) -> None:
     """One untimed round at `concurrency`: connections open, and ORT has met the batch sizes this load
     makes, so a timed run measures the steady state and a server measured first is not at a disadvantage.
-    Only for a server whose cache is off: with it on, these bodies would be hits afterwards."""
-    with PredictClient(base_url) as send:
+    Only for a server whose cache is off: with it on, these bodies would be hits afterwards. `client(base_url)`
+    makes the sender (default: POST /predict)."""
+    with client(base_url) as send:
         run_closed_loop(send, bodies, concurrency, count=concurrency, desc="warm-up")
 
 
-def run_with_metrics(base_url: str, run) -> LoadResult:
-    """`run(send)` with a fresh client; its result carries the server's metrics for just that run."""
+def run_with_metrics(base_url: str, run, client=PredictClient) -> LoadResult:
+    """`run(send)` with a fresh `client(base_url)` (default: POST /predict); its result carries the server's
+    metrics for just that run."""
     before = read_metrics(base_url)
-    with PredictClient(base_url) as send:
+    with client(base_url) as send:
         result = run(send)
     return replace(result, metrics=metrics_delta(before, read_metrics(base_url)))
 

@@ -141,6 +141,12 @@ def upload(port: int, size: int, first: int, headers: str = "") -> tuple[bytes, 
     return head + b"\r\n\r\n" + body, closed, rest_sent
 
 
+def assert_rate(rate, count, seconds):
+    """`rate` is `count` / `seconds`, all three as the CSV holds them: seconds to 1 ms, rates to 0.01/s."""
+    count, seconds = int(count), float(seconds)
+    assert count / (seconds + 0.0005) - 0.005 <= float(rate) <= count / (seconds - 0.0005) + 0.005
+
+
 class Gate:
     """Wraps Engine.predict so a test can hold an inference call open and count the calls made."""
 
