@@ -2,9 +2,14 @@
 onnxruntime profile of the dynamic model showing where its time goes. With openvino installed
 (requirements-openvino.txt) the same FP32 file also runs on OpenVINO: FP32, and BF16 where the CPU has it.
 
-Writes artifacts/{fp32,dynamic_int8}.onnx, results/01_baseline.csv, results/01_dynamic_int8_profile.csv
-and results/summary.md. `--transformer-control` runs the same export -> dynamic INT8 -> timing -> profile
-on a ViT as well (results/01_transformer_control*.csv): the other direction of the dynamic-INT8 finding.
+The model is MobileNetV3-Large or -Small (--arch): torchvision's ImageNet weights, or your own fine-tuned
+ones (--weights, --class-names, and the preprocessing it was trained with).
+
+Writes artifacts/{fp32,dynamic_int8}.onnx, artifacts/class_names.json, the manifest (arch, weights,
+classes, preprocessing: every later stage and the server read them from there), results/01_baseline.csv,
+results/01_dynamic_int8_profile.csv and results/summary.md. `--transformer-control` runs the same export ->
+dynamic INT8 -> timing -> profile on a ViT as well (results/01_transformer_control*.csv): the other
+direction of the dynamic-INT8 finding.
 """
 import argparse
 
@@ -13,9 +18,12 @@ import torch
 from mnv3 import cli
 from mnv3.accuracy import UnreadableLabels, array_batches, held_out_batch, load_labels, predict
 from mnv3.artifacts import (BASELINE_CSV, CLASS_NAMES_JSON, DYNAMIC_INT8_ONNX, DYNAMIC_INT8_PROFILE_CSV, FP32_ONNX,
-                            TRANSFORMER_CONTROL_CSV, TRANSFORMER_CONTROL_PROFILE_CSV, update_manifest)
-from mnv3.model import (EXPORT_CHECK_BATCHES, WEIGHTS, BadWeights, check_export, export_onnx, load_model,
-                        recalibrate_batchnorm, state_dict_size_mb, torch_runner)
+                            TRANSFORMER_CONTROL_CSV, TRANSFORMER_CONTROL_PROFILE_CSV, update_manifest,
+                            write_class_names)
+from mnv3.model import (ARCHS, DEFAULT_ARCH, EXPORT_CHECK_BATCHES, BadClassNames, BadWeights, check_export,
+                        class_names_for, export_onnx, load_model, recalibrate_batchnorm, state_dict_size_mb,
+                        torch_runner)
+from mnv3.preprocess import DEFAULT_PREPROCESSING, Preprocessing
 from mnv3.photos import CALIBRATION_SOURCES, augmented_views
 from mnv3.profiling import op_type_summary, profile_model
 from mnv3.quantize import quantize_dynamic_int8, size_mb
@@ -30,8 +38,22 @@ PROFILED_OPS = ("ConvInteger", "DynamicQuantizeLinear")  # dynamic INT8's own op
 
 def get_args_parser(add_help=True):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=add_help)
+    parser.add_argument("--arch", choices=sorted(ARCHS), default=DEFAULT_ARCH, help="default %(default)s")
     parser.add_argument("--weights", default=None,
-                        help="a mobilenet_v3_large state_dict (.pth); default: torchvision's, else random init")
+                        help="your --arch weights: a state_dict (.pth), or a training checkpoint with it under "
+                             "\"model\" as torchvision's references/classification/train.py saves it (any number "
+                             "of classes); default: torchvision's ImageNet weights, else random init")
+    parser.add_argument("--class-names", default=None,
+                        help="the classes of --weights in training order: a text file of one name a line, or a JSON "
+                             "list (default: ImageNet's for 1000 classes, else class_0.. with a warning)")
+    parser.add_argument("--resize", type=cli.positive_int, default=DEFAULT_PREPROCESSING.resize,
+                        help="the model's preprocessing: shorter side resized to this (default %(default)s)")
+    parser.add_argument("--crop", type=cli.positive_int, default=DEFAULT_PREPROCESSING.crop,
+                        help="then the centre crop, the model's input size (default %(default)s)")
+    parser.add_argument("--mean", type=float, nargs=3, default=DEFAULT_PREPROCESSING.mean, metavar=("R", "G", "B"),
+                        help="then (x/255 - mean)/std per channel (default ImageNet's: %(default)s)")
+    parser.add_argument("--std", type=float, nargs=3, default=DEFAULT_PREPROCESSING.std, metavar=("R", "G", "B"),
+                        help="default ImageNet's: %(default)s")
     parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS),
                         help="runtimes to measure (default: both; openvino is skipped when not installed). "
                              "PyTorch and onnxruntime always run: ORT FP32 is the accuracy reference")
@@ -44,7 +66,7 @@ def get_args_parser(add_help=True):
 
 def main(args):
     cli.fill_unset(args, batch_size=cli.defaults(args).batch_size)
-    cli.run_stage(run, args, user_errors=(BadWeights, UnreadableLabels))
+    cli.run_stage(run, args, user_errors=(BadWeights, BadClassNames, UnreadableLabels))
 
 
 def run(args):
@@ -52,20 +74,29 @@ def run(args):
     artifacts_dir, results_dir = args.artifacts_dir, args.results_dir
     torch.set_num_threads(args.threads)  # the same intra-op count as every ORT session, so rows compare
 
-    model, provenance = load_model(args.weights)
-    labelled = load_labels(args.labels, WEIGHTS.meta["categories"]) if args.labels else None
+    preprocessing = stage_preprocessing(args)
+    model, provenance = load_model(args.arch, args.weights)
+    class_names, class_names_source = class_names_for(model, args.class_names)
+    labelled = load_labels(args.labels, class_names) if args.labels else None
     bn_images = 0
     if provenance == "random-init":
         # Without real BN statistics a random init's logits collapse to ~0 and INT8 comparisons are noise.
         bn_images = mode.bn_recalibration_images
-        recalibrate_batchnorm(model, augmented_views(CALIBRATION_SOURCES, bn_images, seed=0))
-        print(f"weights: RANDOM INIT, BatchNorm statistics re-estimated on {bn_images} calibration-source photos")
+        recalibrate_batchnorm(model, augmented_views(CALIBRATION_SOURCES, bn_images, seed=0),
+                              preprocessing=preprocessing)
+        print(f"weights: {args.arch} RANDOM INIT, BatchNorm statistics re-estimated on {bn_images} "
+              "calibration-source photos")
     else:
-        print(f"weights: {provenance}")
+        print(f"weights: {args.arch} {provenance}, {len(class_names)} classes (names: {class_names_source})")
 
-    fp32_path = export_onnx(model, artifacts_dir / FP32_ONNX, artifacts_dir / CLASS_NAMES_JSON)
-    bench = Bench(args.threads, mode.timing, args.batch_size, held_out_batch(mode.held_out_images), labelled,
-                  provenance)
+    fp32_path = export_onnx(model, artifacts_dir / FP32_ONNX, preprocessing)
+    write_class_names(artifacts_dir, class_names)
+    # Recorded with the model, before anything is measured: a later stage or a server reading these files
+    # never pairs this model with another run's preprocessing.
+    update_manifest(artifacts_dir, weights=provenance, preprocessing=preprocessing.record(),
+                    model={"arch": args.arch, "classes": len(class_names), "class_names": class_names_source})
+    bench = Bench(args.threads, mode.timing, args.batch_size, held_out_batch(mode.held_out_images, preprocessing),
+                  labelled, provenance, args.arch, len(class_names), preprocessing)
     fp32_run = ort_runner(make_session(fp32_path, args.threads))
     export_diff = check_export(model, fp32_run, bench.held_out)
     print(f"export check: max |ONNX - PyTorch| logit = {export_diff:.2e} at batch sizes {EXPORT_CHECK_BATCHES}")
@@ -92,8 +123,9 @@ def run(args):
     print(f"MobileNetV3 {int8_vs_fp32(rows)}")
     if args.transformer_control:
         shape = control_vit(args.quick)
-        control = transformer_control(shape, bench.held_out, mode.timing, args.batch_size, args.threads,
-                                      mode.profile_runs, artifacts_dir)
+        # its own photos at ViT's 224 x 224, whatever preprocessing the MobileNetV3 was trained with
+        control = transformer_control(shape, held_out_batch(mode.held_out_images), mode.timing, args.batch_size,
+                                      args.threads, mode.profile_runs, artifacts_dir)
         write_csv(results_dir / TRANSFORMER_CONTROL_CSV, control.rows)
         write_csv(results_dir / TRANSFORMER_CONTROL_PROFILE_CSV, control.profile)
         print(f"control, {shape.name} (random-init) {int8_vs_fp32(control.rows)}")
@@ -101,11 +133,18 @@ def run(args):
               + op_shares(control.profile, INTEGER_MATMUL_OPS + ("ConvInteger",)))
 
     update_manifest(
-        artifacts_dir, weights=provenance, weights_bn_recalibration_images=bn_images,
+        artifacts_dir, weights_bn_recalibration_images=bn_images,
         fp32={"path": FP32_ONNX, "class_names": CLASS_NAMES_JSON, "export_max_abs_diff": export_diff},
         dynamic_int8={"path": DYNAMIC_INT8_ONNX, "profile": trace.name, "threads": args.threads},
     )
     print(f"wrote {write_summary(results_dir)}")
+
+
+def stage_preprocessing(args) -> Preprocessing:
+    try:
+        return Preprocessing(args.resize, args.crop, tuple(args.mean), tuple(args.std))
+    except ValueError as exc:
+        raise cli.UsageError(f"--resize/--crop/--mean/--std: {exc}") from exc
 
 
 if __name__ == "__main__":

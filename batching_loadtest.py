@@ -8,12 +8,16 @@ In one run, with the result cache off so every request is a miss:
   3. the batching server open loop: Poisson arrivals at `--open-loop-fraction` of its measured
      throughput, latency from each request's scheduled send time;
   4. the in-process limit (mnv3/limit.py): the same decode + preprocess + inference with no server,
-     over a grid of batch sizes and thread splits; the fastest is measured again, longer, as the limit.
-  5. with --phone-photos N (make bench: 64): N distinct 12-megapixel phone JPEGs (mnv3/phone_benchmark.py):
+     over a grid of batch sizes and thread splits; the fastest is measured again, longer, as the limit;
+  5. (mnv3/v2_benchmark.py) a batching server answering the same photos through /predict and through the
+     Open Inference Protocol's binary path (/v2/models/NAME/infer) in turns at `--concurrency`;
+  6. FP32 and static INT8 in one batching server (`--side-by-side-models`; with --model, only if given)
+     under mixed traffic, every photo to both: throughput per model and their top-1 agreement;
+  7. with --phone-photos N (make bench: 64): N distinct 12-megapixel phone JPEGs (mnv3/phone_benchmark.py):
      full vs draft JPEG decoding in process (cost in turns, and what it changes), then the batching
      server under those uploads with draft decoding on and off, and where a request's time goes.
-Writes results/05_batching_loadtest.csv and three plots (and results/05_phone_photos.csv), and prints
-the ratios.
+Writes results/05_batching_loadtest.csv, 05_v2_vs_predict.csv, 05_side_by_side.csv and three plots (and
+results/05_phone_photos.csv), and prints the ratios.
 
     python batching_loadtest.py            # 250 concurrent; sweep 1..250
     python batching_loadtest.py --phone-photos 64
@@ -22,11 +26,12 @@ the ratios.
 import argparse
 
 from mnv3 import cli
-from mnv3.artifacts import BATCHING_CSV, PHONE_PHOTOS_CSV
+from mnv3.artifacts import BATCHING_CSV, PHONE_PHOTOS_CSV, SIDE_BY_SIDE_CSV, V2_VS_PREDICT_CSV
 from mnv3.batching_benchmark import BatchingPlan, plot_batching, run_batching_benchmark
 from mnv3.config import ServerConfig
 from mnv3.phone_benchmark import PhonePlan, run_phone_benchmark
 from mnv3.photos import load_images, phone_photos
+from mnv3.v2_benchmark import run_side_by_side, run_v2_vs_predict, side_by_side_models
 
 
 def get_args_parser():
@@ -47,6 +52,10 @@ def get_args_parser():
                         help=f"images per in-process limit run ({cli.full_and_quick('limit_images')})")
     parser.add_argument("--limit-batch-sizes", type=cli.positive_int, nargs="+",
                         help=cli.full_and_quick("limit_batch_sizes"))
+    parser.add_argument("--side-by-side-models", nargs=2, metavar="[NAME=]PATH",
+                        help="the two models served together under mixed traffic (default: fp32.onnx and "
+                             "the static INT8 model in --artifacts-dir; with --model, no side-by-side row "
+                             "unless given)")
     parser.add_argument("--phone-photos", type=cli.non_negative_int, default=0,
                         help="distinct 12-megapixel phone JPEGs (2-4 MB) for the phone-photo rows; 0 skips them "
                              "(default %(default)s; make bench: 64)")
@@ -66,6 +75,9 @@ def main(args):
 def run(args):
     mode = cli.defaults(args)
     model, provenance = cli.serving_model(args)
+    # Checked before any load. With --model, stages 1-2's files may not exist: the row needs naming its models.
+    side_by_side = (side_by_side_models(args.side_by_side_models, args.artifacts_dir)
+                    if args.side_by_side_models or args.model is None else None)
     plan = BatchingPlan(
         concurrency=args.concurrency, requests=args.requests, sweep=tuple(args.sweep),
         batch_window_ms=args.batch_window_ms, max_batch_size=args.max_batch_size,
@@ -78,6 +90,7 @@ def run(args):
     plot_batching(result, args.results_dir)
     cli.write_results(args.results_dir, BATCHING_CSV, result.rows(cli.environment_row(model, provenance)))
     print(result.summary())
+    run_v2_rows(args, model, provenance, plan, bodies, side_by_side)
     if args.phone_photos > 0:
         run_phone_photos(args, model, provenance, plan.batching_options)
 
@@ -90,6 +103,22 @@ def run_phone_photos(args, model, provenance, batching_options: dict):
     result = run_phone_benchmark(model, phone_photos(args.phone_photos), plan)
     cli.write_results(args.results_dir, PHONE_PHOTOS_CSV, result.rows(cli.environment_row(model, provenance)))
     print(result.summary())
+
+
+def run_v2_rows(args, model, provenance, plan: BatchingPlan, bodies: list[bytes], side_by_side):
+    """Issue 11's rows: /v2 binary vs /predict in turns, then the two models side by side."""
+    environment = cli.environment_row(model, provenance)
+    v2 = run_v2_vs_predict(model, bodies[:plan.requests], plan.concurrency, plan.requests, plan.batching_options,
+                           plan.start_timeout_s)
+    cli.write_results(args.results_dir, V2_VS_PREDICT_CSV, v2.rows(environment))
+    print(v2.summary())
+    if side_by_side is None:
+        print("side by side: skipped (--model without --side-by-side-models)")
+        return
+    # Each photo goes to both models: as many requests in all as a headline run.
+    mixed = run_side_by_side(side_by_side, bodies[:plan.requests // 2], plan.concurrency, plan.batching_options,
+                             plan.start_timeout_s)
+    cli.write_results(args.results_dir, SIDE_BY_SIDE_CSV, mixed.rows(environment))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Stage 2: static INT8 quantization of stage 1's FP32 ONNX model, calibrated on photos.
+"""Stage 2: static INT8 quantization of stage 1's FP32 ONNX model, calibrated on photos preprocessed
+as stage 1's manifest says the model was trained.
 
 Writes artifacts/static_int8.onnx, results/02_static.csv, the four-variant comparison
 results/model_variants.{csv,png} and results/summary.md. With --compare-recipes, also builds and
@@ -18,7 +19,7 @@ from mnv3 import cli, report
 from mnv3.accuracy import UnreadableLabels, held_out_batch, load_labels
 from mnv3.artifacts import (BASELINE_CSV, CALIBRATION_DIR, CLASS_NAMES_JSON, ENGINES_CSV, FP32_ONNX,
                             MODEL_VARIANTS_CSV, MODEL_VARIANTS_PNG, RECIPES_CSV, STATIC_CSV, STATIC_INT8_ONNX,
-                            read_manifest, require, update_manifest)
+                            model_preprocessing, read_manifest, require, update_manifest)
 from mnv3.backend_choice import DEFAULT_MIN_AGREEMENT, MANIFEST_KEY, STAND_IN_PROVENANCE, choose, manifest_entry
 from mnv3.plots import plot_variants
 from mnv3.preprocess import InvalidImage
@@ -75,15 +76,17 @@ def run(args):
     baseline_rows = read_csv(require(results_dir / BASELINE_CSV, 1))
     class_names = json.loads(require(artifacts_dir / CLASS_NAMES_JSON, 1).read_text())
     labelled = load_labels(args.labels, class_names) if args.labels else None
-    provenance = read_manifest(artifacts_dir).get("weights", "unknown")
+    manifest = read_manifest(artifacts_dir)
+    provenance, arch = manifest.get("weights", "unknown"), manifest.get("model", {}).get("arch", "unknown")
+    preprocessing = model_preprocessing(artifacts_dir)  # what stage 1 exported the model for
 
     calibration = calibration_photos(args.calibration_dir, args.calibration_count)
     if len(calibration) < args.calibration_count:
         print(f"warning: {args.calibration_dir} holds only {len(calibration)} of your images, fewer than the "
               f"{args.calibration_count} asked for", file=sys.stderr)
     recipe = RECIPES[args.recipe]
-    bench = Bench(args.threads, mode.timing, args.batch_size, held_out_batch(mode.held_out_images), labelled,
-                  provenance)
+    bench = Bench(args.threads, mode.timing, args.batch_size, held_out_batch(mode.held_out_images, preprocessing),
+                  labelled, provenance, arch, len(class_names), preprocessing)
     if args.compare_recipes:
         names = list(dict.fromkeys(args.compare_recipes + [args.recipe]))
         print(f"preprocessing {len(calibration)} calibration photos from {args.calibration_dir} once for "
@@ -96,7 +99,8 @@ def run(args):
         shutil.copyfile(recipe_path(recipes_dir, args.recipe), artifacts_dir / STATIC_INT8_ONNX)
     else:
         print(f"calibrating recipe {args.recipe} on {len(calibration)} photos from {args.calibration_dir}")
-        static_path = quantize_static_int8(fp32_path, artifacts_dir / STATIC_INT8_ONNX, calibration, recipe)
+        static_path = quantize_static_int8(fp32_path, artifacts_dir / STATIC_INT8_ONNX, calibration, recipe,
+                                           preprocessing=preprocessing)
         row = measure_static(fp32_path, static_path, bench)
     recipe_columns = {key: value for key, value in recipe.record().items() if not isinstance(value, (list, dict))}
     row |= {"recipe": args.recipe, **recipe_columns, "calibration_images": len(calibration)}
@@ -118,7 +122,7 @@ def run(args):
 def choose_engine(args, fp32_path, calibration, bench: Bench) -> dict:
     """Time every installed engine x precision in turns with ONNX FP32, write results/02_engines.csv, and
     record the fastest that agrees with FP32 in the manifest for `--backend auto`."""
-    openvino_files = build_openvino_int8(fp32_path, calibration, args.artifacts_dir)
+    openvino_files = build_openvino_int8(fp32_path, calibration, args.artifacts_dir, bench.preprocessing)
     variants = engine_variants(STATIC_INT8_ONNX, openvino_files, args.threads)
     print(f"timing {len(variants) + 1} engine x precision variants in turns with ONNX FP32")
     runners = {variant: engine_runner(variant, args.artifacts_dir, args.threads, args.batch_size)

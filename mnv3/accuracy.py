@@ -10,16 +10,16 @@ from pathlib import Path
 import numpy as np
 
 from mnv3.photos import IMAGE_SUFFIXES, held_out_images, list_images
-from mnv3.preprocess import InvalidImage, open_image, preprocess_batch
+from mnv3.preprocess import DEFAULT_PREPROCESSING, InvalidImage, Preprocessing, preprocess_batch, preprocess_files
 
 
 class UnreadableLabels(ValueError):
     """--labels is missing, empty, or names images/classes that cannot be used."""
 
 
-def held_out_batch(count: int) -> np.ndarray:
+def held_out_batch(count: int, preprocessing: Preprocessing = DEFAULT_PREPROCESSING) -> np.ndarray:
     """`count` preprocessed held-out photos: what every stage compares variants on (never calibration photos)."""
-    return preprocess_batch(held_out_images(count))
+    return preprocess_batch(held_out_images(count), preprocessing)
 
 
 def predict(run, batches) -> np.ndarray:
@@ -30,15 +30,12 @@ def array_batches(images: np.ndarray, batch_size: int):
     return (images[i:i + batch_size] for i in range(0, len(images), batch_size))
 
 
-def path_batches(paths, batch_size: int):
+def path_batches(paths, batch_size: int, preprocessing: Preprocessing = DEFAULT_PREPROCESSING):
     for i in range(0, len(paths), batch_size):
-        images = []
-        for path in paths[i:i + batch_size]:
-            try:
-                images.append(open_image(path))
-            except InvalidImage as exc:
-                raise UnreadableLabels(f"labelled image {exc}") from exc
-        yield preprocess_batch(images)
+        try:
+            yield preprocess_files(paths[i:i + batch_size], preprocessing)
+        except InvalidImage as exc:
+            raise UnreadableLabels(f"labelled image {exc}") from exc
 
 
 def top_k(logits: np.ndarray, k: int) -> np.ndarray:
@@ -67,22 +64,25 @@ def true_accuracy(logits: np.ndarray, labels: np.ndarray) -> dict:
     }
 
 
-def evaluate(run, held_out: np.ndarray, reference=None, labelled=None, batch_size: int = 32) -> dict:
-    """Agreement with `reference` logits on `held_out`, plus true accuracy on `labelled` (paths, labels)."""
-    row = {}
+def evaluate(run, held_out: np.ndarray, reference=None, labelled=None, batch_size: int = 32,
+             preprocessing: Preprocessing = DEFAULT_PREPROCESSING) -> dict:
+    """Agreement with `reference` logits on `held_out`, plus true accuracy on `labelled` (paths, labels),
+    whose images are preprocessed as the model's `preprocessing` says."""
+    row: dict = {}
     if reference is not None:
         row |= agreement(reference, predict(run, array_batches(held_out, batch_size)))
     if labelled is not None:
         paths, labels = labelled
-        row |= true_accuracy(predict(run, path_batches(paths, batch_size)), labels)
+        row |= true_accuracy(predict(run, path_batches(paths, batch_size, preprocessing)), labels)
     return row
 
 
 def load_labels(path, class_names: list[str]) -> tuple[list[Path], np.ndarray]:
-    """(image paths, ImageNet class ids) from a folder-per-class tree or a CSV of file,class_id.
+    """(image paths, class ids of the model's `class_names`) from a folder-per-class tree or a CSV of file,class_id.
 
-    A class folder is named by its class id ("207"), its ImageNet name ("golden retriever"), or, when
-    there are 1000 folders, by anything that sorts in ImageNet order (the wnids of ILSVRC val).
+    A class folder is named by its class id ("207"), its class name ("golden retriever"), or, when there
+    is one folder per class, by anything that sorts in class order (the wnids of ILSVRC val, or the
+    training folders torchvision's ImageFolder sorted into class ids).
     CSV paths are relative to the CSV; a header row is optional.
     """
     path = Path(path)
@@ -114,7 +114,7 @@ def _folder_pairs(root: Path, class_names: list[str]) -> list[tuple[Path, int]]:
         elif len(folders) == len(class_names):
             class_id = index
         else:
-            raise UnreadableLabels(f"--labels {root}: folder '{folder.name}' is not a class id or ImageNet class name")
+            raise UnreadableLabels(f"--labels {root}: folder '{folder.name}' is not a class id or class name")
         pairs += [(image, class_id) for image in list_images(folder)]
     return pairs
 

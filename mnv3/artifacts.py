@@ -2,6 +2,8 @@
 import json
 from pathlib import Path
 
+from mnv3.preprocess import DEFAULT_PREPROCESSING, Preprocessing
+
 ARTIFACTS_DIR = Path("artifacts")  # git-ignored: ONNX files, profiles, manifest
 RESULTS_DIR = Path("results")  # committed: CSVs, plots, summary.md
 CALIBRATION_DIR = Path("calibration_images")
@@ -9,9 +11,10 @@ CALIBRATION_DIR = Path("calibration_images")
 FP32_ONNX = "fp32.onnx"
 DYNAMIC_INT8_ONNX = "dynamic_int8.onnx"
 STATIC_INT8_ONNX = "static_int8.onnx"
-# ImageNet class names written beside the models so serving never needs torchvision.
-CLASS_NAMES_JSON = "imagenet_classes.json"
-# What each stage produced (weights provenance, which file is the shipped INT8 model, ...).
+# The model's class names (a JSON list, index = class id) written beside the models by stage 1, so
+# serving needs neither torchvision nor the training folders.
+CLASS_NAMES_JSON = "class_names.json"
+# What each stage produced (weights provenance, arch, preprocessing, which file is the shipped INT8 model, ...).
 MANIFEST_JSON = "manifest.json"
 
 # Under RESULTS_DIR: what each stage and tool writes. summary.md has one section per file stem, in
@@ -33,6 +36,10 @@ THROUGHPUT_PNG = "05_throughput_vs_concurrency.png"
 LATENCY_PNG = "05_latency_vs_concurrency.png"
 BATCH_SIZE_HISTOGRAM_PNG = "05_batch_size_histogram.png"
 PHONE_PHOTOS_CSV = "05_phone_photos.csv"
+# stage 5: the Open Inference Protocol's binary path against /predict, in turns on one server
+V2_VS_PREDICT_CSV = "05_v2_vs_predict.csv"
+# stage 5: two models in one server under mixed traffic, and their top-1 agreement
+SIDE_BY_SIDE_CSV = "05_side_by_side.csv"
 RAY_SERVE_CSV = "06_ray_serve.csv"
 SOAK_CSV = "07_soak.csv"
 RAY_CLUSTER_LOSS_CSV = "08_ray_cluster_loss.csv"
@@ -67,6 +74,19 @@ def require(path, stage: int) -> Path:
 def read_manifest(artifacts_dir) -> dict:
     path = Path(artifacts_dir) / MANIFEST_JSON
     return json.loads(path.read_text()) if path.exists() else {}
+
+
+def write_class_names(model_dir, names: list[str]) -> Path:
+    path = Path(model_dir) / CLASS_NAMES_JSON
+    path.write_text(json.dumps(names))
+    return path
+
+
+def model_preprocessing(model_dir) -> Preprocessing:
+    """The preprocessing stage 1 recorded for the models in `model_dir`; torchvision's ImageNet one for a
+    model with no manifest beside it (one exported elsewhere)."""
+    record = read_manifest(model_dir).get("preprocessing")
+    return DEFAULT_PREPROCESSING if record is None else Preprocessing.from_record(record)
 
 
 def update_manifest(artifacts_dir, **entries) -> dict:

@@ -116,10 +116,11 @@ class BatchingResult:
         ])
 
 
-def closed_loop(url: str, bodies: list[bytes], concurrency: int, count: int, configuration: str) -> LoadResult:
-    """One closed-loop run with the server's metrics for it, printed as it is measured."""
+def closed_loop(url: str, bodies: list, concurrency: int, count: int, configuration: str,
+                client=loadtest.PredictClient) -> LoadResult:
+    """One closed-loop run through a fresh `client(url)` with the server's metrics for it, printed as it is measured."""
     result = loadtest.run_with_metrics(url, lambda send: loadtest.run_closed_loop(
-        send, bodies, concurrency, count, desc=f"{configuration} c={concurrency}"))
+        send, bodies, concurrency, count, desc=f"{configuration} c={concurrency}"), client)
     print(f"{configuration}: {result.summary()}")
     return result
 

@@ -2,8 +2,11 @@
 import asyncio
 import hashlib
 from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from cachetools import LRUCache
+
+Result = TypeVar("Result")
 
 
 class ResultCache:
@@ -19,7 +22,7 @@ class ResultCache:
         self.model_id = model_id
         # A leader ending with one of these hands over to a follower instead of failing it.
         self._handover_errors: tuple[type[BaseException], ...] = (asyncio.CancelledError, *leader_only_errors)
-        self._results: LRUCache[str, object] | None = LRUCache(maxsize) if maxsize > 0 else None
+        self._results: LRUCache[str, Any] | None = LRUCache(maxsize) if maxsize > 0 else None
         self._in_flight: dict[str, asyncio.Future] = {}
         self.hits = 0
         self.misses = 0
@@ -32,8 +35,8 @@ class ResultCache:
         key = f"{hashlib.sha256(data).hexdigest()}:{self.model_id}"
         return f"{key}:{kind}" if kind else key
 
-    async def get_or_compute(self, data: bytes, compute: Callable[[], Awaitable], kind: str = ""
-                             ) -> tuple[object, bool]:
+    async def get_or_compute(self, data: bytes, compute: Callable[[], Awaitable[Result]], kind: str = ""
+                             ) -> tuple[Result, bool]:
         """Return (result, hit). A hit is a stored result or one shared with an identical request in flight.
         `kind` tells apart results of different shapes computed from the same bytes.
 
@@ -60,7 +63,7 @@ class ResultCache:
             self.hits += 1
             return result, True
 
-    async def _lead(self, key: str, compute: Callable[[], Awaitable]):
+    async def _lead(self, key: str, compute: Callable[[], Awaitable[Result]]) -> Result:
         assert self._results is not None  # get_or_compute computes directly when the cache is off
         self.misses += 1
         future = asyncio.get_running_loop().create_future()

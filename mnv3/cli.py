@@ -196,10 +196,15 @@ def serving_model(args) -> tuple[Path, str]:
             raise MissingArtifact(f"--model {args.model} not found")
         model = args.model
     else:
-        recorded = read_manifest(args.artifacts_dir).get("static_int8", {})  # stage 2: {"path": file name, ...}
-        model = require(args.artifacts_dir / recorded.get("path", STATIC_INT8_ONNX), 2)
+        model = static_int8_model(args.artifacts_dir)
     # Provenance only from the manifest beside the model: a model from elsewhere is "unknown", not mislabelled.
     return model, str(read_manifest(model.parent).get("weights", "unknown"))
+
+
+def static_int8_model(artifacts_dir: Path) -> Path:
+    """The static INT8 model stage 2 recorded as shipped."""
+    recorded = read_manifest(artifacts_dir).get("static_int8", {})  # stage 2: {"path": file name, ...}
+    return require(artifacts_dir / recorded.get("path", STATIC_INT8_ONNX), 2)
 
 
 def environment_row(model: Path, provenance: str) -> dict:

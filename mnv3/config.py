@@ -66,7 +66,8 @@ class ServerConfig:
     """Every setting of one server. Each field is also a CLI flag and an MNV3_<NAME> variable."""
     model: Path = field(metadata={"help": "ONNX model file as PATH, NAME=PATH or NAME=PATH@BACKEND (name: the file's "
                                           "stem; backend: --backend); repeat --model to serve several, the first is "
-                                          "the default; imagenet_classes.json beside it names its classes",
+                                          "the default; class_names.json and manifest.json beside it give its class "
+                                          "names and preprocessing",
                                   "metavar": "[NAME=]PATH[@BACKEND]"})
     # Not a flag of its own: every --model after the first.
     extra_models: tuple[str, ...] = field(default=(), metadata={"help": "models served besides --model"})
@@ -106,6 +107,9 @@ class ServerConfig:
     max_request_images: int = _option(0, "images in one /v2 infer request (400 above); 0: --max-batch-size",
                                       minimum=0)
     log_level: str = _option("info", "logging level", choices=LOG_LEVELS)
+    api_keys: str = _option("", "key file (one 'KEY SCOPE [rate=N/s] [burst=N] [name=LABEL]' a line; python -m "
+                                "mnv3.auth makes one): every path but the probes, the page and the docs then "
+                                "needs a key; empty: no keys")
 
     def __post_init__(self):
         for f in fields(self):

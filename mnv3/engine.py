@@ -1,4 +1,8 @@
-"""One loaded model: a runtime session, its class names and an id that names the exact file.
+"""One loaded model: a runtime session, its class names, its preprocessing and an id that names the exact file.
+
+The class names (CLASS_NAMES_JSON) and the preprocessing (the manifest's) are read from beside the
+model file, where stage 1 wrote them, so a model is never served with another model's labels or input
+size; a model with no manifest beside it gets torchvision's ImageNet preprocessing.
 
 Serving code talks only to `Engine.predict` (NCHW float32 batch -> softmax probabilities) and
 `Engine.top_k`. A backend is a session answering onnxruntime's `run(None, {name: batch})`,
@@ -15,14 +19,13 @@ from pathlib import Path
 
 import numpy as np
 
-from mnv3.artifacts import CLASS_NAMES_JSON
+from mnv3.artifacts import CLASS_NAMES_JSON, MANIFEST_JSON, model_preprocessing
 from mnv3.backend_choice import AUTO, BACKENDS, Choice, explicit, resolve_auto
-from mnv3.preprocess import CROP_SIZE
+from mnv3.preprocess import DEFAULT_PREPROCESSING, Preprocessing
 from mnv3.runtime import DEFAULT_INTER_OP_THREADS, DEFAULT_INTRA_OP_THREADS, make_session
 
 BACKEND_CHOICES = (AUTO, *BACKENDS)
 OPENVINO_MISSING = "backend openvino needs `pip install -r requirements-openvino.txt`"
-INPUT_SHAPE = (3, CROP_SIZE, CROP_SIZE)
 log = logging.getLogger(__name__)
 
 
@@ -43,11 +46,12 @@ class Prediction:
 
 class Engine:
     def __init__(self, session, class_names: list[str], path: Path, sha256: str, backend: str = "onnxruntime",
-                 choice: Choice | None = None):
+                 preprocessing: Preprocessing = DEFAULT_PREPROCESSING, choice: Choice | None = None):
         self.session = session
         self.backend = backend
         self.choice = choice or explicit(path, backend)
         self.class_names = class_names
+        self.preprocessing = preprocessing  # what every image must go through before `predict`
         self.path = path
         self.sha256 = sha256
         self.model_id = f"{path.name}:{sha256[:12]}"
@@ -69,6 +73,7 @@ class Engine:
         choice = resolve_auto(path) if backend == AUTO else explicit(path, backend, precision)
         path, backend, precision = choice.path, choice.backend, choice.precision
         sha256 = _digest(path)
+        preprocessing = _preprocessing(path.parent)
         try:
             session = open_session(path, backend, intra_op_threads, inter_op_threads, max_batch_size,
                                    allow_spinning, precision, choice.streams)
@@ -76,13 +81,13 @@ class Engine:
             raise
         except Exception as exc:  # both runtimes raise their own untyped errors for bad protobufs
             raise ModelLoadError(f"{path} is not a loadable ONNX model: {_one_line(exc)}") from exc
-        _check_input(path, session.get_inputs(), max_batch_size)
+        _check_input(path, session.get_inputs(), max_batch_size, preprocessing.input_shape)
         if choice.requested == AUTO:  # once the model is known to load: a bad file's error stays one line
             log.log(logging.WARNING if choice.unservable else logging.INFO, "--backend auto: %s with %s: %s",
                     path.name, backend, choice.reason)
         num_classes = session.get_outputs()[0].shape[-1]
         return cls(session, _class_names(path.parent / CLASS_NAMES_JSON, num_classes), path, sha256, backend,
-                   choice)
+                   preprocessing, choice)
 
     @property
     def providers(self) -> list[str]:
@@ -90,7 +95,7 @@ class Engine:
         return self.session.get_providers()
 
     def predict(self, batch: np.ndarray) -> np.ndarray:
-        """(N, 3, 224, 224) float32 -> (N, classes) softmax probabilities."""
+        """(N, 3, crop, crop) float32 -> (N, classes) softmax probabilities."""
         try:
             logits = self.session.run(None, {self.input_name: batch})[0]
         except Exception as exc:
@@ -99,8 +104,9 @@ class Engine:
         return shifted / shifted.sum(axis=1, keepdims=True)
 
     def top_k(self, probabilities: np.ndarray, k: int) -> list[Prediction]:
-        """The k most probable classes of one row, most probable first."""
-        best = np.argsort(probabilities)[::-1][:k]
+        """The k most probable classes of one row (all of them when k is larger), most probable first; equal
+        probabilities (an INT8 model's logits are quantized, so they tie) in class order, as argmax has it."""
+        best = np.argsort(-probabilities, kind="stable")[:k]
         return [Prediction(int(i), self.label(int(i)), float(probabilities[i])) for i in best]
 
     def label(self, class_id: int) -> str:
@@ -111,7 +117,7 @@ class Engine:
     def warm_up(self, batch_sizes) -> None:
         """Run each batch size once so the first requests do not pay for the runtime's allocations."""
         for size in batch_sizes:
-            self.predict(np.zeros((size, *INPUT_SHAPE), dtype=np.float32))
+            self.predict(np.zeros((size, *self.preprocessing.input_shape), dtype=np.float32))
 
 
 def open_session(path: Path, backend: str, intra_op_threads: int = DEFAULT_INTRA_OP_THREADS,
@@ -141,12 +147,22 @@ def _digest(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _check_input(path, inputs, max_batch_size: int) -> None:
+def _preprocessing(model_dir: Path) -> Preprocessing:
+    try:
+        return model_preprocessing(model_dir)
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # a hand-edited or truncated manifest
+        raise ModelLoadError(f"{model_dir / MANIFEST_JSON} has no valid preprocessing ({_one_line(exc)}); "
+                             "rerun stage 1 to rewrite it") from exc
+
+
+def _check_input(path, inputs, max_batch_size: int, input_shape: tuple[int, int, int]) -> None:
     if len(inputs) != 1:
         raise ModelLoadError(f"{path} has {len(inputs)} inputs; expected one image input")
     shape = inputs[0].shape
-    if len(shape) != 4 or tuple(shape[1:]) != INPUT_SHAPE:
-        raise ModelLoadError(f"{path} takes input of shape {shape}; expected [batch, {', '.join(map(str, INPUT_SHAPE))}]")
+    if len(shape) != 4 or tuple(shape[1:]) != input_shape:
+        expected = ", ".join(map(str, input_shape))
+        raise ModelLoadError(f"{path} takes input of shape {shape}; expected [batch, {expected}] as the preprocessing "
+                             "in the manifest beside it (else torchvision's) gives")
     # A fixed batch axis runs only batches of exactly that size; batch 1 still serves without batching.
     if isinstance(shape[0], int) and (shape[0], max_batch_size) != (1, 1):
         raise ModelLoadError(f"{path} has a fixed batch size of {shape[0]}; export it with a dynamic batch axis "

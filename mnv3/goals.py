@@ -8,7 +8,7 @@ import argparse
 from pathlib import Path
 
 from mnv3.artifacts import (BASELINE_CSV, BATCHING_CSV, CACHING_CSV, ENGINES_CSV, GOALS_CSV, MODEL_VARIANTS_CSV,
-                            RECIPES_CSV, RESULTS_DIR, STAGE_SCRIPTS, STATIC_CSV)
+                            RECIPES_CSV, RESULTS_DIR, STAGE_SCRIPTS, STATIC_CSV, V2_VS_PREDICT_CSV)
 from mnv3.report import markdown_table, read_csv, write_csv, write_summary
 
 
@@ -56,6 +56,7 @@ def measured_goals(results_dir=RESULTS_DIR) -> list[dict]:
     fastest_b1, fastest_batch = _fastest(results_dir, "mean_ms"), _fastest(results_dir, "per_image_ms")
     serving = _rows(results_dir, BATCHING_CSV)
     headline = next((row for row in serving if row.get("speedup_vs_no_batching")), None)
+    v2 = next((row for row in _rows(results_dir, V2_VS_PREDICT_CSV) if row.get("v2_to_predict_ratio")), None)
     caching = _rows(results_dir, CACHING_CSV)
     hit = _find(caching, run="sequential", phase="hit")
 
@@ -72,6 +73,7 @@ def measured_goals(results_dir=RESULTS_DIR) -> list[dict]:
         (f"fastest variant per image at batch N ({fastest_batch[0]}) / ONNX FP32", "<=", 0.4, fastest_batch[1], 2),
         ("batched server req/s / unbatched, same concurrency", ">=", 1.0, value(headline, "speedup_vs_no_batching"), 5),
         ("batched server req/s / in-process limit", ">=", 0.85, value(headline, "server_to_limit_ratio"), 5),
+        ("/v2 binary req/s / /predict, same server, in turns", ">=", 0.95, value(v2, "v2_to_predict_ratio"), 5),
         ("cache hit round trip p50 (ms)", "<=", 2.0, value(hit, "latency_p50_ms"), 4),
         ("cache miss p50 / hit p50", ">=", 10, value(hit, "hit_speedup_p50"), 4),
     ]

@@ -1,22 +1,25 @@
 """The in-process limit: how many images/s this machine classifies with no HTTP, no queue, no JSON.
 
-The same work the server does per image (preprocess.decode_and_preprocess, then one run of the engine per
-batch), on the same JPEG bodies, in one process. Decoding the next batch runs in a thread pool while the
-engine runs the current one, as the server's preprocessing overlaps its inference. The engine is opened
-as the server opens it (engine.open_session, from a backend_choice.Choice: file, engine, precision), so
-the limit of `--backend auto`'s choice is the ceiling stage 5 holds the batched server to: server req/s /
-limit images/s is the serving overhead. The limits of other engines show what the choice gains.
+The same work the server does per image (preprocess.decode_and_preprocess with the preprocessing the
+manifest beside the model records, then one run of the engine per batch), on the same JPEG bodies, in one
+process. Decoding the next batch runs in a thread pool while the engine runs the current one, as the
+server's preprocessing overlaps its inference. The engine is opened as the server opens it
+(engine.open_session, from a backend_choice.Choice: file, engine, precision, streams), so the limit of
+`--backend auto`'s choice is the ceiling stage 5 holds the batched server to: server req/s / limit
+images/s is the serving overhead. The limits of other engines show what the choice gains.
 """
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from functools import partial
 
 import numpy as np
 from tqdm import tqdm
 
+from mnv3.artifacts import model_preprocessing
 from mnv3.backend_choice import Choice
 from mnv3.engine import open_session
-from mnv3.preprocess import decode_and_preprocess
+from mnv3.preprocess import Preprocessing, decode_and_preprocess
 from mnv3.runtime import DEFAULT_INTER_OP_THREADS
 
 BATCH_SIZES = (1, 8, 16, 32, 64)
@@ -42,16 +45,17 @@ class LimitResult:
         return asdict(self) | {"seconds": round(self.seconds, 3), "images_per_s": round(self.images_per_s, 2)}
 
 
-def classify_all(session, pool, bodies: list[bytes], batch_size: int) -> float:
+def classify_all(session, pool, bodies: list[bytes], batch_size: int, preprocessing: Preprocessing) -> float:
     """Seconds to classify every body in batches, decoding batch k+1 while batch k runs."""
     input_name = session.get_inputs()[0].name
     batches = [bodies[i:i + batch_size] for i in range(0, len(bodies), batch_size)]
+    decode = partial(decode_and_preprocess, preprocessing=preprocessing)
     start = time.perf_counter()
-    pending = [pool.submit(decode_and_preprocess, body) for body in batches[0]]
+    pending = [pool.submit(decode, body) for body in batches[0]]
     for k in range(len(batches)):
         arrays = [future.result() for future in pending]
         if k + 1 < len(batches):
-            pending = [pool.submit(decode_and_preprocess, body) for body in batches[k + 1]]
+            pending = [pool.submit(decode, body) for body in batches[k + 1]]
         session.run(None, {input_name: np.stack(arrays)})
     return time.perf_counter() - start
 
@@ -63,9 +67,10 @@ def measure_limit(engine: str, served: Choice, bodies: list[bytes], batch_size: 
     session = open_session(served.path, served.backend, intra_op_threads, DEFAULT_INTER_OP_THREADS,
                            max_batch_size=batch_size, allow_spinning=False, precision=served.precision,
                            streams=served.streams)
+    preprocessing = model_preprocessing(served.path.parent)  # as the server serving this file does
     with ThreadPoolExecutor(max_workers=decode_threads) as pool:
-        classify_all(session, pool, bodies[:batch_size], batch_size)  # the engine allocates for this shape
-        seconds = sum(classify_all(session, pool, bodies, batch_size) for _ in range(passes))
+        classify_all(session, pool, bodies[:batch_size], batch_size, preprocessing)  # the engine allocates for it
+        seconds = sum(classify_all(session, pool, bodies, batch_size, preprocessing) for _ in range(passes))
     return LimitResult(engine, batch_size, intra_op_threads, decode_threads, passes * len(bodies), seconds)
 
 

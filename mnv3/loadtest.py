@@ -6,6 +6,11 @@ throughput at a fixed concurrency, but a slow server also slows the senders down
 reports is optimistic (coordinated omission). The open loop fixes every send time in advance (Poisson
 arrivals) and measures each latency from the request's scheduled send time, so a stalled server shows
 up as latency instead of as a politely reduced load.
+
+Against a server started with --api-keys, every client here sends the key in MNV3_API_KEY (or the one
+given) as `Authorization: Bearer`; an environment variable, not a flag, so the key stays out of `ps`
+and shell history. A server started here inherits the environment, so MNV3_API_KEYS (its key file)
+and MNV3_API_KEY together run any stage against a protected server.
 """
 import os
 import signal
@@ -14,10 +19,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
+from typing import IO
+from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from urllib.parse import urlencode
 
 import numpy as np
 import requests
@@ -34,6 +41,7 @@ REQUEST_TIMEOUT_S = 60
 READY_POLL_S = 0.1
 MAX_CONNECTIONS = 1024  # kept-alive client connections: more than any load here has threads
 OUTPUT_TAIL_LINES = 20
+API_KEY_ENV = "MNV3_API_KEY"
 SERVER_FIELDS = ("batch_size", "queue_ms", "preprocess_ms", "inference_ms")
 TIME_HISTOGRAMS = {
     "request_ms": "mnv3_request_latency_seconds",
@@ -44,6 +52,12 @@ TIME_HISTOGRAMS = {
 
 
 # ---------------------------------------------------------------------------------------- the server
+
+def auth_headers(api_key: str | None = None) -> dict[str, str]:
+    """The header that carries `api_key` (default: $MNV3_API_KEY); none without a key."""
+    api_key = api_key or os.environ.get(API_KEY_ENV)
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
 
 class ServerStartError(RuntimeError):
     """The server exited or never became ready. `output` holds the tail of what it printed."""
@@ -78,21 +92,24 @@ class ServerProcess:
     """`with ServerProcess(model, cache_size=0) as url:` a server on a free 127.0.0.1 port, stopped on exit.
 
     Keyword options become server flags (`max_batch_size=1` -> `--max-batch-size 1`); None keeps the
-    server's default. Entering returns once GET /readyz answers 200. Logging defaults to warnings only:
+    server's default. `extra_models` are served besides `model` (each a further `--model`, as
+    `ServerConfig.extra_models`). Entering returns once GET /readyz answers 200. Logging defaults to warnings only:
     an access-log line per request would cost the server CPU under load.
     """
 
-    def __init__(self, model, start_timeout_s: float = START_TIMEOUT_S, log_level: str = "warning", **options):
+    def __init__(self, model, start_timeout_s: float = START_TIMEOUT_S, log_level: str = "warning",
+                 extra_models: tuple[str, ...] = (), **options):
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.command = [sys.executable, "-m", "mnv3.server", "--model", str(model),
+                        *(flag for extra in extra_models for flag in ("--model", str(extra))),
                         "--host", "127.0.0.1", "--port", str(port)]
         for name, value in (options | {"log_level": log_level}).items():
             if value is not None:
                 self.command += [f"--{name.replace('_', '-')}", str(value)]
         self.start_timeout_s = start_timeout_s
-        self.process = None
-        self._log = None
+        self.process: subprocess.Popen | None = None
+        self._log: IO[bytes] | None = None
 
     def __enter__(self) -> str:
         # Output goes to a file, not a pipe: a pipe nobody reads fills up and blocks the server.
@@ -135,7 +152,14 @@ class ServerProcess:
         if self._log is not None and not self._log.closed:
             self._log.close()
 
+    @property
+    def pid(self) -> int:
+        assert self.process is not None, "the server has not been started"
+        return self.process.pid
+
     def output_tail(self, lines: int = OUTPUT_TAIL_LINES) -> str:
+        if self._log is None:
+            return ""  # never started
         self._log.seek(0)
         return "\n".join(self._log.read().decode(errors="replace").splitlines()[-lines:])
 
@@ -150,14 +174,23 @@ class PredictClient:
     cores shared with the server, the server's throughput would otherwise be charged with.
     """
 
-    def __init__(self, base_url: str, timeout_s: float = REQUEST_TIMEOUT_S):
+    def __init__(self, base_url: str, timeout_s: float = REQUEST_TIMEOUT_S, model: str | None = None,
+                 api_key: str | None = None):
         self._pool = urllib3.connection_from_url(base_url, maxsize=MAX_CONNECTIONS)
         self.timeout_s = timeout_s
+        self.headers = auth_headers(api_key)
+        # ?model= picks one of a server's models; without it, the server's default model answers.
+        self._path = "/predict" if model is None else f"/predict?{urlencode({'model': model})}"
 
     def __call__(self, body: bytes) -> tuple[str, dict | None]:
+        return self.post(self._path, fields={"file": ("image.jpg", body, "image/jpeg")})
+
+    def post(self, path: str, **request) -> tuple[str, dict | None]:
+        """POST `path` with urllib3's request keywords (fields=, or body= and headers=): (status, JSON or None)."""
         try:
-            response = self._pool.request("POST", "/predict", fields={"file": ("image.jpg", body, "image/jpeg")},
-                                          timeout=self.timeout_s, retries=False)
+            headers = self.headers | request.pop("headers", {})
+            response = self._pool.request("POST", path, headers=headers, timeout=self.timeout_s, retries=False,
+                                          **request)
         except urllib3.exceptions.HTTPError as exc:
             return type(exc).__name__, None
         if response.status != 200:
@@ -210,7 +243,8 @@ class LoadResult:
                "seconds": round(self.seconds, 3), "req_per_s": round(self.rps, 2)}
         if self.target_rps is not None:
             row |= {"target_rps": round(self.target_rps, 2), "dropped": self.dropped}
-        latency = (self.latency or LatencyStats(*[float("nan")] * 4, 0)).as_row("latency_")
+        nan = float("nan")
+        latency = (self.latency or LatencyStats(nan, nan, nan, nan, 0)).as_row("latency_")
         server = {key: _round(value) for key, value in self.server.items()}
         return row | latency | server | (metrics_row(self.metrics) if self.metrics else {})
 
@@ -237,7 +271,7 @@ def _round(value):
     return round(value, 3) if isinstance(value, float) else value
 
 
-def run_closed_loop(send, bodies: list[bytes], concurrency: int, count: int | None = None,
+def run_closed_loop(send, bodies: list, concurrency: int, count: int | None = None,
                     desc: str | None = None) -> LoadResult:
     """`count` requests (default: one per body, cycling) through `concurrency` threads, as fast as answered."""
     count = len(bodies) if count is None else count
@@ -299,15 +333,15 @@ def run_open_loop(send, bodies: list[bytes], rate: float, seconds: float, max_re
 
 def parse_metrics(text: str) -> dict[tuple[str, str], float]:
     """Prometheus text -> {(sample name, le bound or ""): value}, summed over any other labels."""
-    values = Counter()
+    values: defaultdict[tuple[str, str], float] = defaultdict(float)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             values[(sample.name, sample.labels.get("le", ""))] += sample.value
     return dict(values)
 
 
-def read_metrics(base_url: str) -> dict[tuple[str, str], float]:
-    response = requests.get(base_url + "/metrics", timeout=10)
+def read_metrics(base_url: str, api_key: str | None = None) -> dict[tuple[str, str], float]:
+    response = requests.get(base_url + "/metrics", headers=auth_headers(api_key), timeout=10)
     response.raise_for_status()
     return parse_metrics(response.text)
 
@@ -341,25 +375,27 @@ def metrics_row(metrics: dict) -> dict:
     return row
 
 
-def warm_up(base_url: str, bodies: list[bytes], concurrency: int) -> None:
+def warm_up(base_url: str, bodies: list, concurrency: int, client=PredictClient) -> None:
     """One untimed round at `concurrency`: connections open, and ORT has met the batch sizes this load
     makes, so a timed run measures the steady state and a server measured first is not at a disadvantage.
-    Only for a server whose cache is off: with it on, these bodies would be hits afterwards."""
-    with PredictClient(base_url) as send:
+    Only for a server whose cache is off: with it on, these bodies would be hits afterwards. `client(base_url)`
+    makes the sender (default: POST /predict)."""
+    with client(base_url) as send:
         run_closed_loop(send, bodies, concurrency, count=concurrency, desc="warm-up")
 
 
-def run_with_metrics(base_url: str, run) -> LoadResult:
-    """`run(send)` with a fresh client; its result carries the server's metrics for just that run."""
+def run_with_metrics(base_url: str, run, client=PredictClient) -> LoadResult:
+    """`run(send)` with a fresh `client(base_url)` (default: POST /predict); its result carries the server's
+    metrics for just that run."""
     before = read_metrics(base_url)
-    with PredictClient(base_url) as send:
+    with client(base_url) as send:
         result = run(send)
     return replace(result, metrics=metrics_delta(before, read_metrics(base_url)))
 
 
-def server_settings(base_url: str) -> dict:
+def server_settings(base_url: str, api_key: str | None = None) -> dict:
     """What the server says it runs with (GET /model), as CSV columns: the record never guesses defaults."""
-    response = requests.get(base_url + "/model", timeout=10)
+    response = requests.get(base_url + "/model", headers=auth_headers(api_key), timeout=10)
     response.raise_for_status()
     info = response.json()
     return ({"server_model": info["model"], "server_backend": info["backend"],

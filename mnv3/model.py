@@ -1,4 +1,11 @@
-"""MobileNetV3-Large weights (with honest provenance) and the ONNX FP32 export. Needs torch; serving does not."""
+"""MobileNetV3 (Large or Small, any number of classes) with honest provenance, its class names, and the
+ONNX FP32 export. Needs torch; serving does not.
+
+Weights come from a local file (a state_dict, or a training checkpoint with the state_dict under
+"model", as torchvision's references/classification/train.py saves it), else torchvision's ImageNet
+weights, else a seeded random init that says so. The class count is the file's classifier shape.
+"""
+import argparse
 import hashlib
 import io
 import json
@@ -8,78 +15,207 @@ import warnings
 from pathlib import Path
 
 import torch
-from torchvision.models import MobileNet_V3_Large_Weights, mobilenet_v3_large
+from torchvision.models import (MobileNet_V3_Large_Weights, MobileNet_V3_Small_Weights, mobilenet_v3_large,
+                                mobilenet_v3_small)
 
-from mnv3.preprocess import CROP_SIZE
+from mnv3.preprocess import DEFAULT_PREPROCESSING, Preprocessing
 
-WEIGHTS = MobileNet_V3_Large_Weights.IMAGENET1K_V1
+ARCHS = {"mobilenet_v3_large": mobilenet_v3_large, "mobilenet_v3_small": mobilenet_v3_small}
+DEFAULT_ARCH = "mobilenet_v3_large"
+IMAGENET_WEIGHTS = {"mobilenet_v3_large": MobileNet_V3_Large_Weights.IMAGENET1K_V1,
+                    "mobilenet_v3_small": MobileNet_V3_Small_Weights.IMAGENET1K_V1}
+IMAGENET_CLASSES = MobileNet_V3_Large_Weights.IMAGENET1K_V1.meta["categories"]  # Small's list is the same
+CLASSIFIER_WEIGHT = "classifier.3.weight"  # the last Linear: (classes, features)
 RANDOM_INIT_SEED = 0
 DOWNLOAD_TIMEOUT_S = 10  # offline machines must fall back in seconds, not hang
 OPSET = 17
-EXPORT_TOLERANCE = 1e-3  # max abs logit difference ONNX FP32 may have from PyTorch FP32
+# Max abs logit difference ONNX FP32 may have from PyTorch FP32, per unit of the largest |logit| above 1:
+# float32 rounding grows with the logits' scale, and a fine-tuned head's can be far larger than ImageNet's.
+EXPORT_TOLERANCE = 1e-3
 EXPORT_CHECK_BATCHES = (1, 8)  # batch sizes the export is checked at: one image, and a batch
+SAVE_STATE_DICT = "torch.save(model.state_dict(), 'weights.pth')"
 
 
 class BadWeights(ValueError):
-    """--weights does not point at a loadable mobilenet_v3_large state_dict."""
+    """--weights does not point at a loadable MobileNetV3 state_dict of the chosen --arch."""
 
 
-def load_model(weights_path=None) -> tuple[torch.nn.Module, str]:
-    """Return (model in eval mode, provenance).
+class BadClassNames(ValueError):
+    """--class-names is unreadable or does not name each of the model's classes once."""
 
-    Provenance is `file:<sha256[:12]>` for a local state_dict, `imagenet1k_v1` for torchvision's
-    weights (from its cache or downloaded), or `random-init` when neither is reachable. Random init
-    is seeded, warned about loudly, and recorded in every output that uses it.
+
+def load_model(arch: str = DEFAULT_ARCH, weights_path=None) -> tuple[torch.nn.Module, str]:
+    """Return (`arch` in eval mode, provenance); its class count is the weights' (`num_classes(model)`).
+
+    Provenance is `file:<sha256[:12]>` for a local file, `imagenet1k_v1` for torchvision's weights
+    (from its cache or downloaded), or `random-init` when neither is reachable. Random init is seeded,
+    warned about loudly, and recorded in every output that uses it.
     """
-    model = mobilenet_v3_large(weights=None)
     if weights_path is not None:
-        try:
-            data = Path(weights_path).read_bytes()
-            state_dict = torch.load(weights_path, map_location="cpu", weights_only=True)
-            model.load_state_dict(state_dict)
-        except (OSError, RuntimeError, pickle.UnpicklingError, TypeError, AttributeError) as exc:
-            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise BadWeights(
-                f"--weights {weights_path}: not a loadable mobilenet_v3_large state_dict ({first_line}). "
-                "Pass the file torchvision downloads (mobilenet_v3_large-8738ca79.pth) or omit --weights."
-            ) from exc
+        data = _read_weights_file(weights_path)
+        state_dict = _state_dict(weights_path, data)
+        model = ARCHS[arch](weights=None, num_classes=_classifier_classes(weights_path, state_dict))
+        _check_fits(weights_path, arch, model, state_dict)
+        model.load_state_dict(state_dict)
         return model.eval(), f"file:{hashlib.sha256(data).hexdigest()[:12]}"
+    model = ARCHS[arch](weights=None)
     previous_timeout = socket.getdefaulttimeout()
     socket.setdefaulttimeout(DOWNLOAD_TIMEOUT_S)
     try:
-        state_dict = WEIGHTS.get_state_dict(progress=False, check_hash=True)
+        state_dict = IMAGENET_WEIGHTS[arch].get_state_dict(progress=False, check_hash=True)
         model.load_state_dict(state_dict)
         return model.eval(), "imagenet1k_v1"
     except (OSError, RuntimeError) as exc:  # URLError is an OSError; a bad cached file a RuntimeError
         warnings.warn(
             f"ImageNet weights unavailable ({exc}). Using a seeded RANDOM INIT (seed {RANDOM_INIT_SEED}): "
             "latency and INT8-vs-FP32 agreement are meaningful, predicted labels are not. "
-            "Pass --weights PATH to use a downloaded mobilenet_v3_large-8738ca79.pth.",
+            f"Pass --weights PATH to use a downloaded {Path(IMAGENET_WEIGHTS[arch].url).name}.",
             stacklevel=2,
         )
     finally:
         socket.setdefaulttimeout(previous_timeout)
     torch.manual_seed(RANDOM_INIT_SEED)
-    return mobilenet_v3_large(weights=None).eval(), "random-init"
+    return ARCHS[arch](weights=None).eval(), "random-init"
 
 
-def export_onnx(model: torch.nn.Module, path, class_names_path=None) -> Path:
-    """Export with a dynamic batch axis (the batcher needs it) via the TorchScript exporter, opset 17."""
+def num_classes(model: torch.nn.Module) -> int:
+    head = model.classifier[-1]  # type: ignore[index]
+    assert isinstance(head, torch.nn.Linear)  # every torchvision MobileNetV3 ends in one
+    return head.out_features
+
+
+def _read_weights_file(path) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise BadWeights(f"--weights {path}: cannot read it ({exc.strerror or exc}); "
+                         "pass the path of your .pth state_dict or checkpoint") from exc
+
+
+def _state_dict(path, data: bytes) -> dict:
+    """The state_dict in `data`: the file itself, or a training checkpoint's "model" entry.
+
+    Loaded with weights_only=True, so the file cannot run code; train.py's checkpoints also hold its
+    argparse.Namespace, which is allowed for that."""
+    try:
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            loaded = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, TypeError, AttributeError) as exc:
+        if _pickles_modules(data):
+            raise BadWeights(f"--weights {path} is a whole pickled model (torch.save(model)), which cannot be loaded "
+                             f"without running code from the file; save its weights instead: {SAVE_STATE_DICT}"
+                             ) from exc
+        raise BadWeights(f"--weights {path}: not a PyTorch state_dict or checkpoint ({_first_line(exc)}); "
+                         f"save one with {SAVE_STATE_DICT}") from exc
+    if isinstance(loaded, dict) and isinstance(loaded.get("model"), dict):
+        loaded = loaded["model"]  # a references/classification checkpoint: {"model", "optimizer", "epoch", ...}
+    if not isinstance(loaded, dict) or not all(isinstance(value, torch.Tensor) for value in loaded.values()):
+        raise BadWeights(f"--weights {path}: holds no state_dict (a dict of tensors, or a checkpoint with one under "
+                         f"\"model\"); save one with {SAVE_STATE_DICT}")
+    return loaded
+
+
+def _pickles_modules(data: bytes) -> bool:
+    try:
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data))
+    except Exception:  # not a torch.save zip at all: then it is no pickled model either
+        return False
+    return any(name.startswith(("torch.nn.", "torchvision.")) for name in names)
+
+
+def _classifier_classes(path, state_dict: dict) -> int:
+    weight = state_dict.get(CLASSIFIER_WEIGHT)
+    if weight is None or weight.ndim != 2:
+        raise BadWeights(f"--weights {path}: no {CLASSIFIER_WEIGHT} of shape (classes, features), so not a "
+                         "torchvision MobileNetV3 state_dict; pass the weights of a torchvision.models."
+                         "mobilenet_v3_large or mobilenet_v3_small")
+    return weight.shape[0]
+
+
+def _mismatches(model: torch.nn.Module, state_dict: dict) -> list[str]:
+    expected = {key: tuple(value.shape) for key, value in model.state_dict().items()}
+    given = {key: tuple(value.shape) for key, value in state_dict.items()}
+    return ([f"missing {key}" for key in expected.keys() - given.keys()]
+            + [f"unexpected {key}" for key in given.keys() - expected.keys()]
+            + [f"{key} is {given[key]}, not {expected[key]}" for key in expected.keys() & given.keys()
+               if given[key] != expected[key]])
+
+
+def _check_fits(path, arch: str, model: torch.nn.Module, state_dict: dict) -> None:
+    """Raise BadWeights naming the right --arch when the weights are another arch's."""
+    mismatches = _mismatches(model, state_dict)
+    if not mismatches:
+        return
+    for other in ARCHS.keys() - {arch}:
+        if not _mismatches(ARCHS[other](weights=None, num_classes=num_classes(model)), state_dict):
+            raise BadWeights(f"--weights {path} holds {other} weights, not {arch}: pass --arch {other}")
+    raise BadWeights(f"--weights {path}: not a {arch} state_dict ({len(mismatches)} tensors differ, e.g. "
+                     f"{sorted(mismatches)[0]}); pass --arch {' or '.join(ARCHS)} to match how it was trained")
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def read_class_names(path) -> list[str]:
+    """A JSON list of names, or a text file of one name a line (blank lines skipped)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BadClassNames(f"--class-names {path}: cannot read it as UTF-8 text ({_first_line(exc)})") from exc
+    if text.lstrip().startswith("["):
+        try:
+            names = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise BadClassNames(f"--class-names {path}: starts like a JSON list but is not one ({exc})") from exc
+    else:
+        names = [line.strip() for line in text.splitlines() if line.strip()]
+    if not isinstance(names, list) or not names or not all(isinstance(name, str) and name for name in names):
+        raise BadClassNames(f"--class-names {path}: expected a JSON list of names or one name a line")
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise BadClassNames(f"--class-names {path}: names must be distinct; repeated: {', '.join(duplicates)}")
+    return names
+
+
+def class_names_for(model: torch.nn.Module, class_names_path=None) -> tuple[list[str], str]:
+    """(the model's class names, where they came from: `file:<name>`, `imagenet` or `class_<id>`).
+
+    Without --class-names a 1000-class model is taken to be ImageNet's, as torchvision's weights are;
+    any other head gets class_0.. and a warning: every measurement holds, only the labels are unnamed."""
+    count = num_classes(model)
+    if class_names_path is not None:
+        names = read_class_names(class_names_path)
+        if len(names) != count:
+            raise BadClassNames(f"--class-names {class_names_path} has {len(names)} names but the model has {count} "
+                                f"classes ({CLASSIFIER_WEIGHT}); give one name per class, in training order")
+        return names, f"file:{Path(class_names_path).name}"
+    if count == len(IMAGENET_CLASSES):
+        return IMAGENET_CLASSES, "imagenet"
+    warnings.warn(f"the model has {count} classes and no --class-names: labels are class_0..class_{count - 1}. "
+                  "Pass --class-names FILE (one name a line, in training order: torchvision's ImageFolder sorts "
+                  "the class folder names)", stacklevel=2)
+    return [f"class_{i}" for i in range(count)], "class_<id>"
+
+
+def export_onnx(model: torch.nn.Module, path, preprocessing: Preprocessing = DEFAULT_PREPROCESSING) -> Path:
+    """Export for `preprocessing`'s input size with a dynamic batch axis (the batcher needs it) via the
+    TorchScript exporter, opset 17."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    example = torch.randn(1, 3, CROP_SIZE, CROP_SIZE)
+    example = torch.randn(1, *preprocessing.input_shape)
     torch.onnx.export(
-        model, example, str(path), dynamo=False, opset_version=OPSET,
+        model, (example,), str(path), dynamo=False, opset_version=OPSET,
         input_names=["input"], output_names=["logits"],
         dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}},
     )
-    if class_names_path is not None:
-        Path(class_names_path).write_text(json.dumps(WEIGHTS.meta["categories"]))
     return path
 
 
 @torch.no_grad()
-def recalibrate_batchnorm(model: torch.nn.Module, images, batch_size: int = 32) -> torch.nn.Module:
+def recalibrate_batchnorm(model: torch.nn.Module, images, batch_size: int = 32,
+                          preprocessing: Preprocessing = DEFAULT_PREPROCESSING) -> torch.nn.Module:
     """Re-estimate BatchNorm running statistics on `images` (PIL), leaving every weight untouched.
 
     A random init has BN statistics (mean 0, var 1) unrelated to its activations, which shrink layer
@@ -94,7 +230,7 @@ def recalibrate_batchnorm(model: torch.nn.Module, images, batch_size: int = 32) 
         bn.momentum = None  # cumulative average over all batches
     model.train()
     for start in range(0, len(images), batch_size):
-        model(torch.from_numpy(preprocess_batch(images[start:start + batch_size])))
+        model(torch.from_numpy(preprocess_batch(images[start:start + batch_size], preprocessing)))
     for bn in batch_norms:
         bn.momentum = 0.1
     return model.eval()
@@ -115,11 +251,13 @@ def export_max_abs_diff(model: torch.nn.Module, onnx_run, batches) -> float:
 
 
 def check_export(model: torch.nn.Module, onnx_run, images) -> float:
-    """`export_max_abs_diff` at each EXPORT_CHECK_BATCHES size of `images`; over EXPORT_TOLERANCE it raises:
-    a wrong export is a bug, never shipped."""
-    diff = export_max_abs_diff(model, onnx_run, [images[:n] for n in EXPORT_CHECK_BATCHES])
-    if diff > EXPORT_TOLERANCE:
-        raise RuntimeError(f"ONNX export differs from PyTorch by {diff:.2e} > {EXPORT_TOLERANCE} "
+    """`export_max_abs_diff` at each EXPORT_CHECK_BATCHES size of `images`; over EXPORT_TOLERANCE (scaled by
+    the largest |logit| when that is above 1) it raises: a wrong export is a bug, never shipped."""
+    batches = [images[:n] for n in EXPORT_CHECK_BATCHES]
+    diff = export_max_abs_diff(model, onnx_run, batches)
+    tolerance = EXPORT_TOLERANCE * max(1.0, max(float(abs(onnx_run(batch)).max()) for batch in batches))
+    if diff > tolerance:
+        raise RuntimeError(f"ONNX export differs from PyTorch by {diff:.2e} > {tolerance:.2e} "
                            f"(max abs logit, batches {EXPORT_CHECK_BATCHES}): the export is wrong, not shipping it")
     return diff
 

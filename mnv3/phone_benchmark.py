@@ -60,7 +60,7 @@ class DecodeComparison:
         return float(np.median(np.array(self.seconds[FULL]) / np.array(self.seconds[DRAFT])))
 
     def as_row(self) -> dict:
-        grey_levels = self.tensor_diff * (255 * STD.reshape(3, 1, 1))  # back to 0-255 pixel values
+        grey_levels = self.tensor_diff * (255 * np.reshape(STD, (3, 1, 1)))  # back to 0-255 pixel values
         low, high, mean = self.photo_bytes
         return {
             "configuration": "phone_decode", "photos": self.photos,

@@ -71,11 +71,11 @@ def augment(photo: Image.Image, rng: np.random.Generator, size=None) -> Image.Im
     left, top = int(rng.integers(0, w - cw + 1)), int(rng.integers(0, h - ch + 1))
     image = photo.crop((left, top, left + cw, top + ch))
     if rng.random() < 0.5:
-        image = image.transpose(Image.FLIP_LEFT_RIGHT)
+        image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
     for enhancer in (ImageEnhance.Brightness, ImageEnhance.Contrast, ImageEnhance.Color):
         image = enhancer(image).enhance(rng.uniform(0.7, 1.3))
     if size is not None:
-        image = image.resize(size, Image.BILINEAR)
+        image = image.resize(size, Image.Resampling.BILINEAR)
     return image
 
 

@@ -1,14 +1,18 @@
-"""Image decoding and ImageNet preprocessing in numpy/Pillow only (the serving path has no torch).
+"""Image decoding and preprocessing in numpy/Pillow only (the serving path has no torch).
 
-`preprocess` reproduces torchvision's `MobileNet_V3_Large_Weights.IMAGENET1K_V1.transforms()` on PIL
-images: shorter side to 256 (bilinear, antialiased as Pillow always is), centre crop 224, /255,
-ImageNet mean/std, channels first. tests/test_preprocess.py holds it to that.
+`preprocess` reproduces torchvision's `ImageClassification` transform on PIL images: shorter side to
+`resize` (bilinear, antialiased as Pillow always is), centre crop `crop`, /255, `mean`/`std`, channels
+first. DEFAULT_PREPROCESSING is what torchvision's MobileNetV3 ImageNet weights were trained with (256,
+224, ImageNet mean/std); a fine-tuned model's own values are set at stage 1 and travel in the manifest
+beside the model. tests/test_preprocess.py holds both to torchvision's transforms.
 `decode_image` decodes a JPEG at least four times the resize size on its shorter side at a reduced
 DCT scale unless told not to (`jpeg_draft`): close to a full decode, not equal to it; smaller JPEGs
 and every other format decode in full (tests/test_phone_photos.py holds it to both).
 """
 import io
 import warnings
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -16,11 +20,8 @@ from PIL import Image, ImageOps
 
 RESIZE_SIZE = 256
 CROP_SIZE = 224
-MEAN = np.array([0.485, 0.456, 0.406], dtype=np.float32)
-STD = np.array([0.229, 0.224, 0.225], dtype=np.float32)
-# Folded into one multiply-add per pixel: (x/255 - mean)/std = x*SCALE + SHIFT.
-_SCALE = (1.0 / (255.0 * STD)).reshape(3, 1, 1)
-_SHIFT = (-MEAN / STD).reshape(3, 1, 1)
+MEAN = (0.485, 0.456, 0.406)  # ImageNet's, per channel R G B
+STD = (0.229, 0.224, 0.225)
 
 # Draft decoding: libjpeg can decode a JPEG at 1/2, 1/4 or 1/8 scale straight from its DCT blocks, at
 # a fraction of a full decode's cost (the resize that follows then has far fewer pixels to read too).
@@ -37,6 +38,44 @@ DEFAULT_MAX_PIXELS = 40_000_000  # ~ a 7300x5500 photo; larger is refused before
 # Raster formats only, opened by Pillow's own decoders: EPS, for one, would run Ghostscript on the upload.
 # "JPEG" also opens MPO, the multi-frame JPEG many phone cameras write.
 ACCEPTED_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
+
+
+@dataclass(frozen=True)
+class Preprocessing:
+    """What a model was trained with: shorter side to `resize`, centre `crop`, then (x/255 - mean)/std."""
+    resize: int = RESIZE_SIZE
+    crop: int = CROP_SIZE
+    mean: tuple[float, float, float] = MEAN
+    std: tuple[float, float, float] = STD
+
+    def __post_init__(self):
+        if not 0 < self.crop <= self.resize:
+            raise ValueError(f"crop {self.crop} must be positive and at most resize {self.resize} "
+                             "(torchvision would pad the image with zeros)")
+        if len(self.mean) != 3 or len(self.std) != 3 or min(self.std) <= 0:
+            raise ValueError(f"mean and std take 3 values (R G B) and std must be positive, got mean {self.mean} "
+                             f"std {self.std}")
+
+    @classmethod
+    def from_record(cls, record: dict) -> "Preprocessing":
+        """From `record()`'s dict, as the manifest holds it."""
+        return cls(int(record["resize"]), int(record["crop"]), tuple(record["mean"]), tuple(record["std"]))
+
+    def record(self) -> dict:
+        return {"resize": self.resize, "crop": self.crop, "mean": list(self.mean), "std": list(self.std)}
+
+    @property
+    def input_shape(self) -> tuple[int, int, int]:
+        return 3, self.crop, self.crop
+
+    @cached_property
+    def scale_shift(self) -> tuple[np.ndarray, np.ndarray]:
+        """(x/255 - mean)/std folded into one multiply-add per pixel: x*scale + shift."""
+        mean, std = np.array(self.mean, dtype=np.float32), np.array(self.std, dtype=np.float32)
+        return (1.0 / (255.0 * std)).reshape(3, 1, 1), (-mean / std).reshape(3, 1, 1)
+
+
+DEFAULT_PREPROCESSING = Preprocessing()
 
 
 class InvalidImage(ValueError):
@@ -65,26 +104,27 @@ def resize_and_crop(image: Image.Image, size: int = RESIZE_SIZE, crop: int = CRO
     if (new_w, new_h) == (w, h):
         return image.crop((left, top, left + crop, top + crop))
     if max(new_w, new_h) <= MAX_RESIZED_SIDE:
-        return image.resize((new_w, new_h), Image.BILINEAR).crop((left, top, left + crop, top + crop))
+        return image.resize((new_w, new_h), Image.Resampling.BILINEAR).crop((left, top, left + crop, top + crop))
     sx, sy = w / new_w, h / new_h
     box = (left * sx, top * sy, (left + crop) * sx, (top + crop) * sy)
-    return image.resize((crop, crop), Image.BILINEAR, box=box)
+    return image.resize((crop, crop), Image.Resampling.BILINEAR, box=box)
 
 
-def preprocess(image: Image.Image) -> np.ndarray:
-    """PIL image -> float32 array of shape (3, 224, 224), ready to stack into an NCHW batch."""
-    hwc = np.asarray(resize_and_crop(image.convert("RGB")))
+def preprocess(image: Image.Image, preprocessing: Preprocessing = DEFAULT_PREPROCESSING) -> np.ndarray:
+    """PIL image -> float32 array of shape (3, crop, crop), ready to stack into an NCHW batch."""
+    hwc = np.asarray(resize_and_crop(image.convert("RGB"), preprocessing.resize, preprocessing.crop))
+    scale, shift = preprocessing.scale_shift
     # One pass from uint8 into the result, then one in place: no float32 copy -> transpose ->
     # multiply -> add chain allocating a full-size temporary at each step.
-    chw = np.empty((3, CROP_SIZE, CROP_SIZE), dtype=np.float32)
-    np.multiply(hwc.transpose(2, 0, 1), _SCALE, out=chw)
-    chw += _SHIFT
+    chw = np.empty(preprocessing.input_shape, dtype=np.float32)
+    np.multiply(hwc.transpose(2, 0, 1), scale, out=chw)
+    chw += shift
     return chw
 
 
-def preprocess_batch(images) -> np.ndarray:
-    """Several PIL images -> one contiguous (N, 3, 224, 224) float32 batch."""
-    return np.stack([preprocess(image) for image in images])
+def preprocess_batch(images, preprocessing: Preprocessing = DEFAULT_PREPROCESSING) -> np.ndarray:
+    """Several PIL images -> one contiguous (N, 3, crop, crop) float32 batch."""
+    return np.stack([preprocess(image, preprocessing) for image in images])
 
 
 def jpeg_draft_reduction(width: int, height: int, resize_size: int = RESIZE_SIZE) -> int:
@@ -123,8 +163,7 @@ def decode_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS, jpeg_draft: 
                     # Pillow picks the largest reduction r with size // (requested size) >= r.
                     image.draft(image.mode, (w // reduction, h // reduction))
             image.load()
-            image = ImageOps.exif_transpose(image)
-            return _to_rgb(image)
+            return _to_rgb(ImageOps.exif_transpose(image))
     except InvalidImage:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
@@ -148,15 +187,22 @@ def _to_rgb(image: Image.Image) -> Image.Image:
     return image if image.mode == "RGB" else image.convert("RGB")
 
 
-def decode_and_preprocess(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS, jpeg_draft: bool = True) -> np.ndarray:
+def decode_and_preprocess(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS, jpeg_draft: bool = True,
+                          preprocessing: Preprocessing = DEFAULT_PREPROCESSING) -> np.ndarray:
     """What the server does to each upload before inference (and the in-process limit, to match it)."""
-    return preprocess(decode_image(data, max_pixels, jpeg_draft))
+    return preprocess(decode_image(data, max_pixels, jpeg_draft, preprocessing.resize), preprocessing)
 
 
-def open_image(path) -> Image.Image:
-    """A local image file decoded exactly as an upload is (EXIF orientation, 16-bit scaling, limits),
-    so calibration and accuracy see the pixels the server will see."""
+def open_image(path, preprocessing: Preprocessing = DEFAULT_PREPROCESSING) -> Image.Image:
+    """A local image file decoded exactly as an upload for a model with `preprocessing` is (EXIF
+    orientation, 16-bit scaling, limits, draft decoding), so calibration and accuracy see the pixels the
+    server will see."""
     try:
-        return decode_image(Path(path).read_bytes())
+        return decode_image(Path(path).read_bytes(), resize_size=preprocessing.resize)
     except (InvalidImage, OSError) as exc:
         raise InvalidImage(f"{path}: {exc}; remove or replace that file") from exc
+
+
+def preprocess_files(paths, preprocessing: Preprocessing = DEFAULT_PREPROCESSING) -> np.ndarray:
+    """Local image files -> one (N, 3, crop, crop) batch, each decoded as `open_image` does."""
+    return preprocess_batch([open_image(path, preprocessing) for path in paths], preprocessing)

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from mnv3.graph_rewrites import GRAPH_REWRITES, apply_graph_rewrites
 from mnv3.photos import fill_calibration_dir, list_images
-from mnv3.preprocess import open_image, preprocess_batch
+from mnv3.preprocess import DEFAULT_PREPROCESSING, Preprocessing, preprocess_files
 
 CALIBRATION_BATCH_SIZE = 8
 
@@ -120,9 +120,9 @@ def calibration_photos(folder, count: int) -> list[Path]:
     return fill_calibration_dir(folder, count)[:count]
 
 
-def preprocess_photos(image_paths) -> np.ndarray:
-    """The calibration photos as one preprocessed (N, 3, 224, 224) array, to calibrate several recipes on."""
-    return np.concatenate([preprocess_batch([open_image(path) for path in image_paths[i:i + CALIBRATION_BATCH_SIZE]])
+def preprocess_photos(image_paths, preprocessing: Preprocessing = DEFAULT_PREPROCESSING) -> np.ndarray:
+    """The calibration photos as one preprocessed (N, 3, crop, crop) array, to calibrate several recipes on."""
+    return np.concatenate([preprocess_files(image_paths[i:i + CALIBRATION_BATCH_SIZE], preprocessing)
                            for i in range(0, len(image_paths), CALIBRATION_BATCH_SIZE)])
 
 
@@ -141,8 +141,10 @@ class ArrayCalibrationReader(CalibrationDataReader):
 class PhotoCalibrationReader(CalibrationDataReader):
     """Feeds calibration photos through the serving preprocessing, a few images per call."""
 
-    def __init__(self, image_paths, input_name: str = "input", batch_size: int = CALIBRATION_BATCH_SIZE):
+    def __init__(self, image_paths, input_name: str = "input", batch_size: int = CALIBRATION_BATCH_SIZE,
+                 preprocessing: Preprocessing = DEFAULT_PREPROCESSING):
         self.chunks = [image_paths[i:i + batch_size] for i in range(0, len(image_paths), batch_size)]
+        self.preprocessing = preprocessing
         self.input_name = input_name
         self.progress = tqdm(total=len(image_paths), desc="calibration", unit="img", leave=False)
 
@@ -151,13 +153,15 @@ class PhotoCalibrationReader(CalibrationDataReader):
             self.progress.close()
             return None
         chunk = self.chunks.pop(0)
-        batch = preprocess_batch([open_image(path) for path in chunk])
+        batch = preprocess_files(chunk, self.preprocessing)
         self.progress.update(len(chunk))
         return {self.input_name: batch}
 
 
-def quantize_static_int8(fp32_path, out_path, calibration, recipe: StaticRecipe, cache_dir=None) -> Path:
-    """Quantize with `recipe`, calibrating on `calibration`: photo paths, or a preprocess_photos array.
+def quantize_static_int8(fp32_path, out_path, calibration, recipe: StaticRecipe, cache_dir=None,
+                         preprocessing: Preprocessing = DEFAULT_PREPROCESSING) -> Path:
+    """Quantize with `recipe`, calibrating on `calibration`: photo paths (preprocessed as `preprocessing`
+    says), or a preprocess_photos array.
 
     With `cache_dir`, calibrated ranges are saved there per recipe.calibration_key() and reused by later
     recipes with the same key; the caller keeps one cache_dir per calibration set.
@@ -165,7 +169,7 @@ def quantize_static_int8(fp32_path, out_path, calibration, recipe: StaticRecipe,
     if isinstance(calibration, np.ndarray):
         reader = ArrayCalibrationReader(calibration)
     else:
-        reader = PhotoCalibrationReader(list(calibration))
+        reader = PhotoCalibrationReader(list(calibration), preprocessing=preprocessing)
     cache = Path(cache_dir) / f"{recipe.calibration_key()}.json" if cache_dir else None
     with tempfile.TemporaryDirectory() as tmp:
         if recipe.graph_rewrites:

@@ -9,6 +9,10 @@ batcher are the plain server's code, and Ray runs the app's lifespan (model load
 start) inside the replica. Ray adds an HTTP proxy in front that routes each request to a replica with
 free capacity, queues up to `max_queued_requests` when all are busy, and refuses beyond that with 503.
 
+With `api_keys` (a key file, in the config file's `args:` or as --api-keys) every replica protects its app
+as the plain server does (`mnv3.auth`); the file is read once when the application is built, so a bad
+one fails `serve run` at once, and each replica reads it again for its own rate-limit buckets.
+
 Ray is an optional dependency (requirements-ray.txt): nothing else in mnv3 imports this module.
 """
 import argparse
@@ -21,6 +25,7 @@ import sys
 import time
 from dataclasses import fields, replace
 from pathlib import Path
+from typing import Any
 
 import ray
 from ray import serve
@@ -30,6 +35,7 @@ from starlette.middleware import Middleware
 
 from mnv3 import cli, loadtest, server
 from mnv3.artifacts import RAY_SERVE_CSV
+from mnv3.auth import KeyFileError, exposure_warning, load_key_file
 from mnv3.config import ServerConfig
 from mnv3.config import parse_args as parse_server_args
 from mnv3.errors import RETRY_AFTER_S
@@ -278,16 +284,22 @@ def build(config: ServerConfig, replicas: int = 1, num_cpus: float = 1, min_repl
           max_ongoing_requests: int = DEFAULT_MAX_ONGOING_REQUESTS,
           max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS) -> serve.Application:
     """The application: `replicas` fixed replicas, or autoscaling between min and max if max_replicas is set."""
+    scaling: dict[str, object]
     if max_replicas is not None:
         scaling = {"autoscaling_config": {"min_replicas": replicas if min_replicas is None else min_replicas,
                                           "max_replicas": max_replicas,
                                           "target_ongoing_requests": target_ongoing_requests}}
     else:
         scaling = {"num_replicas": replicas}
-    # An absolute path: replicas may run in another directory, or on another node with the same layout.
+    # Absolute paths: replicas may run in another directory, or on another node with the same layout.
     config = replace(config, model=Path(config.model).resolve())
-    return MobileNetV3.options(ray_actor_options={"num_cpus": num_cpus}, max_ongoing_requests=max_ongoing_requests,
-                               max_queued_requests=max_queued_requests, **scaling).bind(config)
+    if config.api_keys:
+        config = replace(config, api_keys=str(Path(config.api_keys).resolve()))
+        load_key_file(config.api_keys)  # a KeyFileError here, once, rather than in every replica
+    # serve.deployment made the class a Deployment, which mypy cannot see through the decorator.
+    return MobileNetV3.options(  # type: ignore[attr-defined]
+        ray_actor_options={"num_cpus": num_cpus}, max_ongoing_requests=max_ongoing_requests,
+        max_queued_requests=max_queued_requests, **scaling).bind(config)
 
 
 def build_app(args: dict) -> serve.Application:
@@ -296,7 +308,7 @@ def build_app(args: dict) -> serve.Application:
     Replica count, autoscaling, CPUs and queue limits are Ray's own deployment options: set them in the
     config file's `deployments:` section, which Ray applies on top of the defaults here.
     """
-    types = {f.name: f.type for f in fields(ServerConfig)}
+    types: dict[str, Any] = {f.name: f.type for f in fields(ServerConfig)}
     unknown = sorted(set(args) - set(types))
     if unknown:
         raise ValueError(f"unknown mnv3 server options {unknown}; known: {sorted(types)}")
@@ -341,7 +353,7 @@ def bench(model: Path, provenance: str, results_dir: Path, concurrency: int, cou
     The cache is off and the bodies distinct, so every request is decoded and classified. The machine's
     cores are split between replicas (2 cores: 1 replica x 2 threads, 2 replicas x 1 thread).
     """
-    cores = os.cpu_count()
+    cores = os.cpu_count() or 1
     bodies = load_images(count)
     config = ServerConfig(model=model, cache_size=0)
     environment = cli.environment_row(model, provenance)
@@ -429,16 +441,20 @@ def run_bench(args) -> list[dict]:
 
 
 def serve_forever(args, config: ServerConfig) -> None:
+    # Built before any Ray process starts: a bad key file is a KeyFileError now, not a cluster to clean up.
+    app = build(config, args.replicas, args.num_cpus, args.min_replicas, args.max_replicas,
+                args.target_ongoing_requests, args.max_ongoing_requests, args.max_queued_requests)
     if args.address:
         ray.init(address=args.address)
         serve.start(http_options={"host": config.host, "port": config.port})
     else:
         start_local_cluster(host=config.host, port=config.port)
+    if not config.api_keys and (warning := exposure_warning(config.host)):
+        print(f"WARNING: {warning}", file=sys.stderr, flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stop the same way on SIGTERM as on Ctrl-C
     try:
         url = f"http://{config.host}:{config.port}"
-        deploy(build(config, args.replicas, args.num_cpus, args.min_replicas, args.max_replicas,
-                     args.target_ongoing_requests, args.max_ongoing_requests, args.max_queued_requests), url)
+        deploy(app, url)
         print(f"mnv3 on Ray Serve at {url} (Ctrl-C stops it)", flush=True)
         while True:
             time.sleep(3600)
@@ -458,7 +474,7 @@ def main(args) -> int:
         cli.run_stage(run_bench, args)
         return 0
     try:
-        serve_forever(args, config)
+        cli.run_stage(lambda args: serve_forever(args, config), args, user_errors=(KeyFileError,))
     except KeyboardInterrupt:
         pass
     return 0

@@ -9,6 +9,7 @@ Settings are `mnv3.config`, failures answer as `mnv3.errors` lists them, bodies 
 `mnv3.uploads` and timings and counts are exported by `mnv3.metrics`. Several models can be served
 side by side (`mnv3.serving`): `?model=NAME` picks one, `GET /models` lists them. The Open Inference
 Protocol's endpoints (`/v2/...`, Triton's clients) are `mnv3.v2_router`, over the same models.
+With `--api-keys FILE`, `mnv3.auth` lets a request in only with a key of the scope its path needs.
 """
 import asyncio
 import logging
@@ -25,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 
 from mnv3.api_docs import docs_router
+from mnv3.auth import ApiKeyAuth, KeyFileError, exposure_warning, load_key_file
 from mnv3.config import ModelSpec, ServerConfig, parse_args
 from mnv3.engine import Engine, ModelLoadError, Prediction
 from mnv3.errors import ERROR_DOCS, ERRORS, error_response
@@ -200,7 +202,7 @@ async def reject(request: Request, exc: Exception) -> JSONResponse:
 
 def create_app(config: ServerConfig, *engines: Engine) -> FastAPI:
     """The app; the models are loaded at start-up unless their `engines` are given, one per `config.models`
-    in order (the CLI loads them first to fail early)."""
+    in order (the CLI loads them first to fail early). A key file that cannot be used is a KeyFileError here."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -223,21 +225,26 @@ def create_app(config: ServerConfig, *engines: Engine) -> FastAPI:
     app.include_router(docs_router)
     for exc_type in ERRORS:
         app.add_exception_handler(exc_type, reject)
+    if config.api_keys:
+        app.add_middleware(ApiKeyAuth, keys=load_key_file(config.api_keys))
     return app
 
 
 def main(argv=None) -> None:
     config = parse_args(argv)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        engines = load_engines(config)  # before binding the port: a bad model is a one-line error, exit 2
-    except ModelLoadError as exc:
+    try:  # before binding the port: a bad model or key file is a one-line error, exit 2
+        app = create_app(config, *load_engines(config))
+    except (ModelLoadError, KeyFileError) as exc:
         print(f"mnv3.server: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    if not config.api_keys and (warning := exposure_warning(config.host)):
+        log.warning("WARNING: %s", warning)
     # uvicorn re-raises the SIGTERM it shut down gracefully on; a requested, completed stop is a success.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    uvicorn.run(create_app(config, *engines), host=config.host, port=config.port, log_level=config.log_level,
-                timeout_graceful_shutdown=config.shutdown_timeout_s)
+    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level,
+                # typed int, but uvicorn waits with asyncio.wait_for, which takes a float
+                timeout_graceful_shutdown=config.shutdown_timeout_s)  # type: ignore[arg-type]
 
 
 if __name__ == "__main__":

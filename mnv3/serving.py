@@ -90,7 +90,8 @@ class ServedModel:
                 array = await asyncio.get_running_loop().run_in_executor(self.preprocess_pool,
                                                                          decode_and_preprocess, data,
                                                                          self.config.max_pixels,
-                                                                         bool(self.config.jpeg_draft))
+                                                                         bool(self.config.jpeg_draft),
+                                                                         self.engine.preprocessing)
         except TimeoutError:
             raise DeadlineExceeded("deadline passed while waiting to decode the image") from None
         finally:
@@ -144,7 +145,7 @@ class Serving:
         self.default = self.models[specs[0].name]
         self.not_ready_reason: str | None = "warming up"
 
-    # The default model's pieces: what a one-model server has (tests and /stats hold them).
+    # The default model's pieces: what a one-model server has (tests hold them).
     @property
     def engine(self) -> Engine:
         return self.default.engine

@@ -44,21 +44,21 @@ def soak(args) -> tuple[list[dict], bool]:
             warm = run_closed_loop(send, bodies, args.concurrency, count=min(args.distinct, 2 * args.cache_size))
         if warm.ok != warm.sent:
             raise loadtest.ServerStartError(f"warm-up failed: {warm.errors}")
-        start_rss = rss_mib(server.process.pid)
+        start_rss = rss_mib(server.pid)
         rows, done, started = [], 0, time.perf_counter()
         for chunk in np.array_split(order, CHECKPOINTS):
             result = loadtest.run_with_metrics(url, lambda send: run_closed_loop(
                 send, [bodies[i] for i in chunk], args.concurrency))
             done += len(chunk)
-            rss = rss_mib(server.process.pid)
+            rss = rss_mib(server.pid)
             rejected = sum(n for status, n in result.errors.items() if status in INTENDED_REJECTIONS)
             counts = loadtest.metrics_row(result.metrics)
             rows.append({"requests_done": done, "seconds": round(time.perf_counter() - started, 1),
                          "req_per_s": round(result.rps, 1), "ok": result.ok, "rejected_503": rejected,
                          "errors": sum(result.errors.values()) - rejected,
                          "errors_by_status": ";".join(f"{s}:{n}" for s, n in sorted(result.errors.items())),
-                         "p50_ms": round(result.latency.p50_ms, 1) if result.ok else None,
-                         "p99_ms": round(result.latency.p99_ms, 1) if result.ok else None,
+                         "p50_ms": round(result.latency.p50_ms, 1) if result.latency else None,
+                         "p99_ms": round(result.latency.p99_ms, 1) if result.latency else None,
                          "cache_hits": counts["metrics_cache_hits"], "cache_misses": counts["metrics_cache_misses"],
                          "cache_entries": round(read_metrics(url)[("mnv3_cache_entries", "")]),
                          "rss_start_mib": round(start_rss, 1), "rss_mib": round(rss, 1),

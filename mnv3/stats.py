@@ -1,12 +1,14 @@
 """GET /stats: the server's recent behaviour as small JSON (requests/s, latency quantiles, batch sizes,
-cache hit rate, queue depth, in flight), for the page's live panel and for `curl`.
+cache hit rate, queue depth, in flight), for the page's live panel and for `curl`. Server-wide: with
+several models, every figure is over all of them; `models` adds each model's requests, latency, cache
+hit rate and queue depth.
 
 It adds no work to the /predict hot path: it reads only what the server already counts, the
-prometheus_client Histograms and Counters in `Metrics` and the live counts the cache, the batcher and
-`Serving` keep. Windowed figures come from differences of cumulative readings: each call reads the
-cumulative histogram buckets, keeps that reading in a small ring (at most one per `spacing_s`), and
-subtracts the newest kept reading that is at least `window_s` old. Nothing runs between calls, so
-nobody watching costs nothing.
+prometheus_client Histograms and Counters in `Metrics` and the live counts the caches, the batchers
+(every model's, summed) and `Serving` keep. Windowed figures come from differences of cumulative
+readings: each call reads the cumulative histogram buckets, keeps that reading in a small ring (at
+most one per `spacing_s`), and subtracts the newest kept reading that is at least `window_s` old.
+Nothing runs between calls, so nobody watching costs nothing.
 
 How exact it is:
 - counts, rates, means, the cache hit rate and the batch-size distribution over the window are exact
@@ -161,10 +163,10 @@ class BatchSizes(BaseModel):
 
 
 class CacheStats(BaseModel):
-    hits: int = Field(description="in the window")
-    misses: int = Field(description="in the window")
+    hits: int = Field(description="in the window, all models")
+    misses: int = Field(description="in the window, all models")
     hit_rate: float | None = Field(description="hits / (hits + misses) in the window; None without requests")
-    entries: int = Field(description="results stored now")
+    entries: int = Field(description="results stored now, in every model's cache")
 
 
 class Stages(BaseModel):
@@ -173,39 +175,62 @@ class Stages(BaseModel):
     inference: LatencySummary = Field(description="one batched inference call")
 
 
+class ModelStats(BaseModel):
+    requests: int = Field(description="this model's requests answered in the window, any status")
+    requests_per_s: float
+    latency: LatencySummary = Field(description="arrival to response")
+    cache_hit_rate: float | None = Field(description="in the window; None without requests")
+    queue_depth: int = Field(description="now: this model's requests waiting for inference")
+
+
 class StatsResponse(BaseModel):
     window_s: float = Field(description="seconds the windowed figures cover: the last minute, or less right after "
                                         "start-up, or more if /stats was not called for longer than that")
-    requests: int = Field(description="POST /predict requests answered in the window, any status")
+    requests: int = Field(description="POST /predict and /v2 infer requests answered in the window, any status, "
+                                      "any model")
     requests_per_s: float
-    latency: LatencySummary = Field(description="POST /predict, arrival to response")
+    latency: LatencySummary = Field(description="those requests, arrival to response")
     stages: Stages
     batch_size: BatchSizes
     cache: CacheStats
     rejected: dict[str, int] = Field(description="requests refused in the window, by reason")
-    queue_depth: int = Field(description="now: requests waiting for inference")
+    queue_depth: int = Field(description="now: requests waiting for inference, all models")
     in_flight: int = Field(description="now: requests admitted and not yet answered")
+    models: dict[str, ModelStats] = Field(description="the same, model by model, by name (the default first)")
 
 
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else 1000 * seconds
 
 
+def _hit_rate(hits: float, misses: float) -> float | None:
+    return hits / (hits + misses) if hits + misses else None
+
+
+def _per_second(count: float, seconds: float) -> float:
+    return count / seconds if seconds > 0 else 0.0
+
+
 HISTOGRAMS = ("request_latency", "queue_wait", "preprocess", "inference", "batch_size")  # Metrics attributes
 
 
 class LiveStats:
-    """Reads one `Serving`'s counts and reports them over a sliding window."""
+    """Reads one `Serving`'s counts, all its models together, and reports them over a sliding window."""
 
     def __init__(self, serving, window_s: float = WINDOW_S, spacing_s: float = SPACING_S, clock=time.monotonic):
         self.serving, self.clock = serving, clock
         self.ring = ReadingRing(self.read(), window_s, spacing_s)
 
     def read(self) -> Reading:
-        metrics, cache = self.serving.metrics, self.serving.cache
-        counters = {"cache_hits": cache.hits, "cache_misses": cache.misses}
+        metrics, models = self.serving.metrics, self.serving.models
+        histograms = {name: read_histogram(getattr(metrics, name)) for name in HISTOGRAMS}
+        counters = {"cache_hits": sum(m.cache.hits for m in models.values()),
+                    "cache_misses": sum(m.cache.misses for m in models.values())}
+        for name, m in models.items():  # "/": model names are URL path segments, so never hold one
+            histograms[f"request_latency/{name}"] = read_histogram(m.metrics.request_latency)
+            counters |= {f"cache_hits/{name}": m.cache.hits, f"cache_misses/{name}": m.cache.misses}
         counters |= {f"rejected_{reason}": value for reason, value in read_counter(metrics.rejections, "reason").items()}
-        return Reading(self.clock(), {name: read_histogram(getattr(metrics, name)) for name in HISTOGRAMS}, counters)
+        return Reading(self.clock(), histograms, counters)
 
     def report(self) -> StatsResponse:
         window = self.ring.window(self.read())
@@ -216,7 +241,7 @@ class LiveStats:
         return StatsResponse(
             window_s=window.at,
             requests=int(h["request_latency"].count),
-            requests_per_s=h["request_latency"].count / window.at if window.at > 0 else 0.0,
+            requests_per_s=_per_second(h["request_latency"].count, window.at),
             latency=LatencySummary.of(h["request_latency"]),
             stages=Stages(queue=LatencySummary.of(h["queue_wait"]), preprocess=LatencySummary.of(h["preprocess"]),
                           inference=LatencySummary.of(h["inference"])),
@@ -225,11 +250,17 @@ class LiveStats:
                 buckets=[BatchSizeBucket(smallest=low, largest=None if math.isinf(high) else int(high),
                                          inferences=int(n))
                          for low, high, n in zip(lower_bounds, batches.bounds, batches.bucket_counts())]),
-            cache=CacheStats(hits=hits, misses=misses, hit_rate=hits / (hits + misses) if hits + misses else None,
-                             entries=len(self.serving.cache)),
+            cache=CacheStats(hits=hits, misses=misses, hit_rate=_hit_rate(hits, misses),
+                             entries=sum(len(m.cache) for m in self.serving.models.values())),
             rejected={name.removeprefix("rejected_"): int(v) for name, v in c.items() if name.startswith("rejected_")},
-            queue_depth=self.serving.batcher.depth,
+            queue_depth=sum(m.batcher.depth for m in self.serving.models.values()),
             in_flight=self.serving.in_flight,
+            models={name: ModelStats(requests=int(h[f"request_latency/{name}"].count),
+                                     requests_per_s=_per_second(h[f"request_latency/{name}"].count, window.at),
+                                     latency=LatencySummary.of(h[f"request_latency/{name}"]),
+                                     cache_hit_rate=_hit_rate(c[f"cache_hits/{name}"], c[f"cache_misses/{name}"]),
+                                     queue_depth=m.batcher.depth)
+                    for name, m in self.serving.models.items()},
         )
 
 

@@ -14,7 +14,7 @@ deadline...), and is counted in `mnv3_rejections_total` as /predict's are.
 import asyncio
 import time
 from collections.abc import Callable, Coroutine
-from typing import Annotated, Any, cast
+from typing import Annotated, Any
 
 import numpy as np
 from fastapi import APIRouter, Depends, Path, Request
@@ -256,7 +256,7 @@ async def _image_row(model: ServedModel, index: int, data: bytes, deadline: floa
                                                   kind="probabilities")
     except InvalidImage as exc:  # and ImageTooLarge, its subclass
         raise type(exc)(f"image {index}: {exc}") from None
-    return cast(np.ndarray, row)
+    return row
 
 
 async def _pixels_row(model: ServedModel, row: np.ndarray, deadline: float) -> np.ndarray:

@@ -20,6 +20,7 @@ from mnv3.artifacts import FP32_ONNX
 from mnv3.backend_choice import variant_name
 from mnv3.engine import open_session
 from mnv3.latency import Timing, interleaved_benchmark
+from mnv3.preprocess import Preprocessing
 from mnv3.quantize import DEFAULT_RECIPE, RECIPES, preprocess_photos, quantize_static_int8, size_mb
 from mnv3.runtime import make_session, ort_runner
 
@@ -40,7 +41,8 @@ VARIANT_NAMES = {
     "openvino_bf16": "OpenVINO BF16",
 }
 COMPARISON_COLUMNS = ("mean_ms", "p95_ms", "size_mb", "batch_size", "per_image_ms", "top1_agreement",
-                      "top5_agreement", "sqnr_db", "top1_accuracy", "top5_accuracy", "threads", "weights")
+                      "top5_agreement", "sqnr_db", "top1_accuracy", "top5_accuracy", "threads", "weights", "arch",
+                      "classes")
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,13 @@ class Bench:
     held_out: np.ndarray  # preprocessed held-out photos: agreement, and the timed inputs
     labelled: tuple[list[Path], np.ndarray] | None  # --labels: true accuracy too
     weights: str  # provenance
+    arch: str
+    classes: int
+    preprocessing: Preprocessing  # the model's, which `held_out` already went through; `labelled` goes through it
+
+    def provenance(self) -> dict:
+        """The columns every row records: which weights, which architecture, how many classes."""
+        return {"weights": self.weights, "arch": self.arch, "classes": self.classes}
 
 
 @dataclass(frozen=True)
@@ -83,7 +92,7 @@ def measure_runners(fp32_path: Path, runners: dict[str, tuple[Callable, float]],
                                     bench.held_out, bench.batch_size, bench.timing, rounds=rounds)
     measured = {FP32: Measured(latency[FP32], size_mb(fp32_path), {})}
     for name, (run, size) in runners.items():
-        scores = evaluate(run, bench.held_out, reference, bench.labelled, bench.batch_size)
+        scores = evaluate(run, bench.held_out, reference, bench.labelled, bench.batch_size, bench.preprocessing)
         measured[name] = Measured(latency[name], size, scores)
     return measured
 
@@ -126,11 +135,11 @@ def baseline_rows(variants: list[Variant], bench: Bench, reference: np.ndarray, 
     latency = interleaved_benchmark({variant.name: variant.run for variant in variants}, bench.held_out,
                                     bench.batch_size, bench.timing)
     return [{"variant": variant.name, **latency[variant.name], "size_mb": variant.size_mb, "threads": bench.threads,
-             "weights": bench.weights, "bn_recalibration_images": bn_recalibration_images,
+             **bench.provenance(), "bn_recalibration_images": bn_recalibration_images,
              "export_max_abs_diff": f"{export_max_abs_diff:.2e}" if variant.name == FP32 else "",
              # ONNX FP32 is the reference (it equals PyTorch to EXPORT_TOLERANCE), so it has no agreement.
              **evaluate(variant.run, bench.held_out, None if variant.name == FP32 else reference, bench.labelled,
-                        bench.batch_size)}
+                        bench.batch_size, bench.preprocessing)}
             for variant in variants]
 
 
@@ -153,7 +162,7 @@ def same_run_ratios(measured: dict, fp32: dict, keys=RATIO_KEYS) -> dict:
 def static_row(static: Measured, fp32: Measured, bench: Bench) -> dict:
     """The 02_static.csv row of the shipped model (its recipe columns are added by the stage)."""
     return {"variant": STATIC_INT8, **static.latency, **same_run_ratios(static.latency, fp32.latency),
-            "size_mb": static.size_mb, "threads": bench.threads, "weights": bench.weights, **static.scores}
+            "size_mb": static.size_mb, "threads": bench.threads, **bench.provenance(), **static.scores}
 
 
 def measure_static(fp32_path: Path, static_path: Path, bench: Bench) -> dict:
@@ -172,10 +181,10 @@ def recipe_path(recipes_dir: Path, name: str) -> Path:
     return Path(recipes_dir) / f"{name}.onnx"
 
 
-def build_recipes(fp32_path: Path, names: list[str], calibration: list[Path], recipes_dir: Path
-                  ) -> dict[str, float]:
+def build_recipes(fp32_path: Path, names: list[str], calibration: list[Path], recipes_dir: Path,
+                  preprocessing: Preprocessing) -> dict[str, float]:
     """Build each recipe into `recipes_dir` on one preprocessed calibration set; seconds each took."""
-    calibration_images = preprocess_photos(calibration)
+    calibration_images = preprocess_photos(calibration, preprocessing)
     Path(recipes_dir).mkdir(parents=True, exist_ok=True)
     build_s = {}
     # One calibration cache for all: recipes that share a calibrated graph calibrate it once.
@@ -196,7 +205,7 @@ def compare_recipes(fp32_path: Path, names: list[str], shipped: str, calibration
 
     Returns (one 02_recipes.csv row per recipe, the `shipped` recipe's 02_static.csv row): the
     shipped row is the same measurement as its comparison row, not a second one."""
-    build_s = build_recipes(fp32_path, names, calibration, recipes_dir)
+    build_s = build_recipes(fp32_path, names, calibration, recipes_dir, bench.preprocessing)
     timing = replace(bench.timing, iters=bench.timing.iters * repeats,
                      batch_iters=bench.timing.batch_iters * repeats)
     measured = measure_against_fp32(fp32_path, {name: recipe_path(recipes_dir, name) for name in names},
@@ -206,7 +215,7 @@ def compare_recipes(fp32_path: Path, names: list[str], shipped: str, calibration
              "calibration_images": len(calibration), "build_s": build_s[name], **measured[name].columns(),
              **same_run_ratios(measured[name].columns(), fp32, keys=RATIO_KEYS + ("size_mb",)),
              **measured[name].scores, **{f"onnx_fp32_{key}": fp32[key] for key in FP32_COLUMNS},
-             "threads": bench.threads, "weights": bench.weights}
+             "threads": bench.threads, **bench.provenance()}
             for name in names]
     return rows, static_row(measured[shipped], measured[FP32], bench)
 
@@ -255,9 +264,10 @@ ENGINE_TABLE_COLUMNS = ("variant", "engine", "file", "precision", "streams", "me
                         "sqnr_db", "chosen")
 
 
-def build_openvino_int8(fp32_path: Path, calibration: list[Path], artifacts_dir: Path) -> list[str]:
-    """Each OPENVINO_INT8_BUILDS file in `artifacts_dir`, quantized by NNCF on `calibration`; none (and
-    says so) without nncf and openvino."""
+def build_openvino_int8(fp32_path: Path, calibration: list[Path], artifacts_dir: Path,
+                        preprocessing: Preprocessing) -> list[str]:
+    """Each OPENVINO_INT8_BUILDS file in `artifacts_dir`, quantized by NNCF on `calibration` (preprocessed as
+    the model's manifest says); none (and says so) without nncf and openvino."""
     try:
         import nncf  # noqa: F401
 
@@ -267,7 +277,7 @@ def build_openvino_int8(fp32_path: Path, calibration: list[Path], artifacts_dir:
             raise
         print(f"{exc.name}: not installed, NNCF INT8 variants SKIPPED (pip install -r requirements-openvino.txt)")
         return []
-    images = preprocess_photos(calibration)
+    images = preprocess_photos(calibration, preprocessing)
     for file, rewrites in OPENVINO_INT8_BUILDS.items():
         print(f"building {file} with NNCF" + (f" after {'+'.join(rewrites)}" if rewrites else ""))
         quantize_nncf_int8(fp32_path, Path(artifacts_dir) / file, images, rewrites)
@@ -322,5 +332,5 @@ def engine_rows(fp32_path: Path, runners: dict[EngineVariant, Callable], bench: 
     return [{"variant": name, "engine": variants[name].engine, "file": variants[name].file,
              "precision": variants[name].precision, "streams": variants[name].streams, **result.latency,
              **same_run_ratios(result.latency, fp32), "size_mb": result.size_mb, **result.scores,
-             "threads": bench.threads, "weights": bench.weights}
+             "threads": bench.threads, **bench.provenance()}
             for name, result in measured.items()]

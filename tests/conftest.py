@@ -2,6 +2,8 @@
 
 Nothing here downloads: models are seeded random-init MobileNetV3 exports.
 """
+import select
+import socket
 import threading
 import time
 from contextlib import contextmanager
@@ -23,14 +25,15 @@ def export_random_init(arch: str, directory):
     import torch
     import torchvision.models
 
-    from mnv3.artifacts import CLASS_NAMES_JSON, FP32_ONNX
-    from mnv3.model import export_onnx, recalibrate_batchnorm
+    from mnv3.artifacts import FP32_ONNX, write_class_names
+    from mnv3.model import IMAGENET_CLASSES, export_onnx, recalibrate_batchnorm
     from mnv3.photos import CALIBRATION_SOURCES, augmented_views
 
     torch.manual_seed(0)
     model = recalibrate_batchnorm(getattr(torchvision.models, arch)(weights=None),
                                   augmented_views(CALIBRATION_SOURCES, 16, 0))
-    export_onnx(model, directory / FP32_ONNX, directory / CLASS_NAMES_JSON)
+    export_onnx(model, directory / FP32_ONNX)
+    write_class_names(directory, IMAGENET_CLASSES)
     return directory
 
 
@@ -45,6 +48,25 @@ def fp32_model_path(fp32_model_dir):
     from mnv3.artifacts import FP32_ONNX
 
     return fp32_model_dir / FP32_ONNX
+
+
+@pytest.fixture(scope="session")
+def other_model_path(fp32_model_path, tmp_path_factory):
+    """The fixture model with its classifier's bias shifted: another model (other answers) in a second."""
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    from mnv3.artifacts import CLASS_NAMES_JSON
+
+    model = onnx.load(fp32_model_path)
+    bias = next(tensor for tensor in model.graph.initializer if tensor.name == model.graph.node[-1].input[2])
+    shifted = numpy_helper.to_array(bias) + np.random.default_rng(0).normal(0, 1, bias.dims).astype(np.float32)
+    bias.CopyFrom(numpy_helper.from_array(shifted, bias.name))
+    directory = tmp_path_factory.mktemp("other_model")
+    onnx.save(model, directory / "other.onnx")
+    (directory / CLASS_NAMES_JSON).write_bytes((fp32_model_path.parent / CLASS_NAMES_JSON).read_bytes())
+    return directory / "other.onnx"
 
 
 @pytest.fixture(scope="session")
@@ -89,6 +111,40 @@ def post_raw(client, data, content_type: str | None = "image/jpeg"):
 def post(url: str, body: bytes) -> requests.Response:
     """POST one image to a server listening at `url` (a real socket, not a TestClient)."""
     return requests.post(url + "/predict", files={"file": ("a.jpg", body, "image/jpeg")}, timeout=WAIT_S)
+
+
+def upload(port: int, size: int, first: int, headers: str = "") -> tuple[bytes, bool, bool]:
+    """POST /predict to 127.0.0.1:`port` announcing `size` bytes and sending the first `first` of them; the
+    rest only once the server has not answered within 2 s. Returns the response, whether the server closed
+    the connection after it (rather than waiting for the rest of the body), and whether the rest was sent."""
+    with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
+        sock.sendall(f"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\n{headers}"
+                     f"Content-Length: {size}\r\n\r\n".encode() + b"\0" * first)
+        rest_sent = not select.select([sock], [], [], 2)[0]
+        if rest_sent:
+            sock.sendall(b"\0" * (size - first))
+        response = b""
+        while b"\r\n\r\n" not in response:
+            response += sock.recv(65536)
+        head, _, body = response.partition(b"\r\n\r\n")
+        length = int(next(line for line in head.lower().split(b"\r\n") if line.startswith(b"content-length:"))[15:])
+        while len(body) < length:
+            body += sock.recv(65536)
+        # The whole response is in: does the server close the connection? (Sooner than uvicorn's 5 s keep-alive.)
+        sock.settimeout(2)
+        try:
+            closed = sock.recv(1) == b""
+        except ConnectionResetError:  # closed with our unread body on its way: also a close
+            closed = True
+        except TimeoutError:
+            closed = False
+    return head + b"\r\n\r\n" + body, closed, rest_sent
+
+
+def assert_rate(rate, count, seconds):
+    """`rate` is `count` / `seconds`, all three as the CSV holds them: seconds to 1 ms, rates to 0.01/s."""
+    count, seconds = int(count), float(seconds)
+    assert count / (seconds + 0.0005) - 0.005 <= float(rate) <= count / (seconds - 0.0005) + 0.005
 
 
 class Gate:

@@ -3,7 +3,6 @@ what refusals say, rate limits on an injected clock, bad key files, no key mater
 real socket that a refused 10 MiB upload is answered without being read."""
 import hashlib
 import logging
-import select
 import socket
 import threading
 import time
@@ -14,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from conftest import upload
 from mnv3.auth import (ApiKeyAuth, KeyFileError, Scope, exposure_warning, is_loopback, load_key_file, parse_keys,
                        required_scope)
 from mnv3.loadtest import free_port
@@ -331,43 +331,16 @@ def live_server(request):
         thread.join(WAIT_S)
 
 
-def upload(port: int, size: int, first: int, headers: str = "") -> tuple[bytes, bool]:
-    """POST /predict announcing `size` bytes and sending the first `first` of them; the rest only once the
-    server has not answered within 2 s. Returns the response, and whether the server closed the
-    connection after it (rather than waiting for the rest of the body)."""
-    with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
-        sock.sendall(f"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\n{headers}"
-                     f"Content-Length: {size}\r\n\r\n".encode() + b"\0" * first)
-        if not select.select([sock], [], [], 2)[0]:
-            sock.sendall(b"\0" * (size - first))
-        response = b""
-        while b"\r\n\r\n" not in response:
-            response += sock.recv(65536)
-        head, _, body = response.partition(b"\r\n\r\n")
-        length = int(next(line for line in head.lower().split(b"\r\n") if line.startswith(b"content-length:"))[15:])
-        while len(body) < length:
-            body += sock.recv(65536)
-        # The whole response is in: does the server close the connection? (Sooner than uvicorn's 5 s keep-alive.)
-        sock.settimeout(2)
-        try:
-            closed = sock.recv(1) == b""
-        except ConnectionResetError:  # closed with our unread body on its way: also a close
-            closed = True
-        except TimeoutError:
-            closed = False
-    return head + b"\r\n\r\n" + body, closed
-
-
 def test_an_unauthenticated_10_mib_upload_is_refused_without_being_read(live_server):
     port, counter = live_server
     size = 10 * 1024 * 1024
-    response, closed = upload(port, size, first=65536)  # the other 10 MiB - 64 KiB are never sent
+    response, closed, rest_sent = upload(port, size, first=65536)
     assert response.startswith(b"HTTP/1.1 401") and b"www-authenticate: Bearer" in response
-    assert closed and b"connection: close" in response.lower()
+    assert not rest_sent and closed and b"connection: close" in response.lower()
     assert counter.calls == counter.body_bytes == 0  # nothing inside the server took a byte of the body
 
     # the same upload with a key is read, and answered once all of it is in: the counter does count
-    response, closed = upload(port, size, first=65536, headers=f"Authorization: Bearer {INFER_KEY}\r\n")
+    response, closed, _ = upload(port, size, first=65536, headers=f"Authorization: Bearer {INFER_KEY}\r\n")
     assert response.startswith(b"HTTP/1.1 200") and f'{{"body_bytes":{size}}}'.encode() in response
     assert counter.body_bytes == size and not closed  # kept alive for the next request
 

@@ -17,6 +17,7 @@ from mnv3.config import ServerConfig
 from mnv3.engine import Engine
 from mnv3.limit import run_limit
 from mnv3.photos import load_images
+from mnv3.preprocess import DEFAULT_PREPROCESSING
 from mnv3.quantize import DEFAULT_RECIPE, RECIPES, calibration_photos, quantize_static_int8
 from mnv3.server import create_app
 from mnv3.variants import Bench, EngineVariant, build_openvino_int8, engine_rows, engine_runner, engine_variants
@@ -122,9 +123,10 @@ def test_stage5_limits_the_served_engine_and_onnxruntime_fp32_and_int8(models_di
 def measured_rows(models_dir, calibration, held_out):
     """Every installed engine x precision (NNCF builds too where nncf is installed) and a degraded variant
     that skips the network and returns noise, timed in turns with FP32 in --quick counts."""
-    openvino_files = build_openvino_int8(models_dir / FP32_ONNX, calibration, models_dir)
+    openvino_files = build_openvino_int8(models_dir / FP32_ONNX, calibration, models_dir, DEFAULT_PREPROCESSING)
     variants = engine_variants(STATIC_INT8_ONNX, openvino_files, 2)
-    bench = Bench(2, QUICK.timing, 8, held_out[:16], None, REAL_WEIGHTS)
+    bench = Bench(2, QUICK.timing, 8, held_out[:16], None, REAL_WEIGHTS, "mobilenet_v3_large", 1000,
+                  DEFAULT_PREPROCESSING)
     runners = {variant: engine_runner(variant, models_dir, 2, 8) for variant in variants}
     rng = np.random.default_rng(0)
     runners[EngineVariant("degraded_noise", "onnxruntime", FP32_ONNX)] = \

@@ -23,6 +23,12 @@ def test_goals_are_ratios_of_measured_rows_and_name_the_missing_stage(tmp_path):
     assert goals["static INT8 logits SQNR vs FP32 (dB)"]["met"] == "yes"
     assert goals["cache hit round trip p50 (ms)"]["met"] == "not measured: run `python caching.py`"
     assert goals["batched server req/s / in-process limit"]["met"].endswith("`python batching_loadtest.py`")
+    write_csv(tmp_path / "05_v2_vs_predict.csv", [
+        {"configuration": "predict", "turn": "all", "v2_to_predict_ratio": ""},
+        {"configuration": "v2_binary", "turn": "all", "v2_to_predict_ratio": 0.94},
+    ])
+    v2 = {row["goal"]: row for row in measured_goals(tmp_path)}["/v2 binary req/s / /predict, same server, in turns"]
+    assert (v2["measured"], v2["met"]) == (0.94, "no")  # within 5% means >= 0.95
 
 
 def test_int8_latency_goals_are_the_latest_stage_2_same_run_ratios_never_across_runs(tmp_path):

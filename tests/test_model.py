@@ -1,33 +1,41 @@
-"""Weights provenance (never silently random) and the ONNX FP32 export's numerics."""
+"""Weights provenance (never silently random), what a weights file may hold, class names, and the ONNX
+FP32 export's numerics."""
+import argparse
 import hashlib
-import json
 import urllib.error
 
 import pytest
 import torch
 import torchvision.models._api
-from torchvision.models import mobilenet_v3_large
+from torchvision.models import mobilenet_v3_large, mobilenet_v3_small
 
 from mnv3.runtime import make_session, ort_runner
-from mnv3.model import EXPORT_TOLERANCE, BadWeights, export_max_abs_diff, export_onnx, load_model, recalibrate_batchnorm
+from mnv3.model import (EXPORT_TOLERANCE, IMAGENET_CLASSES, BadClassNames, BadWeights, class_names_for,
+                        export_max_abs_diff, export_onnx, load_model, num_classes, recalibrate_batchnorm)
 from mnv3.photos import CALIBRATION_SOURCES, augmented_views, held_out_images
 from mnv3.preprocess import preprocess_batch
 
 pytestmark = pytest.mark.integration
 
 
-def test_offline_falls_back_to_labelled_random_init(monkeypatch):
-    def offline(*args, **kwargs):
+@pytest.mark.parametrize("arch", ["mobilenet_v3_large", "mobilenet_v3_small"])
+def test_offline_falls_back_to_labelled_random_init(monkeypatch, arch):
+    requested = []
+
+    def offline(url, *args, **kwargs):
+        requested.append(url)
         raise urllib.error.URLError("no network in tests")
 
     monkeypatch.setattr(torchvision.models._api, "load_state_dict_from_url", offline)
     with pytest.warns(UserWarning, match="RANDOM INIT"):
-        model, provenance = load_model()
-    assert provenance == "random-init"
+        model, provenance = load_model(arch)
+    assert provenance == "random-init" and requested[0].rsplit("/", 1)[1].startswith(arch)  # that arch's weights
     with pytest.warns(UserWarning):
-        again, _ = load_model()
+        again, _ = load_model(arch)
     # Seeded: two runs produce the same stand-in network.
     assert torch.equal(model.features[0][0].weight, again.features[0][0].weight)
+    assert len(model.features) == len(getattr(torchvision.models, arch)().features) and num_classes(model) == 1000
+    assert class_names_for(model) == (IMAGENET_CLASSES, "imagenet")
 
 
 def test_local_state_dict_is_labelled_with_its_hash(tmp_path):
@@ -35,34 +43,84 @@ def test_local_state_dict_is_labelled_with_its_hash(tmp_path):
     source = mobilenet_v3_large(weights=None)
     path = tmp_path / "weights.pth"
     torch.save(source.state_dict(), path)
-    model, provenance = load_model(path)
+    model, provenance = load_model("mobilenet_v3_large", path)
     assert provenance == f"file:{hashlib.sha256(path.read_bytes()).hexdigest()[:12]}"
     assert torch.equal(model.classifier[3].weight, source.classifier[3].weight)
     assert not model.training
 
 
-@pytest.mark.parametrize("content", [None, b"not a checkpoint", "wrong_model"])
+def test_training_checkpoint_loads_its_model_entry_with_the_classes_of_its_head(tmp_path):
+    torch.manual_seed(2)
+    source = mobilenet_v3_small(num_classes=4)
+    path = tmp_path / "model_9.pth"
+    # As references/classification/train.py saves it, its argparse.Namespace included.
+    torch.save({"model": source.state_dict(), "optimizer": torch.optim.SGD(source.parameters(), lr=0.1).state_dict(),
+                "epoch": 9, "args": argparse.Namespace(model="mobilenet_v3_small", lr=0.1),
+                "model_ema": source.state_dict()}, path)
+    model, provenance = load_model("mobilenet_v3_small", path)
+    assert provenance.startswith("file:") and num_classes(model) == 4
+    assert torch.equal(model.classifier[3].weight, source.classifier[3].weight)
+
+
+def test_other_archs_weights_name_the_right_arch(tmp_path):
+    path = tmp_path / "small.pth"
+    torch.save(mobilenet_v3_small(num_classes=3).state_dict(), path)
+    with pytest.raises(BadWeights, match="holds mobilenet_v3_small weights.*pass --arch mobilenet_v3_small"):
+        load_model("mobilenet_v3_large", path)
+
+
+def test_whole_pickled_model_is_refused_saying_how_to_save_a_state_dict(tmp_path):
+    path = tmp_path / "whole.pth"
+    torch.save(mobilenet_v3_small(num_classes=3), path)
+    with pytest.raises(BadWeights, match=r"whole pickled model.*torch.save\(model.state_dict\(\)"):
+        load_model("mobilenet_v3_small", path)
+
+
+@pytest.mark.parametrize("text", ['["cat", "dog", "fox"]', "cat\ndog\n\nfox\n"], ids=["json", "lines"])
+def test_class_names_file_names_each_class(tmp_path, text):
+    path = tmp_path / "names"
+    path.write_text(text)
+    assert class_names_for(mobilenet_v3_small(num_classes=3), path) == (["cat", "dog", "fox"], "file:names")
+    with pytest.raises(BadClassNames, match="has 3 names but the model has 4 classes"):
+        class_names_for(mobilenet_v3_small(num_classes=4), path)
+
+
+@pytest.mark.parametrize("text", ["", "cat\ncat\ndog\n", '["cat", 3, "dog"]', '["cat", "dog"'])
+def test_unusable_class_names_file_is_a_clear_error(tmp_path, text):
+    path = tmp_path / "names.txt"
+    path.write_text(text)
+    with pytest.raises(BadClassNames, match="--class-names"):
+        class_names_for(mobilenet_v3_small(num_classes=3), path)
+
+
+def test_custom_head_without_class_names_is_labelled_class_id_with_a_warning():
+    with pytest.warns(UserWarning, match="--class-names"):
+        names, source = class_names_for(mobilenet_v3_small(num_classes=3))
+    assert names == ["class_0", "class_1", "class_2"] and source == "class_<id>"
+
+
+@pytest.mark.parametrize("content", [None, b"not a checkpoint", "wrong_model", "no_tensors"])
 def test_bad_weights_file_is_a_clear_error(tmp_path, content):
     path = tmp_path / "weights.pth"
     if content == "wrong_model":
         torch.save({"conv.weight": torch.zeros(3)}, path)
+    elif content == "no_tensors":
+        torch.save({"epoch": 3}, path)
     elif content is not None:
         path.write_bytes(content)
     with pytest.raises(BadWeights, match="--weights"):
-        load_model(path)
+        load_model("mobilenet_v3_large", path)
 
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     torch.manual_seed(0)
     model = recalibrate_batchnorm(mobilenet_v3_large(weights=None), augmented_views(CALIBRATION_SOURCES, 8, 0))
-    directory = tmp_path_factory.mktemp("export")
-    path = export_onnx(model, directory / "fp32.onnx", directory / "classes.json")
-    return model, path, directory / "classes.json"
+    return model, export_onnx(model, tmp_path_factory.mktemp("export") / "fp32.onnx")
 
 
 def test_onnx_export_matches_pytorch_at_batch_1_and_8(exported):
-    model, path, _ = exported
+    model, path = exported
     photos = preprocess_batch(held_out_images(8))
     run = ort_runner(make_session(path))
     assert run(photos).shape == (8, 1000)  # the batch axis is dynamic
@@ -70,13 +128,12 @@ def test_onnx_export_matches_pytorch_at_batch_1_and_8(exported):
 
 
 def test_export_check_detects_a_different_model(exported):
-    model, path, _ = exported
+    model, path = exported
     torch.manual_seed(1)
     other = recalibrate_batchnorm(mobilenet_v3_large(weights=None), augmented_views(CALIBRATION_SOURCES, 8, 0))
     photos = preprocess_batch(held_out_images(2))
     assert export_max_abs_diff(other, ort_runner(make_session(path)), [photos]) > EXPORT_TOLERANCE
 
 
-def test_export_writes_imagenet_class_names(exported):
-    names = json.loads(exported[2].read_text())
-    assert len(names) == 1000 and names[207] == "golden retriever"
+def test_imagenet_class_names_are_torchvisions():
+    assert len(IMAGENET_CLASSES) == 1000 and IMAGENET_CLASSES[207] == "golden retriever"

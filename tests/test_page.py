@@ -3,12 +3,15 @@
 The browser may reach 127.0.0.1 only: every test checks the page tried nothing else.
 """
 import io
+import math
 import re
+from contextlib import contextmanager
 
 import pytest
 import requests
 from PIL import Image
 
+from mnv3.auth import new_key_line
 from mnv3.browser import CHROMIUM, local_browser
 from mnv3.loadtest import ServerProcess
 from mnv3.photos import load_images
@@ -28,20 +31,40 @@ def server(fp32_model_path):
 
 
 @pytest.fixture(scope="module")
+def two_models(fp32_model_path, other_model_path):
+    """A server of two models with different answers: `fp32` (the default) and `shifted`."""
+    with ServerProcess(f"fp32={fp32_model_path}", extra_models=(f"shifted={other_model_path}",),
+                       max_batch_size=8, batch_window_ms=20, cache_size=64) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
 def browser():
     with local_browser() as browser:
         yield browser
 
 
-@pytest.fixture
-def page(browser, server):
+@contextmanager
+def opened(browser, url):
     tried_before = len(browser.off_host)
     page = browser.context.new_page()
     page.set_default_timeout(WAIT_MS)
-    page.goto(server + "/")
+    page.goto(url + "/")
     yield page
     page.close()
     assert browser.off_host[tried_before:] == [], "the page tried to load something from another host"
+
+
+@pytest.fixture
+def page(browser, server):
+    with opened(browser, server) as page:
+        yield page
+
+
+@pytest.fixture
+def two_model_page(browser, two_models):
+    with opened(browser, two_models) as page:
+        yield page
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +83,17 @@ def shown_predictions(card):
 def timings(card) -> dict[str, str]:
     terms, values = card.locator(".timings dt").all_inner_texts(), card.locator(".timings dd").all_inner_texts()
     return dict(zip(terms, values))
+
+
+def predict(url: str, photo: bytes, model: str | None = None) -> dict:
+    answer = requests.post(url + "/predict", params={"model": model} if model else None,
+                           files={"file": ("photo.jpg", photo, "image/jpeg")})
+    assert answer.ok, answer.text
+    return answer.json()
+
+
+def top5(predictions) -> list[tuple]:
+    return [(p["class_id"], p["label"], p["probability"]) for p in predictions]
 
 
 def test_a_chosen_photo_shows_the_same_top5_as_predict(page, server, photos, tmp_path):
@@ -130,18 +164,116 @@ def test_downscale_sends_a_smaller_copy_and_says_so(page, server, photos, tmp_pa
     assert int(sent_kib.group(1)) * 1024 < path.stat().st_size
 
 
-def test_the_live_panel_follows_the_server(page, server, photos):
-    requests_shown = page.locator("#stat-requests")
-    page.wait_for_function("() => /^\\d+$/.test(document.getElementById('stat-requests').textContent)")
-    before = int(requests_shown.inner_text())
-    sent = 6
-    for i in range(sent):
-        assert requests.post(server + "/predict", files={"file": ("p.jpg", photos[i % len(photos)], "image/jpeg")}).ok
-    page.wait_for_function(f"() => Number(document.getElementById('stat-requests').textContent) >= {before + sent}")
-    assert float(page.locator("#stat-rps").inner_text()) > 0
-    assert page.locator("#stat-p50").inner_text().endswith(" ms")
-    assert page.locator("#stat-hit-rate").inner_text().endswith("%")
-    assert page.locator("#batch-sizes .histogram-row").count() == 4  # sizes 1, 2, 3-4, 5-8: up to max_batch_size
+def test_the_live_panel_follows_the_server(browser, fp32_model_path, photos, tmp_path):
+    # A server of its own, so that nothing but this test's photos is in its window.
+    with ServerProcess(fp32_model_path, max_batch_size=8, batch_window_ms=20, cache_size=64) as url, \
+            opened(browser, url) as page:
+        page.wait_for_function("() => document.getElementById('stat-rps').textContent === '0.0'")
+        assert page.locator("#stat-requests").inner_text() == "0"
+        paths = []
+        for i, data in enumerate(photos):
+            paths.append(tmp_path / f"live{i}.jpg")
+            paths[-1].write_bytes(data)
+        page.locator("#file-input").set_input_files(paths)
+        page.locator("#photos .photo .top5").nth(len(paths) - 1).wait_for()
+
+        page.wait_for_function(f"() => document.getElementById('stat-requests').textContent === '{len(paths)}'")
+        window, rps = page.evaluate("[document.getElementById('live-window').textContent, "
+                                    "Number(document.getElementById('stat-rps').textContent)]")  # one refresh's
+        seconds = int(re.match(r"Last (\d+) s: everything since the server started", window).group(1))
+        assert rps > 0 and abs(rps - len(paths) / seconds) <= 0.05 + len(paths) * 0.5 / seconds ** 2
+        stats = requests.get(url + "/stats").json()
+        assert stats["requests"] == len(paths) and stats["cache"]["misses"] == len(paths)
+        assert page.locator("#stat-p50").inner_text().endswith(" ms")
+        assert page.locator("#stat-hit-rate").inner_text() == "0%"
+        assert page.locator("#batch-sizes .histogram-row").count() == 4  # sizes 1, 2, 3-4, 5-8: up to max_batch_size
+        assert page.locator("#per-model").is_hidden()  # one model: its figures are the server's, shown above
+        counts = [int(n) for n in page.locator("#batch-sizes .count").all_inner_texts()]
+        assert counts == [b["inferences"] for b in stats["batch_size"]["buckets"][:4]] and sum(counts) > 0
+
+
+def test_the_window_label_says_why_it_is_not_a_minute(page):
+    assert page.evaluate("windowLabel(60.8)") == "Last 61 s."
+    assert page.evaluate("windowLabel(5.2)").startswith("Last 5 s: everything since the server started")
+    assert page.evaluate("windowLabel(303)").startswith("Last 5 min 3 s: the stats went unread for a while")
+
+
+def test_the_selector_lists_every_model_and_the_chosen_one_answers(two_model_page, two_models, photos, tmp_path):
+    page = two_model_page
+    served = requests.get(two_models + "/models").json()
+    select = page.get_by_label("Model", exact=True)  # the selector is labelled
+    select.locator("option").nth(1).wait_for(state="attached")
+    assert select.locator("option").evaluate_all("options => options.map(o => o.value)") == \
+           [m["name"] for m in served["models"]] == ["fp32", "shifted"]
+    assert select.input_value() == served["default"] == "fp32"
+    assert page.locator("#model-line").inner_text() == "2 models: fp32, shifted (default fp32)"
+
+    select.select_option("shifted")
+    path = tmp_path / "street.jpg"
+    path.write_bytes(photos[0])
+    page.locator("#file-input").set_input_files(path)
+    card = page.locator("#photos .photo").first
+    shown = shown_predictions(card)
+    assert card.locator(".result h3").all_inner_texts() == ["shifted"]
+    answer = predict(two_models, photos[0], "shifted")
+    assert answer["cache_hit"], "the page did not send the photo to ?model=shifted"
+    assert [(p["class_id"], p["label"], p["probability"]) for p in shown] == top5(answer["predictions"])
+    assert top5(answer["predictions"]) != top5(predict(two_models, photos[0])["predictions"]), \
+        "the two models answer alike: this test could not tell which one the page asked"
+
+
+def test_compare_mode_shows_every_model_side_by_side_and_their_top1_agreement(two_model_page, two_models, photos,
+                                                                             tmp_path):
+    page = two_model_page
+    page.get_by_label("Compare all models").check()
+    assert page.get_by_label("Model", exact=True).is_disabled()  # every model answers: nothing to choose
+    paths = []
+    for i, data in enumerate(photos[1:]):  # photos[0] may be cached already: every side here must be a miss
+        paths.append(tmp_path / f"compare{i}.jpg")
+        paths[-1].write_bytes(data)
+    page.locator("#file-input").set_input_files(paths)
+
+    cards = page.locator("#photos .photo")
+    cards.nth(len(paths) - 1).locator(".agreement-line").wait_for()
+    same_top1 = 0
+    for card in cards.all():
+        data = photos[1:][paths.index(tmp_path / card.locator("figcaption").inner_text().split(" · ")[0])]
+        sides = card.locator(".compare .result")
+        assert sides.locator("h3").all_inner_texts() == ["fp32", "shifted"]
+        answers = {}
+        for side, name in zip(sides.all(), ("fp32", "shifted"), strict=True):
+            answers[name] = predict(two_models, data, name)
+            assert answers[name]["cache_hit"], f"the page did not send this photo to ?model={name}"
+            assert [(p["class_id"], p["label"], p["probability"]) for p in shown_predictions(side)] == \
+                   top5(answers[name]["predictions"])
+            times = timings(side)
+            assert re.fullmatch(r"\d+(\.\d+)? ms", times["round trip"]), times
+            assert times["cache"] == "miss"
+        first = {name: answer["predictions"][0] for name, answer in answers.items()}
+        if first["fp32"]["class_id"] == first["shifted"]["class_id"]:
+            same_top1 += 1
+            expected = f"Top-1: all 2 models agree ({first['fp32']['label']})"
+        else:
+            expected = f"Top-1 differs: fp32 → {first['fp32']['label']}, shifted → {first['shifted']['label']}"
+        assert card.locator(".agreement-line").inner_text() == expected
+    assert page.locator("#agreement").inner_text() == (
+        f"Top-1 agreement with fp32 over the photos compared: shifted {same_top1}/{len(paths)} "
+        f"({math.floor(100 * same_top1 / len(paths) + 0.5)}%)")
+
+    # The live panel's table of each model shows what GET /stats says of each (read and shown in one go).
+    models, rows = page.evaluate("""async () => {
+        const stats = await (await fetch("stats")).json();
+        renderStats(stats);
+        return [stats.models, [...document.querySelectorAll("#per-model tbody tr")].map(
+            (row) => [...row.children].map((cell) => cell.textContent))];
+    }""")
+    assert page.locator("#per-model").is_visible()
+    assert [row[0] for row in rows] == list(models) == ["fp32", "shifted"]
+    assert models["shifted"]["requests"] >= len(paths) + 1  # the selector's photo, then the compared ones
+    for row, m in zip(rows, models.values(), strict=True):
+        assert row[1] == f"{m['requests_per_s']:.1f}" and float(row[1]) > 0
+        assert row[2].endswith(" ms") and row[3].endswith(" ms")
+        assert row[4] == f"{math.floor(100 * m['cache_hit_rate'] + 0.5)}%"  # as Math.round: halves up
 
 
 def test_the_page_fits_a_narrow_window(page):
@@ -177,3 +309,46 @@ def test_requests_to_other_hosts_are_blocked_and_recorded(browser, server):
     finally:
         page.close()
         del browser.off_host[tried_before:]  # recorded on purpose: not a failure of the other tests
+
+
+def test_a_protected_server_gets_a_key_from_the_page_for_this_tab_only(browser, fp32_model_path, photos, tmp_path):
+    key = new_key_line()[0]
+    key_file = tmp_path / "api_keys"
+    key_file.write_text(f"{key} infer\n")
+    with ServerProcess(fp32_model_path, api_keys=key_file, max_batch_size=8, cache_size=64) as url:
+        tried_before = len(browser.off_host)
+        page = browser.context.new_page()
+        page.set_default_timeout(WAIT_MS)
+        try:
+            page.goto(url + "/")
+            key_input = page.get_by_label("API key")
+            key_input.wait_for()  # the page asked what the server serves and got a 401
+            assert page.locator("#key-reason").inner_text() == "This server needs an API key."
+            key_input.fill("not-the-key-0123456789")
+            page.get_by_role("button", name="Use this key").click()
+            page.get_by_text("did not accept this tab's API key").wait_for()
+
+            key_input.fill(key)
+            page.get_by_role("button", name="Use this key").click()
+            page.get_by_text("Serving fp32.onnx").wait_for()  # GET /models went through with the key
+            assert page.locator("#key-form").is_hidden()
+            path = tmp_path / "street.jpg"
+            path.write_bytes(photos[0])
+            page.get_by_label("Choose photos").set_input_files(path)
+            shown = shown_predictions(page.locator("#photos .photo").first)
+            answer = requests.post(url + "/predict", files={"file": ("street.jpg", photos[0], "image/jpeg")},
+                                   headers={"Authorization": f"Bearer {key}"}, timeout=WAIT_MS / 1000).json()
+            assert [p["class_id"] for p in shown] == [p["class_id"] for p in answer["predictions"]]
+            page.wait_for_function("() => Number(document.getElementById('stat-requests').textContent) >= 1")
+
+            # Kept in this tab's sessionStorage, nowhere else: a new tab asks again.
+            assert page.evaluate("[sessionStorage.getItem('mnv3-api-key'), localStorage.length]") == [key, 0]
+            other_tab = browser.context.new_page()
+            try:
+                other_tab.goto(url + "/")
+                other_tab.get_by_label("API key").wait_for()
+            finally:
+                other_tab.close()
+        finally:
+            page.close()
+        assert browser.off_host[tried_before:] == []

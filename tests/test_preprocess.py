@@ -1,6 +1,7 @@
 """mnv3.preprocess (numpy/Pillow) must match torchvision's own transforms for the weights we ship."""
 import numpy as np
 import pytest
+import torch
 from torchvision.models import MobileNet_V3_Large_Weights
 
 from mnv3.photos import HELD_OUT_SOURCES, source_photos
@@ -22,3 +23,28 @@ def test_preprocess_matches_torchvision_transforms(photo_index, size):
     assert actual.shape == expected.shape == (3, 224, 224)
     assert actual.dtype == np.float32
     assert np.abs(actual - expected).max() <= 1e-3
+
+
+def test_preprocessing_a_model_was_trained_with_matches_torchvision_transforms():
+    # What a fine-tune trained with `transforms.Resize(160), CenterCrop(128), Normalize(0.5, 0.25)` is served with.
+    from torchvision.transforms import v2
+
+    from mnv3.preprocess import Preprocessing
+
+    preprocessing = Preprocessing(resize=160, crop=128, mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25))
+    transform = v2.Compose([v2.Resize(160), v2.CenterCrop(128), v2.PILToTensor(), v2.ToDtype(torch.float32, scale=True),
+                            v2.Normalize(preprocessing.mean, preprocessing.std)])
+    for photo in PHOTOS:
+        for size in SIZES:
+            image = photo.resize(size)
+            actual = preprocess(image, preprocessing)
+            assert actual.shape == (3, 128, 128)
+            assert np.abs(actual - transform(image).numpy()).max() <= 1e-3
+
+
+@pytest.mark.parametrize("values", [dict(resize=200, crop=224), dict(mean=(0.5, 0.5)), dict(std=(0.2, 0.0, 0.2))])
+def test_preprocessing_that_cannot_work_is_refused(values):
+    from mnv3.preprocess import Preprocessing
+
+    with pytest.raises(ValueError):
+        Preprocessing(**values)

@@ -3,6 +3,7 @@
 One local Ray cluster (127.0.0.1 only, 2 CPUs) for the module; it is shut down at the end.
 """
 import os
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +20,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 from ray import serve  # noqa: E402
 
 from mnv3 import ray_serve, server  # noqa: E402
+from mnv3.auth import KeyFileError, new_key_line  # noqa: E402
 from mnv3.config import ServerConfig  # noqa: E402
 from mnv3.errors import RETRY_AFTER_S  # noqa: E402
 from mnv3.loadtest import free_port  # noqa: E402
@@ -126,3 +128,31 @@ def test_more_cpus_than_the_machine_has_is_one_line_and_exit_2(fp32_model_path, 
     assert exit_info.value.code == 2
     error = capsys.readouterr().err
     assert error.startswith("error: --replicas") and "lower --num-cpus" in error and error.count("\n") == 1
+
+
+def test_build_app_reads_the_key_file_once_and_the_replicas_app_is_protected(fp32_model_path, tmp_path, monkeypatch,
+                                                                              capsys):
+    bad = tmp_path / "bad_keys"
+    bad.write_text("sha256:abc infer\n")
+    with pytest.raises(KeyFileError, match=f"^{re.escape(str(bad))}:1: sha256: must be followed by the 64 hex"):
+        ray_serve.build_app({"model": str(fp32_model_path), "api_keys": str(bad)})  # at `serve run`, no replica
+    with pytest.raises(SystemExit) as exit_info:  # the CLI: one line, exit 2, before any Ray process starts
+        ray_serve.main(ray_serve.parse_args(["--model", str(fp32_model_path), "--api-keys", str(bad)]))
+    assert exit_info.value.code == 2 and not ray.is_initialized()
+    error = capsys.readouterr().err
+    assert error.startswith(f"error: {bad}:1: ") and error.count("\n") == 1
+
+    key, line = new_key_line("infer")
+    (tmp_path / "api_keys").write_text(line + "\n")
+    monkeypatch.chdir(tmp_path)  # the config file names it relative to where `serve run` runs
+    application = ray_serve.build_app({"model": str(fp32_model_path), "api_keys": "api_keys", "cache_size": "0"})
+    (config,) = application._bound_deployment.init_args  # what every replica is constructed with
+    assert config.api_keys == str(tmp_path / "api_keys")  # absolute: replicas run elsewhere
+    with TestClient(server.create_app(config)) as client:  # as MobileNetV3.__serve_build_asgi_app__ builds it
+        photo = load_images(1, seed=9)[0]
+        assert client.post("/predict", files={"file": ("a.jpg", photo, "image/jpeg")}).status_code == 401
+        keyed = client.post("/predict", files={"file": ("a.jpg", photo, "image/jpeg")},
+                            headers={"Authorization": f"Bearer {key}"})
+        assert keyed.status_code == 200 and len(keyed.json()["predictions"]) == 5
+        assert client.get("/metrics", headers={"Authorization": f"Bearer {key}"}).status_code == 403
+        assert client.get("/healthz").status_code == 200

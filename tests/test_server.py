@@ -271,7 +271,7 @@ def test_corrupt_class_names_file_is_a_clear_load_error(fp32_model_path, tmp_pat
 
     model = tmp_path / "fp32.onnx"
     model.write_bytes(fp32_model_path.read_bytes())
-    (tmp_path / "imagenet_classes.json").write_text("{not json")
+    (tmp_path / CLASS_NAMES_JSON).write_text("{not json")
     with pytest.raises(ModelLoadError, match="not a JSON list of class names"):
         Engine.load(model)
 
@@ -288,3 +288,27 @@ def test_error_response_takes_status_and_headers_from_the_table_and_its_body_sha
     slow = error_response(SlowUpload("too slow"))
     assert (slow.status_code, json.loads(slow.body)) == (408, {"detail": "too slow"})
     assert slow.headers["connection"] == "close" and "retry-after" not in slow.headers
+
+
+def test_top_k_past_the_class_count_is_all_classes_and_ties_keep_class_order(fp32_model_path):
+    engine = Engine.load(fp32_model_path)
+    row = np.array([0.1, 0.3, 0.1, 0.3, 0.2])  # ties as an INT8 model's quantized logits make them
+    assert [p.class_id for p in engine.top_k(row, 10)] == [1, 3, 4, 0, 2]
+
+
+def test_engine_preprocesses_as_the_manifest_beside_the_model_says(fp32_model_path, tmp_path):
+    from mnv3.artifacts import update_manifest
+    from mnv3.engine import ModelLoadError
+    from mnv3.preprocess import DEFAULT_PREPROCESSING, Preprocessing
+
+    model = tmp_path / "fp32.onnx"
+    model.write_bytes(fp32_model_path.read_bytes())
+    assert Engine.load(model).preprocessing == DEFAULT_PREPROCESSING  # no manifest: torchvision's
+    update_manifest(tmp_path, preprocessing=Preprocessing(resize=232, std=(0.2, 0.2, 0.2)).record())
+    assert Engine.load(model).preprocessing == Preprocessing(resize=232, std=(0.2, 0.2, 0.2))
+    update_manifest(tmp_path, preprocessing=Preprocessing(resize=160, crop=128).record())
+    with pytest.raises(ModelLoadError, match=r"expected \[batch, 3, 128, 128\]"):  # exported for 224, not 128
+        Engine.load(model)
+    update_manifest(tmp_path, preprocessing={"resize": 256})
+    with pytest.raises(ModelLoadError, match="no valid preprocessing.*rerun stage 1"):
+        Engine.load(model)

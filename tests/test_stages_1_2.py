@@ -112,7 +112,7 @@ def test_compare_recipes_writes_one_sane_row_per_recipe_and_ships_the_default(st
 def test_stage_2_without_compare_builds_only_the_chosen_recipe(stage_dirs, tmp_path):
     artifacts = tmp_path / "artifacts"
     artifacts.mkdir()
-    for name in ("fp32.onnx", "imagenet_classes.json", "manifest.json"):
+    for name in ("fp32.onnx", "class_names.json", "manifest.json"):
         (artifacts / name).write_bytes((stage_dirs["artifacts"] / name).read_bytes())
     results = tmp_path / "results"
     results.mkdir()

@@ -15,8 +15,10 @@ from PIL import Image
 import batching_loadtest
 import caching
 import fastapi_serving
+from conftest import assert_rate
 from mnv3.artifacts import (BATCH_SIZE_HISTOGRAM_PNG, BATCHING_CSV, CACHING_CSV, LATENCY_PNG, PHONE_PHOTOS_CSV,
-                            SERVING_BASELINE_CSV, THROUGHPUT_PNG, update_manifest)
+                            SERVING_BASELINE_CSV, SIDE_BY_SIDE_CSV, THROUGHPUT_PNG, V2_VS_PREDICT_CSV,
+                            update_manifest)
 from mnv3.cli import serving_model
 from mnv3.phone_benchmark import TIME_PARTS
 from mnv3.report import read_csv
@@ -31,12 +33,6 @@ def run_quick(stage, csv_name, model, results_dir, *extra):
                                                "--artifacts-dir", str(results_dir / "artifacts"), *extra])
     stage.main(args)
     return read_csv(results_dir / csv_name)
-
-
-def assert_rate(rate, count, seconds):
-    """`rate` is `count` / `seconds`, all three as the CSV holds them: seconds to 1 ms, rates to 0.01/s."""
-    count, seconds = int(count), float(seconds)
-    assert count / (seconds + 0.0005) - 0.005 <= float(rate) <= count / (seconds - 0.0005) + 0.005
 
 
 def assert_closed_loop_throughput(row):
@@ -84,8 +80,9 @@ def test_stage4_hits_are_answered_from_the_cache_without_inference(fp32_model_pa
             float(hit["req_per_s"]) / float(miss["req_per_s"]), abs=0.01)
 
 
-def test_stage5_batching_sweep_open_loop_and_limit(fp32_model_path, tmp_path):
-    rows = run_quick(batching_loadtest, BATCHING_CSV, fp32_model_path, tmp_path)
+def test_stage5_batching_sweep_open_loop_and_limit(fp32_model_path, other_model_path, tmp_path):
+    rows = run_quick(batching_loadtest, BATCHING_CSV, fp32_model_path, tmp_path,
+                     "--side-by-side-models", str(fp32_model_path), str(other_model_path))
     by_kind = {}
     for row in rows:
         by_kind.setdefault((row["configuration"], row["mode"]), []).append(row)
@@ -118,6 +115,16 @@ def test_stage5_batching_sweep_open_loop_and_limit(fp32_model_path, tmp_path):
     for png in (THROUGHPUT_PNG, LATENCY_PNG, BATCH_SIZE_HISTOGRAM_PNG):
         with Image.open(tmp_path / png) as image:
             assert image.format == "PNG" and min(image.size) > 100
+    # issue 11's rows (their relations: tests/test_v2_benchmark.py): every request of both answered
+    v2_rows = read_csv(tmp_path / V2_VS_PREDICT_CSV)
+    assert [(r["configuration"], r["turn"]) for r in v2_rows] == [
+        ("predict", "1"), ("v2_binary", "1"), ("predict", "2"), ("v2_binary", "2"), ("predict", "all"),
+        ("v2_binary", "all")]
+    side_by_side = read_csv(tmp_path / SIDE_BY_SIDE_CSV)
+    assert [r["served_model"] for r in side_by_side] == ["fp32", "other", "all"]
+    for row in v2_rows + side_by_side:
+        assert int(row["errors"]) == 0 and row["ok"] == row["sent"] and int(row["concurrency"]) == 8
+    assert v2_rows[-1]["sent"] == side_by_side[-1]["sent"] == headline["sent"]
 
 
 def test_stage5_phone_photo_rows(fp32_model_path, tmp_path):

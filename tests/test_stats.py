@@ -84,21 +84,23 @@ class FakeCache:
 
 
 def fake_serving():
-    """What LiveStats reads of a Serving: real prometheus metrics, and the live counts."""
+    """What LiveStats reads of a Serving: real prometheus metrics, and the live counts of its one model."""
     registry = CollectorRegistry()
     metrics = SimpleNamespace(rejections=Counter("rejections", "r", ["reason"], registry=registry))
     for name in HISTOGRAMS:
         buckets = (1, 2, 4, 8, 16, 32, 64, 128) if name == "batch_size" else Histogram.DEFAULT_BUCKETS
         setattr(metrics, name, Histogram(name, name, buckets=buckets, registry=registry))
-    return SimpleNamespace(metrics=metrics, cache=FakeCache(), batcher=SimpleNamespace(depth=3), in_flight=5)
+    model = SimpleNamespace(cache=FakeCache(), batcher=SimpleNamespace(depth=3), metrics=metrics)  # one model
+    return SimpleNamespace(metrics=metrics, models={"only": model}, in_flight=5)
 
 
 def request(serving, latency_s, batch=None, hit=False):
     serving.metrics.request_latency.observe(latency_s)
+    cache = serving.models["only"].cache
     if hit:
-        serving.cache.hits += 1
+        cache.hits += 1
     else:
-        serving.cache.misses += 1
+        cache.misses += 1
         serving.metrics.batch_size.observe(batch)
 
 
@@ -123,6 +125,9 @@ def test_the_window_covers_the_last_minute_only():
            [(1, 1, 5), (2, 2, 0), (3, 4, 0), (5, 8, 0)]
     assert stats.batch_size.buckets[-1].largest is None
     assert (stats.queue_depth, stats.in_flight, stats.cache.entries) == (3, 5, 7)
+    only = stats.models["only"]  # a server of one model: its figures are the server's
+    assert (only.requests, only.cache_hit_rate, only.queue_depth) == (10, 0.5, 3)
+    assert only.latency == stats.latency and only.requests_per_s == stats.requests_per_s
 
 
 def test_right_after_start_the_window_is_the_time_since_start():
@@ -172,3 +177,30 @@ def test_stats_endpoint_counts_what_the_server_did(fp32_model_path):
     assert (stats["cache"]["hits"], stats["cache"]["misses"]) == (1, 4)
     assert stats["batch_size"]["images"] == 3 and stats["rejected"]["bad_input"] == 1
     assert stats["latency"]["p50_ms"] > 0 and stats["queue_depth"] == 0 and stats["in_flight"] == 0
+
+
+def test_with_two_models_the_stats_are_over_both(fp32_model_path, other_model_path):
+    images = load_images(2, seed=9)
+    config = ServerConfig(model=f"fp32={fp32_model_path}", extra_models=(f"shifted={other_model_path}",),
+                          cache_size=16)
+    with TestClient(create_app(config)) as client:
+        give_up = time.monotonic() + 60
+        while client.get("/readyz").status_code != 200:
+            assert time.monotonic() < give_up, "warm-up did not finish"
+            time.sleep(0.05)
+        for model, data in (("fp32", images[0]), ("shifted", images[0]), ("shifted", images[1]),
+                            ("shifted", images[1])):
+            answer = client.post("/predict", params={"model": model}, files={"file": ("p.jpg", data, "image/jpeg")})
+            assert answer.status_code == 200
+        models = client.get("/models").json()["models"]
+        stats = client.get("/stats").json()
+    assert stats["requests"] == 4 and stats["batch_size"]["images"] == 3
+    assert (stats["cache"]["hits"], stats["cache"]["misses"]) == (1, 3)
+    assert stats["cache"]["entries"] == sum(m["cache"]["entries"] for m in models) == 3
+    assert stats["queue_depth"] == 0
+    each = stats["models"]
+    assert list(each) == ["fp32", "shifted"]
+    assert (each["fp32"]["requests"], each["fp32"]["cache_hit_rate"]) == (1, 0)
+    assert (each["shifted"]["requests"], each["shifted"]["cache_hit_rate"]) == (3, pytest.approx(1 / 3))
+    assert each["shifted"]["requests_per_s"] == pytest.approx(3 * stats["requests_per_s"] / 4)
+    assert each["fp32"]["latency"]["mean_ms"] > 0 and each["shifted"]["queue_depth"] == 0

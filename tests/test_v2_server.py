@@ -27,28 +27,11 @@ PROBABILITY_TOLERANCE = 1e-4  # the same model in batches of other sizes: float 
 
 
 @pytest.fixture(scope="module")
-def other_model_path(fp32_model_path, tmp_path_factory):
-    """The fixture model with its classifier's bias shifted: another model (other answers) in a second."""
-    import onnx
-    from onnx import numpy_helper
-
-    model = onnx.load(fp32_model_path)
-    bias = next(tensor for tensor in model.graph.initializer if tensor.name == model.graph.node[-1].input[2])
-    shifted = numpy_helper.to_array(bias) + np.random.default_rng(0).normal(0, 1, bias.dims).astype(np.float32)
-    bias.CopyFrom(numpy_helper.from_array(shifted, bias.name))
-    directory = tmp_path_factory.mktemp("other_model")
-    onnx.save(model, directory / "other.onnx")
-    (directory / CLASS_NAMES_JSON).write_bytes((fp32_model_path.parent / CLASS_NAMES_JSON).read_bytes())
-    return directory / "other.onnx"
-
-
-@pytest.fixture(scope="module")
 def server(fp32_model_path, other_model_path):
     """Two models with different answers, `large` (the default) and `small`, in one server process."""
-    process = ServerProcess(f"large={fp32_model_path}", max_batch_size=MAX_BATCH_SIZE, batch_window_ms=50,
-                            cache_size=64, max_upload_bytes=UPLOAD_LIMIT)
-    process.command += ["--model", f"small={other_model_path}"]  # a second --model: a second model
-    with process as url:
+    with ServerProcess(f"large={fp32_model_path}", extra_models=(f"small={other_model_path}",),
+                       max_batch_size=MAX_BATCH_SIZE, batch_window_ms=50, cache_size=64,
+                       max_upload_bytes=UPLOAD_LIMIT) as url:
         yield url
 
 

@@ -3,17 +3,18 @@
 "use strict";
 
 const STATS_EVERY_MS = 1500;
+const STATS_WINDOW_S = 60;  // GET /stats's window once the server has run that long (mnv3.stats.WINDOW_S)
 const SPARK_POINTS = 40;
 const DOWNSCALE_SHORT_SIDE = 512;  // twice the server's 256 px resize: no detail the model could use is lost
 const DOWNSCALE_QUALITY = 0.92;
 const UPLOADS_AT_ONCE = 8;  // enough for the server to batch them, few enough not to crowd out other clients
+const KEY_STORAGE = "mnv3-api-key";  // in sessionStorage: this tab only, forgotten when it closes
 
 const $ = (id) => document.getElementById(id);
 
 const server = {
-  models: [],         // {name, model, backend, batching, limits, ...} from GET /models, or GET /model's one
+  models: [],  // GET /models's list, the default first: {name, default, model, backend, batching, cache, limits, ...}
   defaultModel: null,
-  modelParam: false,  // true when the server lists its models: then /predict is told which one
 };
 const agreement = {photos: 0, sameTop1: {}};  // compare mode: per model, photos whose top-1 is the default's
 const rpsHistory = [];
@@ -53,24 +54,52 @@ function definitions(className, pairs) {
     element("div", {}, element("dt", {}, term), element("dd", {}, value))));
 }
 
+// ------------------------------------------------------------------------------------------- API key
+
+let keyEntered = null;  // while the key form is shown: the promise every refused call waits on
+
+// Every API call goes through here. It sends the key this tab was given, if any; on a 401 (the server
+// wants a key, or not that one) it shows the key form and, once a key is entered, sends the call again.
+async function api(url, options = {}) {
+  for (;;) {
+    const key = sessionStorage.getItem(KEY_STORAGE);
+    const response = await fetch(url, key ? {...options, headers: {Authorization: `Bearer ${key}`}} : options);
+    if (response.status !== 401) return response;
+    await askForKey(key ? "The server did not accept this tab's API key: enter another."
+                        : "This server needs an API key.");
+  }
+}
+
+function askForKey(reason) {
+  if (!keyEntered) {
+    const form = $("key-form");
+    $("key-reason").textContent = reason;
+    form.hidden = false;
+    $("key-input").focus();
+    keyEntered = new Promise((resolve) => {
+      form.addEventListener("submit", (event) => {
+        event.preventDefault();
+        sessionStorage.setItem(KEY_STORAGE, $("key-input").value.trim());
+        $("key-input").value = "";
+        form.hidden = true;
+        keyEntered = null;
+        resolve();
+      }, {once: true});
+    });
+  }
+  return keyEntered;
+}
+
 // ------------------------------------------------------------------------------------- what is served
 
 async function loadModels() {
-  // GET /models lists every loaded model; a server that has no such endpoint serves one, GET /model.
+  // GET /models: {"default": NAME, "models": [what GET /model says of each, the default first]}.
   try {
-    const listed = await fetch("models");
-    if (listed.ok) {
-      const body = await listed.json();
-      server.models = body.models;
-      server.defaultModel = body.default;
-      server.modelParam = true;
-    } else {
-      const one = await fetch("model");
-      if (!one.ok) throw new Error(`GET /model answered ${one.status}`);
-      const info = await one.json();
-      server.models = [{name: info.variant, ...info}];
-      server.defaultModel = info.variant;
-    }
+    const response = await api("models");
+    if (!response.ok) throw new Error(`GET /models answered ${response.status}`);
+    const body = await response.json();
+    server.models = body.models;
+    server.defaultModel = body.default;
   } catch (error) {
     $("model-line").textContent = `Could not ask the server what it serves: ${error.message}`;
     return;
@@ -90,6 +119,8 @@ function describeModels() {
   select.replaceChildren(...server.models.map((m) =>
     element("option", {value: m.name}, `${m.name} (${m.backend})`)));
   select.value = server.defaultModel;
+  const compare = $("compare");
+  compare.addEventListener("change", () => { select.disabled = compare.checked; });  // every model answers then
   $("model-choice").hidden = false;
 }
 
@@ -133,7 +164,8 @@ async function classifyPhoto(file, card) {
   const comparing = $("compare").checked && server.models.length > 1;
   const names = comparing ? server.models.map((m) => m.name) : [$("model-select").value || server.defaultModel];
   const results = await Promise.all(names.map((name) => predict(blob, file.name, name)));
-  const nodes = results.map((result, i) => renderResult(result, comparing ? names[i] : null));
+  // With several models served, every answer says whose it is, compared or not.
+  const nodes = results.map((result, i) => renderResult(result, server.models.length > 1 ? names[i] : null));
   outcomes.replaceChildren(...(comparing ? [element("div", {className: "compare"}, ...nodes)] : nodes));
   if (note) outcomes.prepend(element("p", {className: "hint"}, note));
   if (comparing) outcomes.append(compareTop1(names, results));
@@ -152,11 +184,11 @@ async function predict(blob, filename, modelName) {
   }
   const form = new FormData();
   form.append("file", blob, filename);
-  const url = server.modelParam ? `predict?model=${encodeURIComponent(modelName)}` : "predict";
+  const url = modelName ? `predict?model=${encodeURIComponent(modelName)}` : "predict";  // none known: the default
   const started = performance.now();
   let response, text;
   try {
-    response = await fetch(url, {method: "POST", body: form});
+    response = await api(url, {method: "POST", body: form});
     text = await response.text();
   } catch (error) {
     return {error: `The server could not be reached (${error.message})`};
@@ -287,7 +319,7 @@ async function refreshStats() {
   if (document.hidden) return;  // nobody is looking: ask the server nothing
   let stats;
   try {
-    const response = await fetch("stats", {cache: "no-store"});
+    const response = await api("stats", {cache: "no-store"});
     if (!response.ok) throw new Error(`GET /stats answered ${response.status}`);
     stats = await response.json();
   } catch (error) {
@@ -298,7 +330,7 @@ async function refreshStats() {
 }
 
 function renderStats(stats) {
-  $("live-window").textContent = `Last ${Math.round(stats.window_s)} s, refreshed every ${STATS_EVERY_MS / 1000} s. ` +
+  $("live-window").textContent = `${windowLabel(stats.window_s)} Refreshed every ${STATS_EVERY_MS / 1000} s. ` +
     "Quantiles are estimated from histogram buckets; counts and means are exact.";
   $("stat-rps").textContent = stats.requests_per_s.toFixed(1);
   $("stat-requests").textContent = String(stats.requests);
@@ -312,6 +344,7 @@ function renderStats(stats) {
   $("stage-preprocess").textContent = formatMs(stats.stages.preprocess.mean_ms);
   $("stage-inference").textContent = formatMs(stats.stages.inference.mean_ms);
   renderBatchSizes(stats.batch_size);
+  renderPerModel(stats.models);
   const rejected = Object.entries(stats.rejected).filter(([, count]) => count > 0);
   $("rejected").textContent = rejected.length
     ? "Refused: " + rejected.map(([reason, count]) => `${reason.replaceAll("_", " ")} ${count}`).join(", ")
@@ -319,6 +352,17 @@ function renderStats(stats) {
   rpsHistory.push(stats.requests_per_s);
   if (rpsHistory.length > SPARK_POINTS) rpsHistory.shift();
   drawSpark();
+}
+
+function windowLabel(seconds) {
+  // GET /stats covers the last minute (to within a refresh) once the server has run one and someone has been
+  // reading the stats for a minute; otherwise its window is shorter or longer, and the panel says why.
+  const shown = Math.round(seconds);
+  if (shown < STATS_WINDOW_S) return `Last ${shown} s: everything since the server started (the window grows to a minute).`;
+  if (seconds < STATS_WINDOW_S + 2 * STATS_EVERY_MS / 1000) return `Last ${shown} s.`;
+  const length = shown < 120 ? `${shown} s` : `${Math.floor(shown / 60)} min ${shown % 60} s`;
+  return `Last ${length}: the stats went unread for a while, so this reaches back to their last reading or the ` +
+    "server's start (a minute again once this page has watched for one).";
 }
 
 function renderBatchSizes(batches) {
@@ -336,6 +380,22 @@ function renderBatchSizes(batches) {
       bar,
       element("span", {className: "count", "aria-label": `${b.inferences} inference calls with batch size ${range}`},
         String(b.inferences)));
+  }));
+}
+
+function renderPerModel(models) {
+  // One model's figures are the server's, already shown above: the table is for two or more.
+  const names = Object.keys(models);
+  $("per-model").hidden = names.length < 2;
+  if (names.length < 2) return;
+  $("per-model").querySelector("tbody").replaceChildren(...names.map((name) => {
+    const m = models[name];
+    return element("tr", {"data-model": name},
+      element("th", {scope: "row"}, name),
+      element("td", {}, m.requests_per_s.toFixed(1)),
+      element("td", {}, formatMs(m.latency.p50_ms)),
+      element("td", {}, formatMs(m.latency.p95_ms)),
+      element("td", {}, m.cache_hit_rate === null ? "–" : `${Math.round(100 * m.cache_hit_rate)}%`));
   }));
 }
 

@@ -1,0 +1,251 @@
+"""Stage 5's rows for issue 11: the Open Inference Protocol's binary path against /predict, and two
+models side by side in one server.
+
+`/v2` vs `/predict`: one batching server (cache off), the same distinct photos at the same concurrency
+through each path, taken in turns (predict, v2, predict, v2, ...) with a fresh client per turn, so
+drift on a shared machine lands on both paths alike. A path's throughput is its answers over the
+seconds of its turns. The `/v2` client sends what Triton's HTTP client sends for one encoded photo
+(`V2Client`, `v2_request`); every request body is built before the timed loops, as /predict's
+uploads are encoded before theirs, so client-side encoding is not charged to the server.
+
+Side by side: two models in one server (e.g. FP32 and static INT8), mixed traffic through
+`/predict?model=`, every photo sent to both, alternating; throughput per model over the whole run, and
+the top-1 agreement of the two models on the photos both answered.
+"""
+import json
+import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import requests
+
+from mnv3 import loadtest
+from mnv3.artifacts import FP32_ONNX, MissingArtifact, require
+from mnv3.batching_benchmark import closed_loop
+from mnv3.cli import UsageError, static_int8_model
+from mnv3.config import ModelSpec
+from mnv3.loadtest import REQUEST_TIMEOUT_S, LoadResult, PredictClient, auth_headers
+from mnv3.v2_protocol import HEADER_LENGTH, IMAGE_INPUT, PROBABILITIES_OUTPUT
+
+PREDICT, V2_BINARY = "predict", "v2_binary"
+TURNS = 2  # per path: both paths are measured in the run's first half and again in its second
+TOP_K = 5  # what /predict answers by default: /v2 asks the classification extension for as many
+MIXED = "mixed"
+
+
+# ---------------------------------------------------------------------------------------- the /v2 client
+
+@dataclass(frozen=True)
+class V2Request:
+    """An infer request body with the binary tensor data extension, and its JSON header's length."""
+    body: bytes
+    header_length: int
+
+
+def v2_request(photo: bytes, top_k: int = TOP_K) -> V2Request:
+    """One encoded photo as tritonclient.http sends it, byte for byte: input IMAGE, BYTES [1, 1], in
+    binary (a 4-byte little-endian length, then the JPEG). The output is PROBABILITIES through the
+    classification extension (Triton's image_client asks for its classes so), the top `top_k` as
+    "probability:index:label" strings: the answer /predict gives. They come back in JSON, not binary:
+    five short strings gain nothing from binary, and JSON needs no length-prefixed parsing."""
+    element = struct.pack("<I", len(photo)) + photo
+    header = json.dumps({
+        "inputs": [{"name": IMAGE_INPUT, "shape": [1, 1], "datatype": "BYTES",
+                    "parameters": {"binary_data_size": len(element)}}],
+        "outputs": [{"name": PROBABILITIES_OUTPUT, "parameters": {"classification": top_k, "binary_data": False}}],
+    }, separators=(",", ":")).encode()
+    return V2Request(header + element, len(header))
+
+
+class V2Client(PredictClient):
+    """`send(V2Request) -> (status, JSON or None)` for POST /v2/models/{model}/infer: PredictClient's
+    connections and answer, the Open Inference Protocol's request."""
+
+    def __init__(self, base_url: str, model: str, timeout_s: float = REQUEST_TIMEOUT_S):
+        super().__init__(base_url, timeout_s)
+        self._path = f"/v2/models/{model}/infer"
+
+    def __call__(self, request: V2Request) -> tuple[str, dict | None]:  # type: ignore[override]
+        return self.post(self._path, body=request.body, headers={
+            "Content-Type": "application/octet-stream", HEADER_LENGTH: str(request.header_length)})
+
+
+def v2_top_classes(answer: dict) -> list[int]:
+    """The class indices of a /v2 classification answer for one image, most probable first."""
+    [output] = answer["outputs"]
+    return [int(text.split(":")[1]) for text in output["data"]]
+
+
+def predict_top_classes(answer: dict) -> list[int]:
+    """The class ids of a /predict answer, most probable first."""
+    return [prediction["class_id"] for prediction in answer["predictions"]]
+
+
+def default_model_name(url: str) -> str:
+    """The name the server gives its default model (GET /model): the one /v2/models/{name} takes."""
+    response = requests.get(url + "/model", headers=auth_headers(), timeout=10)
+    response.raise_for_status()
+    return response.json()["name"]
+
+
+# ---------------------------------------------------------------------------------------- /v2 vs /predict
+
+@dataclass(frozen=True)
+class V2VsPredictResult:
+    concurrency: int
+    turns: list[tuple[str, int, LoadResult]]  # (path, turn from 1, its closed-loop run), in the order taken
+    settings: dict  # what the server said it ran with (GET /model)
+
+    def total(self, path: str) -> tuple[int, int, int, float]:
+        """(sent, answered, errors, seconds) over the path's turns."""
+        runs = [result for name, _, result in self.turns if name == path]
+        return (sum(r.sent for r in runs), sum(r.ok for r in runs), sum(sum(r.errors.values()) for r in runs),
+                sum(r.seconds for r in runs))
+
+    def rps(self, path: str) -> float:
+        _, ok, _, seconds = self.total(path)
+        return ok / seconds if seconds else 0.0
+
+    @property
+    def ratio(self) -> float:
+        """/v2's throughput over /predict's: the goal is within 5%."""
+        return round(self.rps(V2_BINARY) / self.rps(PREDICT), 3) if self.rps(PREDICT) else float("nan")
+
+    def rows(self, environment: dict) -> list[dict]:
+        """A row per turn, then one per path over all its turns (the /v2 one carries the ratio)."""
+        rows = [{"configuration": path, "turn": turn} | result.as_row() | self.settings
+                for path, turn, result in self.turns]
+        for path in (PREDICT, V2_BINARY):
+            sent, ok, errors, seconds = self.total(path)
+            rows.append({"configuration": path, "turn": "all", "mode": "closed", "concurrency": self.concurrency,
+                         "sent": sent, "ok": ok, "errors": errors, "seconds": round(seconds, 3),
+                         "req_per_s": round(self.rps(path), 2)} | self.settings
+                        | ({"v2_to_predict_ratio": self.ratio} if path == V2_BINARY else {}))
+        return [row | environment for row in rows]
+
+    def summary(self) -> str:
+        return (f"at concurrency {self.concurrency}, in {TURNS} turns each: /predict {self.rps(PREDICT):.1f} req/s, "
+                f"/v2 binary {self.rps(V2_BINARY):.1f} req/s: /v2 / /predict = {self.ratio} (goal >= 0.95)")
+
+
+def run_v2_vs_predict(model: Path, photos: list[bytes], concurrency: int, requests_per_path: int,
+                      server_options: dict, start_timeout_s: float) -> V2VsPredictResult:
+    """`requests_per_path` closed-loop requests through each path, in TURNS turns each, on one server."""
+    v2_requests = [v2_request(photo) for photo in photos]  # before any timed loop, like `photos` themselves
+    per_turn = -(-requests_per_path // TURNS)
+    with loadtest.ServerProcess(model, start_timeout_s, **server_options) as url:
+        settings = loadtest.server_settings(url)
+        v2_client = partial(V2Client, model=default_model_name(url))
+        paths: dict[str, tuple[Callable, list]] = {PREDICT: (PredictClient, photos),
+                                                   V2_BINARY: (v2_client, v2_requests)}
+        for client, bodies in paths.values():
+            loadtest.warm_up(url, bodies, concurrency, client)
+        turns = [(path, turn, closed_loop(url, bodies, concurrency, per_turn, f"{path} turn {turn}", client))
+                 for turn in range(1, TURNS + 1) for path, (client, bodies) in paths.items()]
+    return V2VsPredictResult(concurrency, turns, settings)
+
+
+# ---------------------------------------------------------------------------------------- side by side
+
+class MixedTraffic:
+    """`send((model, photo index, photo))`: POST /predict?model=..., keeping every answer and each
+    model's (status, latency, answer) samples. One per run; closing it closes its clients."""
+
+    def __init__(self, base_url: str, models: tuple[str, ...]):
+        self.clients = {model: PredictClient(base_url, model=model) for model in models}
+        self.samples: dict[str, list] = {model: [] for model in models}
+        self.answers: dict[tuple[str, int], dict | None] = {}
+
+    def __call__(self, item: tuple[str, int, bytes]) -> tuple[str, dict | None]:
+        model, index, photo = item
+        start = time.perf_counter()
+        status, answer = self.clients[model](photo)
+        self.samples[model].append((status, time.perf_counter() - start, answer))
+        self.answers[(model, index)] = answer
+        return status, answer
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        for client in self.clients.values():
+            client.__exit__()
+
+
+@dataclass(frozen=True)
+class SideBySideResult:
+    models: tuple[ModelSpec, ModelSpec]
+    total: LoadResult  # the whole mixed run
+    per_model: dict[str, LoadResult]  # each model's requests, over the whole run's seconds
+    answers: dict[tuple[str, int], dict | None]  # (model name, photo index) -> /predict's answer, None if none
+    photos: int
+    settings: dict
+
+    @property
+    def agreement(self) -> tuple[int, int]:
+        """(photos whose top-1 class the two models agree on, photos both models answered)."""
+        first, second = (spec.name for spec in self.models)
+        pairs = [(self.answers.get((first, i)), self.answers.get((second, i))) for i in range(self.photos)]
+        both = [(a, b) for a, b in pairs if a is not None and b is not None]
+        return sum(predict_top_classes(a)[0] == predict_top_classes(b)[0] for a, b in both), len(both)
+
+    @property
+    def top1_agreement(self) -> float:
+        agreeing, compared = self.agreement
+        return round(agreeing / compared, 4) if compared else float("nan")
+
+    def rows(self, environment: dict) -> list[dict]:
+        """One row per model, then the whole run with the agreement; `model` names the file(s) served."""
+        agreeing, compared = self.agreement
+        rows = [{"configuration": MIXED, "served_model": spec.name} | self.per_model[spec.name].as_row()
+                | self.settings | environment | {"model": spec.path.name} for spec in self.models]
+        rows.append({"configuration": MIXED, "served_model": "all"} | self.total.as_row() | self.settings
+                    | {"top1_agreement": self.top1_agreement, "photos_compared": compared, "photos_agreeing": agreeing}
+                    | environment | {"model": "+".join(spec.path.name for spec in self.models)})
+        return rows
+
+    def summary(self) -> str:
+        per_model = ", ".join(f"{name} {result.rps:.1f} req/s" for name, result in self.per_model.items())
+        agreeing, compared = self.agreement
+        return (f"side by side, mixed traffic at concurrency {self.total.concurrency}: {per_model} "
+                f"({self.total.rps:.1f} req/s in all); top-1 agreement {self.top1_agreement} "
+                f"({agreeing} of {compared} photos)")
+
+
+def side_by_side_models(texts: list[str] | None, artifacts_dir: Path) -> tuple[ModelSpec, ModelSpec]:
+    """The two models to serve together, as PATH or NAME=PATH each; default stage 1's FP32 and stage 2's
+    static INT8 in `artifacts_dir`."""
+    if texts is None:
+        texts = [f"fp32={require(artifacts_dir / FP32_ONNX, 1)}", f"static_int8={static_int8_model(artifacts_dir)}"]
+    first, second = map(ModelSpec.parse, texts)
+    for spec in (first, second):
+        if not spec.path.exists():
+            raise MissingArtifact(f"--side-by-side-models: {spec.path} not found")
+    if first.name == second.name:
+        raise UsageError(f"--side-by-side-models: both models are named {first.name!r}; name them NAME=PATH")
+    return first, second
+
+
+def run_side_by_side(models: tuple[ModelSpec, ModelSpec], photos: list[bytes], concurrency: int,
+                     server_options: dict, start_timeout_s: float) -> SideBySideResult:
+    """Both models in one server; every photo to each, alternating models, through one closed loop."""
+    first, second = (f"{spec.name}={spec.path}" + (f"@{spec.backend}" if spec.backend else "") for spec in models)
+    server = loadtest.ServerProcess(first, start_timeout_s, extra_models=(second,), **server_options)
+    names = tuple(spec.name for spec in models)
+    items = [(name, index, photo) for index, photo in enumerate(photos) for name in names]
+    with server as url:
+        # GET /model describes the default model alone: its id would mislabel the other's rows, which
+        # name their file in `model`.
+        settings = {key: value for key, value in loadtest.server_settings(url).items() if key != "server_model"}
+        for name in names:
+            loadtest.warm_up(url, photos, concurrency, partial(PredictClient, model=name))
+        with MixedTraffic(url, names) as send:
+            total = loadtest.run_closed_loop(send, items, concurrency, desc="side by side")
+    per_model = {name: LoadResult.from_samples("closed", concurrency, samples, total.seconds)
+                 for name, samples in send.samples.items()}
+    result = SideBySideResult(models, total, per_model, send.answers, len(photos), settings)
+    print(result.summary())
+    return result

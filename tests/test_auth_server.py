@@ -1,0 +1,160 @@
+"""Access control wired into the server: every route of the real app has a deliberate scope; a
+`python -m mnv3.server --api-keys FILE` refuses before reading a body; Triton's client and the load-test
+client send their keys; a bad key file is a one-line CLI error; binding to 0.0.0.0 without keys warns."""
+import hashlib
+import re
+
+import numpy as np
+import pytest
+import requests
+import tritonclient.http as triton
+from tritonclient.utils import InferenceServerException
+
+from conftest import WAIT_S, upload
+from mnv3 import server
+from mnv3.auth import KeyFileError, Scope, required_scope
+from mnv3.config import ServerConfig
+from mnv3.loadtest import API_KEY_ENV, PredictClient, ServerProcess, read_metrics, server_settings
+from mnv3.photos import load_images
+from mnv3.server import create_app
+
+pytestmark = pytest.mark.integration
+
+INFER_KEY = "infer-key-for-the-server-tests-0123"
+ADMIN_KEY = "admin-key-for-the-server-tests-4567"  # in the file as its sha256 only
+
+# Every route of the app, as (method, path template) -> the scope it needs; mounts as (None, prefix).
+# A route that is not here fails test_every_route_has_a_deliberate_scope: adding an endpoint means
+# deciding who may call it (and, if that is not admin, adding it to mnv3.auth.RULES).
+ROUTE_SCOPES = {
+    ("GET", "/healthz"): Scope.OPEN, ("GET", "/readyz"): Scope.OPEN,
+    ("GET", "/v2/health/live"): Scope.OPEN, ("GET", "/v2/health/ready"): Scope.OPEN,
+    ("GET", "/"): Scope.OPEN, (None, "/static"): Scope.OPEN,
+    ("GET", "/docs"): Scope.OPEN, (None, "/docs"): Scope.OPEN,
+    ("GET", "/redoc"): Scope.OPEN, (None, "/redoc"): Scope.OPEN,
+    ("GET", "/openapi.json"): Scope.OPEN, ("HEAD", "/openapi.json"): Scope.OPEN,
+    ("POST", "/predict"): Scope.INFER,
+    ("POST", "/v2/models/{name}/infer"): Scope.INFER,
+    ("POST", "/v2/models/{name}/versions/{version}/infer"): Scope.INFER,
+    ("GET", "/stats"): Scope.INFER, ("GET", "/models"): Scope.INFER,
+    ("GET", "/model"): Scope.ADMIN, ("GET", "/metrics"): Scope.ADMIN, ("GET", "/v2"): Scope.ADMIN,
+    ("GET", "/v2/models/{name}"): Scope.ADMIN, ("GET", "/v2/models/{name}/ready"): Scope.ADMIN,
+    ("GET", "/v2/models/{name}/config"): Scope.ADMIN,
+    ("GET", "/v2/models/{name}/versions/{version}"): Scope.ADMIN,
+    ("GET", "/v2/models/{name}/versions/{version}/ready"): Scope.ADMIN,
+    ("GET", "/v2/models/{name}/versions/{version}/config"): Scope.ADMIN,
+}
+
+
+def app_routes(app):
+    """(method or None for a mount, path) of every route the app serves, through included routers."""
+    for route in app.routes:
+        # FastAPI >= 0.165 keeps an included router as one entry; its effective routes carry the full paths.
+        for context in route.effective_route_contexts() if hasattr(route, "effective_route_contexts") else [route]:
+            original = getattr(context, "original_route", context)
+            methods = getattr(original, "methods", None)
+            for method in sorted(methods) if methods else [None]:
+                yield method, context.path or original.path  # a mount's context has no path of its own
+
+
+def test_every_route_has_a_deliberate_scope():
+    app = create_app(ServerConfig(model="unused.onnx"))  # the model loads only when the app starts
+    routes = set(app_routes(app))
+    assert routes == set(ROUTE_SCOPES), "a route was added or removed: decide its scope in ROUTE_SCOPES"
+    for (method, template), scope in ROUTE_SCOPES.items():
+        path = re.sub(r"\{[^}]+\}", "fp32", template)
+        if method is None:  # a mount: what it serves is files under it, fetched with GET
+            method, path = "GET", f"{path}/some-asset.js"
+        assert required_scope(method, path) is scope, f"{method} {path}"
+
+
+@pytest.fixture(scope="module")
+def key_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("keys") / "api_keys"
+    path.write_text(f"{INFER_KEY} infer name=client\nsha256:{hashlib.sha256(ADMIN_KEY.encode()).hexdigest()} admin\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def protected(fp32_model_path, key_file):
+    process = ServerProcess(fp32_model_path, api_keys=key_file, max_batch_size=4, cache_size=0)
+    with process as url:
+        yield process, url
+
+
+def bearer(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_an_unauthenticated_10_mib_upload_to_the_real_server_is_refused_unread(protected):
+    process, url = protected
+    port = int(url.rpartition(":")[2])
+    response, closed, rest_sent = upload(port, 10 * 1024 * 1024, first=65536)
+    assert response.startswith(b"HTTP/1.1 401") and b"www-authenticate: bearer" in response.lower()
+    assert b'"detail"' in response  # the server's own error shape off /v2
+    # Answered with 10 MiB - 64 KiB never sent, and the connection closed rather than left to be drained.
+    assert not rest_sent and closed
+    photo = load_images(1, seed=3)[0]
+    keyed = requests.post(url + "/predict", files={"file": ("a.jpg", photo, "image/jpeg")}, headers=bearer(INFER_KEY),
+                          timeout=WAIT_S)
+    assert keyed.status_code == 200 and len(keyed.json()["predictions"]) == 5
+    assert "binding to" not in process.output_tail()  # on 127.0.0.1: no exposure warning
+
+
+def test_tritonclient_passes_the_key_in_headers(protected):
+    _, url = protected
+    client = triton.InferenceServerClient(url.removeprefix("http://"), connection_timeout=WAIT_S,
+                                          network_timeout=WAIT_S)
+    try:
+        assert client.is_server_live()  # a probe: open
+        image = triton.InferInput("IMAGE", [1], "BYTES")
+        image.set_data_from_numpy(np.array(load_images(1, seed=4), dtype=object))
+        with pytest.raises(InferenceServerException) as refused:
+            client.infer("fp32", [image])
+        assert refused.value.status() == "401" and "API key" in refused.value.message()
+        result = client.infer("fp32", [image], headers=bearer(INFER_KEY))
+        assert result.as_numpy("PROBABILITIES").shape[0] == 1
+        with pytest.raises(InferenceServerException) as forbidden:  # metadata is admin
+            client.get_model_metadata("fp32", headers=bearer(INFER_KEY))
+        assert forbidden.value.status() == "403" and "scope admin" in forbidden.value.message()
+        assert client.get_model_metadata("fp32", headers=bearer(ADMIN_KEY))["name"] == "fp32"
+    finally:
+        client.close()
+
+
+def test_the_load_test_client_sends_the_key_from_the_environment(protected, monkeypatch):
+    _, url = protected
+    photo = load_images(1, seed=5)[0]
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    with PredictClient(url) as send:
+        assert send(photo) == ("401", None)
+    monkeypatch.setenv(API_KEY_ENV, INFER_KEY)
+    with PredictClient(url) as send:
+        status, body = send(photo)
+    assert status == "200" and len(body["predictions"]) == 5
+    with pytest.raises(requests.HTTPError, match="403"):  # /model needs admin
+        server_settings(url)
+    assert server_settings(url, api_key=ADMIN_KEY)["server_max_batch_size"] == 4
+    assert read_metrics(url, api_key=ADMIN_KEY)[("mnv3_request_latency_seconds_count", "")] >= 1
+
+
+def test_a_bad_key_file_is_one_line_and_exit_2_before_binding(fp32_model_path, tmp_path, capsys):
+    bad = tmp_path / "api_keys"
+    bad.write_text("# a key too short to be one\ntoo-short infer\n")
+    with pytest.raises(KeyFileError, match=f"^{re.escape(str(bad))}:2: a key must have 16"):
+        create_app(ServerConfig(model=fp32_model_path, api_keys=str(bad)))
+    with pytest.raises(SystemExit) as exit_info:
+        server.main(["--model", str(fp32_model_path), "--api-keys", str(bad), "--port", "1"])  # port 1: never bound
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"mnv3.server: error: {bad}:2: ") and "python -m mnv3.auth" in error
+    assert error.count("\n") == 1 and "too-short" not in error  # nothing of the key itself
+
+
+def test_binding_to_every_interface_without_keys_warns_naming_the_flag(fp32_model_path):
+    # Bound to 0.0.0.0, but ServerProcess sends its readiness polls to 127.0.0.1 only.
+    process = ServerProcess(fp32_model_path, host="0.0.0.0", max_batch_size=1)
+    with process as url:
+        assert requests.get(url + "/healthz", timeout=WAIT_S).status_code == 200  # a warning, not an error
+        output = process.output_tail()
+    assert "WARNING: binding to 0.0.0.0 without --api-keys" in output and "--api-keys FILE" in output
