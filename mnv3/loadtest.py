@@ -34,7 +34,6 @@ from tqdm import tqdm
 
 from mnv3.latency import LatencyStats
 
-PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 120  # loading + warming an ORT session on a busy 2-core machine can take a while
 STOP_TIMEOUT_S = 15
 REQUEST_TIMEOUT_S = 60
@@ -114,11 +113,8 @@ class ServerProcess:
     def __enter__(self) -> str:
         # Output goes to a file, not a pipe: a pipe nobody reads fills up and blocks the server.
         self._log = tempfile.TemporaryFile()
-        # The package is not installed: point the child at this checkout, whatever the working directory.
-        python_path = os.pathsep.join(filter(None, (str(PACKAGE_ROOT), os.environ.get("PYTHONPATH"))))
-        env = os.environ | {"PYTHONPATH": python_path}
         self.process = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=self._log,
-                                        stderr=subprocess.STDOUT, env=env)
+                                        stderr=subprocess.STDOUT)
         try:
             self._wait_until_ready()
         except BaseException:

@@ -75,11 +75,10 @@ def node_environment(token: str) -> dict:
     """What every node, and every `ray`/`serve` command, needs in its environment.
 
     RAY_AUTH_MODE=token turns token authentication on (the head then refuses nodes and clients without
-    the token); RAY_AUTH_TOKEN is the token itself (or put it in ~/.ray/auth_token). Ray's processes must
-    import mnv3 (PYTHONPATH), and the proxy's callback gives Ray's own errors the app's JSON body.
+    the token); RAY_AUTH_TOKEN is the token itself (or put it in ~/.ray/auth_token). The proxy's callback
+    gives Ray's own errors the app's JSON body (Ray's processes import mnv3 as the installed package).
     """
-    python_path = os.pathsep.join(filter(None, (str(REPO_ROOT), os.environ.get("PYTHONPATH"))))
-    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, "PYTHONPATH": python_path,
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token,
             PROXY_CALLBACK_ENV: PROXY_CALLBACK, "RAY_USAGE_STATS_ENABLED": "0",
             "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": str(DRAIN_TIMEOUT_S),
         # Several nodes: not Ray's loopback-only single-node mode, which mnv3.ray_serve's local cluster sets

@@ -325,9 +325,8 @@ def start_local_cluster(num_cpus: int | None = None, host: str = "127.0.0.1", po
     # Linux it would listen on every interface. Its processes read the variable; this one already has.
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     ray._private.ray_constants.ENABLE_RAY_CLUSTER = False
-    # Ray's processes inherit this environment: the proxy must be able to import mnv3 for its middleware.
+    # Ray's processes inherit this environment: the proxy imports mnv3 (installed) for its middleware.
     os.environ[PROXY_CALLBACK_ENV] = PROXY_CALLBACK
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
     ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
              log_to_driver=log_to_driver)
     serve.start(http_options={"host": host, "port": port})
