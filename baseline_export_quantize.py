@@ -11,20 +11,40 @@ results/01_dynamic_int8_profile.csv and results/summary.md. `--transformer-contr
 dynamic INT8 -> timing -> profile on a ViT as well (results/01_transformer_control*.csv): the other
 direction of the dynamic-INT8 finding.
 """
+
 import argparse
 
 import torch
 
 from mnv3 import cli
 from mnv3.accuracy import UnreadableLabels, array_batches, held_out_batch, load_labels, predict
-from mnv3.artifacts import (BASELINE_CSV, CLASS_NAMES_JSON, DYNAMIC_INT8_ONNX, DYNAMIC_INT8_PROFILE_CSV, FP32_ONNX,
-                            TRANSFORMER_CONTROL_CSV, TRANSFORMER_CONTROL_PROFILE_CSV, update_manifest,
-                            write_class_names)
-from mnv3.model import (ARCHS, DEFAULT_ARCH, EXPORT_CHECK_BATCHES, BadClassNames, BadWeights, check_export,
-                        class_names_for, export_onnx, load_model, recalibrate_batchnorm, state_dict_size_mb,
-                        torch_runner)
-from mnv3.preprocess import DEFAULT_PREPROCESSING, Preprocessing
+from mnv3.artifacts import (
+    BASELINE_CSV,
+    CLASS_NAMES_JSON,
+    DYNAMIC_INT8_ONNX,
+    DYNAMIC_INT8_PROFILE_CSV,
+    FP32_ONNX,
+    TRANSFORMER_CONTROL_CSV,
+    TRANSFORMER_CONTROL_PROFILE_CSV,
+    update_manifest,
+    write_class_names,
+)
+from mnv3.model import (
+    ARCHS,
+    DEFAULT_ARCH,
+    EXPORT_CHECK_BATCHES,
+    BadClassNames,
+    BadWeights,
+    check_export,
+    class_names_for,
+    export_onnx,
+    load_model,
+    recalibrate_batchnorm,
+    state_dict_size_mb,
+    torch_runner,
+)
 from mnv3.photos import CALIBRATION_SOURCES, augmented_views
+from mnv3.preprocess import DEFAULT_PREPROCESSING, Preprocessing
 from mnv3.profiling import op_type_summary, profile_model
 from mnv3.quantize import quantize_dynamic_int8, size_mb
 from mnv3.report import markdown_table, write_csv, write_summary
@@ -39,28 +59,62 @@ PROFILED_OPS = ("ConvInteger", "DynamicQuantizeLinear")  # dynamic INT8's own op
 def get_args_parser(add_help=True):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=add_help)
     parser.add_argument("--arch", choices=sorted(ARCHS), default=DEFAULT_ARCH, help="default %(default)s")
-    parser.add_argument("--weights", default=None,
-                        help="your --arch weights: a state_dict (.pth), or a training checkpoint with it under "
-                             "\"model\" as torchvision's references/classification/train.py saves it (any number "
-                             "of classes); default: torchvision's ImageNet weights, else random init")
-    parser.add_argument("--class-names", default=None,
-                        help="the classes of --weights in training order: a text file of one name a line, or a JSON "
-                             "list (default: ImageNet's for 1000 classes, else class_0.. with a warning)")
-    parser.add_argument("--resize", type=cli.positive_int, default=DEFAULT_PREPROCESSING.resize,
-                        help="the model's preprocessing: shorter side resized to this (default %(default)s)")
-    parser.add_argument("--crop", type=cli.positive_int, default=DEFAULT_PREPROCESSING.crop,
-                        help="then the centre crop, the model's input size (default %(default)s)")
-    parser.add_argument("--mean", type=float, nargs=3, default=DEFAULT_PREPROCESSING.mean, metavar=("R", "G", "B"),
-                        help="then (x/255 - mean)/std per channel (default ImageNet's: %(default)s)")
-    parser.add_argument("--std", type=float, nargs=3, default=DEFAULT_PREPROCESSING.std, metavar=("R", "G", "B"),
-                        help="default ImageNet's: %(default)s")
-    parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS),
-                        help="runtimes to measure (default: both; openvino is skipped when not installed). "
-                             "PyTorch and onnxruntime always run: ORT FP32 is the accuracy reference")
-    parser.add_argument("--transformer-control", action="store_true",
-                        help="also run the same export -> dynamic INT8 -> timing -> profile on a random-init ViT "
-                             "(ViT-Ti/16's shape; a 2-layer one with --quick), the control for the dynamic-INT8 "
-                             "finding (on in make bench)")
+    parser.add_argument(
+        "--weights",
+        default=None,
+        help="your --arch weights: a state_dict (.pth), or a training checkpoint with it under "
+        '"model" as torchvision\'s references/classification/train.py saves it (any number '
+        "of classes); default: torchvision's ImageNet weights, else random init",
+    )
+    parser.add_argument(
+        "--class-names",
+        default=None,
+        help="the classes of --weights in training order: a text file of one name a line, or a JSON "
+        "list (default: ImageNet's for 1000 classes, else class_0.. with a warning)",
+    )
+    parser.add_argument(
+        "--resize",
+        type=cli.positive_int,
+        default=DEFAULT_PREPROCESSING.resize,
+        help="the model's preprocessing: shorter side resized to this (default %(default)s)",
+    )
+    parser.add_argument(
+        "--crop",
+        type=cli.positive_int,
+        default=DEFAULT_PREPROCESSING.crop,
+        help="then the centre crop, the model's input size (default %(default)s)",
+    )
+    parser.add_argument(
+        "--mean",
+        type=float,
+        nargs=3,
+        default=DEFAULT_PREPROCESSING.mean,
+        metavar=("R", "G", "B"),
+        help="then (x/255 - mean)/std per channel (default ImageNet's: %(default)s)",
+    )
+    parser.add_argument(
+        "--std",
+        type=float,
+        nargs=3,
+        default=DEFAULT_PREPROCESSING.std,
+        metavar=("R", "G", "B"),
+        help="default ImageNet's: %(default)s",
+    )
+    parser.add_argument(
+        "--backends",
+        nargs="+",
+        choices=BACKENDS,
+        default=list(BACKENDS),
+        help="runtimes to measure (default: both; openvino is skipped when not installed). "
+        "PyTorch and onnxruntime always run: ORT FP32 is the accuracy reference",
+    )
+    parser.add_argument(
+        "--transformer-control",
+        action="store_true",
+        help="also run the same export -> dynamic INT8 -> timing -> profile on a random-init ViT "
+        "(ViT-Ti/16's shape; a 2-layer one with --quick), the control for the dynamic-INT8 "
+        "finding (on in make bench)",
+    )
     return cli.add_model_stage_args(parser, artifacts_help="where models and profiles go")
 
 
@@ -82,10 +136,13 @@ def run(args):
     if provenance == "random-init":
         # Without real BN statistics a random init's logits collapse to ~0 and INT8 comparisons are noise.
         bn_images = mode.bn_recalibration_images
-        recalibrate_batchnorm(model, augmented_views(CALIBRATION_SOURCES, bn_images, seed=0),
-                              preprocessing=preprocessing)
-        print(f"weights: {args.arch} RANDOM INIT, BatchNorm statistics re-estimated on {bn_images} "
-              "calibration-source photos")
+        recalibrate_batchnorm(
+            model, augmented_views(CALIBRATION_SOURCES, bn_images, seed=0), preprocessing=preprocessing
+        )
+        print(
+            f"weights: {args.arch} RANDOM INIT, BatchNorm statistics re-estimated on {bn_images} "
+            "calibration-source photos"
+        )
     else:
         print(f"weights: {args.arch} {provenance}, {len(class_names)} classes (names: {class_names_source})")
 
@@ -93,10 +150,23 @@ def run(args):
     write_class_names(artifacts_dir, class_names)
     # Recorded with the model, before anything is measured: a later stage or a server reading these files
     # never pairs this model with another run's preprocessing.
-    update_manifest(artifacts_dir, weights=provenance, preprocessing=preprocessing.record(),
-                    model={"arch": args.arch, "classes": len(class_names), "class_names": class_names_source})
-    bench = Bench(args.threads, mode.timing, args.batch_size, held_out_batch(mode.held_out_images, preprocessing),
-                  labelled, provenance, args.arch, len(class_names), preprocessing)
+    update_manifest(
+        artifacts_dir,
+        weights=provenance,
+        preprocessing=preprocessing.record(),
+        model={"arch": args.arch, "classes": len(class_names), "class_names": class_names_source},
+    )
+    bench = Bench(
+        args.threads,
+        mode.timing,
+        args.batch_size,
+        held_out_batch(mode.held_out_images, preprocessing),
+        labelled,
+        provenance,
+        args.arch,
+        len(class_names),
+        preprocessing,
+    )
     fp32_run = ort_runner(make_session(fp32_path, args.threads))
     export_diff = check_export(model, fp32_run, bench.held_out)
     print(f"export check: max |ONNX - PyTorch| logit = {export_diff:.2e} at batch sizes {EXPORT_CHECK_BATCHES}")
@@ -115,8 +185,9 @@ def run(args):
     print(markdown_table(rows))
     print(fastest(rows))
 
-    trace = profile_model(dynamic_path, bench.held_out[:1], mode.profile_runs, args.threads,
-                          artifacts_dir / "dynamic_int8_profile.json")
+    trace = profile_model(
+        dynamic_path, bench.held_out[:1], mode.profile_runs, args.threads, artifacts_dir / "dynamic_int8_profile.json"
+    )
     profile = op_type_summary(trace, mode.profile_runs)
     write_csv(results_dir / DYNAMIC_INT8_PROFILE_CSV, profile)
     print("dynamic INT8 kernel time at batch 1: " + op_shares(profile, PROFILED_OPS))
@@ -124,16 +195,26 @@ def run(args):
     if args.transformer_control:
         shape = control_vit(args.quick)
         # its own photos at ViT's 224 x 224, whatever preprocessing the MobileNetV3 was trained with
-        control = transformer_control(shape, held_out_batch(mode.held_out_images), mode.timing, args.batch_size,
-                                      args.threads, mode.profile_runs, artifacts_dir)
+        control = transformer_control(
+            shape,
+            held_out_batch(mode.held_out_images),
+            mode.timing,
+            args.batch_size,
+            args.threads,
+            mode.profile_runs,
+            artifacts_dir,
+        )
         write_csv(results_dir / TRANSFORMER_CONTROL_CSV, control.rows)
         write_csv(results_dir / TRANSFORMER_CONTROL_PROFILE_CSV, control.profile)
         print(f"control, {shape.name} (random-init) {int8_vs_fp32(control.rows)}")
-        print("its dynamic INT8 kernel time at batch 1: "
-              + op_shares(control.profile, INTEGER_MATMUL_OPS + ("ConvInteger",)))
+        print(
+            "its dynamic INT8 kernel time at batch 1: "
+            + op_shares(control.profile, INTEGER_MATMUL_OPS + ("ConvInteger",))
+        )
 
     update_manifest(
-        artifacts_dir, weights_bn_recalibration_images=bn_images,
+        artifacts_dir,
+        weights_bn_recalibration_images=bn_images,
         fp32={"path": FP32_ONNX, "class_names": CLASS_NAMES_JSON, "export_max_abs_diff": export_diff},
         dynamic_int8={"path": DYNAMIC_INT8_ONNX, "profile": trace.name, "threads": args.threads},
     )

@@ -23,6 +23,7 @@ results/05_phone_photos.csv), and prints the ratios.
     python batching_loadtest.py --phone-photos 64
     python batching_loadtest.py --quick
 """
+
 import argparse
 
 from mnv3 import cli
@@ -37,38 +38,74 @@ from mnv3.v2_benchmark import run_side_by_side, run_v2_vs_predict, side_by_side_
 def get_args_parser():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     cli.add_load_test_args(parser)
-    parser.add_argument("--batch-window-ms", type=float, default=ServerConfig.batch_window_ms,
-                        help="how long a batch waits to fill (default %(default)s)")
-    parser.add_argument("--max-batch-size", type=cli.positive_int, default=ServerConfig.max_batch_size,
-                        help="most images per ORT run (default %(default)s)")
-    parser.add_argument("--sweep", type=cli.positive_int, nargs="+", help="concurrencies for the batching server "
-                        f"({cli.full_and_quick('sweep')}); --concurrency is always added")
-    parser.add_argument("--open-loop-fraction", type=float, default=0.8,
-                        help="open-loop rate, as a fraction of the batching server's closed-loop req/s "
-                             "(default %(default)s)")
-    parser.add_argument("--open-loop-seconds", type=float,
-                        help=f"open-loop duration ({cli.full_and_quick('open_loop_seconds')})")
-    parser.add_argument("--limit-images", type=cli.positive_int,
-                        help=f"images per in-process limit run ({cli.full_and_quick('limit_images')})")
-    parser.add_argument("--limit-batch-sizes", type=cli.positive_int, nargs="+",
-                        help=cli.full_and_quick("limit_batch_sizes"))
-    parser.add_argument("--side-by-side-models", nargs=2, metavar="[NAME=]PATH",
-                        help="the two models served together under mixed traffic (default: fp32.onnx and "
-                             "the static INT8 model in --artifacts-dir; with --model, no side-by-side row "
-                             "unless given)")
-    parser.add_argument("--phone-photos", type=cli.non_negative_int, default=0,
-                        help="distinct 12-megapixel phone JPEGs (2-4 MB) for the phone-photo rows; 0 skips them "
-                             "(default %(default)s; make bench: 64)")
-    parser.add_argument("--phone-concurrency", type=cli.positive_int,
-                        help=f"concurrent phone uploads ({cli.full_and_quick('phone_concurrency')})")
+    parser.add_argument(
+        "--batch-window-ms",
+        type=float,
+        default=ServerConfig.batch_window_ms,
+        help="how long a batch waits to fill (default %(default)s)",
+    )
+    parser.add_argument(
+        "--max-batch-size",
+        type=cli.positive_int,
+        default=ServerConfig.max_batch_size,
+        help="most images per ORT run (default %(default)s)",
+    )
+    parser.add_argument(
+        "--sweep",
+        type=cli.positive_int,
+        nargs="+",
+        help=f"concurrencies for the batching server ({cli.full_and_quick('sweep')}); --concurrency is always added",
+    )
+    parser.add_argument(
+        "--open-loop-fraction",
+        type=float,
+        default=0.8,
+        help="open-loop rate, as a fraction of the batching server's closed-loop req/s (default %(default)s)",
+    )
+    parser.add_argument(
+        "--open-loop-seconds", type=float, help=f"open-loop duration ({cli.full_and_quick('open_loop_seconds')})"
+    )
+    parser.add_argument(
+        "--limit-images",
+        type=cli.positive_int,
+        help=f"images per in-process limit run ({cli.full_and_quick('limit_images')})",
+    )
+    parser.add_argument(
+        "--limit-batch-sizes", type=cli.positive_int, nargs="+", help=cli.full_and_quick("limit_batch_sizes")
+    )
+    parser.add_argument(
+        "--side-by-side-models",
+        nargs=2,
+        metavar="[NAME=]PATH",
+        help="the two models served together under mixed traffic (default: fp32.onnx and "
+        "the static INT8 model in --artifacts-dir; with --model, no side-by-side row "
+        "unless given)",
+    )
+    parser.add_argument(
+        "--phone-photos",
+        type=cli.non_negative_int,
+        default=0,
+        help="distinct 12-megapixel phone JPEGs (2-4 MB) for the phone-photo rows; 0 skips them "
+        "(default %(default)s; make bench: 64)",
+    )
+    parser.add_argument(
+        "--phone-concurrency",
+        type=cli.positive_int,
+        help=f"concurrent phone uploads ({cli.full_and_quick('phone_concurrency')})",
+    )
     return parser
 
 
 def main(args):
     mode = cli.defaults(args)
-    cli.fill_load_defaults(args, sweep=mode.sweep, open_loop_seconds=mode.open_loop_seconds,
-                           limit_images=mode.limit_images, limit_batch_sizes=mode.limit_batch_sizes,
-                           phone_concurrency=mode.phone_concurrency)
+    cli.fill_load_defaults(
+        args,
+        sweep=mode.sweep,
+        open_loop_seconds=mode.open_loop_seconds,
+        limit_images=mode.limit_images,
+        limit_batch_sizes=mode.limit_batch_sizes,
+        phone_concurrency=mode.phone_concurrency,
+    )
     cli.run_stage(run, args)
 
 
@@ -76,15 +113,26 @@ def run(args):
     mode = cli.defaults(args)
     model, provenance = cli.serving_model(args)
     # Checked before any load. With --model, stages 1-2's files may not exist: the row needs naming its models.
-    side_by_side = (side_by_side_models(args.side_by_side_models, args.artifacts_dir)
-                    if args.side_by_side_models or args.model is None else None)
+    side_by_side = (
+        side_by_side_models(args.side_by_side_models, args.artifacts_dir)
+        if args.side_by_side_models or args.model is None
+        else None
+    )
     plan = BatchingPlan(
-        concurrency=args.concurrency, requests=args.requests, sweep=tuple(args.sweep),
-        batch_window_ms=args.batch_window_ms, max_batch_size=args.max_batch_size,
-        open_loop_fraction=args.open_loop_fraction, open_loop_seconds=args.open_loop_seconds,
-        limit_images=args.limit_images, limit_batch_sizes=tuple(args.limit_batch_sizes),
-        limit_thread_splits=mode.limit_thread_splits, limit_confirm_passes=mode.limit_confirm_passes,
-        server_options=cli.server_options(args), start_timeout_s=args.start_timeout)
+        concurrency=args.concurrency,
+        requests=args.requests,
+        sweep=tuple(args.sweep),
+        batch_window_ms=args.batch_window_ms,
+        max_batch_size=args.max_batch_size,
+        open_loop_fraction=args.open_loop_fraction,
+        open_loop_seconds=args.open_loop_seconds,
+        limit_images=args.limit_images,
+        limit_batch_sizes=tuple(args.limit_batch_sizes),
+        limit_thread_splits=mode.limit_thread_splits,
+        limit_confirm_passes=mode.limit_confirm_passes,
+        server_options=cli.server_options(args),
+        start_timeout_s=args.start_timeout,
+    )
     bodies = load_images(max(*map(plan.requests_at, plan.concurrencies), plan.limit_images))
     result = run_batching_benchmark(model, bodies, plan)
     plot_batching(result, args.results_dir)
@@ -97,9 +145,13 @@ def run(args):
 
 def run_phone_photos(args, model, provenance, batching_options: dict):
     """The phone-photo rows: the batching server's settings, phone uploads instead of 500x375 photos."""
-    plan = PhonePlan(concurrency=args.phone_concurrency, requests=cli.REQUESTS_PER_SENDER * args.phone_concurrency,
-                     decode_rounds=cli.defaults(args).phone_decode_rounds, server_options=batching_options,
-                     start_timeout_s=args.start_timeout)
+    plan = PhonePlan(
+        concurrency=args.phone_concurrency,
+        requests=cli.REQUESTS_PER_SENDER * args.phone_concurrency,
+        decode_rounds=cli.defaults(args).phone_decode_rounds,
+        server_options=batching_options,
+        start_timeout_s=args.start_timeout,
+    )
     result = run_phone_benchmark(model, phone_photos(args.phone_photos), plan)
     cli.write_results(args.results_dir, PHONE_PHOTOS_CSV, result.rows(cli.environment_row(model, provenance)))
     print(result.summary())
@@ -108,16 +160,18 @@ def run_phone_photos(args, model, provenance, batching_options: dict):
 def run_v2_rows(args, model, provenance, plan: BatchingPlan, bodies: list[bytes], side_by_side):
     """Issue 11's rows: /v2 binary vs /predict in turns, then the two models side by side."""
     environment = cli.environment_row(model, provenance)
-    v2 = run_v2_vs_predict(model, bodies[:plan.requests], plan.concurrency, plan.requests, plan.batching_options,
-                           plan.start_timeout_s)
+    v2 = run_v2_vs_predict(
+        model, bodies[: plan.requests], plan.concurrency, plan.requests, plan.batching_options, plan.start_timeout_s
+    )
     cli.write_results(args.results_dir, V2_VS_PREDICT_CSV, v2.rows(environment))
     print(v2.summary())
     if side_by_side is None:
         print("side by side: skipped (--model without --side-by-side-models)")
         return
     # Each photo goes to both models: as many requests in all as a headline run.
-    mixed = run_side_by_side(side_by_side, bodies[:plan.requests // 2], plan.concurrency, plan.batching_options,
-                             plan.start_timeout_s)
+    mixed = run_side_by_side(
+        side_by_side, bodies[: plan.requests // 2], plan.concurrency, plan.batching_options, plan.start_timeout_s
+    )
     cli.write_results(args.results_dir, SIDE_BY_SIDE_CSV, mixed.rows(environment))
 
 

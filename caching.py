@@ -9,6 +9,7 @@ Writes results/04_caching.csv.
     python caching.py            # 50 sequential, then 1000 at concurrency 250
     python caching.py --quick
 """
+
 import argparse
 
 from mnv3 import cli, loadtest
@@ -19,10 +20,16 @@ from mnv3.photos import load_images
 def get_args_parser():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     cli.add_load_test_args(parser)
-    parser.add_argument("--sequential-requests", type=cli.positive_int,
-                        help=f"images sent one at a time ({cli.full_and_quick('sequential_requests')})")
-    parser.add_argument("--cache-size", type=cli.positive_int,
-                        help="server cache entries (default: every image this stage sends, so hits are never evicted)")
+    parser.add_argument(
+        "--sequential-requests",
+        type=cli.positive_int,
+        help=f"images sent one at a time ({cli.full_and_quick('sequential_requests')})",
+    )
+    parser.add_argument(
+        "--cache-size",
+        type=cli.positive_int,
+        help="server cache entries (default: every image this stage sends, so hits are never evicted)",
+    )
     return parser
 
 
@@ -35,10 +42,13 @@ def run(args):
     model, provenance = cli.serving_model(args)
     # Disjoint image sets, so the concurrent misses are first-time requests too.
     bodies = load_images(args.sequential_requests + args.requests)
-    runs = (("sequential", 1, bodies[:args.sequential_requests]),
-            ("concurrent", args.concurrency, bodies[args.sequential_requests:]))
-    options = cli.server_options(args, cache_size=len(bodies) if args.cache_size is None else args.cache_size,
-                                 max_batch_size=1)
+    runs = (
+        ("sequential", 1, bodies[: args.sequential_requests]),
+        ("concurrent", args.concurrency, bodies[args.sequential_requests :]),
+    )
+    options = cli.server_options(
+        args, cache_size=len(bodies) if args.cache_size is None else args.cache_size, max_batch_size=1
+    )
     rows = []
     with loadtest.ServerProcess(model, args.start_timeout, **options) as url:
         environment = loadtest.server_settings(url) | cli.environment_row(model, provenance)
@@ -47,8 +57,10 @@ def run(args):
             speedup = loadtest.ratio(miss["latency_p50_ms"], hit["latency_p50_ms"])
             throughput = loadtest.ratio(hit["req_per_s"], miss["req_per_s"])
             rows += [miss, hit | {"hit_speedup_p50": speedup, "hit_throughput_ratio": throughput}]
-            print(f"{run_name}: a hit's p50 round trip is {speedup}x shorter than a miss's; "
-                  f"hits give {throughput}x the req/s")
+            print(
+                f"{run_name}: a hit's p50 round trip is {speedup}x shorter than a miss's; "
+                f"hits give {throughput}x the req/s"
+            )
     cli.write_results(args.results_dir, CACHING_CSV, [row | environment for row in rows])
 
 

@@ -8,6 +8,7 @@ the batched one, in the same run, for the speed-up.
     python fastapi_serving.py            # 250 concurrent, 1000 requests
     python fastapi_serving.py --quick    # 8 concurrent, 32 requests
 """
+
 import argparse
 
 from mnv3 import cli, loadtest
@@ -36,7 +37,8 @@ def run(args):
         settings = loadtest.server_settings(url)
         loadtest.warm_up(url, bodies, args.concurrency)
         result = loadtest.run_with_metrics(
-            url, lambda send: loadtest.run_closed_loop(send, bodies, args.concurrency, desc="no batching"))
+            url, lambda send: loadtest.run_closed_loop(send, bodies, args.concurrency, desc="no batching")
+        )
     print(f"baseline: {result.summary()}")
     row = {"configuration": "no_batching"} | result.as_row() | settings | cli.environment_row(model, provenance)
     cli.write_results(args.results_dir, SERVING_BASELINE_CSV, [row])

@@ -10,6 +10,7 @@ and bf16 on FP32, on the static INT8 file and on NNCF's INT8 builds) timed in tu
 (results/02_engines.csv). The fastest that agrees with FP32 (--min-agreement, with real weights) goes
 into the manifest, and the server's default `--backend auto` serves it (mnv3/backend_choice.py).
 """
+
 import argparse
 import json
 import shutil
@@ -17,34 +18,80 @@ import sys
 
 from mnv3 import cli, report
 from mnv3.accuracy import UnreadableLabels, held_out_batch, load_labels
-from mnv3.artifacts import (BASELINE_CSV, CALIBRATION_DIR, CLASS_NAMES_JSON, ENGINES_CSV, FP32_ONNX,
-                            MODEL_VARIANTS_CSV, MODEL_VARIANTS_PNG, RECIPES_CSV, STATIC_CSV, STATIC_INT8_ONNX,
-                            model_preprocessing, read_manifest, require, update_manifest)
+from mnv3.artifacts import (
+    BASELINE_CSV,
+    CALIBRATION_DIR,
+    CLASS_NAMES_JSON,
+    ENGINES_CSV,
+    FP32_ONNX,
+    MODEL_VARIANTS_CSV,
+    MODEL_VARIANTS_PNG,
+    RECIPES_CSV,
+    STATIC_CSV,
+    STATIC_INT8_ONNX,
+    model_preprocessing,
+    read_manifest,
+    require,
+    update_manifest,
+)
 from mnv3.backend_choice import DEFAULT_MIN_AGREEMENT, MANIFEST_KEY, STAND_IN_PROVENANCE, choose, manifest_entry
 from mnv3.plots import plot_variants
 from mnv3.preprocess import InvalidImage
 from mnv3.quantize import DEFAULT_RECIPE, RECIPES, calibration_photos, quantize_static_int8
-from mnv3.variants import (ENGINE_TABLE_COLUMNS, Bench, build_openvino_int8, compare_recipes, compare_variants,
-                           engine_rows, engine_runner, engine_variants, measure_static, ratio_table_rows, recipe_path)
 from mnv3.report import markdown_table, read_csv, write_csv, write_summary
+from mnv3.variants import (
+    ENGINE_TABLE_COLUMNS,
+    Bench,
+    build_openvino_int8,
+    compare_recipes,
+    compare_variants,
+    engine_rows,
+    engine_runner,
+    engine_variants,
+    measure_static,
+    ratio_table_rows,
+    recipe_path,
+)
 
 RECIPES_DIR = "recipes"  # under --artifacts-dir: every --compare-recipes model, kept for inspection
 
 
 def get_args_parser(add_help=True):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=add_help)
-    parser.add_argument("--calibration-dir", default=str(CALIBRATION_DIR),
-                        help="calibration photos; filled with generated ones if it has none")
-    parser.add_argument("--calibration-count", type=cli.positive_int, default=None,
-                        help=f"photos to calibrate on ({cli.full_and_quick('calibration_images')})")
-    parser.add_argument("--recipe", default=DEFAULT_RECIPE, choices=sorted(RECIPES),
-                        help="static quantization recipe shipped as static_int8.onnx (mnv3/quantize.py RECIPES)")
-    parser.add_argument("--compare-recipes", nargs="?", const="all", default=None, type=recipe_names,
-                        metavar="NAMES", help="also build and measure these recipes (comma-separated, or 'all', the "
-                        "default) against ONNX FP32 in the same interleaved run: results/02_recipes.csv")
-    parser.add_argument("--min-agreement", type=agreement_fraction, default=DEFAULT_MIN_AGREEMENT,
-                        help="top-1 agreement with FP32 a variant needs to be served by --backend auto, with real "
-                             "weights (default %(default)s; not applied to the random-init stand-in)")
+    parser.add_argument(
+        "--calibration-dir",
+        default=str(CALIBRATION_DIR),
+        help="calibration photos; filled with generated ones if it has none",
+    )
+    parser.add_argument(
+        "--calibration-count",
+        type=cli.positive_int,
+        default=None,
+        help=f"photos to calibrate on ({cli.full_and_quick('calibration_images')})",
+    )
+    parser.add_argument(
+        "--recipe",
+        default=DEFAULT_RECIPE,
+        choices=sorted(RECIPES),
+        help="static quantization recipe shipped as static_int8.onnx (mnv3/quantize.py RECIPES)",
+    )
+    parser.add_argument(
+        "--compare-recipes",
+        nargs="?",
+        const="all",
+        default=None,
+        type=recipe_names,
+        metavar="NAMES",
+        help="also build and measure these recipes (comma-separated, or 'all', the "
+        "default) against ONNX FP32 in the same interleaved run: results/02_recipes.csv",
+    )
+    parser.add_argument(
+        "--min-agreement",
+        type=agreement_fraction,
+        default=DEFAULT_MIN_AGREEMENT,
+        help="top-1 agreement with FP32 a variant needs to be served by --backend auto, with real "
+        "weights (default %(default)s; not applied to the random-init stand-in)",
+    )
     return cli.add_model_stage_args(parser, artifacts_help="where stage 1's models are and stage 2's go")
 
 
@@ -82,25 +129,41 @@ def run(args):
 
     calibration = calibration_photos(args.calibration_dir, args.calibration_count)
     if len(calibration) < args.calibration_count:
-        print(f"warning: {args.calibration_dir} holds only {len(calibration)} of your images, fewer than the "
-              f"{args.calibration_count} asked for", file=sys.stderr)
+        print(
+            f"warning: {args.calibration_dir} holds only {len(calibration)} of your images, fewer than the "
+            f"{args.calibration_count} asked for",
+            file=sys.stderr,
+        )
     recipe = RECIPES[args.recipe]
-    bench = Bench(args.threads, mode.timing, args.batch_size, held_out_batch(mode.held_out_images, preprocessing),
-                  labelled, provenance, arch, len(class_names), preprocessing)
+    bench = Bench(
+        args.threads,
+        mode.timing,
+        args.batch_size,
+        held_out_batch(mode.held_out_images, preprocessing),
+        labelled,
+        provenance,
+        arch,
+        len(class_names),
+        preprocessing,
+    )
     if args.compare_recipes:
         names = list(dict.fromkeys(args.compare_recipes + [args.recipe]))
-        print(f"preprocessing {len(calibration)} calibration photos from {args.calibration_dir} once for "
-              f"{len(names)} recipes")
+        print(
+            f"preprocessing {len(calibration)} calibration photos from {args.calibration_dir} once for "
+            f"{len(names)} recipes"
+        )
         recipes_dir = artifacts_dir / RECIPES_DIR
-        recipe_rows, row = compare_recipes(fp32_path, names, args.recipe, calibration, recipes_dir, bench,
-                                           mode.comparison_repeats)
+        recipe_rows, row = compare_recipes(
+            fp32_path, names, args.recipe, calibration, recipes_dir, bench, mode.comparison_repeats
+        )
         write_csv(results_dir / RECIPES_CSV, recipe_rows)
         print(markdown_table(ratio_table_rows(recipe_rows)))
         shutil.copyfile(recipe_path(recipes_dir, args.recipe), artifacts_dir / STATIC_INT8_ONNX)
     else:
         print(f"calibrating recipe {args.recipe} on {len(calibration)} photos from {args.calibration_dir}")
-        static_path = quantize_static_int8(fp32_path, artifacts_dir / STATIC_INT8_ONNX, calibration, recipe,
-                                           preprocessing=preprocessing)
+        static_path = quantize_static_int8(
+            fp32_path, artifacts_dir / STATIC_INT8_ONNX, calibration, recipe, preprocessing=preprocessing
+        )
         row = measure_static(fp32_path, static_path, bench)
     recipe_columns = {key: value for key, value in recipe.record().items() if not isinstance(value, (list, dict))}
     row |= {"recipe": args.recipe, **recipe_columns, "calibration_images": len(calibration)}
@@ -111,10 +174,17 @@ def run(args):
     plot_variants(comparison, results_dir / MODEL_VARIANTS_PNG)
     print(markdown_table(comparison))
 
-    update_manifest(artifacts_dir, static_int8={
-        "path": STATIC_INT8_ONNX, "recipe_name": args.recipe, "recipe": recipe.record(),
-        "calibration_images": len(calibration), "calibration_dir": str(args.calibration_dir), "threads": args.threads,
-    })
+    update_manifest(
+        artifacts_dir,
+        static_int8={
+            "path": STATIC_INT8_ONNX,
+            "recipe_name": args.recipe,
+            "recipe": recipe.record(),
+            "calibration_images": len(calibration),
+            "calibration_dir": str(args.calibration_dir),
+            "threads": args.threads,
+        },
+    )
     choose_engine(args, fp32_path, calibration, bench)
     print(f"wrote {write_summary(results_dir)}")
 
@@ -125,12 +195,20 @@ def choose_engine(args, fp32_path, calibration, bench: Bench) -> dict:
     openvino_files = build_openvino_int8(fp32_path, calibration, args.artifacts_dir, bench.preprocessing)
     variants = engine_variants(STATIC_INT8_ONNX, openvino_files, args.threads)
     print(f"timing {len(variants) + 1} engine x precision variants in turns with ONNX FP32")
-    runners = {variant: engine_runner(variant, args.artifacts_dir, args.threads, args.batch_size)
-               for variant in variants}
+    runners = {
+        variant: engine_runner(variant, args.artifacts_dir, args.threads, args.batch_size) for variant in variants
+    }
     rows = engine_rows(fp32_path, runners, bench)
     chosen, refused = choose(rows, args.min_agreement, guard_applies=bench.weights != STAND_IN_PROVENANCE)
-    entry = manifest_entry(chosen, refused, STATIC_INT8_ONNX, len(rows), bench.weights, args.min_agreement,
-                           report.cpu_info() | {"threads": args.threads, "versions": report.library_versions()})
+    entry = manifest_entry(
+        chosen,
+        refused,
+        STATIC_INT8_ONNX,
+        len(rows),
+        bench.weights,
+        args.min_agreement,
+        report.cpu_info() | {"threads": args.threads, "versions": report.library_versions()},
+    )
     rows = [row | {"chosen": row is chosen} for row in rows]
     write_csv(args.results_dir / ENGINES_CSV, rows)
     print(markdown_table([{key: row.get(key, "") for key in ENGINE_TABLE_COLUMNS} for row in rows]))

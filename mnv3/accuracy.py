@@ -4,6 +4,7 @@ Agreement needs no labels, so it is meaningful even for the random-init stand-in
 the share of images whose predicted class matches FP32's, top-5 agreement the share whose FP32 class
 is among the variant's top 5, and SQNR = 10*log10(sum(ref^2) / sum((ref - x)^2)) over all logits.
 """
+
 import csv
 from pathlib import Path
 
@@ -27,13 +28,13 @@ def predict(run, batches) -> np.ndarray:
 
 
 def array_batches(images: np.ndarray, batch_size: int):
-    return (images[i:i + batch_size] for i in range(0, len(images), batch_size))
+    return (images[i : i + batch_size] for i in range(0, len(images), batch_size))
 
 
 def path_batches(paths, batch_size: int, preprocessing: Preprocessing = DEFAULT_PREPROCESSING):
     for i in range(0, len(paths), batch_size):
         try:
-            yield preprocess_files(paths[i:i + batch_size], preprocessing)
+            yield preprocess_files(paths[i : i + batch_size], preprocessing)
         except InvalidImage as exc:
             raise UnreadableLabels(f"labelled image {exc}") from exc
 
@@ -45,7 +46,7 @@ def top_k(logits: np.ndarray, k: int) -> np.ndarray:
 def sqnr_db(reference: np.ndarray, logits: np.ndarray) -> float:
     reference = reference.astype(np.float64)
     with np.errstate(divide="ignore"):  # identical logits: infinite SQNR, not a warning
-        return float(10 * np.log10(np.sum(reference ** 2) / np.sum((reference - logits) ** 2)))
+        return float(10 * np.log10(np.sum(reference**2) / np.sum((reference - logits) ** 2)))
 
 
 def agreement(reference: np.ndarray, logits: np.ndarray) -> dict:
@@ -64,8 +65,14 @@ def true_accuracy(logits: np.ndarray, labels: np.ndarray) -> dict:
     }
 
 
-def evaluate(run, held_out: np.ndarray, reference=None, labelled=None, batch_size: int = 32,
-             preprocessing: Preprocessing = DEFAULT_PREPROCESSING) -> dict:
+def evaluate(
+    run,
+    held_out: np.ndarray,
+    reference=None,
+    labelled=None,
+    batch_size: int = 32,
+    preprocessing: Preprocessing = DEFAULT_PREPROCESSING,
+) -> dict:
     """Agreement with `reference` logits on `held_out`, plus true accuracy on `labelled` (paths, labels),
     whose images are preprocessed as the model's `preprocessing` says."""
     row: dict = {}

@@ -6,6 +6,7 @@ served by this app from the `fastapi-standalone-docs` package (PyPI; it ships th
 swagger-ui-dist and redoc, with ReDoc's CDN logo rewritten to a file beside it), so upgrading them is
 a pip upgrade, not files copied by hand. The app must be built with `docs_url=None, redoc_url=None`.
 """
+
 from importlib.resources import files
 from pathlib import Path
 
@@ -33,15 +34,22 @@ def _root(request: Request) -> str:
 @docs_router.get(SWAGGER_URL)
 async def swagger_ui(request: Request) -> HTMLResponse:
     root = _root(request)
-    return get_swagger_ui_html(openapi_url=root + request.app.openapi_url, title=f"{request.app.title} - Swagger UI",
-                               swagger_js_url=f"{root}{SWAGGER_URL}/swagger-ui-bundle.js",
-                               swagger_css_url=f"{root}{SWAGGER_URL}/swagger-ui.css",
-                               swagger_favicon_url=root + FAVICON_PATH)
+    return get_swagger_ui_html(
+        openapi_url=root + request.app.openapi_url,
+        title=f"{request.app.title} - Swagger UI",
+        swagger_js_url=f"{root}{SWAGGER_URL}/swagger-ui-bundle.js",
+        swagger_css_url=f"{root}{SWAGGER_URL}/swagger-ui.css",
+        swagger_favicon_url=root + FAVICON_PATH,
+    )
 
 
 @docs_router.get(REDOC_URL)
 async def redoc(request: Request) -> HTMLResponse:
     root = _root(request)
-    return get_redoc_html(openapi_url=root + request.app.openapi_url, title=f"{request.app.title} - ReDoc",
-                          redoc_js_url=f"{root}{REDOC_URL}/redoc.standalone.js", redoc_favicon_url=root + FAVICON_PATH,
-                          with_google_fonts=False)
+    return get_redoc_html(
+        openapi_url=root + request.app.openapi_url,
+        title=f"{request.app.title} - ReDoc",
+        redoc_js_url=f"{root}{REDOC_URL}/redoc.standalone.js",
+        redoc_favicon_url=root + FAVICON_PATH,
+        with_google_fonts=False,
+    )

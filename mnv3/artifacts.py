@@ -1,4 +1,5 @@
 """Where each stage reads and writes, and the error a user sees when an earlier stage is missing."""
+
 import json
 from pathlib import Path
 

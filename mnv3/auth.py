@@ -32,6 +32,7 @@ Key file: one key a line, `KEY SCOPE [rate=N/s|N/min] [burst=N] [name=LABEL]`; b
 starting with `#` are ignored. KEY is 16 to 512 visible ASCII characters, or `sha256:` and the 64 hex
 digits of its digest (`printf %s KEY | sha256sum`), so the file need not hold the key itself.
 """
+
 import argparse
 import dataclasses
 import enum
@@ -68,6 +69,7 @@ GRAMMAR = "KEY SCOPE [rate=N/s|N/min] [burst=N] [name=LABEL]"
 
 class Scope(enum.IntEnum):
     """What a path needs; a key of a higher scope may do everything a lower one may."""
+
     OPEN = 0
     INFER = 1
     ADMIN = 2
@@ -108,6 +110,7 @@ def required_scope(method: str, path: str) -> Scope:
 
 # ----------------------------------------------------------------------------------------- rate limits
 
+
 class TokenBucket:
     """`burst` tokens, refilled at `rate_per_s`; one request takes one token."""
 
@@ -139,9 +142,11 @@ class RateLimit:
 
 # ------------------------------------------------------------------------------------------------ keys
 
+
 @dataclasses.dataclass(frozen=True)
 class ApiKey:
     """One line of the key file. `digest` is sha256 of the key; `name` is what logs may call it."""
+
     digest: bytes = dataclasses.field(repr=False)
     scope: Scope
     name: str
@@ -153,8 +158,9 @@ class Keys:
 
     def __init__(self, keys: list[ApiKey], clock: Callable[[], float] = time.monotonic):
         self.keys = keys
-        self.buckets = {key.digest: TokenBucket(key.limit.rate_per_s, key.limit.burst, clock)
-                        for key in keys if key.limit}
+        self.buckets = {
+            key.digest: TokenBucket(key.limit.rate_per_s, key.limit.burst, clock) for key in keys if key.limit
+        }
 
     def __repr__(self):
         return f"Keys({len(self.keys)} keys)"
@@ -202,8 +208,10 @@ def load_key_file(path: str | Path, clock: Callable[[], float] = time.monotonic)
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise KeyFileError(f"cannot read key file {path}: {getattr(exc, 'strerror', None) or exc}; "
-                           f"--api-keys takes a UTF-8 text file, one {GRAMMAR} a line") from None
+        raise KeyFileError(
+            f"cannot read key file {path}: {getattr(exc, 'strerror', None) or exc}; "
+            f"--api-keys takes a UTF-8 text file, one {GRAMMAR} a line"
+        ) from None
     return parse_keys(text, str(path), clock)
 
 
@@ -213,17 +221,21 @@ def _line_error(source: str, number: int, problem: str) -> KeyFileError:
 
 def _digest(written: str, error) -> bytes:
     if written.startswith(DIGEST_PREFIX):
-        hex_digest = written[len(DIGEST_PREFIX):]
+        hex_digest = written[len(DIGEST_PREFIX) :]
         if not HEX_DIGEST.fullmatch(hex_digest):
-            raise error(f"{DIGEST_PREFIX} must be followed by the 64 hex digits of the key's sha256 "
-                        f"(got {len(hex_digest)} characters or a non-hex one): printf %s KEY | sha256sum")
+            raise error(
+                f"{DIGEST_PREFIX} must be followed by the 64 hex digits of the key's sha256 "
+                f"(got {len(hex_digest)} characters or a non-hex one): printf %s KEY | sha256sum"
+            )
         return bytes.fromhex(hex_digest)
     # The messages below say what is wrong with the key, never any of its characters.
     if not PLAIN_KEY.fullmatch(written):
         raise error("a key may hold only visible ASCII characters (it travels in an HTTP header)")
     if not MIN_KEY_CHARS <= len(written) <= MAX_KEY_CHARS:
-        raise error(f"a key must have {MIN_KEY_CHARS} to {MAX_KEY_CHARS} characters, this one has {len(written)}: "
-                    "make one with python -m mnv3.auth")
+        raise error(
+            f"a key must have {MIN_KEY_CHARS} to {MAX_KEY_CHARS} characters, this one has {len(written)}: "
+            "make one with python -m mnv3.auth"
+        )
     return hashlib.sha256(written.encode()).digest()
 
 
@@ -257,6 +269,7 @@ def _options(options: list[str], error) -> tuple[str | None, RateLimit | None]:
 
 # ---------------------------------------------------------------------------------------------- middleware
 
+
 class ApiKeyAuth:
     """ASGI middleware: a request reaches `app` only with a key of the scope its path needs (see the module)."""
 
@@ -274,18 +287,33 @@ class ApiKeyAuth:
         status, reason, headers = refusal
         path = _route_path(scope)
         body = json.dumps({"error" if path == "/v2" or path.startswith("/v2/") else "detail": reason}).encode()
-        await send({"type": "http.response.start", "status": status, "headers": [
-            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-            (b"connection", b"close"), *headers]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"connection", b"close"),
+                    *headers,
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
     def refusal(self, scope) -> tuple[int, str, list] | None:
         """None to let the request in, else (status, reason, extra headers). Reads only the request line
         and headers."""
         if _blank_query_keys(scope):
-            return 400, ("an API key in the URL is not accepted (URLs are written to logs): send it as the header "
-                         "Authorization: Bearer KEY or X-API-Key: KEY (and if that was a real key, replace it: "
-                         "it has been exposed)"), []
+            return (
+                400,
+                (
+                    "an API key in the URL is not accepted (URLs are written to logs): send it as the header "
+                    "Authorization: Bearer KEY or X-API-Key: KEY (and if that was a real key, replace it: "
+                    "it has been exposed)"
+                ),
+                [],
+            )
         needed = required_scope(scope["method"], _route_path(scope))
         if needed is Scope.OPEN:
             return None
@@ -294,20 +322,29 @@ class ApiKeyAuth:
             return 401, problem, [(b"www-authenticate", b'Bearer realm="mnv3"')]
         key = self.keys.match(presented)
         if key is None:
-            return 401, "the API key is not valid", [(b"www-authenticate",
-                                                      b'Bearer realm="mnv3", error="invalid_token"')]
+            return (
+                401,
+                "the API key is not valid",
+                [(b"www-authenticate", b'Bearer realm="mnv3", error="invalid_token"')],
+            )
         if key.scope < needed:
             scope_name = needed.name.lower()
             log.info("refused %s %s to key %s: it needs scope %s", scope["method"], scope["path"], key.name, scope_name)
             challenge = f'Bearer realm="mnv3", error="insufficient_scope", scope="{scope_name}"'
-            return 403, f"this API key's scope does not include this path: it needs a key of scope {scope_name}", \
-                [(b"www-authenticate", challenge.encode())]
+            return (
+                403,
+                f"this API key's scope does not include this path: it needs a key of scope {scope_name}",
+                [(b"www-authenticate", challenge.encode())],
+            )
         wait_s = self.keys.wait_s(key)
         if wait_s:
             retry_after = max(1, math.ceil(wait_s))
             log.info("rate-limited key %s (%s)", key.name, key.limit)
-            return 429, f"this API key is over its rate limit of {key.limit}: retry in {retry_after} s", \
-                [(b"retry-after", str(retry_after).encode())]
+            return (
+                429,
+                f"this API key is over its rate limit of {key.limit}: retry in {retry_after} s",
+                [(b"retry-after", str(retry_after).encode())],
+            )
         return None
 
 
@@ -315,7 +352,7 @@ def _route_path(scope) -> str:
     """The path the app routes on: without the root_path a proxy mounted the app under (as Starlette does)."""
     path, root = scope["path"], scope.get("root_path", "")
     if root and (path == root or path.startswith(root + "/")):
-        return path[len(root):] or "/"
+        return path[len(root) :] or "/"
     return path
 
 
@@ -345,12 +382,14 @@ def _blank_query_keys(scope) -> bool:
     pairs = parse_qsl(query.decode("latin-1"), keep_blank_values=True)
     if not any(name.lower() in QUERY_KEY_NAMES for name, _ in pairs):
         return False
-    scope["query_string"] = urlencode([(name, "REDACTED" if name.lower() in QUERY_KEY_NAMES else value)
-                                       for name, value in pairs]).encode("latin-1")
+    scope["query_string"] = urlencode(
+        [(name, "REDACTED" if name.lower() in QUERY_KEY_NAMES else value) for name, value in pairs]
+    ).encode("latin-1")
     return True
 
 
 # ---------------------------------------------------------------------------------------------- start-up
+
 
 def is_loopback(host: str) -> bool:
     """Whether binding to `host` keeps the server reachable from this machine only. Host names other than
@@ -370,9 +409,11 @@ def exposure_warning(host: str, flag: str = "--api-keys") -> str | None:
     """The start-up warning for serving on `host` without keys, or None on a loopback address."""
     if is_loopback(host):
         return None
-    return (f"binding to {host} without {flag}: anyone who can reach this port can run inference, read /metrics "
-            f"and /model and reach every model. Pass {flag} FILE (one '{GRAMMAR}' a line), or bind to 127.0.0.1 "
-            "behind a proxy that authenticates; ignore this only on a network you trust.")
+    return (
+        f"binding to {host} without {flag}: anyone who can reach this port can run inference, read /metrics "
+        f"and /model and reach every model. Pass {flag} FILE (one '{GRAMMAR}' a line), or bind to 127.0.0.1 "
+        "behind a proxy that authenticates; ignore this only on a network you trust."
+    )
 
 
 def new_key_line(scope: str = "infer") -> tuple[str, str]:
@@ -382,9 +423,13 @@ def new_key_line(scope: str = "infer") -> tuple[str, str]:
 
 
 def get_args_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m mnv3.auth", description=(
-        "Make a new API key: prints the key (give it to the client) and the line for the --api-keys file, "
-        "which holds only the key's sha256."))
+    parser = argparse.ArgumentParser(
+        prog="python -m mnv3.auth",
+        description=(
+            "Make a new API key: prints the key (give it to the client) and the line for the --api-keys file, "
+            "which holds only the key's sha256."
+        ),
+    )
     parser.add_argument("--scope", choices=tuple(KEY_SCOPES), default="infer", help="what the key may do")
     return parser
 

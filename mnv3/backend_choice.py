@@ -13,6 +13,7 @@ reason says why. An explicit `--backend onnxruntime|openvino` always wins.
 
 This module reads JSON only: serving imports it without importing openvino or torch.
 """
+
 import importlib.util
 import math
 from dataclasses import asdict, dataclass
@@ -34,6 +35,7 @@ SPEED_COLUMNS = ("mean_ms_vs_onnx_fp32", "per_image_ms_vs_onnx_fp32")
 @dataclass(frozen=True)
 class Choice:
     """What serves: the file, its engine and OpenVINO precision and streams; what was asked for, and why this."""
+
     path: Path
     backend: str
     precision: str
@@ -65,12 +67,21 @@ def resolve_auto(model: Path) -> Choice:
     entry = read_manifest(model.parent).get(MANIFEST_KEY)
 
     def fallback(why: str, unservable: bool = False) -> Choice:
-        return Choice(model, FALLBACK, "auto", AUTO, f"{why}; serving {model.name} with {FALLBACK}", True, entry,
-                      unservable=unservable)
+        return Choice(
+            model,
+            FALLBACK,
+            "auto",
+            AUTO,
+            f"{why}; serving {model.name} with {FALLBACK}",
+            True,
+            entry,
+            unservable=unservable,
+        )
 
     if not entry:
-        return fallback(f"no engine choice in {model.parent}/manifest.json (stage 2, static_quantization.py, "
-                        "writes it)")
+        return fallback(
+            f"no engine choice in {model.parent}/manifest.json (stage 2, static_quantization.py, writes it)"
+        )
     if model.name not in (entry["for_model"], entry["file"]):
         return fallback(f"stage 2 chose an engine for {entry['for_model']}, not {model.name}")
     if entry["engine"] not in BACKENDS or importlib.util.find_spec(entry["engine"]) is None:
@@ -78,8 +89,7 @@ def resolve_auto(model: Path) -> Choice:
     chosen = model.parent / entry["file"]
     if not chosen.is_file():
         return fallback(f"stage 2 chose {entry['variant']}, but its file {chosen} is missing", True)
-    return Choice(chosen, entry["engine"], entry["precision"], AUTO, entry["reason"], False, entry,
-                  entry["streams"])
+    return Choice(chosen, entry["engine"], entry["precision"], AUTO, entry["reason"], False, entry, entry["streams"])
 
 
 def variant_name(engine: str, file: str, precision: str, streams: int = 1) -> str:
@@ -110,24 +120,48 @@ def choose(rows: list[dict], min_agreement: float, guard_applies: bool) -> tuple
 
 def guard_note(provenance: str, min_agreement: float) -> str:
     if provenance == STAND_IN_PROVENANCE:
-        return ("not applied: the weights are the random-init stand-in, whose agreement with FP32 says nothing "
-                "about a trained model's; rerun stage 1 with --weights for a guarded choice")
+        return (
+            "not applied: the weights are the random-init stand-in, whose agreement with FP32 says nothing "
+            "about a trained model's; rerun stage 1 with --weights for a guarded choice"
+        )
     return f"applied: a variant needs top-1 agreement with FP32 >= {min_agreement} on the held-out photos"
 
 
-def manifest_entry(chosen: dict, refused: dict[str, str], for_model: str, candidates: int, provenance: str,
-                   min_agreement: float, environment: dict) -> dict:
+def manifest_entry(
+    chosen: dict,
+    refused: dict[str, str],
+    for_model: str,
+    candidates: int,
+    provenance: str,
+    min_agreement: float,
+    environment: dict,
+) -> dict:
     """The MANIFEST_KEY entry: what serves, its same-run ratios and agreement, and why it was chosen."""
-    columns = ("mean_ms_vs_onnx_fp32", "per_image_ms_vs_onnx_fp32", "batch_size", "top1_agreement",
-               "top5_agreement", "sqnr_db")
+    columns = (
+        "mean_ms_vs_onnx_fp32",
+        "per_image_ms_vs_onnx_fp32",
+        "batch_size",
+        "top1_agreement",
+        "top5_agreement",
+        "sqnr_db",
+    )
     return {
-        "variant": chosen["variant"], "engine": chosen["engine"], "file": chosen["file"],
-        "precision": chosen["precision"], "streams": chosen["streams"], "for_model": for_model,
+        "variant": chosen["variant"],
+        "engine": chosen["engine"],
+        "file": chosen["file"],
+        "precision": chosen["precision"],
+        "streams": chosen["streams"],
+        "for_model": for_model,
         **{column: chosen.get(column) for column in columns},
-        "reason": (f"fastest of {candidates} engine x precision variants timed in turns with ONNX FP32 on this "
-                   f"machine (batch 1 {chosen['mean_ms_vs_onnx_fp32']}x, per image at batch "
-                   f"{chosen['batch_size']} {chosen['per_image_ms_vs_onnx_fp32']}x FP32's time)"
-                   + (f"; passed over: {'; '.join(f'{k} ({v})' for k, v in refused.items())}" if refused else "")),
-        "agreement_guard": guard_note(provenance, min_agreement), "min_agreement": min_agreement,
-        "guard_applied": provenance != STAND_IN_PROVENANCE, "weights": provenance, **environment,
+        "reason": (
+            f"fastest of {candidates} engine x precision variants timed in turns with ONNX FP32 on this "
+            f"machine (batch 1 {chosen['mean_ms_vs_onnx_fp32']}x, per image at batch "
+            f"{chosen['batch_size']} {chosen['per_image_ms_vs_onnx_fp32']}x FP32's time)"
+            + (f"; passed over: {'; '.join(f'{k} ({v})' for k, v in refused.items())}" if refused else "")
+        ),
+        "agreement_guard": guard_note(provenance, min_agreement),
+        "min_agreement": min_agreement,
+        "guard_applied": provenance != STAND_IN_PROVENANCE,
+        "weights": provenance,
+        **environment,
     }

@@ -15,6 +15,7 @@ keeping it off the default executor means decode/preprocess work never waits beh
 Work nobody waits for any more (deadline passed, client gone) is dropped before it runs and counted
 in `dropped`. `stop()` drains: queued requests are still answered, new ones are refused.
 """
+
 import asyncio
 import math
 import time
@@ -54,8 +55,14 @@ class _Pending:
 
 
 class DynamicBatcher:
-    def __init__(self, run_batch: Callable[[np.ndarray], np.ndarray], max_batch_size: int = 32,
-                 window_ms: float = 20.0, queue_limit: int = 512, incoming: Callable[[], int] | None = None):
+    def __init__(
+        self,
+        run_batch: Callable[[np.ndarray], np.ndarray],
+        max_batch_size: int = 32,
+        window_ms: float = 20.0,
+        queue_limit: int = 512,
+        incoming: Callable[[], int] | None = None,
+    ):
         """`incoming()` counts requests that will be submitted soon; None means unknown (always wait)."""
         self.run_batch = run_batch
         self.incoming = incoming
@@ -135,13 +142,15 @@ class DynamicBatcher:
         started = time.perf_counter()
         try:
             outputs = await loop.run_in_executor(self._executor, self.run_batch, np.stack([p.array for p in live]))
+            if len(outputs) != len(live):  # else some requests would wait for a row that never comes
+                raise RuntimeError(f"run_batch returned {len(outputs)} rows for a batch of {len(live)}")
         except Exception as exc:  # fails this batch's requests only; the worker goes on
             for p in live:
                 if not p.future.done():
                     p.future.set_exception(exc)
             return
         inference_s = time.perf_counter() - started
-        for p, row in zip(live, outputs):
+        for p, row in zip(live, outputs, strict=True):
             if not p.future.done():
                 p.future.set_result(BatchResult(row, len(live), started - p.queued_at, inference_s))
 

@@ -7,6 +7,7 @@ is also swept over concurrencies and driven open loop. The limit is measured aft
 have stopped, so it has the machine to itself: for the engine the servers run (`--backend auto`), and
 for onnxruntime on the FP32 and INT8 files beside it, so what the chosen engine gains shows end to end.
 """
+
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,7 @@ NO_BATCHING, BATCHING = "no_batching", "batching"
 @dataclass(frozen=True)
 class BatchingPlan:
     """What stage 5 measures: its flags, after the --quick defaults are filled in."""
+
     concurrency: int  # the headline: both servers at this concurrency
     requests: int  # closed-loop requests at `concurrency`; other sweep points get proportionally fewer
     sweep: tuple[int, ...]
@@ -49,8 +51,11 @@ class BatchingPlan:
     @property
     def batching_options(self) -> dict:
         """The batching server's flags (cache off, so every request is decoded and classified)."""
-        return self.server_options | {"cache_size": 0, "batch_window_ms": self.batch_window_ms,
-                                      "max_batch_size": self.max_batch_size}
+        return self.server_options | {
+            "cache_size": 0,
+            "batch_window_ms": self.batch_window_ms,
+            "max_batch_size": self.max_batch_size,
+        }
 
     def title(self) -> str:
         return f"window {self.batch_window_ms:g} ms, max batch {self.max_batch_size}, cache off"
@@ -89,38 +94,55 @@ class BatchingResult:
         loop, every limit configuration and the confirmed limit; each ends with `environment`."""
         ratios = {"speedup_vs_no_batching": self.speedup, "server_to_limit_ratio": self.of_limit}
         rows = [{"configuration": NO_BATCHING} | self.baseline.as_row() | self.baseline_settings]
-        rows += [{"configuration": BATCHING} | result.as_row() | self.batching_settings
-                 | (ratios if concurrency == self.plan.concurrency else {})
-                 for concurrency, result in sorted(self.points.items())]
+        rows += [
+            {"configuration": BATCHING}
+            | result.as_row()
+            | self.batching_settings
+            | (ratios if concurrency == self.plan.concurrency else {})
+            for concurrency, result in sorted(self.points.items())
+        ]
         rows.append({"configuration": BATCHING} | self.open_loop.as_row() | self.batching_settings)
         for limit, grid in [(self.limit, self.grid), *self.other_limits.values()]:
             rows += [{"configuration": "in_process_limit", "mode": "in_process"} | r.as_row() for r in grid]
-            rows.append({"configuration": "in_process_limit_confirmed", "mode": "in_process"} | limit.as_row()
-                        | {"served": limit is self.limit})
+            rows.append(
+                {"configuration": "in_process_limit_confirmed", "mode": "in_process"}
+                | limit.as_row()
+                | {"served": limit is self.limit}
+            )
         return [row | environment for row in rows]
 
     def summary(self) -> str:
         c, limit = self.plan.concurrency, self.limit
-        return "\n".join([
-            f"\nat concurrency {c}: {self.baseline.rps:.1f} req/s without batching -> "
-            f"{self.headline.rps:.1f} req/s with batching ({self.speedup}x)",
-            f"in-process limit of the served engine {limit.engine}: {limit.images_per_s:.1f} images/s (batch "
-            f"{limit.batch_size}, intra-op {limit.intra_op_threads}, decode threads {limit.decode_threads}; the "
-            f"fastest of {len(self.grid)} configurations, measured again over {limit.images} images); the server "
-            f"reaches {self.of_limit} of it",
-            *[f"in-process limit of {name}: {other.images_per_s:.1f} images/s (the served engine's is "
-              f"{loadtest.ratio(limit.images_per_s, other.images_per_s)}x)"
-              for name, (other, _) in self.other_limits.items()],
-            f"batches at concurrency {c} (size bucket: count): {self.histogram}",
-            f"open loop, latency from each request's scheduled send time: {self.open_loop.summary()}",
-        ])
+        return "\n".join(
+            [
+                f"\nat concurrency {c}: {self.baseline.rps:.1f} req/s without batching -> "
+                f"{self.headline.rps:.1f} req/s with batching ({self.speedup}x)",
+                f"in-process limit of the served engine {limit.engine}: {limit.images_per_s:.1f} images/s (batch "
+                f"{limit.batch_size}, intra-op {limit.intra_op_threads}, decode threads {limit.decode_threads}; the "
+                f"fastest of {len(self.grid)} configurations, measured again over {limit.images} images); the server "
+                f"reaches {self.of_limit} of it",
+                *[
+                    f"in-process limit of {name}: {other.images_per_s:.1f} images/s (the served engine's is "
+                    f"{loadtest.ratio(limit.images_per_s, other.images_per_s)}x)"
+                    for name, (other, _) in self.other_limits.items()
+                ],
+                f"batches at concurrency {c} (size bucket: count): {self.histogram}",
+                f"open loop, latency from each request's scheduled send time: {self.open_loop.summary()}",
+            ]
+        )
 
 
-def closed_loop(url: str, bodies: list, concurrency: int, count: int, configuration: str,
-                client=loadtest.PredictClient) -> LoadResult:
+def closed_loop(
+    url: str, bodies: list, concurrency: int, count: int, configuration: str, client=loadtest.PredictClient
+) -> LoadResult:
     """One closed-loop run through a fresh `client(url)` with the server's metrics for it, printed as it is measured."""
-    result = loadtest.run_with_metrics(url, lambda send: loadtest.run_closed_loop(
-        send, bodies, concurrency, count, desc=f"{configuration} c={concurrency}"), client)
+    result = loadtest.run_with_metrics(
+        url,
+        lambda send: loadtest.run_closed_loop(
+            send, bodies, concurrency, count, desc=f"{configuration} c={concurrency}"
+        ),
+        client,
+    )
     print(f"{configuration}: {result.summary()}")
     return result
 
@@ -138,17 +160,31 @@ def run_batching_benchmark(model: Path, bodies: list[bytes], plan: BatchingPlan)
         loadtest.warm_up(url, bodies, plan.concurrency)
         points = {c: closed_loop(url, bodies, c, plan.requests_at(c), BATCHING) for c in plan.concurrencies}
         rate = plan.open_loop_fraction * points[plan.concurrency].rps
-        open_loop = loadtest.run_with_metrics(url, lambda send: loadtest.run_open_loop(
-            send, bodies, rate, plan.open_loop_seconds, max_in_flight=plan.concurrency, desc="open loop"))
+        open_loop = loadtest.run_with_metrics(
+            url,
+            lambda send: loadtest.run_open_loop(
+                send, bodies, rate, plan.open_loop_seconds, max_in_flight=plan.concurrency, desc="open loop"
+            ),
+        )
         print(f"batching, open loop: {open_loop.summary()}")
 
     # After the servers stop, so the limit has the machine to itself.
-    limits = {name: run_limit(name, engine, bodies[:plan.limit_images], plan.limit_batch_sizes,
-                              plan.limit_thread_splits, plan.limit_confirm_passes, desc=f"in-process limit, {name}")
-              for name, engine in limit_engines(model).items()}
+    limits = {
+        name: run_limit(
+            name,
+            engine,
+            bodies[: plan.limit_images],
+            plan.limit_batch_sizes,
+            plan.limit_thread_splits,
+            plan.limit_confirm_passes,
+            desc=f"in-process limit, {name}",
+        )
+        for name, engine in limit_engines(model).items()
+    }
     served_limit, served_grid = limits.pop(next(iter(limits)))
-    return BatchingResult(plan, baseline, baseline_settings, points, batching_settings, open_loop, served_limit,
-                          served_grid, limits)
+    return BatchingResult(
+        plan, baseline, baseline_settings, points, batching_settings, open_loop, served_limit, served_grid, limits
+    )
 
 
 def limit_engines(model: Path) -> dict[str, Choice]:
@@ -169,19 +205,35 @@ def plot_batching(result: BatchingResult, results_dir: Path) -> None:
     concurrencies = sorted(result.points)
     closed = [result.points[c] for c in concurrencies]
     plots.plot_over_concurrency(
-        results_dir / THROUGHPUT_PNG, concurrencies, {"batching": [r.rps for r in closed]}, "requests / s",
-        f"Throughput ({title})", points={"no batching": (plan.concurrency, result.baseline.rps)},
-        level=("in-process limit", result.limit.images_per_s))
+        results_dir / THROUGHPUT_PNG,
+        concurrencies,
+        {"batching": [r.rps for r in closed]},
+        "requests / s",
+        f"Throughput ({title})",
+        points={"no batching": (plan.concurrency, result.baseline.rps)},
+        level=("in-process limit", result.limit.images_per_s),
+    )
     plots.plot_over_concurrency(
-        results_dir / LATENCY_PNG, concurrencies,
-        {f"batching {name[:3]}": [getattr(r.latency, name, float("nan")) for r in closed]
-         for name in ("p50_ms", "p95_ms", "p99_ms")},
-        "round trip (ms)", f"Latency, closed loop ({title})",
+        results_dir / LATENCY_PNG,
+        concurrencies,
+        {
+            f"batching {name[:3]}": [getattr(r.latency, name, float("nan")) for r in closed]
+            for name in ("p50_ms", "p95_ms", "p99_ms")
+        },
+        "round trip (ms)",
+        f"Latency, closed loop ({title})",
         points={"no batching p50": (plan.concurrency, getattr(result.baseline.latency, "p50_ms", float("nan")))},
-        log_y=True)
+        log_y=True,
+    )
     histogram = result.histogram
-    plots.plot_bars(results_dir / BATCH_SIZE_HISTOGRAM_PNG, bucket_labels(list(histogram)), list(histogram.values()),
-                    "batch size", "batches", f"Batch sizes at concurrency {plan.concurrency} ({title})")
+    plots.plot_bars(
+        results_dir / BATCH_SIZE_HISTOGRAM_PNG,
+        bucket_labels(list(histogram)),
+        list(histogram.values()),
+        "batch size",
+        "batches",
+        f"Batch sizes at concurrency {plan.concurrency} ({title})",
+    )
 
 
 def bucket_labels(bounds: list[str]) -> list[str]:

@@ -6,6 +6,7 @@ host is aborted and recorded in `off_host`, so a caller can assert that the page
 outside the machine. Chromium's own background traffic (updates, sync, safe browsing) never reaches
 the page's routing, so it is switched off with flags, and each launch gets a fresh, empty profile.
 """
+
 import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -13,8 +14,14 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_FLAGS = ("--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                  "--disable-sync", "--no-first-run")
+CHROMIUM_FLAGS = (
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+)
 LOCAL_HOST = "127.0.0.1"
 
 
@@ -44,8 +51,13 @@ def local_browser(width: int = 1280, height: int = 900, scale: float = 1):
 
     with sync_playwright() as playwright, tempfile.TemporaryDirectory(prefix="mnv3-chromium-") as profile:
         context = playwright.chromium.launch_persistent_context(
-            profile, executable_path=str(CHROMIUM), headless=True, args=list(CHROMIUM_FLAGS),
-            viewport={"width": width, "height": height}, device_scale_factor=scale)
+            profile,
+            executable_path=str(CHROMIUM),
+            headless=True,
+            args=list(CHROMIUM_FLAGS),
+            viewport={"width": width, "height": height},
+            device_scale_factor=scale,
+        )
         browser = LocalBrowser(context)
         context.route("**/*", browser._route)
         try:

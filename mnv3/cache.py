@@ -1,4 +1,5 @@
 """Results keyed by the exact image bytes and model, with single-flight for identical requests in flight."""
+
 import asyncio
 import hashlib
 from collections.abc import Awaitable, Callable
@@ -35,8 +36,9 @@ class ResultCache:
         key = f"{hashlib.sha256(data).hexdigest()}:{self.model_id}"
         return f"{key}:{kind}" if kind else key
 
-    async def get_or_compute(self, data: bytes, compute: Callable[[], Awaitable[Result]], kind: str = ""
-                             ) -> tuple[Result, bool]:
+    async def get_or_compute(
+        self, data: bytes, compute: Callable[[], Awaitable[Result]], kind: str = ""
+    ) -> tuple[Result, bool]:
         """Return (result, hit). A hit is a stored result or one shared with an identical request in flight.
         `kind` tells apart results of different shapes computed from the same bytes.
 

@@ -5,6 +5,7 @@ An entry point is `get_args_parser()` + `main(args)`, as in torchvision's refere
 `main` fills the counts the user left unset from `defaults(args)` and makes one call into the package
 through `run_stage`.
 """
+
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from mnv3.loadtest import REQUEST_TIMEOUT_S, START_TIMEOUT_S, ServerStartError
 from mnv3.photos import LOAD_IMAGE_QUALITY, LOAD_IMAGE_SIZE
 from mnv3.runtime import DEFAULT_INTRA_OP_THREADS
 
+
 class UsageError(ValueError):
     """Flag values that cannot work together; the message names the fix."""
 
@@ -29,6 +31,7 @@ REQUESTS_PER_SENDER = 4  # a closed-loop run's default requests per concurrent s
 class Defaults:
     """Every count that --quick changes, for every entry point. `defaults(args)` picks FULL or QUICK
     once; a flag the user sets wins over both."""
+
     # stages 1-2: the model
     timing: Timing
     batch_size: int  # for per-image throughput; batch-1 latency is always measured too
@@ -65,25 +68,62 @@ class Defaults:
 
 
 FULL = Defaults(
-    timing=Timing(), batch_size=32, held_out_images=64, bn_recalibration_images=64, profile_runs=20,
-    calibration_images=200, comparison_repeats=4,
-    concurrency=250, sequential_requests=50, sweep=(1, 8, 32, 64, 128, 250), open_loop_seconds=15.0,
-    limit_images=128, limit_batch_sizes=BATCH_SIZES, limit_thread_splits=THREAD_SPLITS,
+    timing=Timing(),
+    batch_size=32,
+    held_out_images=64,
+    bn_recalibration_images=64,
+    profile_runs=20,
+    calibration_images=200,
+    comparison_repeats=4,
+    concurrency=250,
+    sequential_requests=50,
+    sweep=(1, 8, 32, 64, 128, 250),
+    open_loop_seconds=15.0,
+    limit_images=128,
+    limit_batch_sizes=BATCH_SIZES,
+    limit_thread_splits=THREAD_SPLITS,
     limit_confirm_passes=CONFIRM_PASSES,
-    phone_concurrency=32, phone_decode_rounds=5,
-    soak_requests=20_000, soak_cache_size=256, soak_distinct=1024, soak_concurrency=16,
+    phone_concurrency=32,
+    phone_decode_rounds=5,
+    soak_requests=20_000,
+    soak_cache_size=256,
+    soak_distinct=1024,
+    soak_concurrency=16,
     ray_bench_concurrency=64,
-    cluster_concurrency=16, cluster_seconds=60.0, cluster_loss_at=15.0, cluster_images=64, cluster_repeats=16,
+    cluster_concurrency=16,
+    cluster_seconds=60.0,
+    cluster_loss_at=15.0,
+    cluster_images=64,
+    cluster_repeats=16,
 )
 QUICK = Defaults(
-    timing=Timing(warmup=3, iters=10, batch_warmup=1, batch_iters=3), batch_size=8, held_out_images=16,
-    bn_recalibration_images=16, profile_runs=3, calibration_images=16, comparison_repeats=1,
-    concurrency=8, sequential_requests=8, sweep=(1, 8), open_loop_seconds=2.0,
-    limit_images=16, limit_batch_sizes=(1, 8), limit_thread_splits=THREAD_SPLITS[:2], limit_confirm_passes=1,
-    phone_concurrency=4, phone_decode_rounds=2,
-    soak_requests=400, soak_cache_size=32, soak_distinct=128, soak_concurrency=4,
+    timing=Timing(warmup=3, iters=10, batch_warmup=1, batch_iters=3),
+    batch_size=8,
+    held_out_images=16,
+    bn_recalibration_images=16,
+    profile_runs=3,
+    calibration_images=16,
+    comparison_repeats=1,
+    concurrency=8,
+    sequential_requests=8,
+    sweep=(1, 8),
+    open_loop_seconds=2.0,
+    limit_images=16,
+    limit_batch_sizes=(1, 8),
+    limit_thread_splits=THREAD_SPLITS[:2],
+    limit_confirm_passes=1,
+    phone_concurrency=4,
+    phone_decode_rounds=2,
+    soak_requests=400,
+    soak_cache_size=32,
+    soak_distinct=128,
+    soak_concurrency=4,
     ray_bench_concurrency=8,
-    cluster_concurrency=8, cluster_seconds=30.0, cluster_loss_at=10.0, cluster_images=16, cluster_repeats=8,
+    cluster_concurrency=8,
+    cluster_seconds=30.0,
+    cluster_loss_at=10.0,
+    cluster_images=16,
+    cluster_repeats=8,
 )
 
 
@@ -123,55 +163,89 @@ def non_negative_int(text: str) -> int:
 
 # ---------------------------------------------------------------------------------------- flags
 
+
 def add_common_args(parser, artifacts_help: str):
     """The flags every entry point takes: where things go, and --quick."""
-    parser.add_argument("--artifacts-dir", type=Path, default=ARTIFACTS_DIR,
-                        help=f"{artifacts_help} (default %(default)s)")
-    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR,
-                        help="where CSVs, plots and summary.md go (default %(default)s)")
-    parser.add_argument("--quick", action="store_true",
-                        help="small counts (mnv3/cli.py QUICK): a smoke run in well under a minute")
+    parser.add_argument(
+        "--artifacts-dir", type=Path, default=ARTIFACTS_DIR, help=f"{artifacts_help} (default %(default)s)"
+    )
+    parser.add_argument(
+        "--results-dir",
+        type=Path,
+        default=RESULTS_DIR,
+        help="where CSVs, plots and summary.md go (default %(default)s)",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="small counts (mnv3/cli.py QUICK): a smoke run in well under a minute"
+    )
     return parser
 
 
 def add_model_stage_args(parser, artifacts_help: str):
     """Stages 1-2: the common flags, how hard to measure, optional labels."""
     add_common_args(parser, artifacts_help)
-    parser.add_argument("--threads", type=positive_int, default=DEFAULT_INTRA_OP_THREADS,
-                        help="intra-op threads for onnxruntime and torch (recorded in the results)")
-    parser.add_argument("--batch-size", type=positive_int, default=None,
-                        help=f"batch for per-image throughput ({full_and_quick('batch_size')})")
-    parser.add_argument("--labels", default=None,
-                        help="folder-per-class tree or CSV of file,class_id: adds true top-1/top-5 accuracy")
+    parser.add_argument(
+        "--threads",
+        type=positive_int,
+        default=DEFAULT_INTRA_OP_THREADS,
+        help="intra-op threads for onnxruntime and torch (recorded in the results)",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=None,
+        help=f"batch for per-image throughput ({full_and_quick('batch_size')})",
+    )
+    parser.add_argument(
+        "--labels", default=None, help="folder-per-class tree or CSV of file,class_id: adds true top-1/top-5 accuracy"
+    )
     return parser
 
 
 def add_load_args(parser, concurrency_help: str, requests_help: str):
     """What a load test drives: the model to serve, how many senders, how many requests."""
-    parser.add_argument("--model", type=Path,
-                        help="ONNX model to serve (default: the static INT8 model stage 2 recorded)")
+    parser.add_argument(
+        "--model", type=Path, help="ONNX model to serve (default: the static INT8 model stage 2 recorded)"
+    )
     parser.add_argument("--concurrency", type=positive_int, help=f"concurrent requests ({concurrency_help})")
     parser.add_argument("--requests", type=positive_int, help=f"requests per closed-loop run ({requests_help})")
     return parser
 
 
-def add_load_test_args(parser, concurrency_help: str = full_and_quick("concurrency"),
-                       requests_help: str = f"default {REQUESTS_PER_SENDER}x concurrency"):
+def add_load_test_args(
+    parser,
+    concurrency_help: str = full_and_quick("concurrency"),
+    requests_help: str = f"default {REQUESTS_PER_SENDER}x concurrency",
+):
     """Stages 3-5 and the soak: the common flags, the load, and the server's tuning flags (defaults:
     the server's own, except a deadline as long as the client waits)."""
     add_common_args(parser, "where stages 1-2 wrote models")
     add_load_args(parser, concurrency_help, requests_help)
-    parser.add_argument("--intra-op-threads", type=positive_int, default=ServerConfig.intra_op_threads,
-                        help="server's ORT intra-op threads (default %(default)s)")
-    parser.add_argument("--inter-op-threads", type=positive_int, default=ServerConfig.inter_op_threads,
-                        help="server's ORT inter-op threads (default %(default)s)")
-    parser.add_argument("--preprocess-threads", type=positive_int,
-                        help="server's decode/preprocess threads (default: server's)")
-    parser.add_argument("--deadline-ms", type=float, default=1000 * REQUEST_TIMEOUT_S,
-                        help="server's per-request deadline; as long as the client waits, so a load test "
-                             "measures throughput, not load shedding (default %(default)s)")
-    parser.add_argument("--start-timeout", type=float, default=START_TIMEOUT_S,
-                        help="seconds to wait for /readyz (default %(default)s)")
+    parser.add_argument(
+        "--intra-op-threads",
+        type=positive_int,
+        default=ServerConfig.intra_op_threads,
+        help="server's ORT intra-op threads (default %(default)s)",
+    )
+    parser.add_argument(
+        "--inter-op-threads",
+        type=positive_int,
+        default=ServerConfig.inter_op_threads,
+        help="server's ORT inter-op threads (default %(default)s)",
+    )
+    parser.add_argument(
+        "--preprocess-threads", type=positive_int, help="server's decode/preprocess threads (default: server's)"
+    )
+    parser.add_argument(
+        "--deadline-ms",
+        type=float,
+        default=1000 * REQUEST_TIMEOUT_S,
+        help="server's per-request deadline; as long as the client waits, so a load test "
+        "measures throughput, not load shedding (default %(default)s)",
+    )
+    parser.add_argument(
+        "--start-timeout", type=float, default=START_TIMEOUT_S, help="seconds to wait for /readyz (default %(default)s)"
+    )
     return parser
 
 
@@ -183,11 +257,16 @@ def fill_load_defaults(args, **stage_values):
 
 def server_options(args, **overrides) -> dict:
     """Server flags from the load-test tuning flags, then a stage's own settings (cache, batching)."""
-    return {"intra_op_threads": args.intra_op_threads, "inter_op_threads": args.inter_op_threads,
-            "preprocess_threads": args.preprocess_threads, "deadline_ms": args.deadline_ms} | overrides
+    return {
+        "intra_op_threads": args.intra_op_threads,
+        "inter_op_threads": args.inter_op_threads,
+        "preprocess_threads": args.preprocess_threads,
+        "deadline_ms": args.deadline_ms,
+    } | overrides
 
 
 # ---------------------------------------------------------------------------------------- running a stage
+
 
 def serving_model(args) -> tuple[Path, str]:
     """(model to serve, weights provenance): --model, else the static INT8 model stage 2 recorded."""
@@ -210,9 +289,14 @@ def static_int8_model(artifacts_dir: Path) -> Path:
 def environment_row(model: Path, provenance: str) -> dict:
     """What a reader needs to judge the numbers: which model, which images, which machine and libraries."""
     width, height = LOAD_IMAGE_SIZE
-    return {"model": model.name, "weights": provenance, "load_image_size": f"{width}x{height}",
-            "load_image_quality": LOAD_IMAGE_QUALITY, **report.cpu_info(),
-            **{f"{name}_version": version for name, version in report.library_versions().items()}}
+    return {
+        "model": model.name,
+        "weights": provenance,
+        "load_image_size": f"{width}x{height}",
+        "load_image_quality": LOAD_IMAGE_QUALITY,
+        **report.cpu_info(),
+        **{f"{name}_version": version for name, version in report.library_versions().items()},
+    }
 
 
 def write_results(results_dir: Path, csv_name: str, rows: list[dict]) -> Path:
@@ -230,4 +314,3 @@ def run_stage(run, args, user_errors: tuple = ()):
     except (MissingArtifact, ServerStartError, UsageError, *user_errors) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
-

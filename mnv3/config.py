@@ -10,6 +10,7 @@ One server serves one model or several: `--model` may be repeated, each as `PATH
 gives one. Every other setting applies to each model (each has its own batcher and cache of
 `--cache-size` entries).
 """
+
 import argparse
 import os
 import re
@@ -38,6 +39,7 @@ def _option(default, help: str, minimum=None, choices=None):
 @dataclass(frozen=True)
 class ModelSpec:
     """One model to serve: its name in URLs, its file, and its backend (None: the server's --backend)."""
+
     name: str
     path: Path
     backend: str | None = None
@@ -57,59 +59,82 @@ class ModelSpec:
 
     def check(self) -> None:
         if not MODEL_NAME.fullmatch(self.name):
-            raise ValueError(f"model name {self.name!r} is not URL-safe: name the model with NAME={self.path} (a "
-                             "letter or digit, then up to 63 letters, digits, '.', '_' or '-')")
+            raise ValueError(
+                f"model name {self.name!r} is not URL-safe: name the model with NAME={self.path} (a "
+                "letter or digit, then up to 63 letters, digits, '.', '_' or '-')"
+            )
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     """Every setting of one server. Each field is also a CLI flag and an MNV3_<NAME> variable."""
-    model: Path = field(metadata={"help": "ONNX model file as PATH, NAME=PATH or NAME=PATH@BACKEND (name: the file's "
-                                          "stem; backend: --backend); repeat --model to serve several, the first is "
-                                          "the default; class_names.json and manifest.json beside it give its class "
-                                          "names and preprocessing",
-                                  "metavar": "[NAME=]PATH[@BACKEND]"})
+
+    model: Path = field(
+        metadata={
+            "help": "ONNX model file as PATH, NAME=PATH or NAME=PATH@BACKEND (name: the file's "
+            "stem; backend: --backend); repeat --model to serve several, the first is "
+            "the default; class_names.json and manifest.json beside it give its class "
+            "names and preprocessing",
+            "metavar": "[NAME=]PATH[@BACKEND]",
+        }
+    )
     # Not a flag of its own: every --model after the first.
     extra_models: tuple[str, ...] = field(default=(), metadata={"help": "models served besides --model"})
     host: str = _option("127.0.0.1", "address to bind")
     port: int = _option(8000, "port to bind", minimum=0)
-    backend: str = _option("auto", "inference runtime; auto: what stage 2 measured fastest here, else onnxruntime",
-                           choices=BACKEND_CHOICES)
+    backend: str = _option(
+        "auto", "inference runtime; auto: what stage 2 measured fastest here, else onnxruntime", choices=BACKEND_CHOICES
+    )
     cache_size: int = _option(1024, "result cache entries; 0 disables the cache", minimum=0)
     batch_window_ms: float = _option(20.0, "how long a batch waits for more requests after its first", minimum=0)
     max_batch_size: int = _option(32, "largest batch; 1 runs every request alone, with no window wait", minimum=1)
-    max_in_flight: int = _option(512, "requests admitted at once (uploading, decoding, queued or running); more get "
-                                      "503 before their body is read", minimum=1)
+    max_in_flight: int = _option(
+        512,
+        "requests admitted at once (uploading, decoding, queued or running); more get 503 before their body is read",
+        minimum=1,
+    )
     queue_limit: int = _option(512, "requests waiting for inference before new ones get 503", minimum=1)
-    deadline_ms: float = _option(10_000.0, "per request from arrival; past it: 504, and unrun work is dropped",
-                                 minimum=1)
+    deadline_ms: float = _option(
+        10_000.0, "per request from arrival; past it: 504, and unrun work is dropped", minimum=1
+    )
     intra_op_threads: int = _option(DEFAULT_INTRA_OP_THREADS, "onnxruntime threads within an operator", minimum=1)
     inter_op_threads: int = _option(DEFAULT_INTER_OP_THREADS, "onnxruntime threads across operators", minimum=1)
     # Off by default: spinning intra-op threads steal the cores that decoding needs, so under many
     # concurrent clients a server with spinning on answers fewer requests per second, not more.
-    ort_spinning: int = _option(0, "1 lets idle onnxruntime threads busy-wait (faster only on otherwise idle cores)",
-                                choices=(0, 1))
-    preprocess_threads: int = _option(DEFAULT_PREPROCESS_THREADS, "threads that decode and preprocess images",
-                                      minimum=1)
+    ort_spinning: int = _option(
+        0, "1 lets idle onnxruntime threads busy-wait (faster only on otherwise idle cores)", choices=(0, 1)
+    )
+    preprocess_threads: int = _option(
+        DEFAULT_PREPROCESS_THREADS, "threads that decode and preprocess images", minimum=1
+    )
     max_upload_bytes: int = _option(10 * 1024 * 1024, "largest request body in bytes (413 above)", minimum=1)
-    max_pixels: int = _option(DEFAULT_MAX_PIXELS, "largest image, width x height, checked before decoding (413)",
-                              minimum=1)
+    max_pixels: int = _option(
+        DEFAULT_MAX_PIXELS, "largest image, width x height, checked before decoding (413)", minimum=1
+    )
     # On by default: it makes a phone photo's decode several times cheaper and moves its preprocessed
     # pixels by a few grey levels at most (README, "Limits and errors"); a JPEG whose shorter side is
     # under 1024 px, and every other format, decodes exactly as with 0.
-    jpeg_draft: int = _option(1, "1 decodes large JPEGs at a reduced DCT scale (1/2-1/8) that still leaves twice the "
-                                 "resize size; 0 always decodes in full", choices=(0, 1))
-    body_timeout_s: float = _option(30.0, "seconds to receive a whole request body; a slower or stalled upload "
-                                          "gets 408", minimum=0.001)
-    shutdown_timeout_s: float = _option(30.0, "on SIGTERM, how long in-flight requests may take before they are "
-                                              "cancelled", minimum=0)
+    jpeg_draft: int = _option(
+        1,
+        "1 decodes large JPEGs at a reduced DCT scale (1/2-1/8) that still leaves twice the "
+        "resize size; 0 always decodes in full",
+        choices=(0, 1),
+    )
+    body_timeout_s: float = _option(
+        30.0, "seconds to receive a whole request body; a slower or stalled upload gets 408", minimum=0.001
+    )
+    shutdown_timeout_s: float = _option(
+        30.0, "on SIGTERM, how long in-flight requests may take before they are cancelled", minimum=0
+    )
     top_k: int = _option(5, "predictions per response", minimum=1)
-    max_request_images: int = _option(0, "images in one /v2 infer request (400 above); 0: --max-batch-size",
-                                      minimum=0)
+    max_request_images: int = _option(0, "images in one /v2 infer request (400 above); 0: --max-batch-size", minimum=0)
     log_level: str = _option("info", "logging level", choices=LOG_LEVELS)
-    api_keys: str = _option("", "key file (one 'KEY SCOPE [rate=N/s] [burst=N] [name=LABEL]' a line; python -m "
-                                "mnv3.auth makes one): every path but the probes, the page and the docs then "
-                                "needs a key; empty: no keys")
+    api_keys: str = _option(
+        "",
+        "key file (one 'KEY SCOPE [rate=N/s] [burst=N] [name=LABEL]' a line; python -m "
+        "mnv3.auth makes one): every path but the probes, the page and the docs then "
+        "needs a key; empty: no keys",
+    )
 
     def __post_init__(self):
         for f in fields(self):
@@ -142,20 +167,32 @@ class ServerConfig:
 
 def parse_args(argv=None, environ=os.environ) -> ServerConfig:
     parser = argparse.ArgumentParser(
-        prog="python -m mnv3.server", description="Serve an ONNX MobileNetV3 classifier over HTTP.",
-        epilog="Each flag can also be set as MNV3_<FLAG> (e.g. MNV3_CACHE_SIZE=0); the flag wins.")
+        prog="python -m mnv3.server",
+        description="Serve an ONNX MobileNetV3 classifier over HTTP.",
+        epilog="Each flag can also be set as MNV3_<FLAG> (e.g. MNV3_CACHE_SIZE=0); the flag wins.",
+    )
     for f in fields(ServerConfig):
         env = f"MNV3_{f.name.upper()}"
         if f.name == "extra_models":
             continue
         if f.name == "model":  # repeatable; argparse would append to a default, so the variable is read below
-            parser.add_argument("--model", type=Path, action="append", metavar=f.metadata["metavar"],
-                                help=f"{f.metadata['help']} [{env}: one model]")
+            parser.add_argument(
+                "--model",
+                type=Path,
+                action="append",
+                metavar=f.metadata["metavar"],
+                help=f"{f.metadata['help']} [{env}: one model]",
+            )
             continue
         default = environ.get(env, None if f.default is MISSING else f.default)
-        parser.add_argument(f"--{f.name.replace('_', '-')}", type=f.type, default=default, required=default is None,
-                            choices=f.metadata.get("choices"),
-                            help=f"{f.metadata['help']} [{env}" + ("]" if default is None else "; %(default)s]"))
+        parser.add_argument(
+            f"--{f.name.replace('_', '-')}",
+            type=f.type,
+            default=default,
+            required=default is None,
+            choices=f.metadata.get("choices"),
+            help=f"{f.metadata['help']} [{env}" + ("]" if default is None else "; %(default)s]"),
+        )
     args = parser.parse_args(argv)
     models = args.model or ([Path(environ["MNV3_MODEL"])] if environ.get("MNV3_MODEL") else [])
     if not models:

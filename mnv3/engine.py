@@ -11,6 +11,7 @@ Serving code talks only to `Engine.predict` (NCHW float32 batch -> softmax proba
 serves what stage 2 measured fastest on this machine (mnv3/backend_choice.py), which may be another
 file beside the given one; `Engine.choice` says what was asked for, what runs, and why.
 """
+
 import hashlib
 import json
 import logging
@@ -45,8 +46,16 @@ class Prediction:
 
 
 class Engine:
-    def __init__(self, session, class_names: list[str], path: Path, sha256: str, backend: str = "onnxruntime",
-                 preprocessing: Preprocessing = DEFAULT_PREPROCESSING, choice: Choice | None = None):
+    def __init__(
+        self,
+        session,
+        class_names: list[str],
+        path: Path,
+        sha256: str,
+        backend: str = "onnxruntime",
+        preprocessing: Preprocessing = DEFAULT_PREPROCESSING,
+        choice: Choice | None = None,
+    ):
         self.session = session
         self.backend = backend
         self.choice = choice or explicit(path, backend)
@@ -59,9 +68,16 @@ class Engine:
         self.input_shape = session.get_inputs()[0].shape
 
     @classmethod
-    def load(cls, path, backend: str = "onnxruntime", intra_op_threads: int = DEFAULT_INTRA_OP_THREADS,
-             inter_op_threads: int = DEFAULT_INTER_OP_THREADS, max_batch_size: int = 1,
-             allow_spinning: bool = True, precision: str = "auto") -> "Engine":
+    def load(
+        cls,
+        path,
+        backend: str = "onnxruntime",
+        intra_op_threads: int = DEFAULT_INTRA_OP_THREADS,
+        inter_op_threads: int = DEFAULT_INTER_OP_THREADS,
+        max_batch_size: int = 1,
+        allow_spinning: bool = True,
+        precision: str = "auto",
+    ) -> "Engine":
         """Open, validate and name a model, or raise ModelLoadError saying what is wrong.
 
         `precision` is OpenVINO's inference precision (auto, f32 or bf16); backend auto takes the chosen one."""
@@ -75,19 +91,39 @@ class Engine:
         sha256 = _digest(path)
         preprocessing = _preprocessing(path.parent)
         try:
-            session = open_session(path, backend, intra_op_threads, inter_op_threads, max_batch_size,
-                                   allow_spinning, precision, choice.streams)
+            session = open_session(
+                path,
+                backend,
+                intra_op_threads,
+                inter_op_threads,
+                max_batch_size,
+                allow_spinning,
+                precision,
+                choice.streams,
+            )
         except ModelLoadError:
             raise
         except Exception as exc:  # both runtimes raise their own untyped errors for bad protobufs
             raise ModelLoadError(f"{path} is not a loadable ONNX model: {_one_line(exc)}") from exc
         _check_input(path, session.get_inputs(), max_batch_size, preprocessing.input_shape)
         if choice.requested == AUTO:  # once the model is known to load: a bad file's error stays one line
-            log.log(logging.WARNING if choice.unservable else logging.INFO, "--backend auto: %s with %s: %s",
-                    path.name, backend, choice.reason)
+            log.log(
+                logging.WARNING if choice.unservable else logging.INFO,
+                "--backend auto: %s with %s: %s",
+                path.name,
+                backend,
+                choice.reason,
+            )
         num_classes = session.get_outputs()[0].shape[-1]
-        return cls(session, _class_names(path.parent / CLASS_NAMES_JSON, num_classes), path, sha256, backend,
-                   preprocessing, choice)
+        return cls(
+            session,
+            _class_names(path.parent / CLASS_NAMES_JSON, num_classes),
+            path,
+            sha256,
+            backend,
+            preprocessing,
+            choice,
+        )
 
     @property
     def providers(self) -> list[str]:
@@ -120,9 +156,16 @@ class Engine:
             self.predict(np.zeros((size, *self.preprocessing.input_shape), dtype=np.float32))
 
 
-def open_session(path: Path, backend: str, intra_op_threads: int = DEFAULT_INTRA_OP_THREADS,
-                 inter_op_threads: int = DEFAULT_INTER_OP_THREADS, max_batch_size: int = 1,
-                 allow_spinning: bool = True, precision: str = "auto", streams: int = 1):
+def open_session(
+    path: Path,
+    backend: str,
+    intra_op_threads: int = DEFAULT_INTRA_OP_THREADS,
+    inter_op_threads: int = DEFAULT_INTER_OP_THREADS,
+    max_batch_size: int = 1,
+    allow_spinning: bool = True,
+    precision: str = "auto",
+    streams: int = 1,
+):
     """The runtime session `Engine` wraps (one of BACKENDS): what the server, stage 2's engine choice and the
     in-process limit all run, so what stage 2 timed is what is served. `precision` and `streams` are
     OpenVINO's (see OpenVINOSession)."""
@@ -151,8 +194,9 @@ def _preprocessing(model_dir: Path) -> Preprocessing:
     try:
         return model_preprocessing(model_dir)
     except (OSError, ValueError, KeyError, TypeError) as exc:  # a hand-edited or truncated manifest
-        raise ModelLoadError(f"{model_dir / MANIFEST_JSON} has no valid preprocessing ({_one_line(exc)}); "
-                             "rerun stage 1 to rewrite it") from exc
+        raise ModelLoadError(
+            f"{model_dir / MANIFEST_JSON} has no valid preprocessing ({_one_line(exc)}); rerun stage 1 to rewrite it"
+        ) from exc
 
 
 def _check_input(path, inputs, max_batch_size: int, input_shape: tuple[int, int, int]) -> None:
@@ -161,12 +205,16 @@ def _check_input(path, inputs, max_batch_size: int, input_shape: tuple[int, int,
     shape = inputs[0].shape
     if len(shape) != 4 or tuple(shape[1:]) != input_shape:
         expected = ", ".join(map(str, input_shape))
-        raise ModelLoadError(f"{path} takes input of shape {shape}; expected [batch, {expected}] as the preprocessing "
-                             "in the manifest beside it (else torchvision's) gives")
+        raise ModelLoadError(
+            f"{path} takes input of shape {shape}; expected [batch, {expected}] as the preprocessing "
+            "in the manifest beside it (else torchvision's) gives"
+        )
     # A fixed batch axis runs only batches of exactly that size; batch 1 still serves without batching.
     if isinstance(shape[0], int) and (shape[0], max_batch_size) != (1, 1):
-        raise ModelLoadError(f"{path} has a fixed batch size of {shape[0]}; export it with a dynamic batch axis "
-                             "(a batch-1 model can be served with --max-batch-size 1)")
+        raise ModelLoadError(
+            f"{path} has a fixed batch size of {shape[0]}; export it with a dynamic batch axis "
+            "(a batch-1 model can be served with --max-batch-size 1)"
+        )
 
 
 def _class_names(path: Path, num_classes) -> list[str]:
@@ -176,8 +224,10 @@ def _class_names(path: Path, num_classes) -> list[str]:
     try:
         names = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ModelLoadError(f"{path} is not a JSON list of class names ({_one_line(exc)}); "
-                             "rerun stage 1 or delete it to label classes class_<id>") from exc
+        raise ModelLoadError(
+            f"{path} is not a JSON list of class names ({_one_line(exc)}); "
+            "rerun stage 1 or delete it to label classes class_<id>"
+        ) from exc
     if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
         raise ModelLoadError(f"{path} is not a JSON list of class names")
     if isinstance(num_classes, int) and len(names) != num_classes:

@@ -7,6 +7,7 @@ FastAPI `responses=`, so the OpenAPI document cannot drift from what the server 
 with another error convention reuses the table as it is.
 A 503 carries Retry-After; an answer sent before the body was read in full closes the connection.
 """
+
 from collections.abc import Callable
 from typing import Any
 
@@ -72,9 +73,11 @@ class ErrorDetail(BaseModel):
 # typed as FastAPI's `responses=` takes it
 ERROR_DOCS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorDetail, "description": "; ".join(doc for s, _, doc in ERRORS.values() if s == status)}
-    for status in sorted({status for status, _, _ in ERRORS.values()})}
-ERROR_DOCS[503]["headers"] = {"Retry-After": {"description": "seconds to wait before retrying",
-                                              "schema": {"type": "integer"}}}
+    for status in sorted({status for status, _, _ in ERRORS.values()})
+}
+ERROR_DOCS[503]["headers"] = {
+    "Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "integer"}}
+}
 
 
 def error_entry(exc: Exception) -> tuple[int, str | None, str]:

@@ -4,11 +4,23 @@ Every goal is a ratio of two numbers measured on the same machine in the same `m
 it survives a noisy shared machine better than an absolute time. Writes results/goals.csv (and so a
 section of summary.md) and prints the table; a goal whose inputs are missing says which stage to run.
 """
+
 import argparse
 from pathlib import Path
 
-from mnv3.artifacts import (BASELINE_CSV, BATCHING_CSV, CACHING_CSV, ENGINES_CSV, GOALS_CSV, MODEL_VARIANTS_CSV,
-                            RECIPES_CSV, RESULTS_DIR, STAGE_SCRIPTS, STATIC_CSV, V2_VS_PREDICT_CSV)
+from mnv3.artifacts import (
+    BASELINE_CSV,
+    BATCHING_CSV,
+    CACHING_CSV,
+    ENGINES_CSV,
+    GOALS_CSV,
+    MODEL_VARIANTS_CSV,
+    RECIPES_CSV,
+    RESULTS_DIR,
+    STAGE_SCRIPTS,
+    STATIC_CSV,
+    V2_VS_PREDICT_CSV,
+)
 from mnv3.report import markdown_table, read_csv, write_csv, write_summary
 
 
@@ -37,12 +49,19 @@ def _fastest(results_dir: Path, key: str) -> tuple[str, float | None]:
     turns with."""
     baseline = _rows(results_dir, BASELINE_CSV)
     fp32 = _find(baseline, variant="onnx_fp32")
-    ratios = {row["variant"]: _ratio(row, fp32, key) for row in baseline
-              if row.get("variant") not in ("pytorch_fp32", "onnx_fp32")}
-    ratios |= {f"static INT8 {row['recipe']}": value(row, f"{key}_vs_onnx_fp32")
-               for row in _rows(results_dir, RECIPES_CSV)}
-    ratios |= {row["variant"]: value(row, f"{key}_vs_onnx_fp32") for row in _rows(results_dir, ENGINES_CSV)
-               if row["variant"] != "onnxruntime_fp32"}
+    ratios = {
+        row["variant"]: _ratio(row, fp32, key)
+        for row in baseline
+        if row.get("variant") not in ("pytorch_fp32", "onnx_fp32")
+    }
+    ratios |= {
+        f"static INT8 {row['recipe']}": value(row, f"{key}_vs_onnx_fp32") for row in _rows(results_dir, RECIPES_CSV)
+    }
+    ratios |= {
+        row["variant"]: value(row, f"{key}_vs_onnx_fp32")
+        for row in _rows(results_dir, ENGINES_CSV)
+        if row["variant"] != "onnxruntime_fp32"
+    }
     ratios = {name: ratio for name, ratio in ratios.items() if ratio is not None}
     return min(ratios.items(), key=lambda item: item[1], default=("-", None))
 
@@ -62,10 +81,14 @@ def measured_goals(results_dir=RESULTS_DIR) -> list[dict]:
 
     goals = [
         # (goal, comparison, target, measured, stage that measures it)
-        ("static INT8 batch-1 latency / ONNX FP32", "<=", 0.8,
-         value(shipped, "mean_ms_vs_onnx_fp32"), 2),
-        ("static INT8 per-image time at batch N / ONNX FP32", "<=", 0.6,
-         value(shipped, "per_image_ms_vs_onnx_fp32"), 2),
+        ("static INT8 batch-1 latency / ONNX FP32", "<=", 0.8, value(shipped, "mean_ms_vs_onnx_fp32"), 2),
+        (
+            "static INT8 per-image time at batch N / ONNX FP32",
+            "<=",
+            0.6,
+            value(shipped, "per_image_ms_vs_onnx_fp32"),
+            2,
+        ),
         ("static INT8 size / ONNX FP32", "<=", 0.27, _ratio(int8, fp32, "size_mb"), 2),
         ("static INT8 logits SQNR vs FP32 (dB)", ">=", 25, value(int8, "sqnr_db"), 2),
         ("static INT8 top-1 agreement with FP32", ">=", 0.99, value(int8, "top1_agreement"), 2),
@@ -83,8 +106,14 @@ def measured_goals(results_dir=RESULTS_DIR) -> list[dict]:
             met = f"not measured: run `python {STAGE_SCRIPTS[stage]}`"
         else:
             met = "yes" if (measured <= target if comparison == "<=" else measured >= target) else "no"
-        rows.append({"goal": goal, "target": f"{comparison} {target}",
-                     "measured": "" if measured is None else round(measured, 3), "met": met})
+        rows.append(
+            {
+                "goal": goal,
+                "target": f"{comparison} {target}",
+                "measured": "" if measured is None else round(measured, 3),
+                "met": met,
+            }
+        )
     return rows
 
 

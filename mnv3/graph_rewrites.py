@@ -8,6 +8,7 @@ they hold for MobileNetV3-Large and -Small alike.
 GRAPH_REWRITES names them. A static recipe (mnv3/quantize.py) lists the names it applies, in order,
 and its name is spelled from their tokens, so a recipe's name and its rewrites cannot disagree.
 """
+
 import copy
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
@@ -19,8 +20,12 @@ from onnx import helper, numpy_helper
 
 # hardswish_to_clip's x1/6 constant: fold_hardswish_sixth finds the Muls to fold by it.
 HARDSWISH_SIXTH = "hardswish_to_clip/sixth"
-_HARDSWISH_CONSTANTS = {"hardswish_to_clip/three": 3.0, "hardswish_to_clip/zero": 0.0,
-                        "hardswish_to_clip/six": 6.0, HARDSWISH_SIXTH: 1 / 6}
+_HARDSWISH_CONSTANTS = {
+    "hardswish_to_clip/three": 3.0,
+    "hardswish_to_clip/zero": 0.0,
+    "hardswish_to_clip/six": 6.0,
+    HARDSWISH_SIXTH: 1 / 6,
+}
 _HARDSIGMOID_BOUNDS = {"hardsigmoid_to_clip/zero": 0.0, "hardsigmoid_to_clip/one": 1.0}
 
 # Ops whose output has the channels of their (first) input, element by element: padding passes through.
@@ -58,8 +63,9 @@ def hardswish_to_clip(model: onnx.ModelProto) -> onnx.ModelProto:
         ]
         rewritten += 1
     if rewritten:
-        graph.initializer.extend(numpy_helper.from_array(np.array(value, np.float32), name)
-                                 for name, value in _HARDSWISH_CONSTANTS.items())
+        graph.initializer.extend(
+            numpy_helper.from_array(np.array(value, np.float32), name) for name, value in _HARDSWISH_CONSTANTS.items()
+        )
     del graph.node[:]
     graph.node.extend(nodes)
     return model
@@ -91,13 +97,20 @@ def fold_hardswish_sixth(model: onnx.ModelProto) -> onnx.ModelProto:
         scaled.add(name)
         found = {}
         for consumer, position in uses[name]:
-            if (consumer.op_type in ("Conv", "Gemm") and position == 0 and consumer.input[1] in initializers
-                    and len(uses[consumer.input[1]]) == 1 and not _attribute(consumer, "transA")):
+            if (
+                consumer.op_type in ("Conv", "Gemm")
+                and position == 0
+                and consumer.input[1] in initializers
+                and len(uses[consumer.input[1]]) == 1
+                and not _attribute(consumer, "transA")
+            ):
                 found[consumer.input[1]] = consumer
                 continue
             linear = consumer.op_type in ("GlobalAveragePool", "Flatten") or (
-                consumer.op_type == "Mul" and len(consumer.input) == 2
-                and consumer.input[1 - position] not in scaled | {name} | set(initializers))
+                consumer.op_type == "Mul"
+                and len(consumer.input) == 2
+                and consumer.input[1 - position] not in scaled | {name} | set(initializers)
+            )
             further = absorbers(consumer.output[0], scaled) if linear else None
             if further is None:
                 return None
@@ -139,8 +152,14 @@ def hardsigmoid_to_clip(model: onnx.ModelProto) -> onnx.ModelProto:
     bounds: list[str] = []
     for node in graph.node:
         conv = producers.get(node.input[0]) if node.op_type == "HardSigmoid" else None
-        if (conv is None or conv.op_type != "Conv" or uses[node.input[0]] != 1 or node.input[0] in graph_outputs
-                or len(conv.input) < 3 or any(name not in arrays for name in conv.input[1:])):
+        if (
+            conv is None
+            or conv.op_type != "Conv"
+            or uses[node.input[0]] != 1
+            or node.input[0] in graph_outputs
+            or len(conv.input) < 3
+            or any(name not in arrays for name in conv.input[1:])
+        ):
             continue
         alpha, beta = (_attribute(node, name) for name in ("alpha", "beta"))
         alpha, beta = 0.2 if alpha is None else alpha, 0.5 if beta is None else beta  # ONNX's defaults
@@ -149,10 +168,13 @@ def hardsigmoid_to_clip(model: onnx.ModelProto) -> onnx.ModelProto:
         _replace_input(graph, arrays, conv, 2, bias * np.float32(alpha) + np.float32(beta), "hardsigmoid")
         if not bounds:
             bounds = list(_HARDSIGMOID_BOUNDS)
-            graph.initializer.extend(numpy_helper.from_array(np.array(value, np.float32), name)
-                                     for name, value in _HARDSIGMOID_BOUNDS.items())
-        node.CopyFrom(helper.make_node("Clip", [node.input[0], *bounds], list(node.output),
-                                       name=f"{node.name or conv.name}/clip"))
+            graph.initializer.extend(
+                numpy_helper.from_array(np.array(value, np.float32), name)
+                for name, value in _HARDSIGMOID_BOUNDS.items()
+            )
+        node.CopyFrom(
+            helper.make_node("Clip", [node.input[0], *bounds], list(node.output), name=f"{node.name or conv.name}/clip")
+        )
     _drop_unused_initializers(graph)
     return model
 
@@ -177,8 +199,11 @@ def pad_depthwise_channels(model: onnx.ModelProto, multiple: int = 16) -> onnx.M
     for group in channel_groups(graph, arrays):
         nodes = [graph.node[position] for position in group.nodes]
         channels = _group_channels(nodes, group.tensors, arrays)
-        if (channels is None or group.tensors & graph_ends
-                or not any(_conv_kind(node, arrays) == "depthwise" for node in nodes)):
+        if (
+            channels is None
+            or group.tensors & graph_ends
+            or not any(_conv_kind(node, arrays) == "depthwise" for node in nodes)
+        ):
             continue
         padded = -(-channels // multiple) * multiple
         if padded != channels:
@@ -190,6 +215,7 @@ def pad_depthwise_channels(model: onnx.ModelProto, multiple: int = 16) -> onnx.M
 @dataclass(frozen=True)
 class ChannelGroup:
     """Activation tensors whose channel dimension must keep one size, and the nodes that read or write them."""
+
     tensors: frozenset[str]
     nodes: tuple[int, ...]  # positions in graph.node, in graph order
 
@@ -221,8 +247,11 @@ def channel_groups(graph: onnx.GraphProto, arrays: dict[str, np.ndarray]) -> lis
                 members.add(name)
                 frontier.extend(tied[name] - members)
         grouped |= members
-        groups.append(ChannelGroup(frozenset(members),
-                                   tuple(sorted({position for name in members for position in touching[name]}))))
+        groups.append(
+            ChannelGroup(
+                frozenset(members), tuple(sorted({position for name in members for position in touching[name]}))
+            )
+        )
     return groups
 
 
@@ -270,9 +299,8 @@ def _group_channels(nodes, tensors, arrays) -> int | None:
 
 
 def _conv_kind(node, arrays) -> str | None:
-    """"depthwise", "dense" (group 1), or None: not a 2-D Conv with constant weights and bias."""
-    if (node.op_type != "Conv" or any(name not in arrays for name in node.input[1:])
-            or arrays[node.input[1]].ndim != 4):
+    """ "depthwise", "dense" (group 1), or None: not a 2-D Conv with constant weights and bias."""
+    if node.op_type != "Conv" or any(name not in arrays for name in node.input[1:]) or arrays[node.input[1]].ndim != 4:
         return None
     weight, group = arrays[node.input[1]], _attribute(node, "group") or 1
     if group == 1:
@@ -316,6 +344,7 @@ def _attribute(node, name):
 @dataclass(frozen=True)
 class GraphRewrite:
     """A rewrite and the token that spells it in a recipe's name."""
+
     rewrite: Callable[[onnx.ModelProto], onnx.ModelProto]
     token: str
 

@@ -1,5 +1,6 @@
 """The latency harness the model stages use (the seed's method): warm-up, then timed calls of each
 variant in turns, so that machine-load drift hits all variants alike and the ratios between them hold."""
+
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -13,6 +14,7 @@ TIMED_CALLS = 100
 @dataclass(frozen=True)
 class Timing:
     """How many calls a benchmark makes. Batched calls are fewer: each one is `batch_size` images."""
+
     warmup: int = WARMUP_CALLS
     iters: int = TIMED_CALLS
     batch_warmup: int = 2
@@ -34,8 +36,10 @@ class LatencyStats:
         return cls(float(ms.mean()), float(p50), float(p95), float(p99), len(ms))
 
     def as_row(self, prefix: str = "") -> dict:
-        return {f"{prefix}{key}": round(value, 3) if isinstance(value, float) else value
-                for key, value in asdict(self).items()}
+        return {
+            f"{prefix}{key}": round(value, 3) if isinstance(value, float) else value
+            for key, value in asdict(self).items()
+        }
 
 
 def interleaved_benchmark(runners: dict, images: np.ndarray, batch_size: int, timing: Timing, rounds: int = 5) -> dict:
@@ -59,17 +63,24 @@ def interleaved_benchmark(runners: dict, images: np.ndarray, batch_size: int, ti
             run(batch)
     order = list(runners)
     for round_index in range(rounds):
-        for name in order[round_index % len(order):] + order[:round_index % len(order)]:
+        for name in order[round_index % len(order) :] + order[: round_index % len(order)]:
             run = runners[name]
-            for inputs, seconds, iters in ((single, singles[name], timing.iters),
-                                           (batch, batches[name], timing.batch_iters)):
+            for inputs, seconds, iters in (
+                (single, singles[name], timing.iters),
+                (batch, batches[name], timing.batch_iters),
+            ):
                 run(inputs)
                 for _ in range(math.ceil(iters / rounds)):
                     start = time.perf_counter()
                     run(inputs)
                     seconds.append(time.perf_counter() - start)
         print(f"timing round {round_index + 1}/{rounds} done")
-    return {name: LatencyStats.from_seconds(singles[name]).as_row()
-            | {"batch_size": batch_size, "per_image_ms": round(float(np.mean(batches[name])) * 1000 / batch_size, 3),
-               "per_image_p50_ms": round(float(np.median(batches[name])) * 1000 / batch_size, 3)}
-            for name in runners}
+    return {
+        name: LatencyStats.from_seconds(singles[name]).as_row()
+        | {
+            "batch_size": batch_size,
+            "per_image_ms": round(float(np.mean(batches[name])) * 1000 / batch_size, 3),
+            "per_image_p50_ms": round(float(np.median(batches[name])) * 1000 / batch_size, 3),
+        }
+        for name in runners
+    }

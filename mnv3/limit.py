@@ -8,6 +8,7 @@ server's preprocessing overlaps its inference. The engine is opened as the serve
 `--backend auto`'s choice is the ceiling stage 5 holds the batched server to: server req/s / limit
 images/s is the serving overhead. The limits of other engines show what the choice gains.
 """
+
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -48,7 +49,7 @@ class LimitResult:
 def classify_all(session, pool, bodies: list[bytes], batch_size: int, preprocessing: Preprocessing) -> float:
     """Seconds to classify every body in batches, decoding batch k+1 while batch k runs."""
     input_name = session.get_inputs()[0].name
-    batches = [bodies[i:i + batch_size] for i in range(0, len(bodies), batch_size)]
+    batches = [bodies[i : i + batch_size] for i in range(0, len(bodies), batch_size)]
     decode = partial(decode_and_preprocess, preprocessing=preprocessing)
     start = time.perf_counter()
     pending = [pool.submit(decode, body) for body in batches[0]]
@@ -60,13 +61,27 @@ def classify_all(session, pool, bodies: list[bytes], batch_size: int, preprocess
     return time.perf_counter() - start
 
 
-def measure_limit(engine: str, served: Choice, bodies: list[bytes], batch_size: int, intra_op_threads: int,
-                  decode_threads: int, passes: int = 1) -> LimitResult:
+def measure_limit(
+    engine: str,
+    served: Choice,
+    bodies: list[bytes],
+    batch_size: int,
+    intra_op_threads: int,
+    decode_threads: int,
+    passes: int = 1,
+) -> LimitResult:
     """Images/s of one configuration over `passes` runs through `bodies`, after an untimed warm-up batch."""
     # No spinning, as the server runs by default: decoding shares the cores with ORT here too.
-    session = open_session(served.path, served.backend, intra_op_threads, DEFAULT_INTER_OP_THREADS,
-                           max_batch_size=batch_size, allow_spinning=False, precision=served.precision,
-                           streams=served.streams)
+    session = open_session(
+        served.path,
+        served.backend,
+        intra_op_threads,
+        DEFAULT_INTER_OP_THREADS,
+        max_batch_size=batch_size,
+        allow_spinning=False,
+        precision=served.precision,
+        streams=served.streams,
+    )
     preprocessing = model_preprocessing(served.path.parent)  # as the server serving this file does
     with ThreadPoolExecutor(max_workers=decode_threads) as pool:
         classify_all(session, pool, bodies[:batch_size], batch_size, preprocessing)  # the engine allocates for it
@@ -74,17 +89,25 @@ def measure_limit(engine: str, served: Choice, bodies: list[bytes], batch_size: 
     return LimitResult(engine, batch_size, intra_op_threads, decode_threads, passes * len(bodies), seconds)
 
 
-def run_limit(engine: str, served: Choice, bodies: list[bytes], batch_sizes=BATCH_SIZES, thread_splits=THREAD_SPLITS,
-              confirm_passes: int = CONFIRM_PASSES, desc: str | None = "in-process limit"
-              ) -> tuple[LimitResult, list[LimitResult]]:
+def run_limit(
+    engine: str,
+    served: Choice,
+    bodies: list[bytes],
+    batch_sizes=BATCH_SIZES,
+    thread_splits=THREAD_SPLITS,
+    confirm_passes: int = CONFIRM_PASSES,
+    desc: str | None = "in-process limit",
+) -> tuple[LimitResult, list[LimitResult]]:
     """(the limit, every configuration tried). Each configuration is one short pass, so the fastest of
     them is partly the luckiest; the limit is that configuration measured again, `confirm_passes` times
     longer, which is an unbiased figure for it."""
     grid = []
     configurations = [(b, t, d) for t, d in thread_splits for b in batch_sizes]
-    for batch_size, intra_op_threads, decode_threads in tqdm(configurations, desc=desc, leave=False,
-                                                             disable=desc is None):
+    for batch_size, intra_op_threads, decode_threads in tqdm(
+        configurations, desc=desc, leave=False, disable=desc is None
+    ):
         grid.append(measure_limit(engine, served, bodies, batch_size, intra_op_threads, decode_threads))
     best = max(grid, key=lambda r: r.images_per_s)
-    return measure_limit(engine, served, bodies, best.batch_size, best.intra_op_threads, best.decode_threads,
-                         confirm_passes), grid
+    return measure_limit(
+        engine, served, bodies, best.batch_size, best.intra_op_threads, best.decode_threads, confirm_passes
+    ), grid

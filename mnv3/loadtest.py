@@ -12,6 +12,7 @@ given) as `Authorization: Bearer`; an environment variable, not a flag, so the k
 and shell history. A server started here inherits the environment, so MNV3_API_KEYS (its key file)
 and MNV3_API_KEY together run any stage against a protected server.
 """
+
 import os
 import signal
 import socket
@@ -19,11 +20,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import IO
 from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
-from pathlib import Path
+from typing import IO
 from urllib.parse import urlencode
 
 import numpy as np
@@ -51,6 +51,7 @@ TIME_HISTOGRAMS = {
 
 
 # ---------------------------------------------------------------------------------------- the server
+
 
 def auth_headers(api_key: str | None = None) -> dict[str, str]:
     """The header that carries `api_key` (default: $MNV3_API_KEY); none without a key."""
@@ -96,13 +97,28 @@ class ServerProcess:
     an access-log line per request would cost the server CPU under load.
     """
 
-    def __init__(self, model, start_timeout_s: float = START_TIMEOUT_S, log_level: str = "warning",
-                 extra_models: tuple[str, ...] = (), **options):
+    def __init__(
+        self,
+        model,
+        start_timeout_s: float = START_TIMEOUT_S,
+        log_level: str = "warning",
+        extra_models: tuple[str, ...] = (),
+        **options,
+    ):
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
-        self.command = [sys.executable, "-m", "mnv3.server", "--model", str(model),
-                        *(flag for extra in extra_models for flag in ("--model", str(extra))),
-                        "--host", "127.0.0.1", "--port", str(port)]
+        self.command = [
+            sys.executable,
+            "-m",
+            "mnv3.server",
+            "--model",
+            str(model),
+            *(flag for extra in extra_models for flag in ("--model", str(extra))),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ]
         for name, value in (options | {"log_level": log_level}).items():
             if value is not None:
                 self.command += [f"--{name.replace('_', '-')}", str(value)]
@@ -113,8 +129,9 @@ class ServerProcess:
     def __enter__(self) -> str:
         # Output goes to a file, not a pipe: a pipe nobody reads fills up and blocks the server.
         self._log = tempfile.TemporaryFile()
-        self.process = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=self._log,
-                                        stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(
+            self.command, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT
+        )
         try:
             self._wait_until_ready()
         except BaseException:
@@ -128,8 +145,11 @@ class ServerProcess:
     def _wait_until_ready(self):
         if wait_until_ready(self.url, self.start_timeout_s, self._raise_if_exited):
             return
-        raise ServerStartError(f"server not ready after {self.start_timeout_s:.0f} s (is the machine overloaded? "
-                               f"raise --start-timeout): {' '.join(self.command)}", self.output_tail())
+        raise ServerStartError(
+            f"server not ready after {self.start_timeout_s:.0f} s (is the machine overloaded? "
+            f"raise --start-timeout): {' '.join(self.command)}",
+            self.output_tail(),
+        )
 
     def _raise_if_exited(self):
         if self.process.poll() is not None:
@@ -170,8 +190,9 @@ class PredictClient:
     cores shared with the server, the server's throughput would otherwise be charged with.
     """
 
-    def __init__(self, base_url: str, timeout_s: float = REQUEST_TIMEOUT_S, model: str | None = None,
-                 api_key: str | None = None):
+    def __init__(
+        self, base_url: str, timeout_s: float = REQUEST_TIMEOUT_S, model: str | None = None, api_key: str | None = None
+    ):
         self._pool = urllib3.connection_from_url(base_url, maxsize=MAX_CONNECTIONS)
         self.timeout_s = timeout_s
         self.headers = auth_headers(api_key)
@@ -185,8 +206,9 @@ class PredictClient:
         """POST `path` with urllib3's request keywords (fields=, or body= and headers=): (status, JSON or None)."""
         try:
             headers = self.headers | request.pop("headers", {})
-            response = self._pool.request("POST", path, headers=headers, timeout=self.timeout_s, retries=False,
-                                          **request)
+            response = self._pool.request(
+                "POST", path, headers=headers, timeout=self.timeout_s, retries=False, **request
+            )
         except urllib3.exceptions.HTTPError as exc:
             return type(exc).__name__, None
         if response.status != 200:
@@ -201,6 +223,7 @@ class PredictClient:
 
 
 # ---------------------------------------------------------------------------------------- the load
+
 
 @dataclass(frozen=True)
 class LoadResult:
@@ -229,14 +252,30 @@ class LoadResult:
         server["cache_hits"] = sum(bool(payload.get("cache_hit")) for _, payload in ok)
         latency = LatencyStats.from_seconds([latency for latency, _ in ok]) if ok else None
         dropped = sum(status == "dropped" for status, _, _ in samples)
-        return cls(mode, concurrency, len(samples) - dropped, len(ok), dict(errors), seconds, latency, server,
-                   dropped=dropped, **extra)
+        return cls(
+            mode,
+            concurrency,
+            len(samples) - dropped,
+            len(ok),
+            dict(errors),
+            seconds,
+            latency,
+            server,
+            dropped=dropped,
+            **extra,
+        )
 
     def as_row(self) -> dict:
-        row = {"mode": self.mode, "concurrency": self.concurrency, "sent": self.sent, "ok": self.ok,
-               "errors": sum(self.errors.values()),
-               "errors_by_status": ";".join(f"{status}:{n}" for status, n in sorted(self.errors.items())),
-               "seconds": round(self.seconds, 3), "req_per_s": round(self.rps, 2)}
+        row = {
+            "mode": self.mode,
+            "concurrency": self.concurrency,
+            "sent": self.sent,
+            "ok": self.ok,
+            "errors": sum(self.errors.values()),
+            "errors_by_status": ";".join(f"{status}:{n}" for status, n in sorted(self.errors.items())),
+            "seconds": round(self.seconds, 3),
+            "req_per_s": round(self.rps, 2),
+        }
         if self.target_rps is not None:
             row |= {"target_rps": round(self.target_rps, 2), "dropped": self.dropped}
         nan = float("nan")
@@ -247,8 +286,11 @@ class LoadResult:
     def summary(self) -> str:
         p = self.latency
         percentiles = f"p50 {p.p50_ms:.0f} / p95 {p.p95_ms:.0f} / p99 {p.p99_ms:.0f} ms" if p else "no successes"
-        load = (f"{self.rps:.1f} req/s at concurrency {self.concurrency}" if self.target_rps is None
-                else f"{self.rps:.1f} req/s answered of {self.target_rps:.1f} offered")
+        load = (
+            f"{self.rps:.1f} req/s at concurrency {self.concurrency}"
+            if self.target_rps is None
+            else f"{self.rps:.1f} req/s answered of {self.target_rps:.1f} offered"
+        )
         errors = f", {sum(self.errors.values())} errors ({self.errors})" if self.errors else ""
         dropped = f", {self.dropped} dropped" if self.dropped else ""
         return f"{load}, {percentiles}{errors}{dropped}"
@@ -267,8 +309,9 @@ def _round(value):
     return round(value, 3) if isinstance(value, float) else value
 
 
-def run_closed_loop(send, bodies: list, concurrency: int, count: int | None = None,
-                    desc: str | None = None) -> LoadResult:
+def run_closed_loop(
+    send, bodies: list, concurrency: int, count: int | None = None, desc: str | None = None
+) -> LoadResult:
     """`count` requests (default: one per body, cycling) through `concurrency` threads, as fast as answered."""
     count = len(bodies) if count is None else count
 
@@ -280,8 +323,9 @@ def run_closed_loop(send, bodies: list, concurrency: int, count: int | None = No
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         start = time.perf_counter()
         futures = [pool.submit(timed, bodies[i % len(bodies)]) for i in range(count)]
-        samples = [f.result() for f in tqdm(as_completed(futures), total=count, desc=desc, leave=False,
-                                            disable=desc is None)]
+        samples = [
+            f.result() for f in tqdm(as_completed(futures), total=count, desc=desc, leave=False, disable=desc is None)
+        ]
         seconds = time.perf_counter() - start
     return LoadResult.from_samples("closed", concurrency, samples, seconds)
 
@@ -292,9 +336,17 @@ def poisson_schedule(rate: float, seconds: float, max_requests: int, seed: int =
     return times[times < seconds]
 
 
-def run_open_loop(send, bodies: list[bytes], rate: float, seconds: float, max_requests: int | None = None,
-                  max_in_flight: int = 256, max_lateness_s: float = 1.0, seed: int = 0,
-                  desc: str | None = None) -> LoadResult:
+def run_open_loop(
+    send,
+    bodies: list[bytes],
+    rate: float,
+    seconds: float,
+    max_requests: int | None = None,
+    max_in_flight: int = 256,
+    max_lateness_s: float = 1.0,
+    seed: int = 0,
+    desc: str | None = None,
+) -> LoadResult:
     """Poisson arrivals at `rate`/s for `seconds`; each latency counts from the scheduled send time.
 
     A request waits for a free thread when `max_in_flight` are outstanding (that wait is part of its
@@ -326,6 +378,7 @@ def run_open_loop(send, bodies: list[bytes], rate: float, seconds: float, max_re
 
 
 # ---------------------------------------------------------------------------------------- /metrics
+
 
 def parse_metrics(text: str) -> dict[tuple[str, str], float]:
     """Prometheus text -> {(sample name, le bound or ""): value}, summed over any other labels."""
@@ -360,9 +413,12 @@ def batch_size_histogram(metrics: dict) -> dict[str, int]:
 def metrics_row(metrics: dict) -> dict:
     """Server-side view of a run: batches, images per batch, mean time per stage, cache counters."""
     batches = metrics.get(("mnv3_batch_size_count", ""), 0.0)
-    row = {"metrics_batches": round(batches),
-           "metrics_mean_batch_size": _round(metrics.get(("mnv3_batch_size_sum", ""), 0.0) / batches)
-           if batches else float("nan")}
+    row = {
+        "metrics_batches": round(batches),
+        "metrics_mean_batch_size": _round(metrics.get(("mnv3_batch_size_sum", ""), 0.0) / batches)
+        if batches
+        else float("nan"),
+    }
     for key, name in TIME_HISTOGRAMS.items():
         count = metrics.get((f"{name}_count", ""), 0.0)
         row[f"metrics_{key}"] = _round(1000 * metrics.get((f"{name}_sum", ""), 0.0) / count) if count else float("nan")
@@ -394,8 +450,13 @@ def server_settings(base_url: str, api_key: str | None = None) -> dict:
     response = requests.get(base_url + "/model", headers=auth_headers(api_key), timeout=10)
     response.raise_for_status()
     info = response.json()
-    return ({"server_model": info["model"], "server_backend": info["backend"],
-             "server_providers": " ".join(info["providers"])}
-            | {f"server_{name}_threads": n for name, n in info["threads"].items()}
-            | {f"server_{name}": value for name, value in info["batching"].items()}
-            | {"server_ort_spinning": info["ort_spinning"], "server_cache_size": info["cache"]["size"]})
+    return (
+        {
+            "server_model": info["model"],
+            "server_backend": info["backend"],
+            "server_providers": " ".join(info["providers"]),
+        }
+        | {f"server_{name}_threads": n for name, n in info["threads"].items()}
+        | {f"server_{name}": value for name, value in info["batching"].items()}
+        | {"server_ort_spinning": info["ort_spinning"], "server_cache_size": info["cache"]["size"]}
+    )

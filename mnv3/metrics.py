@@ -10,6 +10,7 @@ A server of several models labels every per-model series with `model` (its name)
 model exports the same names without that label, exactly as before models could be several.
 `for_model(name)` hands a model the series it observes.
 """
+
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ from mnv3.errors import REJECTION_REASONS, error_entry
 @dataclass(frozen=True)
 class ModelMetrics:
     """The histograms of one model (children of the app's labelled ones when there are several models)."""
+
     request_latency: Histogram
     queue_wait: Histogram
     preprocess: Histogram
@@ -37,15 +39,23 @@ class Metrics:
         registry = self.registry
         self.labelled = len(model_names) > 1
         labels = ["model"] if self.labelled else []
-        self.request_latency = Histogram("mnv3_request_latency_seconds", "POST /predict or /v2 infer, arrival to "
-                                         "response", labels, registry=registry)
-        self.queue_wait = Histogram("mnv3_queue_wait_seconds", "queued until its batch's inference started", labels,
-                                    registry=registry)
-        self.preprocess = Histogram("mnv3_preprocess_seconds", "decode + preprocess, including waiting for a thread",
-                                    labels, registry=registry)
+        self.request_latency = Histogram(
+            "mnv3_request_latency_seconds", "POST /predict or /v2 infer, arrival to response", labels, registry=registry
+        )
+        self.queue_wait = Histogram(
+            "mnv3_queue_wait_seconds", "queued until its batch's inference started", labels, registry=registry
+        )
+        self.preprocess = Histogram(
+            "mnv3_preprocess_seconds", "decode + preprocess, including waiting for a thread", labels, registry=registry
+        )
         self.inference = Histogram("mnv3_inference_seconds", "one batched inference call", labels, registry=registry)
-        self.batch_size = Histogram("mnv3_batch_size", "requests per inference call", labels,
-                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=registry)
+        self.batch_size = Histogram(
+            "mnv3_batch_size",
+            "requests per inference call",
+            labels,
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+            registry=registry,
+        )
         self.rejections = Counter("mnv3_rejections", "requests refused, by reason", ["reason"], registry=registry)
         for reason in REJECTION_REASONS:
             self.rejections.labels(reason)  # exported as 0 before the first rejection
@@ -73,18 +83,30 @@ class _LiveCounts:
 
     def collect(self):
         per_model = (
-            (CounterMetricFamily, "mnv3_cache_hits", "answered from the cache or a shared computation",
-             lambda cache, batcher: cache.hits),
+            (
+                CounterMetricFamily,
+                "mnv3_cache_hits",
+                "answered from the cache or a shared computation",
+                lambda cache, batcher: cache.hits,
+            ),
             (CounterMetricFamily, "mnv3_cache_misses", "computed", lambda cache, batcher: cache.misses),
             (GaugeMetricFamily, "mnv3_cache_entries", "results stored", lambda cache, batcher: len(cache)),
-            (GaugeMetricFamily, "mnv3_queue_depth", "requests waiting for inference",
-             lambda cache, batcher: batcher.depth),
-            (CounterMetricFamily, "mnv3_dropped", "requests skipped before inference: deadline passed or client gone",
-             lambda cache, batcher: batcher.dropped),
+            (
+                GaugeMetricFamily,
+                "mnv3_queue_depth",
+                "requests waiting for inference",
+                lambda cache, batcher: batcher.depth,
+            ),
+            (
+                CounterMetricFamily,
+                "mnv3_dropped",
+                "requests skipped before inference: deadline passed or client gone",
+                lambda cache, batcher: batcher.dropped,
+            ),
         )
         for family_type, name, documentation, read in per_model:
             if not self.labelled:
-                (cache, batcher), = self.models.values()
+                ((cache, batcher),) = self.models.values()
                 yield family_type(name, documentation, value=read(cache, batcher))
                 continue
             family = family_type(name, documentation, labels=["model"])

@@ -5,6 +5,7 @@ Weights come from a local file (a state_dict, or a training checkpoint with the 
 "model", as torchvision's references/classification/train.py saves it), else torchvision's ImageNet
 weights, else a seeded random init that says so. The class count is the file's classifier shape.
 """
+
 import argparse
 import hashlib
 import io
@@ -15,15 +16,21 @@ import warnings
 from pathlib import Path
 
 import torch
-from torchvision.models import (MobileNet_V3_Large_Weights, MobileNet_V3_Small_Weights, mobilenet_v3_large,
-                                mobilenet_v3_small)
+from torchvision.models import (
+    MobileNet_V3_Large_Weights,
+    MobileNet_V3_Small_Weights,
+    mobilenet_v3_large,
+    mobilenet_v3_small,
+)
 
 from mnv3.preprocess import DEFAULT_PREPROCESSING, Preprocessing
 
 ARCHS = {"mobilenet_v3_large": mobilenet_v3_large, "mobilenet_v3_small": mobilenet_v3_small}
 DEFAULT_ARCH = "mobilenet_v3_large"
-IMAGENET_WEIGHTS = {"mobilenet_v3_large": MobileNet_V3_Large_Weights.IMAGENET1K_V1,
-                    "mobilenet_v3_small": MobileNet_V3_Small_Weights.IMAGENET1K_V1}
+IMAGENET_WEIGHTS = {
+    "mobilenet_v3_large": MobileNet_V3_Large_Weights.IMAGENET1K_V1,
+    "mobilenet_v3_small": MobileNet_V3_Small_Weights.IMAGENET1K_V1,
+}
 IMAGENET_CLASSES = MobileNet_V3_Large_Weights.IMAGENET1K_V1.meta["categories"]  # Small's list is the same
 CLASSIFIER_WEIGHT = "classifier.3.weight"  # the last Linear: (classes, features)
 RANDOM_INIT_SEED = 0
@@ -88,8 +95,10 @@ def _read_weights_file(path) -> bytes:
     try:
         return Path(path).read_bytes()
     except OSError as exc:
-        raise BadWeights(f"--weights {path}: cannot read it ({exc.strerror or exc}); "
-                         "pass the path of your .pth state_dict or checkpoint") from exc
+        raise BadWeights(
+            f"--weights {path}: cannot read it ({exc.strerror or exc}); "
+            "pass the path of your .pth state_dict or checkpoint"
+        ) from exc
 
 
 def _state_dict(path, data: bytes) -> dict:
@@ -102,16 +111,21 @@ def _state_dict(path, data: bytes) -> dict:
             loaded = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, TypeError, AttributeError) as exc:
         if _pickles_modules(data):
-            raise BadWeights(f"--weights {path} is a whole pickled model (torch.save(model)), which cannot be loaded "
-                             f"without running code from the file; save its weights instead: {SAVE_STATE_DICT}"
-                             ) from exc
-        raise BadWeights(f"--weights {path}: not a PyTorch state_dict or checkpoint ({_first_line(exc)}); "
-                         f"save one with {SAVE_STATE_DICT}") from exc
+            raise BadWeights(
+                f"--weights {path} is a whole pickled model (torch.save(model)), which cannot be loaded "
+                f"without running code from the file; save its weights instead: {SAVE_STATE_DICT}"
+            ) from exc
+        raise BadWeights(
+            f"--weights {path}: not a PyTorch state_dict or checkpoint ({_first_line(exc)}); "
+            f"save one with {SAVE_STATE_DICT}"
+        ) from exc
     if isinstance(loaded, dict) and isinstance(loaded.get("model"), dict):
         loaded = loaded["model"]  # a references/classification checkpoint: {"model", "optimizer", "epoch", ...}
     if not isinstance(loaded, dict) or not all(isinstance(value, torch.Tensor) for value in loaded.values()):
-        raise BadWeights(f"--weights {path}: holds no state_dict (a dict of tensors, or a checkpoint with one under "
-                         f"\"model\"); save one with {SAVE_STATE_DICT}")
+        raise BadWeights(
+            f"--weights {path}: holds no state_dict (a dict of tensors, or a checkpoint with one under "
+            f'"model"); save one with {SAVE_STATE_DICT}'
+        )
     return loaded
 
 
@@ -126,19 +140,26 @@ def _pickles_modules(data: bytes) -> bool:
 def _classifier_classes(path, state_dict: dict) -> int:
     weight = state_dict.get(CLASSIFIER_WEIGHT)
     if weight is None or weight.ndim != 2:
-        raise BadWeights(f"--weights {path}: no {CLASSIFIER_WEIGHT} of shape (classes, features), so not a "
-                         "torchvision MobileNetV3 state_dict; pass the weights of a torchvision.models."
-                         "mobilenet_v3_large or mobilenet_v3_small")
+        raise BadWeights(
+            f"--weights {path}: no {CLASSIFIER_WEIGHT} of shape (classes, features), so not a "
+            "torchvision MobileNetV3 state_dict; pass the weights of a torchvision.models."
+            "mobilenet_v3_large or mobilenet_v3_small"
+        )
     return weight.shape[0]
 
 
 def _mismatches(model: torch.nn.Module, state_dict: dict) -> list[str]:
     expected = {key: tuple(value.shape) for key, value in model.state_dict().items()}
     given = {key: tuple(value.shape) for key, value in state_dict.items()}
-    return ([f"missing {key}" for key in expected.keys() - given.keys()]
-            + [f"unexpected {key}" for key in given.keys() - expected.keys()]
-            + [f"{key} is {given[key]}, not {expected[key]}" for key in expected.keys() & given.keys()
-               if given[key] != expected[key]])
+    return (
+        [f"missing {key}" for key in expected.keys() - given.keys()]
+        + [f"unexpected {key}" for key in given.keys() - expected.keys()]
+        + [
+            f"{key} is {given[key]}, not {expected[key]}"
+            for key in expected.keys() & given.keys()
+            if given[key] != expected[key]
+        ]
+    )
 
 
 def _check_fits(path, arch: str, model: torch.nn.Module, state_dict: dict) -> None:
@@ -149,8 +170,10 @@ def _check_fits(path, arch: str, model: torch.nn.Module, state_dict: dict) -> No
     for other in ARCHS.keys() - {arch}:
         if not _mismatches(ARCHS[other](weights=None, num_classes=num_classes(model)), state_dict):
             raise BadWeights(f"--weights {path} holds {other} weights, not {arch}: pass --arch {other}")
-    raise BadWeights(f"--weights {path}: not a {arch} state_dict ({len(mismatches)} tensors differ, e.g. "
-                     f"{sorted(mismatches)[0]}); pass --arch {' or '.join(ARCHS)} to match how it was trained")
+    raise BadWeights(
+        f"--weights {path}: not a {arch} state_dict ({len(mismatches)} tensors differ, e.g. "
+        f"{sorted(mismatches)[0]}); pass --arch {' or '.join(ARCHS)} to match how it was trained"
+    )
 
 
 def _first_line(exc: Exception) -> str:
@@ -188,14 +211,19 @@ def class_names_for(model: torch.nn.Module, class_names_path=None) -> tuple[list
     if class_names_path is not None:
         names = read_class_names(class_names_path)
         if len(names) != count:
-            raise BadClassNames(f"--class-names {class_names_path} has {len(names)} names but the model has {count} "
-                                f"classes ({CLASSIFIER_WEIGHT}); give one name per class, in training order")
+            raise BadClassNames(
+                f"--class-names {class_names_path} has {len(names)} names but the model has {count} "
+                f"classes ({CLASSIFIER_WEIGHT}); give one name per class, in training order"
+            )
         return names, f"file:{Path(class_names_path).name}"
     if count == len(IMAGENET_CLASSES):
         return IMAGENET_CLASSES, "imagenet"
-    warnings.warn(f"the model has {count} classes and no --class-names: labels are class_0..class_{count - 1}. "
-                  "Pass --class-names FILE (one name a line, in training order: torchvision's ImageFolder sorts "
-                  "the class folder names)", stacklevel=2)
+    warnings.warn(
+        f"the model has {count} classes and no --class-names: labels are class_0..class_{count - 1}. "
+        "Pass --class-names FILE (one name a line, in training order: torchvision's ImageFolder sorts "
+        "the class folder names)",
+        stacklevel=2,
+    )
     return [f"class_{i}" for i in range(count)], "class_<id>"
 
 
@@ -206,16 +234,22 @@ def export_onnx(model: torch.nn.Module, path, preprocessing: Preprocessing = DEF
     path.parent.mkdir(parents=True, exist_ok=True)
     example = torch.randn(1, *preprocessing.input_shape)
     torch.onnx.export(
-        model, (example,), str(path), dynamo=False, opset_version=OPSET,
-        input_names=["input"], output_names=["logits"],
+        model,
+        (example,),
+        str(path),
+        dynamo=False,
+        opset_version=OPSET,
+        input_names=["input"],
+        output_names=["logits"],
         dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}},
     )
     return path
 
 
 @torch.no_grad()
-def recalibrate_batchnorm(model: torch.nn.Module, images, batch_size: int = 32,
-                          preprocessing: Preprocessing = DEFAULT_PREPROCESSING) -> torch.nn.Module:
+def recalibrate_batchnorm(
+    model: torch.nn.Module, images, batch_size: int = 32, preprocessing: Preprocessing = DEFAULT_PREPROCESSING
+) -> torch.nn.Module:
     """Re-estimate BatchNorm running statistics on `images` (PIL), leaving every weight untouched.
 
     A random init has BN statistics (mean 0, var 1) unrelated to its activations, which shrink layer
@@ -230,7 +264,7 @@ def recalibrate_batchnorm(model: torch.nn.Module, images, batch_size: int = 32,
         bn.momentum = None  # cumulative average over all batches
     model.train()
     for start in range(0, len(images), batch_size):
-        model(torch.from_numpy(preprocess_batch(images[start:start + batch_size], preprocessing)))
+        model(torch.from_numpy(preprocess_batch(images[start : start + batch_size], preprocessing)))
     for bn in batch_norms:
         bn.momentum = 0.1
     return model.eval()
@@ -238,9 +272,11 @@ def recalibrate_batchnorm(model: torch.nn.Module, images, batch_size: int = 32,
 
 def torch_runner(model: torch.nn.Module):
     """`run(batch) -> logits` on numpy arrays, the same calling convention as an ORT session's runner."""
+
     def run(batch):
         with torch.inference_mode():
             return model(torch.from_numpy(batch)).numpy()
+
     return run
 
 
@@ -257,8 +293,10 @@ def check_export(model: torch.nn.Module, onnx_run, images) -> float:
     diff = export_max_abs_diff(model, onnx_run, batches)
     tolerance = EXPORT_TOLERANCE * max(1.0, max(float(abs(onnx_run(batch)).max()) for batch in batches))
     if diff > tolerance:
-        raise RuntimeError(f"ONNX export differs from PyTorch by {diff:.2e} > {tolerance:.2e} "
-                           f"(max abs logit, batches {EXPORT_CHECK_BATCHES}): the export is wrong, not shipping it")
+        raise RuntimeError(
+            f"ONNX export differs from PyTorch by {diff:.2e} > {tolerance:.2e} "
+            f"(max abs logit, batches {EXPORT_CHECK_BATCHES}): the export is wrong, not shipping it"
+        )
     return diff
 
 

@@ -15,6 +15,7 @@ Streams: with `streams` > 1 the dynamic-batch model is compiled for that many CP
 split between them) and a batch is cut into that many parts that run at once, one infer request each:
 fewer threads per convolution synchronise less. The batch-1 model keeps one stream with every thread.
 """
+
 import threading
 from typing import NamedTuple
 
@@ -27,6 +28,7 @@ DEVICE = "CPU"
 
 class Port(NamedTuple):
     """What `Engine` reads of an onnxruntime NodeArg: a name and a shape (a dynamic dim is a string)."""
+
     name: str
     shape: list
 
@@ -40,8 +42,9 @@ class OpenVINOSession:
     """The file compiled for the CPU: a static batch-1 model plus a dynamic-batch one (just the file's own
     shape when its batch axis is fixed; no dynamic one when `max_batch_size` is 1). Calls take turns."""
 
-    def __init__(self, path, threads: int, precision: str = "auto", max_batch_size: int | None = None,
-                 streams: int = 1):
+    def __init__(
+        self, path, threads: int, precision: str = "auto", max_batch_size: int | None = None, streams: int = 1
+    ):
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         core = ov.Core()
@@ -49,8 +52,12 @@ class OpenVINOSession:
             precision = "bf16" if bf16_supported(core) else "f32"
         model = core.read_model(str(path))
         self.precision = precision
-        settings = {"INFERENCE_NUM_THREADS": threads, "NUM_STREAMS": 1, "PERFORMANCE_HINT": "LATENCY",
-                    "INFERENCE_PRECISION_HINT": precision}
+        settings = {
+            "INFERENCE_NUM_THREADS": threads,
+            "NUM_STREAMS": 1,
+            "PERFORMANCE_HINT": "LATENCY",
+            "INFERENCE_PRECISION_HINT": precision,
+        }
         self._batch_1 = self._any_batch = None
         shape = model.inputs[0].partial_shape  # Engine refuses files with other than one input, after this
         if shape.rank.is_static and shape.rank.get_length() > 0 and shape[0].is_dynamic:
@@ -76,15 +83,17 @@ class OpenVINOSession:
             raise ValueError(f"compiled for batch 1 only (max_batch_size=1), got a batch of {len(batch)}")
         else:
             parts = np.array_split(batch, min(len(batch), len(self._any_batch)))
-            requests = self._any_batch[:len(parts)]
+            requests = self._any_batch[: len(parts)]
         with self._lock:
             # share_inputs: no copy of the batch in; outputs are copied out, the requests reuse their buffers.
             for request, part in zip(requests, parts, strict=True):
                 request.start_async({0: np.ascontiguousarray(part)}, share_inputs=True)
             for request in requests:
                 request.wait()
-            return [np.concatenate([request.get_output_tensor(i).data for request in requests])
-                    for i in range(len(self._outputs))]
+            return [
+                np.concatenate([request.get_output_tensor(i).data for request in requests])
+                for i in range(len(self._outputs))
+            ]
 
     def get_inputs(self) -> list[Port]:
         return self._inputs

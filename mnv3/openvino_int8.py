@@ -9,6 +9,7 @@ project's static recipes calibrate (MinMax): NNCF's default averages per-sample 
 outliers that a network amplifies layer by layer, as the random-init stand-in does. Needs `nncf`
 (requirements-openvino.txt).
 """
+
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,8 +25,7 @@ def logits_layer(model) -> str:
     return [op for op in model.get_ordered_ops() if op.get_type_name() == "MatMul"][-1].get_friendly_name()
 
 
-def quantize_nncf_int8(fp32_path, out_path, calibration_images: np.ndarray, graph_rewrites: Sequence[str] = ()
-                       ) -> Path:
+def quantize_nncf_int8(fp32_path, out_path, calibration_images: np.ndarray, graph_rewrites: Sequence[str] = ()) -> Path:
     """INT8 OpenVINO IR at `out_path` (.xml) from the ONNX FP32 model, calibrated on `calibration_images`
     (a preprocess_photos array), after `graph_rewrites` if any."""
     import nncf
@@ -42,10 +42,15 @@ def quantize_nncf_int8(fp32_path, out_path, calibration_images: np.ndarray, grap
         model = core.read_model(str(fp32_path))
     # One image a calibration sample, as NNCF expects; its statistics are per tensor across all of them.
     dataset = nncf.Dataset([image[None] for image in calibration_images])
-    quantized = nncf.quantize(model, dataset, subset_size=len(calibration_images),
-                              ignored_scope=nncf.IgnoredScope(names=[logits_layer(model)]),
-                              advanced_parameters=AdvancedQuantizationParameters(
-                                  activations_range_estimator_params=RangeEstimatorParametersSet.MINMAX))
+    quantized = nncf.quantize(
+        model,
+        dataset,
+        subset_size=len(calibration_images),
+        ignored_scope=nncf.IgnoredScope(names=[logits_layer(model)]),
+        advanced_parameters=AdvancedQuantizationParameters(
+            activations_range_estimator_params=RangeEstimatorParametersSet.MINMAX
+        ),
+    )
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     ov.save_model(quantized, str(out_path), compress_to_fp16=False)

@@ -6,6 +6,7 @@ also works when the app is served under a path prefix. What the page does is in 
 it talks only to the API every client uses (`/predict`, `/model`, `/models`, `/stats`), so it adds no
 work to the /predict path.
 """
+
 from pathlib import Path
 
 from fastapi import APIRouter

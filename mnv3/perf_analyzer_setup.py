@@ -15,6 +15,7 @@ installed. The binary links `libcudart.so.12` (unpacked from the `nvidia-cuda-ru
 the same way; no GPU is used) and libb64 (`apt-get install -y libb64-0d`). perf_analyzer's data file
 takes BYTES elements as base64 of what goes on the wire: a uint32 little-endian length, then the bytes.
 """
+
 import argparse
 import base64
 import ctypes.util
@@ -43,8 +44,19 @@ class SetupError(RuntimeError):
 
 def download_wheels(directory: Path) -> list[Path]:
     """The two wheels, from the package index, without their dependencies (nothing is installed)."""
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
-               "--dest", str(directory), TRITONCLIENT_WHEEL, CUDA_RUNTIME_WHEEL]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--quiet",
+        "--dest",
+        str(directory),
+        TRITONCLIENT_WHEEL,
+        CUDA_RUNTIME_WHEEL,
+    ]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         last = (result.stderr.strip().splitlines() or ["no output"])[-1]
@@ -66,23 +78,32 @@ def unpack(wheels: list[Path], member: str, destination: Path) -> Path:
 
 def write_wrapper(directory: Path, binary: Path, library_dir: Path) -> Path:
     wrapper = directory / "perf_analyzer"
-    wrapper.write_text("#!/bin/sh\n"
-                       f'LD_LIBRARY_PATH="{library_dir.resolve()}${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}" '
-                       f'exec "{binary.resolve()}" "$@"\n')
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        f'LD_LIBRARY_PATH="{library_dir.resolve()}${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}" '
+        f'exec "{binary.resolve()}" "$@"\n'
+    )
     wrapper.chmod(0o755)
     return wrapper
 
 
 def photos_data(photos: list[bytes]) -> dict:
     """perf_analyzer's --input-data document: one IMAGE element per photo, length-prefixed."""
-    return {"data": [{IMAGE_INPUT: {"b64": base64.b64encode(struct.pack("<I", len(photo)) + photo).decode()}}
-                     for photo in photos]}
+    return {
+        "data": [
+            {IMAGE_INPUT: {"b64": base64.b64encode(struct.pack("<I", len(photo)) + photo).decode()}} for photo in photos
+        ]
+    }
 
 
 def get_args_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m mnv3.perf_analyzer_setup", description=__doc__.split("\n")[0])
-    parser.add_argument("--dir", type=Path, default=ARTIFACTS_DIR / "perf_analyzer",
-                        help="where the binary, its libraries and the data file go [%(default)s]")
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        default=ARTIFACTS_DIR / "perf_analyzer",
+        help="where the binary, its libraries and the data file go [%(default)s]",
+    )
     parser.add_argument("--photos", type=int, default=256, help="distinct photos in the data file [%(default)s]")
     return parser
 
@@ -105,8 +126,10 @@ def main(args) -> None:
         raise SetupError(f"{wrapper} does not run here: {last}")
     data = directory / "photos.json"
     data.write_text(json.dumps(photos_data(load_images(args.photos))))
-    print(f"wrote {wrapper} and {data} ({args.photos} photos). Against a running server:\n"
-          f"  {wrapper} -m MODEL -u 127.0.0.1:PORT -i http --input-data {data} --concurrency-range 250 [--async]")
+    print(
+        f"wrote {wrapper} and {data} ({args.photos} photos). Against a running server:\n"
+        f"  {wrapper} -m MODEL -u 127.0.0.1:PORT -i http --input-data {data} --concurrency-range 250 [--async]"
+    )
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ distinct photos (`mnv3.photos.phone_photos`):
      req/s, and each request's round trip split into decode + preprocess, queue and inference (what the
      server reported for that request), reading the upload inside the endpoint, and HTTP (the rest).
 """
+
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -62,35 +63,48 @@ class DecodeComparison:
     def as_row(self) -> dict:
         grey_levels = self.tensor_diff * (255 * np.reshape(STD, (3, 1, 1)))  # back to 0-255 pixel values
         low, high, mean = self.photo_bytes
-        return {
-            "configuration": "phone_decode", "photos": self.photos,
-            "photo_mb_min": round(low / 1e6, 2), "photo_mb_max": round(high / 1e6, 2),
-            "photo_mb_mean": round(mean / 1e6, 2), "draft_decoded_size": "x".join(map(str, self.draft_size)),
-            "decode_rounds": len(self.seconds[FULL]),
-            "full_decode_ms_per_image": round(1000 * float(np.median(self.seconds[FULL])), 2),
-            "draft_decode_ms_per_image": round(1000 * float(np.median(self.seconds[DRAFT])), 2),
-            "full_to_draft_time_ratio": round(self.time_ratio, 2),
-            "tensor_max_abs_diff": round(float(self.tensor_diff.max()), 4),
-            "tensor_mean_abs_diff": round(float(self.tensor_diff.mean()), 5),
-            "pixel_max_abs_diff_levels": round(float(grey_levels.max()), 2),
-            "pixel_mean_abs_diff_levels": round(float(grey_levels.mean()), 3),
-            "pixel_p99_abs_diff_levels": round(float(np.percentile(grey_levels, 99)), 2),
-        } | {f"draft_vs_full_{name}": value for name, value in self.logits.items()} | self.reference_logits
+        return (
+            {
+                "configuration": "phone_decode",
+                "photos": self.photos,
+                "photo_mb_min": round(low / 1e6, 2),
+                "photo_mb_max": round(high / 1e6, 2),
+                "photo_mb_mean": round(mean / 1e6, 2),
+                "draft_decoded_size": "x".join(map(str, self.draft_size)),
+                "decode_rounds": len(self.seconds[FULL]),
+                "full_decode_ms_per_image": round(1000 * float(np.median(self.seconds[FULL])), 2),
+                "draft_decode_ms_per_image": round(1000 * float(np.median(self.seconds[DRAFT])), 2),
+                "full_to_draft_time_ratio": round(self.time_ratio, 2),
+                "tensor_max_abs_diff": round(float(self.tensor_diff.max()), 4),
+                "tensor_mean_abs_diff": round(float(self.tensor_diff.mean()), 5),
+                "pixel_max_abs_diff_levels": round(float(grey_levels.max()), 2),
+                "pixel_mean_abs_diff_levels": round(float(grey_levels.mean()), 3),
+                "pixel_p99_abs_diff_levels": round(float(np.percentile(grey_levels, 99)), 2),
+            }
+            | {f"draft_vs_full_{name}": value for name, value in self.logits.items()}
+            | self.reference_logits
+        )
 
     def summary(self) -> str:
         row = self.as_row()
-        return (f"phone photos: {self.photos} distinct {'x'.join(map(str, PHONE_PHOTO_SIZE))} JPEGs, "
-                f"{row['photo_mb_min']}-{row['photo_mb_max']} MB; draft decodes them to {row['draft_decoded_size']}, "
-                f"{row['full_to_draft_time_ratio']}x cheaper than a full decode (decode + preprocess, "
-                f"median of {row['decode_rounds']} rounds in turns)\n"
-                f"draft vs full decode: preprocessed tensor max |diff| {row['tensor_max_abs_diff']} "
-                f"({row['pixel_max_abs_diff_levels']} grey levels), mean {row['tensor_mean_abs_diff']} "
-                f"({row['pixel_mean_abs_diff_levels']}); served model's top-1 agreement "
-                f"{self.logits['top1_agreement']}, top-5 {self.logits['top5_agreement']}, "
-                f"logits SQNR {self.logits['sqnr_db']} dB" + (
-                    f"; FP32's {row['fp32_draft_vs_full_top1_agreement']} / {row['fp32_draft_vs_full_sqnr_db']} dB "
-                    f"(served vs FP32, both full decodes: {row['served_vs_fp32_top1_agreement']} / "
-                    f"{row['served_vs_fp32_sqnr_db']} dB)" if self.reference_logits else ""))
+        return (
+            f"phone photos: {self.photos} distinct {'x'.join(map(str, PHONE_PHOTO_SIZE))} JPEGs, "
+            f"{row['photo_mb_min']}-{row['photo_mb_max']} MB; draft decodes them to {row['draft_decoded_size']}, "
+            f"{row['full_to_draft_time_ratio']}x cheaper than a full decode (decode + preprocess, "
+            f"median of {row['decode_rounds']} rounds in turns)\n"
+            f"draft vs full decode: preprocessed tensor max |diff| {row['tensor_max_abs_diff']} "
+            f"({row['pixel_max_abs_diff_levels']} grey levels), mean {row['tensor_mean_abs_diff']} "
+            f"({row['pixel_mean_abs_diff_levels']}); served model's top-1 agreement "
+            f"{self.logits['top1_agreement']}, top-5 {self.logits['top5_agreement']}, "
+            f"logits SQNR {self.logits['sqnr_db']} dB"
+            + (
+                f"; FP32's {row['fp32_draft_vs_full_top1_agreement']} / {row['fp32_draft_vs_full_sqnr_db']} dB "
+                f"(served vs FP32, both full decodes: {row['served_vs_fp32_top1_agreement']} / "
+                f"{row['served_vs_fp32_sqnr_db']} dB)"
+                if self.reference_logits
+                else ""
+            )
+        )
 
 
 def decode_seconds(bodies: list[bytes], rounds: int) -> dict[str, list[float]]:
@@ -109,8 +123,10 @@ def decode_seconds(bodies: list[bytes], rounds: int) -> dict[str, list[float]]:
 def compare_decodes(model, bodies: list[bytes], rounds: int, reference=None) -> DecodeComparison:
     """Draft vs full decode of `bodies`: cost (in turns), preprocessed tensors, and `model`'s logits (and
     those of `reference`, the FP32 model `model` was quantized from, if given)."""
-    tensors = {name: np.stack([decode_and_preprocess(body, jpeg_draft=name == DRAFT) for body in bodies])
-               for name in (FULL, DRAFT)}
+    tensors = {
+        name: np.stack([decode_and_preprocess(body, jpeg_draft=name == DRAFT) for body in bodies])
+        for name in (FULL, DRAFT)
+    }
 
     def logits(path) -> dict[str, np.ndarray]:
         run = ort_runner(make_session(path))
@@ -120,15 +136,21 @@ def compare_decodes(model, bodies: list[bytes], rounds: int, reference=None) -> 
     reference_logits = {}
     if reference is not None:
         fp32 = logits(reference)
-        reference_logits = ({"reference_model": Path(reference).name}
-                            | {f"fp32_draft_vs_full_{k}": v for k, v in agreement(fp32[FULL], fp32[DRAFT]).items()}
-                            | {f"served_vs_fp32_{k}": v for k, v in agreement(fp32[FULL], served[FULL]).items()})
+        reference_logits = (
+            {"reference_model": Path(reference).name}
+            | {f"fp32_draft_vs_full_{k}": v for k, v in agreement(fp32[FULL], fp32[DRAFT]).items()}
+            | {f"served_vs_fp32_{k}": v for k, v in agreement(fp32[FULL], served[FULL]).items()}
+        )
     sizes = [len(body) for body in bodies]
     return DecodeComparison(
-        photos=len(bodies), photo_bytes=(min(sizes), max(sizes), float(np.mean(sizes))),
-        draft_size=decode_image(bodies[0], jpeg_draft=True).size, seconds=decode_seconds(bodies, rounds),
-        tensor_diff=np.abs(tensors[DRAFT] - tensors[FULL]), logits=agreement(served[FULL], served[DRAFT]),
-        reference_logits=reference_logits)
+        photos=len(bodies),
+        photo_bytes=(min(sizes), max(sizes), float(np.mean(sizes))),
+        draft_size=decode_image(bodies[0], jpeg_draft=True).size,
+        seconds=decode_seconds(bodies, rounds),
+        tensor_diff=np.abs(tensors[DRAFT] - tensors[FULL]),
+        logits=agreement(served[FULL], served[DRAFT]),
+        reference_logits=reference_logits,
+    )
 
 
 def time_breakdown(result: LoadResult) -> dict:
@@ -143,8 +165,11 @@ def time_breakdown(result: LoadResult) -> dict:
     if result.latency is None:  # no request succeeded: no round trip to split
         return {f"time_{name}": float("nan") for name in TIME_PARTS}
     server = result.server
-    parts = {"decode_preprocess_ms": server["mean_preprocess_ms"], "queue_ms": server["mean_queue_ms"],
-             "inference_ms": server["mean_inference_ms"]}
+    parts = {
+        "decode_preprocess_ms": server["mean_preprocess_ms"],
+        "queue_ms": server["mean_queue_ms"],
+        "inference_ms": server["mean_inference_ms"],
+    }
     endpoint_ms = metrics_row(result.metrics)["metrics_request_ms"]
     parts |= {"upload_read_ms": endpoint_ms - sum(parts.values()), "http_ms": result.latency.mean_ms - endpoint_ms}
     return {f"time_{name}": round(parts[name], 2) for name in TIME_PARTS}
@@ -162,8 +187,13 @@ class PhoneResult:
         # The environment's load-image columns name the 500x375 photos of the other stage-5 rows: not these.
         photos = {"load_image_size": "x".join(map(str, PHONE_PHOTO_SIZE)), "load_image_quality": PHONE_PHOTO_QUALITY}
         rows = [self.decode.as_row()]
-        rows += [{"configuration": "phone_upload", "jpeg_draft": int(draft)} | result.as_row() | time_breakdown(result)
-                 | self.settings[draft] for draft, result in self.loads.items()]
+        rows += [
+            {"configuration": "phone_upload", "jpeg_draft": int(draft)}
+            | result.as_row()
+            | time_breakdown(result)
+            | self.settings[draft]
+            for draft, result in self.loads.items()
+        ]
         rows[1]["draft_speedup"] = loadtest.ratio(self.loads[True].rps, self.loads[False].rps)
         return [row | environment | photos for row in rows]
 
@@ -171,10 +201,14 @@ class PhoneResult:
         lines = [self.decode.summary()]
         for draft, result in self.loads.items():
             parts = time_breakdown(result)
-            lines.append(f"phone uploads, jpeg_draft {int(draft)}: {result.summary()}; mean round trip "
-                         f"{sum(parts.values()):.0f} ms = " + " + ".join(
-                             f"{name.removesuffix('_ms').replace('_', ' ')} {parts[f'time_{name}']:.0f}"
-                             for name in TIME_PARTS) + " ms")
+            lines.append(
+                f"phone uploads, jpeg_draft {int(draft)}: {result.summary()}; mean round trip "
+                f"{sum(parts.values()):.0f} ms = "
+                + " + ".join(
+                    f"{name.removesuffix('_ms').replace('_', ' ')} {parts[f'time_{name}']:.0f}" for name in TIME_PARTS
+                )
+                + " ms"
+            )
         return "\n".join(lines)
 
 
@@ -182,15 +216,26 @@ def run_phone_benchmark(model: Path, bodies: list[bytes], plan: PhonePlan) -> Ph
     """The decode comparison in process, then the batching server with draft decoding on, then off.
     The FP32 model beside `model` (stage 1's, when `model` is one of its INT8 variants) is the reference."""
     reference = model.parent / FP32_ONNX
-    decode = compare_decodes(model, bodies, plan.decode_rounds,
-                             reference if reference.exists() and reference.resolve() != model.resolve() else None)
+    decode = compare_decodes(
+        model,
+        bodies,
+        plan.decode_rounds,
+        reference if reference.exists() and reference.resolve() != model.resolve() else None,
+    )
     print(decode.summary())
     loads, settings = {}, {}
     for draft in (True, False):
         with loadtest.ServerProcess(model, plan.start_timeout_s, **plan.server_options, jpeg_draft=int(draft)) as url:
             settings[draft] = loadtest.server_settings(url)
             loadtest.warm_up(url, bodies, plan.concurrency)
-            loads[draft] = loadtest.run_with_metrics(url, partial(
-                loadtest.run_closed_loop, bodies=bodies, concurrency=plan.concurrency, count=plan.requests,
-                desc=f"phone photos, jpeg_draft {int(draft)}"))
+            loads[draft] = loadtest.run_with_metrics(
+                url,
+                partial(
+                    loadtest.run_closed_loop,
+                    bodies=bodies,
+                    concurrency=plan.concurrency,
+                    count=plan.requests,
+                    desc=f"phone photos, jpeg_draft {int(draft)}",
+                ),
+            )
     return PhoneResult(plan, decode, loads, settings)

@@ -6,6 +6,7 @@ colour jitter) turn the ~14 sources into as many distinct images as a stage need
 held-out images come from disjoint source photos, so accuracy is never measured on what calibrated.
 `phone_photos` makes 12-megapixel JPEGs the size a phone uploads, generated when a run needs them.
 """
+
 import io
 from concurrent.futures import ThreadPoolExecutor
 from importlib.resources import files
@@ -43,8 +44,12 @@ PHONE_PHOTO_QUALITY = 90
 PHONE_GRAIN_LEVELS = (6, 11)
 # EXIF orientation as phones write it (1 upright, 6 held upright in portrait, 3 upside down, 8 the other
 # portrait), with the transpose that turns what the viewer sees into what the sensor stored.
-PHONE_ORIENTATIONS = {1: None, 6: Image.Transpose.ROTATE_90, 3: Image.Transpose.ROTATE_180,
-                      8: Image.Transpose.ROTATE_270}
+PHONE_ORIENTATIONS = {
+    1: None,
+    6: Image.Transpose.ROTATE_90,
+    3: Image.Transpose.ROTATE_180,
+    8: Image.Transpose.ROTATE_270,
+}
 PHONE_ORIENTATION_SHARES = (0.5, 0.3, 0.1, 0.1)
 EXIF_ORIENTATION_TAG = 0x0112
 

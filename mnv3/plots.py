@@ -3,6 +3,7 @@
 matplotlib is imported on first use, with the Agg backend: servers and CI have no display, and the
 serving path never plots.
 """
+
 from pathlib import Path
 
 
@@ -43,9 +44,16 @@ def plot_variants(rows: list[dict], path) -> Path:
     return _save(fig, path, dpi=100)
 
 
-def plot_over_concurrency(path, concurrencies: list[int], lines: dict[str, list[float]], ylabel: str, title: str,
-                          points: dict[str, tuple[int, float]] | None = None,
-                          level: tuple[str, float] | None = None, log_y: bool = False) -> Path:
+def plot_over_concurrency(
+    path,
+    concurrencies: list[int],
+    lines: dict[str, list[float]],
+    ylabel: str,
+    title: str,
+    points: dict[str, tuple[int, float]] | None = None,
+    level: tuple[str, float] | None = None,
+    log_y: bool = False,
+) -> Path:
     """One line per `lines` label over the concurrencies (log x), single `points` {label: (x, y)} as red
     squares, and an optional dashed horizontal `level` (label, y)."""
     plt = _pyplot()

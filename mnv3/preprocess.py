@@ -9,6 +9,7 @@ beside the model. tests/test_preprocess.py holds both to torchvision's transform
 DCT scale unless told not to (`jpeg_draft`): close to a full decode, not equal to it; smaller JPEGs
 and every other format decode in full (tests/test_phone_photos.py holds it to both).
 """
+
 import io
 import warnings
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ ACCEPTED_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
 @dataclass(frozen=True)
 class Preprocessing:
     """What a model was trained with: shorter side to `resize`, centre `crop`, then (x/255 - mean)/std."""
+
     resize: int = RESIZE_SIZE
     crop: int = CROP_SIZE
     mean: tuple[float, float, float] = MEAN
@@ -50,11 +52,14 @@ class Preprocessing:
 
     def __post_init__(self):
         if not 0 < self.crop <= self.resize:
-            raise ValueError(f"crop {self.crop} must be positive and at most resize {self.resize} "
-                             "(torchvision would pad the image with zeros)")
+            raise ValueError(
+                f"crop {self.crop} must be positive and at most resize {self.resize} "
+                "(torchvision would pad the image with zeros)"
+            )
         if len(self.mean) != 3 or len(self.std) != 3 or min(self.std) <= 0:
-            raise ValueError(f"mean and std take 3 values (R G B) and std must be positive, got mean {self.mean} "
-                             f"std {self.std}")
+            raise ValueError(
+                f"mean and std take 3 values (R G B) and std must be positive, got mean {self.mean} std {self.std}"
+            )
 
     @classmethod
     def from_record(cls, record: dict) -> "Preprocessing":
@@ -134,8 +139,9 @@ def jpeg_draft_reduction(width: int, height: int, resize_size: int = RESIZE_SIZE
     return next((r for r in JPEG_DRAFT_REDUCTIONS if min(width, height) // r >= needed), 1)
 
 
-def decode_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS, jpeg_draft: bool = True,
-                 resize_size: int = RESIZE_SIZE) -> Image.Image:
+def decode_image(
+    data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS, jpeg_draft: bool = True, resize_size: int = RESIZE_SIZE
+) -> Image.Image:
     """Decode untrusted bytes into an RGB PIL image, or raise InvalidImage with a clear reason.
 
     - Opens only ACCEPTED_FORMATS; any image mode they carry (1-bit to 16-bit, CMYK, alpha, palette...)
@@ -187,8 +193,12 @@ def _to_rgb(image: Image.Image) -> Image.Image:
     return image if image.mode == "RGB" else image.convert("RGB")
 
 
-def decode_and_preprocess(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS, jpeg_draft: bool = True,
-                          preprocessing: Preprocessing = DEFAULT_PREPROCESSING) -> np.ndarray:
+def decode_and_preprocess(
+    data: bytes,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+    jpeg_draft: bool = True,
+    preprocessing: Preprocessing = DEFAULT_PREPROCESSING,
+) -> np.ndarray:
     """What the server does to each upload before inference (and the in-process limit, to match it)."""
     return preprocess(decode_image(data, max_pixels, jpeg_draft, preprocessing.resize), preprocessing)
 

@@ -1,4 +1,5 @@
 """Where inference time goes, from onnxruntime's own profiler (a Chrome-trace JSON of per-node kernel times)."""
+
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -30,7 +31,11 @@ def op_type_summary(trace_path, runs: int) -> list[dict]:
             calls[op_type] += 1
     total = sum(micros.values())
     return [
-        {"op_type": op_type, "share_pct": round(100 * us / total, 2), "ms_per_run": round(us / runs / 1000, 3),
-         "calls_per_run": calls[op_type] // runs}
+        {
+            "op_type": op_type,
+            "share_pct": round(100 * us / total, 2),
+            "ms_per_run": round(us / runs / 1000, 3),
+            "calls_per_run": calls[op_type] // runs,
+        }
         for op_type, us in sorted(micros.items(), key=lambda item: -item[1])
     ]

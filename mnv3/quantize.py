@@ -4,6 +4,7 @@ A static recipe is a small dataclass so a better one can be added to RECIPES and
 and so the manifest and CSVs record exactly what produced static_int8.onnx. The exact graph rewrites a
 recipe applies first live in mnv3/graph_rewrites.py.
 """
+
 import hashlib
 import json
 import tempfile
@@ -12,8 +13,14 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType,
-                                      quantize_dynamic, quantize_static)
+from onnxruntime.quantization import (
+    CalibrationDataReader,
+    CalibrationMethod,
+    QuantFormat,
+    QuantType,
+    quantize_dynamic,
+    quantize_static,
+)
 from onnxruntime.quantization.shape_inference import quant_pre_process
 from tqdm import tqdm
 
@@ -27,6 +34,7 @@ CALIBRATION_BATCH_SIZE = 8
 @dataclass
 class StaticRecipe:
     """Arguments to quantize_static, as names (QuantFormat/QuantType/CalibrationMethod members)."""
+
     quant_format: str = "QDQ"
     per_channel: bool = True
     activation_type: str = "QUInt8"
@@ -43,15 +51,21 @@ class StaticRecipe:
 
         The rewrites are one "+"-joined `graph_rewrite` cell, the column the committed results have.
         """
-        record = asdict(self) | {"nodes_to_exclude": list(self.nodes_to_exclude),
-                                 "op_types_to_quantize": list(self.op_types_to_quantize)}
+        record = asdict(self) | {
+            "nodes_to_exclude": list(self.nodes_to_exclude),
+            "op_types_to_quantize": list(self.op_types_to_quantize),
+        }
         del record["graph_rewrites"]
         return record | {"graph_rewrite": "+".join(self.graph_rewrites)}
 
     def calibration_key(self) -> str:
         """What the calibrated ranges depend on: recipes with the same key can share them."""
-        inputs = [list(self.graph_rewrites), self.calibrate_method, sorted(self.op_types_to_quantize),
-                  sorted(self.extra_options.items())]
+        inputs = [
+            list(self.graph_rewrites),
+            self.calibrate_method,
+            sorted(self.op_types_to_quantize),
+            sorted(self.extra_options.items()),
+        ]
         return hashlib.sha256(json.dumps(inputs, default=str).encode()).hexdigest()[:16]
 
 
@@ -73,20 +87,22 @@ _CLIP = ("hardswish_to_clip",)
 _CLIP_FOLD6 = ("hardswish_to_clip", "fold6")
 _PAD16_CLIP_FOLD6 = ("pad16", "hardswish_to_clip", "fold6")
 _ALL_REWRITES = ("pad16", "hardswish_to_clip", "fold6", "hardsigmoid_to_clip")
-RECIPES = dict([
-    _named("qdq_per_channel_minmax", reduce_range=True),
-    _named("qdq_per_tensor_minmax", per_channel=False, reduce_range=True),
-    _named("qoperator_per_channel_minmax", quant_format="QOperator", reduce_range=True),
-    _named("qdq_per_channel", reduce_range=True, graph_rewrites=_CLIP),
-    _named("qdq_per_channel", "noreduce", reduce_range=False, graph_rewrites=_CLIP),
-    _named("qdq_per_tensor", per_channel=False, reduce_range=True, graph_rewrites=_CLIP),
-    _named("qdq_per_channel", reduce_range=True, graph_rewrites=_CLIP_FOLD6),
-    _named("qdq_per_channel", reduce_range=True, graph_rewrites=_PAD16_CLIP_FOLD6),
-    _named("qdq_per_channel", reduce_range=True, graph_rewrites=_ALL_REWRITES),
-    # The same graph as QLinear* ops: ORT runs the same kernels from a smaller file (no bias scales or
-    # Q/DQ nodes), but OpenVINO cannot read ORT's com.microsoft ops, so it is not the default.
-    _named("qoperator_per_channel", quant_format="QOperator", reduce_range=True, graph_rewrites=_ALL_REWRITES),
-])
+RECIPES = dict(
+    [
+        _named("qdq_per_channel_minmax", reduce_range=True),
+        _named("qdq_per_tensor_minmax", per_channel=False, reduce_range=True),
+        _named("qoperator_per_channel_minmax", quant_format="QOperator", reduce_range=True),
+        _named("qdq_per_channel", reduce_range=True, graph_rewrites=_CLIP),
+        _named("qdq_per_channel", "noreduce", reduce_range=False, graph_rewrites=_CLIP),
+        _named("qdq_per_tensor", per_channel=False, reduce_range=True, graph_rewrites=_CLIP),
+        _named("qdq_per_channel", reduce_range=True, graph_rewrites=_CLIP_FOLD6),
+        _named("qdq_per_channel", reduce_range=True, graph_rewrites=_PAD16_CLIP_FOLD6),
+        _named("qdq_per_channel", reduce_range=True, graph_rewrites=_ALL_REWRITES),
+        # The same graph as QLinear* ops: ORT runs the same kernels from a smaller file (no bias scales or
+        # Q/DQ nodes), but OpenVINO cannot read ORT's com.microsoft ops, so it is not the default.
+        _named("qoperator_per_channel", quant_format="QOperator", reduce_range=True, graph_rewrites=_ALL_REWRITES),
+    ]
+)
 DEFAULT_RECIPE = "qdq_per_channel_pad16_clip_fold6_gate"
 
 
@@ -122,15 +138,19 @@ def calibration_photos(folder, count: int) -> list[Path]:
 
 def preprocess_photos(image_paths, preprocessing: Preprocessing = DEFAULT_PREPROCESSING) -> np.ndarray:
     """The calibration photos as one preprocessed (N, 3, crop, crop) array, to calibrate several recipes on."""
-    return np.concatenate([preprocess_files(image_paths[i:i + CALIBRATION_BATCH_SIZE], preprocessing)
-                           for i in range(0, len(image_paths), CALIBRATION_BATCH_SIZE)])
+    return np.concatenate(
+        [
+            preprocess_files(image_paths[i : i + CALIBRATION_BATCH_SIZE], preprocessing)
+            for i in range(0, len(image_paths), CALIBRATION_BATCH_SIZE)
+        ]
+    )
 
 
 class ArrayCalibrationReader(CalibrationDataReader):
     """Feeds an already preprocessed (N, 3, H, W) array, a few images per call."""
 
     def __init__(self, images: np.ndarray, input_name: str = "input", batch_size: int = CALIBRATION_BATCH_SIZE):
-        self.batches = iter([images[i:i + batch_size] for i in range(0, len(images), batch_size)])
+        self.batches = iter([images[i : i + batch_size] for i in range(0, len(images), batch_size)])
         self.input_name = input_name
 
     def get_next(self):
@@ -141,9 +161,14 @@ class ArrayCalibrationReader(CalibrationDataReader):
 class PhotoCalibrationReader(CalibrationDataReader):
     """Feeds calibration photos through the serving preprocessing, a few images per call."""
 
-    def __init__(self, image_paths, input_name: str = "input", batch_size: int = CALIBRATION_BATCH_SIZE,
-                 preprocessing: Preprocessing = DEFAULT_PREPROCESSING):
-        self.chunks = [image_paths[i:i + batch_size] for i in range(0, len(image_paths), batch_size)]
+    def __init__(
+        self,
+        image_paths,
+        input_name: str = "input",
+        batch_size: int = CALIBRATION_BATCH_SIZE,
+        preprocessing: Preprocessing = DEFAULT_PREPROCESSING,
+    ):
+        self.chunks = [image_paths[i : i + batch_size] for i in range(0, len(image_paths), batch_size)]
         self.preprocessing = preprocessing
         self.input_name = input_name
         self.progress = tqdm(total=len(image_paths), desc="calibration", unit="img", leave=False)
@@ -158,8 +183,14 @@ class PhotoCalibrationReader(CalibrationDataReader):
         return {self.input_name: batch}
 
 
-def quantize_static_int8(fp32_path, out_path, calibration, recipe: StaticRecipe, cache_dir=None,
-                         preprocessing: Preprocessing = DEFAULT_PREPROCESSING) -> Path:
+def quantize_static_int8(
+    fp32_path,
+    out_path,
+    calibration,
+    recipe: StaticRecipe,
+    cache_dir=None,
+    preprocessing: Preprocessing = DEFAULT_PREPROCESSING,
+) -> Path:
     """Quantize with `recipe`, calibrating on `calibration`: photo paths (preprocessed as `preprocessing`
     says), or a preprocess_photos array.
 
@@ -178,7 +209,9 @@ def quantize_static_int8(fp32_path, out_path, calibration, recipe: StaticRecipe,
             fp32_path = rewritten
         prepared = pre_process(fp32_path, Path(tmp) / "prepared.onnx")
         quantize_static(
-            str(prepared), str(out_path), reader,
+            str(prepared),
+            str(out_path),
+            reader,
             quant_format=QuantFormat[recipe.quant_format],
             per_channel=recipe.per_channel,
             activation_type=QuantType[recipe.activation_type],
@@ -197,4 +230,3 @@ def quantize_static_int8(fp32_path, out_path, calibration, recipe: StaticRecipe,
 
 def size_mb(path) -> float:
     return round(Path(path).stat().st_size / 1e6, 3)
-

@@ -17,6 +17,7 @@ loopback `--node-ip-address` into it (only its single-node mode stays on loopbac
 worker nodes). So the GCS and raylets are reachable on that address, behind the token; the HTTP proxy
 and the dashboard listen on 127.0.0.1.
 """
+
 import argparse
 import hashlib
 import json
@@ -78,16 +79,26 @@ def node_environment(token: str) -> dict:
     the token); RAY_AUTH_TOKEN is the token itself (or put it in ~/.ray/auth_token). The proxy's callback
     gives Ray's own errors the app's JSON body (Ray's processes import mnv3 as the installed package).
     """
-    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token,
-            PROXY_CALLBACK_ENV: PROXY_CALLBACK, "RAY_USAGE_STATS_ENABLED": "0",
-            "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": str(DRAIN_TIMEOUT_S),
+    return {
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": token,
+        PROXY_CALLBACK_ENV: PROXY_CALLBACK,
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": str(DRAIN_TIMEOUT_S),
         # Several nodes: not Ray's loopback-only single-node mode, which mnv3.ray_serve's local cluster sets
         # in its own process (a test run may have started one) and which refuses worker nodes.
-        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1",
+    }
 
 
-def write_serve_config(path: Path, model: Path, http_port: int, application_args: dict | None = None,
-                       deployment_options: dict | None = None, source: Path = SERVE_CONFIG) -> Path:
+def write_serve_config(
+    path: Path,
+    model: Path,
+    http_port: int,
+    application_args: dict | None = None,
+    deployment_options: dict | None = None,
+    source: Path = SERVE_CONFIG,
+) -> Path:
     """A copy of serve_config.yaml with an absolute model path, the proxy's port, and any overrides (a
     deployment option set to None is removed, leaving Ray's default)."""
     config = yaml.safe_load(source.read_text())
@@ -140,28 +151,60 @@ class LocalCluster:
         log = open(self.root / f"{name}.log", "wb")
         # Its own session: SIGKILL to the process group reaches the node's Ray processes, and only them.
         process = subprocess.Popen(
-            [ray_command("ray"), "start", "--block", "--num-cpus", str(self.cpus_per_node), "--temp-dir",
-             str(temp_dir), "--dashboard-agent-listen-port", str(free_port()), "--disable-usage-stats", *options],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO_ROOT,
-            start_new_session=True)
+            [
+                ray_command("ray"),
+                "start",
+                "--block",
+                "--num-cpus",
+                str(self.cpus_per_node),
+                "--temp-dir",
+                str(temp_dir),
+                "--dashboard-agent-listen-port",
+                str(free_port()),
+                "--disable-usage-stats",
+                *options,
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            cwd=REPO_ROOT,
+            start_new_session=True,
+        )
         log.close()
         self.nodes.append(process)
         return process
 
     def start_head(self) -> None:
-        self._start_node("head", "--head", "--port", str(self.gcs_port), "--dashboard-host", "127.0.0.1",
-                         "--dashboard-port", str(self.dashboard_port), "--ray-client-server-port", str(free_port()))
+        self._start_node(
+            "head",
+            "--head",
+            "--port",
+            str(self.gcs_port),
+            "--dashboard-host",
+            "127.0.0.1",
+            "--dashboard-port",
+            str(self.dashboard_port),
+            "--ray-client-server-port",
+            str(free_port()),
+        )
         address_file = self.root / "head" / "ray_current_cluster"  # the head writes HEAD_IP:PORT here
-        self._wait(lambda: address_file.exists() and address_file.read_text().strip(), NODE_START_TIMEOUT_S,
-                   "the head node did not start")
+        self._wait(
+            lambda: address_file.exists() and address_file.read_text().strip(),
+            NODE_START_TIMEOUT_S,
+            "the head node did not start",
+        )
         self.address = address_file.read_text().strip()
         self._wait(lambda: self.alive_node_count() == 1, NODE_START_TIMEOUT_S, "the head node did not start")
 
     def add_worker_node(self) -> None:
         known = {node["node_id"] for node in self.ray_list("nodes")}
         self._start_node(f"worker{len(self.nodes)}", "--address", self.address)
-        self._wait(lambda: any(node["node_id"] not in known and node["state"] == "ALIVE"
-                               for node in self.ray_list("nodes")), NODE_START_TIMEOUT_S, "the new node did not join")
+        self._wait(
+            lambda: any(node["node_id"] not in known and node["state"] == "ALIVE" for node in self.ray_list("nodes")),
+            NODE_START_TIMEOUT_S,
+            "the new node did not join",
+        )
 
     def kill_node(self, index: int) -> None:
         """SIGKILL a worker node's Ray processes: the node is lost as a crashed machine would be."""
@@ -185,7 +228,6 @@ class LocalCluster:
 
     def alive_node_count(self) -> int:
         return sum(node["state"] == "ALIVE" for node in self.ray_list("nodes"))
-
 
     def stop(self) -> None:
         """Stop every node this cluster started, workers first, and only those."""
@@ -221,8 +263,15 @@ class LocalCluster:
     def run(self, program: str, *args: str, timeout_s: float = COMMAND_TIMEOUT_S) -> str:
         """`ray ...` or `serve ...` with the cluster's environment; its standard output."""
         try:
-            done = subprocess.run([ray_command(program), *args], env=self.env, cwd=REPO_ROOT, capture_output=True,
-                                  text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
+            done = subprocess.run(
+                [ray_command(program), *args],
+                env=self.env,
+                cwd=REPO_ROOT,
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+                stdin=subprocess.DEVNULL,
+            )
         except subprocess.TimeoutExpired as exc:
             raise ClusterError(f"`{program} {' '.join(args)}` did not finish within {timeout_s:.0f} s") from exc
         if done.returncode != 0:
@@ -232,8 +281,21 @@ class LocalCluster:
     def ray_list(self, resource: str, *filters: str) -> list[dict]:
         """The state API (`ray list nodes|actors ...`) as dicts."""
         options = [item for f in filters for item in ("--filter", f)]
-        return json.loads(self.run("ray", "list", resource, "--address", self.dashboard_url, "--detail",
-                                   "--format", "json", "--limit", "1000", *options))
+        return json.loads(
+            self.run(
+                "ray",
+                "list",
+                resource,
+                "--address",
+                self.dashboard_url,
+                "--detail",
+                "--format",
+                "json",
+                "--limit",
+                "1000",
+                *options,
+            )
+        )
 
     def deploy(self, config: Path) -> None:
         self.run("serve", "deploy", str(config), "--address", self.dashboard_url)
@@ -244,14 +306,18 @@ class LocalCluster:
     def serve_shutdown(self) -> None:
         """Delete every Serve app and Serve itself (the next deploy starts it again): fresh replicas."""
         self.run("serve", "shutdown", "--yes", "--address", self.dashboard_url)
-        self._wait(lambda: not self.serve_details().get("applications"), NODE_START_TIMEOUT_S,
-                   "Serve did not shut down")
+        self._wait(
+            lambda: not self.serve_details().get("applications"), NODE_START_TIMEOUT_S, "Serve did not shut down"
+        )
 
     def serve_details(self) -> dict:
         """Serve's REST API on the dashboard (what `serve status` reads), with the cluster's token."""
         try:
-            response = requests.get(self.dashboard_url + "/api/serve/applications/", timeout=COMMAND_TIMEOUT_S,
-                                    headers={"Authorization": f"Bearer {self.env['RAY_AUTH_TOKEN']}"})
+            response = requests.get(
+                self.dashboard_url + "/api/serve/applications/",
+                timeout=COMMAND_TIMEOUT_S,
+                headers={"Authorization": f"Bearer {self.env['RAY_AUTH_TOKEN']}"},
+            )
             response.raise_for_status()
         except requests.RequestException as exc:
             raise ClusterError(f"Serve's REST API did not answer: {exc}") from exc
@@ -259,10 +325,14 @@ class LocalCluster:
 
     def replicas(self) -> dict[str, dict]:
         """RUNNING replicas of the app: {replica id (as in the x-mnv3-replica header): {node_id, pid, ...}}."""
-        deployment = (self.serve_details()["applications"].get(APP_NAME, {})
-                      .get("deployments", {}).get(DEPLOYMENT_NAME, {}))
-        return {replica["replica_id"]: replica for replica in deployment.get("replicas", [])
-                if replica["state"] == "RUNNING"}
+        deployment = (
+            self.serve_details()["applications"].get(APP_NAME, {}).get("deployments", {}).get(DEPLOYMENT_NAME, {})
+        )
+        return {
+            replica["replica_id"]: replica
+            for replica in deployment.get("replicas", [])
+            if replica["state"] == "RUNNING"
+        }
 
     def wait_for_replicas(self, count: int, timeout_s: float = NODE_START_TIMEOUT_S) -> None:
         self._wait(lambda: len(self.replicas()) == count, timeout_s, f"{count} replicas not running")
@@ -284,6 +354,7 @@ PROBABILITY_RTOL = 1e-4  # batch composition and thread count change the float r
 @dataclass(frozen=True)
 class Sample:
     """One request of a load run, as the client saw it."""
+
     start: float  # time.monotonic() at send
     end: float
     status: str  # HTTP status, or the client exception's name
@@ -304,8 +375,13 @@ class RecordingClient(loadtest.PredictClient):
     def __call__(self, body: bytes) -> tuple[str, dict | None]:
         start = time.monotonic()
         try:
-            response = self._pool.request("POST", "/predict", fields={"file": ("image.jpg", body, "image/jpeg")},
-                                          timeout=self.timeout_s, retries=False)
+            response = self._pool.request(
+                "POST",
+                "/predict",
+                fields={"file": ("image.jpg", body, "image/jpeg")},
+                timeout=self.timeout_s,
+                retries=False,
+            )
             status, replica = str(response.status), response.headers.get(REPLICA_HEADER)
             retried = RETRIED_HEADER in response.headers
             try:
@@ -323,18 +399,21 @@ class RecordingClient(loadtest.PredictClient):
 def plain_answers(config: ServerConfig, bodies: list[bytes]) -> dict[str, list[dict]]:
     """{sha256 of body: predictions} from the plain app in this process: what each photo's answer must be."""
     with TestClient(create_app(config)) as client:
-        return {hashlib.sha256(body).hexdigest():
-                client.post("/predict", files={"file": ("image.jpg", body, "image/jpeg")}).json()["predictions"]
-                for body in bodies}
+        return {
+            hashlib.sha256(body).hexdigest(): client.post(
+                "/predict", files={"file": ("image.jpg", body, "image/jpeg")}
+            ).json()["predictions"]
+            for body in bodies
+        }
 
 
 def is_right_answer(predictions: list[dict], expected: list[dict]) -> bool:
     """Same top-1 as the plain answer for this photo (or a class tied with it within rounding), same scores."""
     top = expected[0]["probability"]
     tied = {p["class_id"] for p in expected if p["probability"] >= top * (1 - PROBABILITY_RTOL)}
-    return (predictions[0]["class_id"] in tied
-            and np.allclose([p["probability"] for p in predictions], [p["probability"] for p in expected],
-                            rtol=PROBABILITY_RTOL))
+    return predictions[0]["class_id"] in tied and np.allclose(
+        [p["probability"] for p in predictions], [p["probability"] for p in expected], rtol=PROBABILITY_RTOL
+    )
 
 
 class ReplicaMonitor:
@@ -364,37 +443,68 @@ class ReplicaMonitor:
         self._thread.join(COMMAND_TIMEOUT_S)
 
 
-def summarize_loss(scenario: str, samples: list[Sample], origin: float, event_s: float, monitor_log: list,
-                   target_replicas: int, lost_replica: str, expected: dict, deadline_s: float) -> dict:
+def summarize_loss(
+    scenario: str,
+    samples: list[Sample],
+    origin: float,
+    event_s: float,
+    monitor_log: list,
+    target_replicas: int,
+    lost_replica: str,
+    expected: dict,
+    deadline_s: float,
+) -> dict:
     """One CSV row: what the clients saw around the loss at `event_s`, and when replicas and rate came back."""
     statuses = Counter(sample.status for sample in samples)
     failures = [sample for sample in samples if sample.status != "200"]
-    wrong = sum(not (sample.payload and is_right_answer(sample.payload["predictions"], expected[sample.digest]))
-                for sample in samples if sample.status == "200")
+    wrong = sum(
+        not (sample.payload and is_right_answer(sample.payload["predictions"], expected[sample.digest]))
+        for sample in samples
+        if sample.status == "200"
+    )
     waits = [sample.end - sample.start for sample in samples]
     # Answers per second, by when they came back; the steady rate is the mean before the loss.
     ends = np.array([sample.end - origin for sample in samples if sample.status == "200"])
     seconds = np.arange(0, int(np.ceil(ends.max())) + 1) if len(ends) else np.arange(1)
     per_second = np.histogram(ends, bins=np.append(seconds, seconds[-1] + 1))[0]
-    steady = per_second[1:int(event_s)].mean() if int(event_s) > 1 else float("nan")
-    recovered = [t for t in seconds if t >= event_s and per_second[t] >= RECOVERED_FRACTION * steady
-                 and t + 1 < len(per_second) and per_second[t + 1] >= RECOVERED_FRACTION * steady]
-    back = [t for t, running, ids in monitor_log
-            if t >= event_s and running == target_replicas and lost_replica not in ids]
-    return {"scenario": scenario, "sent": len(samples), "answered": statuses["200"], "failed": len(failures),
-            "retried_by_proxy": sum(sample.retried for sample in samples),
-            "failed_by_status": ";".join(f"{s}:{n}" for s, n in sorted(statuses.items()) if s != "200"),
-            "failed_http_without_json_detail": sum(
-                sample.status.isdigit() and not (isinstance(sample.payload, dict) and "detail" in sample.payload)
-                for sample in failures),
-            "example_failure": next((f"{sample.status} {json.dumps(sample.payload)}" for sample in failures), ""),
-            "wrong_answers": wrong, "longest_wait_s": round(max(waits), 3),
-            "over_deadline": sum(wait > deadline_s for wait in waits), "deadline_s": deadline_s,
-            "loss_at_s": round(event_s, 1), "steady_req_per_s": round(float(steady), 1),
-            "replicas_back_after_s": round(back[0] - event_s, 1) if back else float("nan"),
-            "throughput_back_after_s": round(float(recovered[0] - event_s), 1) if recovered else float("nan"),
-            "replica_log": " ".join(f"{t:.1f}s:{running}" for i, (t, running, ids) in enumerate(monitor_log)
-                                    if i == 0 or ids != monitor_log[i - 1][2])}
+    steady = per_second[1 : int(event_s)].mean() if int(event_s) > 1 else float("nan")
+    recovered = [
+        t
+        for t in seconds
+        if t >= event_s
+        and per_second[t] >= RECOVERED_FRACTION * steady
+        and t + 1 < len(per_second)
+        and per_second[t + 1] >= RECOVERED_FRACTION * steady
+    ]
+    back = [
+        t for t, running, ids in monitor_log if t >= event_s and running == target_replicas and lost_replica not in ids
+    ]
+    return {
+        "scenario": scenario,
+        "sent": len(samples),
+        "answered": statuses["200"],
+        "failed": len(failures),
+        "retried_by_proxy": sum(sample.retried for sample in samples),
+        "failed_by_status": ";".join(f"{s}:{n}" for s, n in sorted(statuses.items()) if s != "200"),
+        "failed_http_without_json_detail": sum(
+            sample.status.isdigit() and not (isinstance(sample.payload, dict) and "detail" in sample.payload)
+            for sample in failures
+        ),
+        "example_failure": next((f"{sample.status} {json.dumps(sample.payload)}" for sample in failures), ""),
+        "wrong_answers": wrong,
+        "longest_wait_s": round(max(waits), 3),
+        "over_deadline": sum(wait > deadline_s for wait in waits),
+        "deadline_s": deadline_s,
+        "loss_at_s": round(event_s, 1),
+        "steady_req_per_s": round(float(steady), 1),
+        "replicas_back_after_s": round(back[0] - event_s, 1) if back else float("nan"),
+        "throughput_back_after_s": round(float(recovered[0] - event_s), 1) if recovered else float("nan"),
+        "replica_log": " ".join(
+            f"{t:.1f}s:{running}"
+            for i, (t, running, ids) in enumerate(monitor_log)
+            if i == 0 or ids != monitor_log[i - 1][2]
+        ),
+    }
 
 
 def closed_loop_until(send, bodies: list[bytes], concurrency: int, done) -> None:
@@ -403,6 +513,7 @@ def closed_loop_until(send, bodies: list[bytes], concurrency: int, done) -> None
     mnv3.loadtest.run_closed_loop sends a fixed count; a loss run must instead go on until the cluster has
     recovered, however long that takes on the machine at hand.
     """
+
     def client(offset: int):
         i = offset
         while not done():
@@ -414,14 +525,27 @@ def closed_loop_until(send, bodies: list[bytes], concurrency: int, done) -> None
             future.result()
 
 
-def run_loss(cluster: LocalCluster, url: str, scenario: str, bodies: list[bytes], expected: dict,
-             concurrency: int, seconds: float, loss_at_s: float, deadline_s: float, target_replicas: int) -> dict:
+def run_loss(
+    cluster: LocalCluster,
+    url: str,
+    scenario: str,
+    bodies: list[bytes],
+    expected: dict,
+    concurrency: int,
+    seconds: float,
+    loss_at_s: float,
+    deadline_s: float,
+    target_replicas: int,
+) -> dict:
     """A closed-loop load; at `loss_at_s` one replica process (scenario "replica") or the worker node holding
     one (scenario "node", then replaced by a new node) is SIGKILLed. The load goes on for at least `seconds`
     and until `target_replicas` run again without the lost one, plus AFTER_RECOVERY_S (RECOVERY_TIMEOUT_S at most)."""
     # A replica on a worker node: the head can be lost only with the whole cluster.
-    victim_id, victim = next((replica_id, replica) for replica_id, replica in cluster.replicas().items()
-                             if cluster.node_of(replica["pid"]) != 0)
+    victim_id, victim = next(
+        (replica_id, replica)
+        for replica_id, replica in cluster.replicas().items()
+        if cluster.node_of(replica["pid"]) != 0
+    )
     origin = time.monotonic()
 
     def lose():
@@ -435,19 +559,25 @@ def run_loss(cluster: LocalCluster, url: str, scenario: str, bodies: list[bytes]
             print(f"{time.monotonic() - origin:6.1f} s  replacement node joined", flush=True)
 
     with ReplicaMonitor(cluster, origin) as monitor, RecordingClient(url, deadline_s) as send:
+
         def done() -> bool:
             elapsed = time.monotonic() - origin
-            back = [t for t, running, ids in monitor.log
-                    if t > loss_at_s and running == target_replicas and victim_id not in ids]
+            back = [
+                t
+                for t, running, ids in monitor.log
+                if t > loss_at_s and running == target_replicas and victim_id not in ids
+            ]
             return elapsed > loss_at_s + RECOVERY_TIMEOUT_S or (
-                elapsed > seconds and bool(back) and elapsed > back[0] + AFTER_RECOVERY_S)
+                elapsed > seconds and bool(back) and elapsed > back[0] + AFTER_RECOVERY_S
+            )
 
         killer = threading.Thread(target=lose, daemon=True)
         killer.start()
         closed_loop_until(send, bodies, concurrency, done)
         killer.join(COMMAND_TIMEOUT_S + NODE_START_TIMEOUT_S)
-    row = summarize_loss(scenario, send.samples, origin, loss_at_s, monitor.log, target_replicas, victim_id,
-                         expected, deadline_s)
+    row = summarize_loss(
+        scenario, send.samples, origin, loss_at_s, monitor.log, target_replicas, victim_id, expected, deadline_s
+    )
     print(f"{scenario:>8} loss: {row}", flush=True)
     return row
 
@@ -462,22 +592,36 @@ def bench_loss(args) -> list[dict]:
     rows = []
     with LocalCluster(nodes=2, cpus_per_node=1) as cluster:
         config_path = write_serve_config(
-            cluster.root / "serve_config.yaml", args.model, port,
+            cluster.root / "serve_config.yaml",
+            args.model,
+            port,
             {"cache_size": 0, "deadline_ms": 1000 * args.deadline_s},
-            {"num_replicas": 2, "autoscaling_config": None})
+            {"num_replicas": 2, "autoscaling_config": None},
+        )
         cluster.deploy(config_path)
         cluster.wait_for_replicas(2)
         url = f"http://127.0.0.1:{port}"
         for scenario in ("replica", "node"):
-            rows.append(run_loss(cluster, url, scenario, bodies, expected, args.concurrency, args.seconds,
-                                 args.loss_at, args.deadline_s, target_replicas=2))
+            rows.append(
+                run_loss(
+                    cluster,
+                    url,
+                    scenario,
+                    bodies,
+                    expected,
+                    args.concurrency,
+                    args.seconds,
+                    args.loss_at,
+                    args.deadline_s,
+                    target_replicas=2,
+                )
+            )
     environment = cli.environment_row(args.model, args.provenance)
     cli.write_results(args.results_dir, RAY_CLUSTER_LOSS_CSV, [row | environment for row in rows])
     return rows
 
 
 # ---------------------------------------------------------------------------------------- cache across replicas
-
 
 
 def bench_cache(args) -> list[dict]:
@@ -491,21 +635,34 @@ def bench_cache(args) -> list[dict]:
     with LocalCluster(nodes=2, cpus_per_node=1) as cluster:
         for replicas, router in ((1, LOAD_ROUTER), (2, LOAD_ROUTER), (2, IMAGE_ROUTER)):
             config = write_serve_config(
-                cluster.root / "serve_config.yaml", args.model, port, {"cache_size": 4 * len(distinct)},
-                {"num_replicas": replicas, "autoscaling_config": None,
-                 "request_router_config": {"request_router_class": router}})
+                cluster.root / "serve_config.yaml",
+                args.model,
+                port,
+                {"cache_size": 4 * len(distinct)},
+                {
+                    "num_replicas": replicas,
+                    "autoscaling_config": None,
+                    "request_router_config": {"request_router_class": router},
+                },
+            )
             cluster.deploy(config)
             cluster.wait_for_replicas(replicas)
             with RecordingClient(f"http://127.0.0.1:{port}", args.deadline_s) as send:
                 loadtest.run_closed_loop(send, workload, args.concurrency)
             answered = [sample for sample in send.samples if sample.status == "200"]
             hits = sum(sample.payload["cache_hit"] for sample in answered)
-            row = {"replicas": replicas, "routing": "image hash" if router == IMAGE_ROUTER else "load (Ray's default)",
-                   "requests": len(workload), "distinct_images": len(distinct), "answered": len(answered),
-                   "cache_hits": hits, "hit_rate": round(hits / len(workload), 4),
-                   "best_possible_hit_rate": round(best_hit_rate, 4),
-                   "replicas_answering": len({sample.replica for sample in answered}),
-                   "concurrency": args.concurrency}
+            row = {
+                "replicas": replicas,
+                "routing": "image hash" if router == IMAGE_ROUTER else "load (Ray's default)",
+                "requests": len(workload),
+                "distinct_images": len(distinct),
+                "answered": len(answered),
+                "cache_hits": hits,
+                "hit_rate": round(hits / len(workload), 4),
+                "best_possible_hit_rate": round(best_hit_rate, 4),
+                "replicas_answering": len({sample.replica for sample in answered}),
+                "concurrency": args.concurrency,
+            }
             print(row, flush=True)
             rows.append(row)
             cluster.serve_shutdown()
@@ -520,8 +677,14 @@ def bench_cache(args) -> list[dict]:
 # ---------------------------------------------------------------------------------------- autoscaling
 
 # Ray's defaults wait 30 s to scale up and 600 s to scale down, over a 30 s window: shortened for the bench.
-BENCH_AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2,
-                     "upscale_delay_s": 3, "downscale_delay_s": 10, "look_back_period_s": 5}
+BENCH_AUTOSCALING = {
+    "min_replicas": 1,
+    "max_replicas": 2,
+    "target_ongoing_requests": 2,
+    "upscale_delay_s": 3,
+    "downscale_delay_s": 10,
+    "look_back_period_s": 5,
+}
 SCALE_TIMEOUT_S = 180  # each phase of the ramp waits this long at most for the replica count it expects
 
 
@@ -531,15 +694,23 @@ def bench_autoscale(args) -> list[dict]:
     bodies = load_images(args.images, seed=13)
     port = free_port()
     with LocalCluster(nodes=2, cpus_per_node=1) as cluster:
-        config = write_serve_config(cluster.root / "serve_config.yaml", args.model, port, {"cache_size": 0},
-                                    {"autoscaling_config": BENCH_AUTOSCALING})
+        config = write_serve_config(
+            cluster.root / "serve_config.yaml",
+            args.model,
+            port,
+            {"cache_size": 0},
+            {"autoscaling_config": BENCH_AUTOSCALING},
+        )
         cluster.deploy(config)
         cluster.wait_for_replicas(1)
         origin, phases = time.monotonic(), []
         with ReplicaMonitor(cluster, origin) as monitor:
+
             def reached(count: int, since: float):
-                return lambda: time.monotonic() - since > SCALE_TIMEOUT_S or any(
-                    t > since - origin and running == count for t, running, _ in monitor.log)
+                return lambda: (
+                    time.monotonic() - since > SCALE_TIMEOUT_S
+                    or any(t > since - origin and running == count for t, running, _ in monitor.log)
+                )
 
             for phase, clients, target in (("low", 1, 1), ("ramp", args.concurrency, 2), ("idle", 0, 1)):
                 start = time.monotonic()
@@ -554,9 +725,16 @@ def bench_autoscale(args) -> list[dict]:
     for i, (t, running, _) in enumerate(monitor.log):
         if i == 0 or running != monitor.log[i - 1][1]:
             phase, clients, _ = [p for p in phases if p[2] <= t][-1] if any(p[2] <= t for p in phases) else phases[0]
-            rows.append({"seconds": round(t, 1), "time_utc": time.strftime("%H:%M:%S", time.gmtime(
-                time.time() - (time.monotonic() - origin - t))), "running_replicas": running, "phase": phase,
-                "clients": clients, **{f"autoscaling_{k}": v for k, v in BENCH_AUTOSCALING.items()}})
+            rows.append(
+                {
+                    "seconds": round(t, 1),
+                    "time_utc": time.strftime("%H:%M:%S", time.gmtime(time.time() - (time.monotonic() - origin - t))),
+                    "running_replicas": running,
+                    "phase": phase,
+                    "clients": clients,
+                    **{f"autoscaling_{k}": v for k, v in BENCH_AUTOSCALING.items()},
+                }
+            )
             print(f"{rows[-1]['time_utc']}  {t:6.1f} s  {running} replica(s) running  ({phase}, {clients} clients)")
     environment = cli.environment_row(args.model, args.provenance)
     cli.write_results(args.results_dir, RAY_CLUSTER_AUTOSCALE_CSV, [row | environment for row in rows])
@@ -573,32 +751,59 @@ def wait_until(done, poll_s: float = POLL_S) -> None:
 
 # ---------------------------------------------------------------------------------------- command line
 
+
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m mnv3.ray_cluster", add_help=add_help,
-        description="Benchmarks on a Ray cluster of 2 nodes on this machine (1 CPU each, token auth on).")
+        prog="python -m mnv3.ray_cluster",
+        add_help=add_help,
+        description="Benchmarks on a Ray cluster of 2 nodes on this machine (1 CPU each, token auth on).",
+    )
     cli.add_common_args(parser, "where stages 1-2 wrote models")
-    parser.add_argument("--model", type=Path,
-                        help="ONNX model to serve (default: the static INT8 model stage 2 recorded)")
-    parser.add_argument("--bench-loss", action="store_true",
-                        help="kill a replica, then a worker node, under load -> results/" + RAY_CLUSTER_LOSS_CSV)
-    parser.add_argument("--bench-cache", action="store_true",
-                        help="cache hit rate, 1 vs 2 replicas, routed by load vs by image -> results/"
-                             + RAY_CLUSTER_CACHE_CSV)
-    parser.add_argument("--bench-autoscale", action="store_true",
-                        help="a load ramp: 1 -> 2 -> 1 replicas, timestamped -> results/" + RAY_CLUSTER_AUTOSCALE_CSV)
-    parser.add_argument("--concurrency", type=cli.positive_int,
-                        help=f"closed-loop clients ({cli.full_and_quick('cluster_concurrency')})")
-    parser.add_argument("--seconds", type=float,
-                        help=f"--bench-loss: seconds of load at least ({cli.full_and_quick('cluster_seconds')})")
-    parser.add_argument("--loss-at", type=float,
-                        help=f"--bench-loss: when the kill comes ({cli.full_and_quick('cluster_loss_at')})")
-    parser.add_argument("--images", type=cli.positive_int,
-                        help=f"distinct photos ({cli.full_and_quick('cluster_images')})")
-    parser.add_argument("--repeats", type=cli.positive_int,
-                        help=f"--bench-cache: requests per photo ({cli.full_and_quick('cluster_repeats')})")
-    parser.add_argument("--deadline-s", type=float, default=30.0,
-                        help="each request's deadline, the server's and the client's (default %(default)s)")
+    parser.add_argument(
+        "--model", type=Path, help="ONNX model to serve (default: the static INT8 model stage 2 recorded)"
+    )
+    parser.add_argument(
+        "--bench-loss",
+        action="store_true",
+        help="kill a replica, then a worker node, under load -> results/" + RAY_CLUSTER_LOSS_CSV,
+    )
+    parser.add_argument(
+        "--bench-cache",
+        action="store_true",
+        help="cache hit rate, 1 vs 2 replicas, routed by load vs by image -> results/" + RAY_CLUSTER_CACHE_CSV,
+    )
+    parser.add_argument(
+        "--bench-autoscale",
+        action="store_true",
+        help="a load ramp: 1 -> 2 -> 1 replicas, timestamped -> results/" + RAY_CLUSTER_AUTOSCALE_CSV,
+    )
+    parser.add_argument(
+        "--concurrency",
+        type=cli.positive_int,
+        help=f"closed-loop clients ({cli.full_and_quick('cluster_concurrency')})",
+    )
+    parser.add_argument(
+        "--seconds",
+        type=float,
+        help=f"--bench-loss: seconds of load at least ({cli.full_and_quick('cluster_seconds')})",
+    )
+    parser.add_argument(
+        "--loss-at", type=float, help=f"--bench-loss: when the kill comes ({cli.full_and_quick('cluster_loss_at')})"
+    )
+    parser.add_argument(
+        "--images", type=cli.positive_int, help=f"distinct photos ({cli.full_and_quick('cluster_images')})"
+    )
+    parser.add_argument(
+        "--repeats",
+        type=cli.positive_int,
+        help=f"--bench-cache: requests per photo ({cli.full_and_quick('cluster_repeats')})",
+    )
+    parser.add_argument(
+        "--deadline-s",
+        type=float,
+        default=30.0,
+        help="each request's deadline, the server's and the client's (default %(default)s)",
+    )
     return parser
 
 
@@ -616,8 +821,14 @@ def run_benchmarks(args) -> None:
 
 def main(args) -> int:
     defaults = cli.defaults(args)
-    cli.fill_unset(args, concurrency=defaults.cluster_concurrency, seconds=defaults.cluster_seconds,
-                   loss_at=defaults.cluster_loss_at, images=defaults.cluster_images, repeats=defaults.cluster_repeats)
+    cli.fill_unset(
+        args,
+        concurrency=defaults.cluster_concurrency,
+        seconds=defaults.cluster_seconds,
+        loss_at=defaults.cluster_loss_at,
+        images=defaults.cluster_images,
+        repeats=defaults.cluster_repeats,
+    )
     cli.run_stage(run_benchmarks, args, user_errors=(ClusterError,))
     return 0
 

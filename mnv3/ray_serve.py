@@ -2,7 +2,7 @@
 
     python -m mnv3.ray_serve --model artifacts/static_int8.onnx --replicas 2     # a local, loopback-only cluster
     serve run serve_config.yaml                                                 # or `serve deploy` to a cluster
-    python -m mnv3.ray_serve --bench [--quick]     # plain server vs Ray Serve, 1 and 2 replicas -> results/06_ray_serve.csv
+    python -m mnv3.ray_serve --bench [--quick]     # plain vs Ray Serve, 1 and 2 replicas -> results/06_ray_serve.csv
 
 Each replica builds its app with `mnv3.server.create_app`, so the endpoints, errors, cache and dynamic
 batcher are the plain server's code, and Ray runs the app's lifespan (model load, warm-up, batcher
@@ -15,6 +15,7 @@ one fails `serve run` at once, and each replica reads it again for its own rate-
 
 Ray is an optional dependency (requirements-ray.txt): nothing else in mnv3 imports this module.
 """
+
 import argparse
 import hashlib
 import json
@@ -72,13 +73,17 @@ class ImageAffinityRouter(RequestRouter):
     the keys that replica ranked first. Requests without a key go to any replica.
     """
 
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
         key = pending_request.metadata.multiplexed_model_id if pending_request is not None else ""
         if not key or len(candidate_replicas) < 2:
             return [candidate_replicas]
-        ranked = sorted(candidate_replicas, reverse=True,
-                        key=lambda replica: hashlib.sha256(f"{key}:{replica.replica_id.unique_id}".encode()).digest())
+        ranked = sorted(
+            candidate_replicas,
+            reverse=True,
+            key=lambda replica: hashlib.sha256(f"{key}:{replica.replica_id.unique_id}".encode()).digest(),
+        )
         return [ranked[:1], ranked[1:]]
 
 
@@ -158,9 +163,12 @@ class JsonErrors:
                 await send_json(send, 500, f"the Ray proxy failed on this request: {type(exc).__name__}: {exc}")
             raise
         if not started:
-            await send_json(send, 502, "the replica handling this request was lost before it answered "
-                                       "(Ray restarts it); retry the request",
-                            [(b"retry-after", str(RETRY_AFTER_S).encode())])
+            await send_json(
+                send,
+                502,
+                "the replica handling this request was lost before it answered (Ray restarts it); retry the request",
+                [(b"retry-after", str(RETRY_AFTER_S).encode())],
+            )
 
 
 async def send_json(send, status: int, detail: str, headers=()) -> None:
@@ -212,8 +220,10 @@ class RetryLostReplica:
         if started:
             return
         if disconnected or not complete:
-            logger.warning("mnv3: not retrying a request whose replica was lost: %s",
-                           "the client left" if disconnected else "its body was not all read or is over the limit")
+            logger.warning(
+                "mnv3: not retrying a request whose replica was lost: %s",
+                "the client left" if disconnected else "its body was not all read or is over the limit",
+            )
             return
         logger.warning("mnv3: retrying a request whose replica was lost")
         replay = iter(body)
@@ -250,8 +260,13 @@ class ImageRoutingKey:
             if message["type"] != "http.request" or not message.get("more_body") or size > self.max_body_bytes:
                 break
         if message["type"] == "http.request" and not message.get("more_body"):
-            scope = {**scope, "headers": [*[(k, v) for k, v in scope["headers"] if k != ROUTING_KEY_HEADER.encode()],
-                                          (ROUTING_KEY_HEADER.encode(), routing_key(scope, messages).encode())]}
+            scope = {
+                **scope,
+                "headers": [
+                    *[(k, v) for k, v in scope["headers"] if k != ROUTING_KEY_HEADER.encode()],
+                    (ROUTING_KEY_HEADER.encode(), routing_key(scope, messages).encode()),
+                ],
+            }
         buffered = iter(messages)
 
         async def replaying_receive():
@@ -279,16 +294,26 @@ def proxy_middlewares() -> list:
     return [Middleware(RetryLostReplica), Middleware(ImageRoutingKey), Middleware(JsonErrors)]
 
 
-def build(config: ServerConfig, replicas: int = 1, num_cpus: float = 1, min_replicas: int | None = None,
-          max_replicas: int | None = None, target_ongoing_requests: float = DEFAULT_TARGET_ONGOING_REQUESTS,
-          max_ongoing_requests: int = DEFAULT_MAX_ONGOING_REQUESTS,
-          max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS) -> serve.Application:
+def build(
+    config: ServerConfig,
+    replicas: int = 1,
+    num_cpus: float = 1,
+    min_replicas: int | None = None,
+    max_replicas: int | None = None,
+    target_ongoing_requests: float = DEFAULT_TARGET_ONGOING_REQUESTS,
+    max_ongoing_requests: int = DEFAULT_MAX_ONGOING_REQUESTS,
+    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
+) -> serve.Application:
     """The application: `replicas` fixed replicas, or autoscaling between min and max if max_replicas is set."""
     scaling: dict[str, object]
     if max_replicas is not None:
-        scaling = {"autoscaling_config": {"min_replicas": replicas if min_replicas is None else min_replicas,
-                                          "max_replicas": max_replicas,
-                                          "target_ongoing_requests": target_ongoing_requests}}
+        scaling = {
+            "autoscaling_config": {
+                "min_replicas": replicas if min_replicas is None else min_replicas,
+                "max_replicas": max_replicas,
+                "target_ongoing_requests": target_ongoing_requests,
+            }
+        }
     else:
         scaling = {"num_replicas": replicas}
     # Absolute paths: replicas may run in another directory, or on another node with the same layout.
@@ -298,8 +323,11 @@ def build(config: ServerConfig, replicas: int = 1, num_cpus: float = 1, min_repl
         load_key_file(config.api_keys)  # a KeyFileError here, once, rather than in every replica
     # serve.deployment made the class a Deployment, which mypy cannot see through the decorator.
     return MobileNetV3.options(  # type: ignore[attr-defined]
-        ray_actor_options={"num_cpus": num_cpus}, max_ongoing_requests=max_ongoing_requests,
-        max_queued_requests=max_queued_requests, **scaling).bind(config)
+        ray_actor_options={"num_cpus": num_cpus},
+        max_ongoing_requests=max_ongoing_requests,
+        max_queued_requests=max_queued_requests,
+        **scaling,
+    ).bind(config)
 
 
 def build_app(args: dict) -> serve.Application:
@@ -318,8 +346,10 @@ def build_app(args: dict) -> serve.Application:
 
 # ---------------------------------------------------------------------------------------- local cluster
 
-def start_local_cluster(num_cpus: int | None = None, host: str = "127.0.0.1", port: int = 8000,
-                        log_to_driver: bool = True) -> None:
+
+def start_local_cluster(
+    num_cpus: int | None = None, host: str = "127.0.0.1", port: int = 8000, log_to_driver: bool = True
+) -> None:
     """A one-machine Ray cluster that listens on 127.0.0.1 only, with Serve's HTTP proxy on host:port."""
     # Ray's single-machine mode (its default on macOS/Windows) binds and advertises loopback only; on
     # Linux it would listen on every interface. Its processes read the variable; this one already has.
@@ -327,8 +357,7 @@ def start_local_cluster(num_cpus: int | None = None, host: str = "127.0.0.1", po
     ray._private.ray_constants.ENABLE_RAY_CLUSTER = False
     # Ray's processes inherit this environment: the proxy imports mnv3 (installed) for its middleware.
     os.environ[PROXY_CALLBACK_ENV] = PROXY_CALLBACK
-    ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
-             log_to_driver=log_to_driver)
+    ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=log_to_driver)
     serve.start(http_options={"host": host, "port": port})
 
 
@@ -345,6 +374,7 @@ def deploy(app: serve.Application, base_url: str, timeout_s: float = loadtest.ST
 
 
 # ---------------------------------------------------------------------------------------- benchmark
+
 
 def bench(model: Path, provenance: str, results_dir: Path, concurrency: int, count: int) -> list[dict]:
     """Closed-loop load (stage 5's): the plain server, Ray Serve with 1 then 2 replicas, the plain server again.
@@ -378,8 +408,14 @@ def bench(model: Path, provenance: str, results_dir: Path, concurrency: int, cou
         for replicas in (1, 2):
             cpus = max(1, cores // replicas)
             deploy(build(config, replicas=replicas, num_cpus=cpus), f"http://127.0.0.1:{port}")
-            measure(f"http://127.0.0.1:{port}", {"setup": f"ray_serve_{replicas}_replica{'s' * (replicas > 1)}",
-                                                  "replicas": replicas, "cpus_per_replica": cpus})
+            measure(
+                f"http://127.0.0.1:{port}",
+                {
+                    "setup": f"ray_serve_{replicas}_replica{'s' * (replicas > 1)}",
+                    "replicas": replicas,
+                    "cpus_per_replica": cpus,
+                },
+            )
             # Delete, not redeploy: a rolling update would start the new replicas while the old one
             # still holds every CPU, and wait for each other forever.
             serve.delete(APP_NAME)
@@ -392,25 +428,44 @@ def bench(model: Path, provenance: str, results_dir: Path, concurrency: int, cou
 
 # ---------------------------------------------------------------------------------------- command line
 
+
 def get_args_parser():
     parser = argparse.ArgumentParser(
         prog="python -m mnv3.ray_serve",
         description="Serve the mnv3 app with Ray Serve (a local cluster on 127.0.0.1, or --address), or --bench it.",
         epilog="Every `python -m mnv3.server` flag is accepted too (--cache-size, --max-batch-size, ...); "
-               "--host/--port are where Ray's HTTP proxy listens. ORT and preprocess threads per replica = --num-cpus.")
+        "--host/--port are where Ray's HTTP proxy listens. ORT and preprocess threads per replica = --num-cpus.",
+    )
     cli.add_common_args(parser, "where stages 1-2 wrote models")
-    cli.add_load_args(parser, concurrency_help=f"--bench: {cli.full_and_quick('ray_bench_concurrency')}",
-                      requests_help=f"--bench: default {BENCH_REQUESTS_PER_SENDER}x concurrency")
-    parser.add_argument("--replicas", type=int, default=1, help="replicas (with --max-replicas: the initial and minimum)")
+    cli.add_load_args(
+        parser,
+        concurrency_help=f"--bench: {cli.full_and_quick('ray_bench_concurrency')}",
+        requests_help=f"--bench: default {BENCH_REQUESTS_PER_SENDER}x concurrency",
+    )
+    parser.add_argument(
+        "--replicas", type=int, default=1, help="replicas (with --max-replicas: the initial and minimum)"
+    )
     parser.add_argument("--num-cpus", type=float, default=1, help="CPUs Ray reserves per replica")
     parser.add_argument("--min-replicas", type=int, help="autoscaling floor (default --replicas)")
     parser.add_argument("--max-replicas", type=int, help="autoscale between --min-replicas and this")
-    parser.add_argument("--target-ongoing-requests", type=float, default=DEFAULT_TARGET_ONGOING_REQUESTS,
-                        help="autoscaling aims at this many requests in flight per replica")
-    parser.add_argument("--max-ongoing-requests", type=int, default=DEFAULT_MAX_ONGOING_REQUESTS,
-                        help="requests one replica holds at once (needs >= --max-batch-size for full batches)")
-    parser.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS,
-                        help="requests Ray queues for busy replicas; beyond it: 503 + Retry-After")
+    parser.add_argument(
+        "--target-ongoing-requests",
+        type=float,
+        default=DEFAULT_TARGET_ONGOING_REQUESTS,
+        help="autoscaling aims at this many requests in flight per replica",
+    )
+    parser.add_argument(
+        "--max-ongoing-requests",
+        type=int,
+        default=DEFAULT_MAX_ONGOING_REQUESTS,
+        help="requests one replica holds at once (needs >= --max-batch-size for full batches)",
+    )
+    parser.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=DEFAULT_MAX_QUEUED_REQUESTS,
+        help="requests Ray queues for busy replicas; beyond it: 503 + Retry-After",
+    )
     parser.add_argument("--address", help="an existing Ray cluster (e.g. auto); default: start a local one")
     parser.add_argument("--bench", action="store_true", help="plain vs Ray Serve (1, 2 replicas) -> " + RAY_SERVE_CSV)
     return parser
@@ -429,8 +484,10 @@ def server_config(args) -> ServerConfig:
     config = parse_server_args(["--model", str(model), *args.server_flags])
     if not (args.address or args.bench) and args.replicas * args.num_cpus > os.cpu_count():
         # Ray would wait forever for CPUs this machine does not have.
-        raise cli.UsageError(f"--replicas {args.replicas} x --num-cpus {args.num_cpus:g} is more than this "
-                             f"machine's {os.cpu_count()} CPUs; lower --num-cpus (fractions such as 0.5 work)")
+        raise cli.UsageError(
+            f"--replicas {args.replicas} x --num-cpus {args.num_cpus:g} is more than this "
+            f"machine's {os.cpu_count()} CPUs; lower --num-cpus (fractions such as 0.5 work)"
+        )
     return config
 
 
@@ -441,8 +498,16 @@ def run_bench(args) -> list[dict]:
 
 def serve_forever(args, config: ServerConfig) -> None:
     # Built before any Ray process starts: a bad key file is a KeyFileError now, not a cluster to clean up.
-    app = build(config, args.replicas, args.num_cpus, args.min_replicas, args.max_replicas,
-                args.target_ongoing_requests, args.max_ongoing_requests, args.max_queued_requests)
+    app = build(
+        config,
+        args.replicas,
+        args.num_cpus,
+        args.min_replicas,
+        args.max_replicas,
+        args.target_ongoing_requests,
+        args.max_ongoing_requests,
+        args.max_queued_requests,
+    )
     if args.address:
         ray.init(address=args.address)
         serve.start(http_options={"host": config.host, "port": config.port})

@@ -1,4 +1,5 @@
 """CSV writing, the machine/version record, and results/summary.md regenerated from every CSV present."""
+
 import csv
 import os
 import platform
@@ -87,9 +88,11 @@ def write_summary(results_dir=RESULTS_DIR) -> Path:
         f"- Weights: {', '.join(provenances) or 'not recorded'}",
     ]
     if "random-init" in provenances:
-        lines.append("- **WARNING: random-init weights** (ImageNet weights were unavailable): BatchNorm statistics "
-                     "were re-estimated on calibration-source photos so activations are realistic. Latency, size "
-                     "and INT8-vs-FP32 agreement are meaningful; predicted labels are not.")
+        lines.append(
+            "- **WARNING: random-init weights** (ImageNet weights were unavailable): BatchNorm statistics "
+            "were re-estimated on calibration-source photos so activations are realistic. Latency, size "
+            "and INT8-vs-FP32 agreement are meaningful; predicted labels are not."
+        )
     for stem in stems:
         lines += ["", f"## {stem}", ""]
         if stem in tables:
@@ -105,4 +108,3 @@ def write_summary(results_dir=RESULTS_DIR) -> Path:
 def _without_repeated_facts(rows: list[dict], facts: dict) -> list[dict]:
     same = {key for key, value in facts.items() if rows and all(row.get(key) == value for row in rows)}
     return [{key: value for key, value in row.items() if key not in same} for row in rows]
-

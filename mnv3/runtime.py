@@ -8,9 +8,14 @@ DEFAULT_INTRA_OP_THREADS = 2  # the machines this project is measured on have 2 
 DEFAULT_INTER_OP_THREADS = 1
 
 
-def make_session(model_path, intra_op_threads: int = DEFAULT_INTRA_OP_THREADS,
-                 inter_op_threads: int = DEFAULT_INTER_OP_THREADS, profile_prefix: str | None = None,
-                 optimized_model_path: str | None = None, allow_spinning: bool = True):
+def make_session(
+    model_path,
+    intra_op_threads: int = DEFAULT_INTRA_OP_THREADS,
+    inter_op_threads: int = DEFAULT_INTER_OP_THREADS,
+    profile_prefix: str | None = None,
+    optimized_model_path: str | None = None,
+    allow_spinning: bool = True,
+):
     """A CPU onnxruntime session with explicit (and therefore recordable) thread settings.
 
     `allow_spinning=False` makes idle intra-op threads sleep instead of busy-waiting: a little slower

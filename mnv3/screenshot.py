@@ -8,6 +8,7 @@ and the command fails if the page tried), turns compare mode on when there are s
 a few of the sample photos that scikit-image and matplotlib ship, waits for their answers and for the
 live panel, saves the page at a desktop width and at a phone width, and stops the server.
 """
+
 import argparse
 import sys
 import time
@@ -19,8 +20,11 @@ from mnv3.config import ModelSpec
 from mnv3.loadtest import ServerProcess
 from mnv3.photos import encode_jpeg, source_photos
 
-PHOTOS = (("skimage", "data/chelsea.png"), ("skimage", "data/coffee.png"),
-          ("matplotlib", "mpl-data/sample_data/grace_hopper.jpg"))
+PHOTOS = (
+    ("skimage", "data/chelsea.png"),
+    ("skimage", "data/coffee.png"),
+    ("matplotlib", "mpl-data/sample_data/grace_hopper.jpg"),
+)
 WIDE = {"width": 1280, "height": 900}
 NARROW = {"width": 390, "height": 844}  # a phone
 WAIT_MS = 60_000
@@ -28,24 +32,42 @@ DEFAULT_MODELS = ((ARTIFACTS_DIR / FP32_ONNX, 1), (ARTIFACTS_DIR / STATIC_INT8_O
 
 
 def get_args_parser(add_help=True) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m mnv3.screenshot", add_help=add_help,
-                                     description="Screenshot the page served at / (wide and narrow) with a few "
-                                                 "photos classified, from a server this command starts and stops.")
-    parser.add_argument("output", nargs="?", type=Path, default=RESULTS_DIR / "page.png",
-                        help="the wide screenshot (default %(default)s)")
-    parser.add_argument("--narrow-output", type=Path, default=RESULTS_DIR / "page_narrow.png",
-                        help=f"the first screen at a phone's size, {NARROW['width']}x{NARROW['height']} px "
-                             "(default %(default)s)")
-    parser.add_argument("--model", action="append", metavar="[NAME=]PATH[@BACKEND]",
-                        help="a model to serve, as the server's --model takes it; repeat it for several (the "
-                             "page then shows them side by side). Default: "
-                             + " and ".join(str(path) for path, _ in DEFAULT_MODELS) + ", written by stages 1 and 2")
+    parser = argparse.ArgumentParser(
+        prog="python -m mnv3.screenshot",
+        add_help=add_help,
+        description="Screenshot the page served at / (wide and narrow) with a few "
+        "photos classified, from a server this command starts and stops.",
+    )
+    parser.add_argument(
+        "output",
+        nargs="?",
+        type=Path,
+        default=RESULTS_DIR / "page.png",
+        help="the wide screenshot (default %(default)s)",
+    )
+    parser.add_argument(
+        "--narrow-output",
+        type=Path,
+        default=RESULTS_DIR / "page_narrow.png",
+        help=f"the first screen at a phone's size, {NARROW['width']}x{NARROW['height']} px (default %(default)s)",
+    )
+    parser.add_argument(
+        "--model",
+        action="append",
+        metavar="[NAME=]PATH[@BACKEND]",
+        help="a model to serve, as the server's --model takes it; repeat it for several (the "
+        "page then shows them side by side). Default: "
+        + " and ".join(str(path) for path, _ in DEFAULT_MODELS)
+        + ", written by stages 1 and 2",
+    )
     return parser
 
 
 def photo_files() -> list[dict]:
-    return [{"name": Path(path).with_suffix(".jpg").name, "mimeType": "image/jpeg", "buffer": encode_jpeg(photo)}
-            for (_, path), photo in zip(PHOTOS, source_photos(PHOTOS))]
+    return [
+        {"name": Path(path).with_suffix(".jpg").name, "mimeType": "image/jpeg", "buffer": encode_jpeg(photo)}
+        for (_, path), photo in zip(PHOTOS, source_photos(PHOTOS), strict=True)
+    ]
 
 
 def take(page, path: Path, viewport: dict, full_page: bool) -> None:
@@ -79,10 +101,10 @@ def main(args) -> None:
             files = photo_files()
             page.locator("#file-input").set_input_files(files)
             answers = len(files) * len(models)
-            page.wait_for_function(f"() => document.querySelectorAll('#photos .top5, #photos .error').length "
-                                   f">= {answers}")
-            page.wait_for_function(f"() => Number(document.getElementById('stat-requests').textContent) "
-                                   f">= {answers}")
+            page.wait_for_function(
+                f"() => document.querySelectorAll('#photos .top5, #photos .error').length >= {answers}"
+            )
+            page.wait_for_function(f"() => Number(document.getElementById('stat-requests').textContent) >= {answers}")
             time.sleep(1.6)  # one more refresh of the live panel, so its history line has two points
             take(page, args.output, WIDE, full_page=True)
             take(page, args.narrow_output, NARROW, full_page=False)  # what a phone shows first

@@ -11,6 +11,7 @@ side by side (`mnv3.serving`): `?model=NAME` picks one, `GET /models` lists them
 Protocol's endpoints (`/v2/...`, Triton's clients) are `mnv3.v2_router`, over the same models.
 With `--api-keys FILE`, `mnv3.auth` lets a request in only with a key of the scope its path needs.
 """
+
 import asyncio
 import logging
 import signal
@@ -43,8 +44,14 @@ log = logging.getLogger(__name__)
 def load_engine(config: ServerConfig, spec: ModelSpec | None = None) -> Engine:
     """The engine of `spec`, one of `config.models` (default: the default model)."""
     spec = spec or config.models[0]
-    return Engine.load(spec.path, config.backend_of(spec), config.intra_op_threads, config.inter_op_threads,
-                       config.max_batch_size, allow_spinning=bool(config.ort_spinning))
+    return Engine.load(
+        spec.path,
+        config.backend_of(spec),
+        config.intra_op_threads,
+        config.inter_op_threads,
+        config.max_batch_size,
+        allow_spinning=bool(config.ort_spinning),
+    )
 
 
 def load_engines(config: ServerConfig) -> list[Engine]:
@@ -54,31 +61,50 @@ def load_engines(config: ServerConfig) -> list[Engine]:
 
 # -------------------------------------------------------------------------------------------- endpoints
 
+
 class PredictResponse(BaseModel):
     model: str = Field(description="model file name and the first 12 hex digits of its sha256")
     predictions: list[Prediction] = Field(description="top-k classes, most probable first")
-    cache_hit: bool = Field(description="answered without running inference for this request: from the cache, "
-                                        "or shared with an identical request in flight")
+    cache_hit: bool = Field(
+        description="answered without running inference for this request: from the cache, "
+        "or shared with an identical request in flight"
+    )
     batch_size: int = Field(description="requests in the inference call this one ran in; 0 on a cache hit")
     queue_ms: float = Field(description="from queueing to the start of its batch's inference; 0 on a cache hit")
     preprocess_ms: float = Field(description="decode + preprocess, including waiting for a thread; 0 on a cache hit")
     inference_ms: float = Field(description="the whole batch's inference call; 0 on a cache hit")
 
 
-UPLOAD_BODY = {"requestBody": {"required": True, "content": {
-    "multipart/form-data": {"schema": {"type": "object", "required": ["file"],
-                                       "properties": {"file": {"type": "string", "format": "binary"}}}},
-    "image/*": {"schema": {"type": "string", "format": "binary"}},
-}}}
+UPLOAD_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["file"],
+                    "properties": {"file": {"type": "string", "format": "binary"}},
+                }
+            },
+            "image/*": {"schema": {"type": "string", "format": "binary"}},
+        },
+    }
+}
 
 predict_router = APIRouter(tags=["predict"])
 
 
-@predict_router.post("/predict", response_model=PredictResponse, responses=ERROR_DOCS, openapi_extra=UPLOAD_BODY,
-                     summary="Classify one image (multipart field 'file', or a raw image/* body) with the "
-                             "default model, or the one ?model= names")
-async def predict(request: Request, s: Serving = Depends(serving),
-                  model: ServedModel = Depends(served_model)) -> PredictResponse:
+@predict_router.post(
+    "/predict",
+    response_model=PredictResponse,
+    responses=ERROR_DOCS,
+    openapi_extra=UPLOAD_BODY,
+    summary="Classify one image (multipart field 'file', or a raw image/* body) with the "
+    "default model, or the one ?model= names",
+)
+async def predict(
+    request: Request, s: Serving = Depends(serving), model: ServedModel = Depends(served_model)
+) -> PredictResponse:
     started = time.perf_counter()
     deadline = asyncio.get_running_loop().time() + s.config.deadline_ms / 1000
     try:
@@ -87,7 +113,8 @@ async def predict(request: Request, s: Serving = Depends(serving),
             # Only the computation watches for a disconnect: a cache hit is answered before a watcher
             # task would even start, and a follower's wait on an identical request costs nothing.
             result, hit = await model.cache.get_or_compute(
-                data, lambda: unless_disconnected(request, model.classify(data, deadline)))
+                data, lambda: unless_disconnected(request, model.classify(data, deadline))
+            )
     finally:
         model.metrics.request_latency.observe(time.perf_counter() - started)
     if hit:  # this request ran nothing: report no batch and no stage times
@@ -104,8 +131,9 @@ class ModelMemoryInfo(BaseModel):
     file_bytes: int = Field(description="the model file's size: about what its weights take in memory")
     warm_up_rss_bytes: int | None = Field(
         description="how much the process's resident memory grew while this model warmed up (batch 1 and the "
-                    "largest batch): mostly its runtime's buffers for the largest batch. Measured around the "
-                    "warm-up, so approximate; null before warm-up or without /proc")
+        "largest batch): mostly its runtime's buffers for the largest batch. Measured around the "
+        "warm-up, so approximate; null before warm-up or without /proc"
+    )
 
 
 class ModelInfo(BaseModel):
@@ -116,8 +144,10 @@ class ModelInfo(BaseModel):
     file: str
     sha256: str
     backend: str = Field(description="the engine that runs the model (onnxruntime or openvino)")
-    backend_choice: dict = Field(description="--backend asked for, what serves (file, engine, OpenVINO precision) "
-                                             "and why: under auto, stage 2's manifest entry or the fallback's reason")
+    backend_choice: dict = Field(
+        description="--backend asked for, what serves (file, engine, OpenVINO precision) "
+        "and why: under auto, stage 2's manifest entry or the fallback's reason"
+    )
     input_name: str
     input_shape: list[int | str]
     providers: list[str]
@@ -144,16 +174,24 @@ async def healthz() -> Status:
     return Status(status="ok")
 
 
-@ops_router.get("/readyz", response_model=Status, responses={503: {"model": Status, "description": "warming up"}},
-                summary="Every model is loaded and warmed up")
+@ops_router.get(
+    "/readyz",
+    response_model=Status,
+    responses={503: {"model": Status, "description": "warming up"}},
+    summary="Every model is loaded and warmed up",
+)
 async def readyz(s: Serving = Depends(serving)):
     if s.not_ready_reason:
         return JSONResponse({"status": s.not_ready_reason}, 503)
     return Status(status="ready")
 
 
-@ops_router.get("/model", response_model=ModelInfo, responses={404: ERROR_DOCS[404]},
-                summary="What is served, and how: the default model, or the one ?model= names")
+@ops_router.get(
+    "/model",
+    response_model=ModelInfo,
+    responses={404: ERROR_DOCS[404]},
+    summary="What is served, and how: the default model, or the one ?model= names",
+)
 async def model_info(model: ServedModel = Depends(served_model)) -> ModelInfo:
     return describe(model)
 
@@ -166,22 +204,40 @@ async def models_info(s: Serving = Depends(serving)) -> ModelsInfo:
 def describe(served: ServedModel) -> ModelInfo:
     engine, config = served.engine, served.config
     return ModelInfo(
-        name=served.name, default=served.default,
-        model=engine.model_id, variant=engine.path.stem, file=engine.path.name, sha256=engine.sha256,
-        backend=engine.backend, backend_choice=engine.choice.describe(), input_name=engine.input_name,
+        name=served.name,
+        default=served.default,
+        model=engine.model_id,
+        variant=engine.path.stem,
+        file=engine.path.name,
+        sha256=engine.sha256,
+        backend=engine.backend,
+        backend_choice=engine.choice.describe(),
+        input_name=engine.input_name,
         input_shape=engine.input_shape,
         providers=engine.providers,
-        class_names=f"{len(engine.class_names)} names from the file beside the model" if engine.class_names
+        class_names=f"{len(engine.class_names)} names from the file beside the model"
+        if engine.class_names
         else "none found: labels are class_<id>",
-        threads={"intra_op": config.intra_op_threads, "inter_op": config.inter_op_threads,
-                 "preprocess": config.preprocess_threads},
+        threads={
+            "intra_op": config.intra_op_threads,
+            "inter_op": config.inter_op_threads,
+            "preprocess": config.preprocess_threads,
+        },
         ort_spinning=bool(config.ort_spinning),
-        batching={"max_batch_size": config.max_batch_size, "batch_window_ms": config.batch_window_ms,
-                  "queue_limit": config.queue_limit, "deadline_ms": config.deadline_ms},
+        batching={
+            "max_batch_size": config.max_batch_size,
+            "batch_window_ms": config.batch_window_ms,
+            "queue_limit": config.queue_limit,
+            "deadline_ms": config.deadline_ms,
+        },
         cache={"size": config.cache_size, "entries": len(served.cache)},
-        limits={"max_upload_bytes": config.max_upload_bytes, "max_pixels": config.max_pixels,
-                "max_in_flight": config.max_in_flight, "body_timeout_s": config.body_timeout_s,
-                "shutdown_timeout_s": config.shutdown_timeout_s},
+        limits={
+            "max_upload_bytes": config.max_upload_bytes,
+            "max_pixels": config.max_pixels,
+            "max_in_flight": config.max_in_flight,
+            "body_timeout_s": config.body_timeout_s,
+            "shutdown_timeout_s": config.shutdown_timeout_s,
+        },
         top_k=config.top_k,
         memory=ModelMemoryInfo(**vars(served.memory)),
     )
@@ -193,6 +249,7 @@ async def metrics(s: Serving = Depends(serving)) -> Response:
 
 
 # ------------------------------------------------------------------------------------------------- app
+
 
 async def reject(request: Request, exc: Exception) -> JSONResponse:
     """The handler of every exception in ERRORS: count the rejection by its reason, answer as the table says."""
@@ -215,8 +272,13 @@ def create_app(config: ServerConfig, *engines: Engine) -> FastAPI:
             await asyncio.gather(warm_up, return_exceptions=True)
             await app.state.serving.stop()
 
-    app = FastAPI(title="mnv3", summary="MobileNetV3-Large image classification on CPU", lifespan=lifespan,
-                  docs_url=None, redoc_url=None)  # served offline by docs_router
+    app = FastAPI(
+        title="mnv3",
+        summary="MobileNetV3-Large image classification on CPU",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+    )  # served offline by docs_router
     app.include_router(predict_router)
     app.include_router(ops_router)
     app.include_router(v2_router)
@@ -242,9 +304,14 @@ def main(argv=None) -> None:
         log.warning("WARNING: %s", warning)
     # uvicorn re-raises the SIGTERM it shut down gracefully on; a requested, completed stop is a success.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level,
-                # typed int, but uvicorn waits with asyncio.wait_for, which takes a float
-                timeout_graceful_shutdown=config.shutdown_timeout_s)  # type: ignore[arg-type]
+    uvicorn.run(
+        app,
+        host=config.host,
+        port=config.port,
+        log_level=config.log_level,
+        # typed int, but uvicorn waits with asyncio.wait_for, which takes a float
+        timeout_graceful_shutdown=config.shutdown_timeout_s,  # type: ignore[arg-type]
+    )
 
 
 if __name__ == "__main__":

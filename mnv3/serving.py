@@ -15,6 +15,7 @@ Guarantees:
 - a request's decode, queueing and inference are cancelled when its deadline passes or its client
   leaves (`unless_disconnected`), so abandoned work is dropped, not computed.
 """
+
 import asyncio
 import logging
 import os
@@ -57,15 +58,30 @@ class ModelMemory:
 class ServedModel:
     """One model being served: its engine, its result cache and its batcher."""
 
-    def __init__(self, spec: ModelSpec, backend: str, engine: Engine, default: bool, config: ServerConfig,
-                 preprocess_pool: ThreadPoolExecutor, inference_lock: threading.Lock, metrics: Metrics):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        backend: str,
+        engine: Engine,
+        default: bool,
+        config: ServerConfig,
+        preprocess_pool: ThreadPoolExecutor,
+        inference_lock: threading.Lock,
+        metrics: Metrics,
+    ):
         self.name, self.backend, self.engine, self.default, self.config = spec.name, backend, engine, default, config
         self.preprocess_pool, self.inference_lock = preprocess_pool, inference_lock
-        self.cache = ResultCache(config.cache_size, engine.model_id,
-                                 leader_only_errors=(DeadlineExceeded, QueueFull, ClientDisconnect))
+        self.cache = ResultCache(
+            config.cache_size, engine.model_id, leader_only_errors=(DeadlineExceeded, QueueFull, ClientDisconnect)
+        )
         self.preprocessing = 0  # this model's requests being decoded: its batcher's window waits only for these
-        self.batcher = DynamicBatcher(self._run_batch, config.max_batch_size, config.batch_window_ms,
-                                      config.queue_limit, incoming=lambda: self.preprocessing)
+        self.batcher = DynamicBatcher(
+            self._run_batch,
+            config.max_batch_size,
+            config.batch_window_ms,
+            config.queue_limit,
+            incoming=lambda: self.preprocessing,
+        )
         self.metrics = metrics.for_model(self.name, self.cache, self.batcher)
         self.warmed_up = False
         self.memory = ModelMemory(engine.path.stat().st_size, None)
@@ -87,11 +103,14 @@ class ServedModel:
         try:
             # Cancelling a decode that has not started yet removes it from the pool's queue.
             async with asyncio.timeout_at(deadline):
-                array = await asyncio.get_running_loop().run_in_executor(self.preprocess_pool,
-                                                                         decode_and_preprocess, data,
-                                                                         self.config.max_pixels,
-                                                                         bool(self.config.jpeg_draft),
-                                                                         self.engine.preprocessing)
+                array = await asyncio.get_running_loop().run_in_executor(
+                    self.preprocess_pool,
+                    decode_and_preprocess,
+                    data,
+                    self.config.max_pixels,
+                    bool(self.config.jpeg_draft),
+                    self.engine.preprocessing,
+                )
         except TimeoutError:
             raise DeadlineExceeded("deadline passed while waiting to decode the image") from None
         finally:
@@ -110,8 +129,13 @@ class ServedModel:
         """/predict's answer for one encoded image: the top-k and where the time went."""
         array, preprocess_s = await self.preprocessed(data, deadline)
         result = await self.infer(array, deadline)
-        return Classified(self.engine.top_k(result.row, self.config.top_k), result.batch_size,
-                          1000 * result.queue_s, 1000 * preprocess_s, 1000 * result.inference_s)
+        return Classified(
+            self.engine.top_k(result.row, self.config.top_k),
+            result.batch_size,
+            1000 * result.queue_s,
+            1000 * preprocess_s,
+            1000 * result.inference_s,
+        )
 
     async def probabilities(self, data: bytes, deadline: float) -> np.ndarray:
         """Every class's probability for one encoded image (what the Open Inference Protocol returns)."""
@@ -139,9 +163,12 @@ class Serving:
         self.in_flight = 0  # admitted requests, from arrival to response
         specs = config.models
         self.metrics = Metrics([spec.name for spec in specs], in_flight=lambda: self.in_flight)
-        self.models = {spec.name: ServedModel(spec, engine.backend, engine, i == 0, config,
-                                              self.preprocess_pool, self.inference_lock, self.metrics)
-                       for i, (spec, engine) in enumerate(zip(specs, engines, strict=True))}
+        self.models = {
+            spec.name: ServedModel(
+                spec, engine.backend, engine, i == 0, config, self.preprocess_pool, self.inference_lock, self.metrics
+            )
+            for i, (spec, engine) in enumerate(zip(specs, engines, strict=True))
+        }
         self.default = self.models[specs[0].name]
         self.not_ready_reason: str | None = "warming up"
 
@@ -165,8 +192,9 @@ class Serving:
         try:
             return self.models[name]
         except KeyError:
-            raise UnknownModel(f"no model named {name!r}; this server serves {', '.join(self.models)} "
-                               f"(default {self.default.name})") from None
+            raise UnknownModel(
+                f"no model named {name!r}; this server serves {', '.join(self.models)} (default {self.default.name})"
+            ) from None
 
     async def warm_up(self) -> None:
         """Warm every model up, one after the other, then start batching. Requests queue meanwhile."""
@@ -202,9 +230,12 @@ async def serving(request: Request) -> Serving:
     return request.app.state.serving
 
 
-async def served_model(request: Request, model: str | None = Query(
-        None, description="the model's name (GET /models lists them); default: the server's default model")
-                       ) -> ServedModel:
+async def served_model(
+    request: Request,
+    model: str | None = Query(
+        None, description="the model's name (GET /models lists them); default: the server's default model"
+    ),
+) -> ServedModel:
     return request.app.state.serving.model(model)
 
 

@@ -9,6 +9,7 @@ and opens ORT's buffers for the batch sizes this load makes, then after each ten
 status 0 only if RSS grew less than --max-growth and no request failed; a 503 (load shed by design,
 refused before any work) is counted apart and allowed. Writes results/07_soak.csv, one row per tenth.
 """
+
 import argparse
 import sys
 import time
@@ -47,54 +48,86 @@ def soak(args) -> tuple[list[dict], bool]:
         start_rss = rss_mib(server.pid)
         rows, done, started = [], 0, time.perf_counter()
         for chunk in np.array_split(order, CHECKPOINTS):
-            result = loadtest.run_with_metrics(url, lambda send: run_closed_loop(
-                send, [bodies[i] for i in chunk], args.concurrency))
+            chunk_bodies = [bodies[i] for i in chunk]
+            result = loadtest.run_with_metrics(
+                url, lambda send, chunk_bodies=chunk_bodies: run_closed_loop(send, chunk_bodies, args.concurrency)
+            )
             done += len(chunk)
             rss = rss_mib(server.pid)
             rejected = sum(n for status, n in result.errors.items() if status in INTENDED_REJECTIONS)
             counts = loadtest.metrics_row(result.metrics)
-            rows.append({"requests_done": done, "seconds": round(time.perf_counter() - started, 1),
-                         "req_per_s": round(result.rps, 1), "ok": result.ok, "rejected_503": rejected,
-                         "errors": sum(result.errors.values()) - rejected,
-                         "errors_by_status": ";".join(f"{s}:{n}" for s, n in sorted(result.errors.items())),
-                         "p50_ms": round(result.latency.p50_ms, 1) if result.latency else None,
-                         "p99_ms": round(result.latency.p99_ms, 1) if result.latency else None,
-                         "cache_hits": counts["metrics_cache_hits"], "cache_misses": counts["metrics_cache_misses"],
-                         "cache_entries": round(read_metrics(url)[("mnv3_cache_entries", "")]),
-                         "rss_start_mib": round(start_rss, 1), "rss_mib": round(rss, 1),
-                         "rss_growth_pct": round(100 * (rss / start_rss - 1), 2)})
-            print(f"{done:>6} requests: RSS {rss:.1f} MiB ({rows[-1]['rss_growth_pct']:+.2f}%), "
-                  f"{rows[-1]['cache_hits']} hits / {rows[-1]['cache_misses']} misses, "
-                  f"{rows[-1]['errors']} errors, {rejected} rejected, p99 {rows[-1]['p99_ms']} ms")
+            rows.append(
+                {
+                    "requests_done": done,
+                    "seconds": round(time.perf_counter() - started, 1),
+                    "req_per_s": round(result.rps, 1),
+                    "ok": result.ok,
+                    "rejected_503": rejected,
+                    "errors": sum(result.errors.values()) - rejected,
+                    "errors_by_status": ";".join(f"{s}:{n}" for s, n in sorted(result.errors.items())),
+                    "p50_ms": round(result.latency.p50_ms, 1) if result.latency else None,
+                    "p99_ms": round(result.latency.p99_ms, 1) if result.latency else None,
+                    "cache_hits": counts["metrics_cache_hits"],
+                    "cache_misses": counts["metrics_cache_misses"],
+                    "cache_entries": round(read_metrics(url)[("mnv3_cache_entries", "")]),
+                    "rss_start_mib": round(start_rss, 1),
+                    "rss_mib": round(rss, 1),
+                    "rss_growth_pct": round(100 * (rss / start_rss - 1), 2),
+                }
+            )
+            print(
+                f"{done:>6} requests: RSS {rss:.1f} MiB ({rows[-1]['rss_growth_pct']:+.2f}%), "
+                f"{rows[-1]['cache_hits']} hits / {rows[-1]['cache_misses']} misses, "
+                f"{rows[-1]['errors']} errors, {rejected} rejected, p99 {rows[-1]['p99_ms']} ms"
+            )
     growth = rows[-1]["rss_mib"] / start_rss - 1
     errors = sum(row["errors"] for row in rows)
     passed = growth < args.max_growth and errors == 0
     environment = cli.environment_row(model, provenance) | settings | {"distinct_images": args.distinct}
     rows = [environment | row | {"passed": passed} for row in rows]
-    print(f"RSS {start_rss:.1f} -> {rows[-1]['rss_mib']:.1f} MiB ({100 * growth:+.2f}%, limit "
-          f"{100 * args.max_growth:.0f}%), {errors} errors: {'PASS' if passed else 'FAIL'}")
+    print(
+        f"RSS {start_rss:.1f} -> {rows[-1]['rss_mib']:.1f} MiB ({100 * growth:+.2f}%, limit "
+        f"{100 * args.max_growth:.0f}%), {errors} errors: {'PASS' if passed else 'FAIL'}"
+    )
     return rows, passed
 
 
 def get_args_parser():
-    parser = argparse.ArgumentParser(prog="python -m mnv3.soak", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    cli.add_load_test_args(parser, concurrency_help=cli.full_and_quick("soak_concurrency"),
-                           requests_help=cli.full_and_quick("soak_requests"))
-    parser.add_argument("--cache-size", type=cli.positive_int,
-                        help=f"server cache entries ({cli.full_and_quick('soak_cache_size')})")
-    parser.add_argument("--distinct", type=cli.positive_int,
-                        help=f"distinct images, more than the cache holds ({cli.full_and_quick('soak_distinct')})")
-    parser.add_argument("--max-growth", type=float, default=0.10,
-                        help="largest RSS growth allowed, as a fraction of the warmed-up RSS (default %(default)s)")
+    parser = argparse.ArgumentParser(
+        prog="python -m mnv3.soak", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    cli.add_load_test_args(
+        parser,
+        concurrency_help=cli.full_and_quick("soak_concurrency"),
+        requests_help=cli.full_and_quick("soak_requests"),
+    )
+    parser.add_argument(
+        "--cache-size", type=cli.positive_int, help=f"server cache entries ({cli.full_and_quick('soak_cache_size')})"
+    )
+    parser.add_argument(
+        "--distinct",
+        type=cli.positive_int,
+        help=f"distinct images, more than the cache holds ({cli.full_and_quick('soak_distinct')})",
+    )
+    parser.add_argument(
+        "--max-growth",
+        type=float,
+        default=0.10,
+        help="largest RSS growth allowed, as a fraction of the warmed-up RSS (default %(default)s)",
+    )
     return parser
 
 
 def main(args) -> int:
     """0 if the soak passed, else 1; exits 2 with one line on an error the user can fix."""
     mode = cli.defaults(args)
-    cli.fill_unset(args, requests=mode.soak_requests, cache_size=mode.soak_cache_size, distinct=mode.soak_distinct,
-                   concurrency=mode.soak_concurrency)
+    cli.fill_unset(
+        args,
+        requests=mode.soak_requests,
+        cache_size=mode.soak_cache_size,
+        distinct=mode.soak_distinct,
+        concurrency=mode.soak_concurrency,
+    )
     rows, passed = cli.run_stage(soak, args)
     cli.write_results(args.results_dir, SOAK_CSV, rows)
     return 0 if passed else 1

@@ -23,6 +23,7 @@ How exact it is:
   start-up it is shorter (the first reading is taken at start-up); if nobody called for longer than
   `window_s`, it is the time since the last call's kept reading.
 """
+
 import math
 import time
 from collections import deque
@@ -43,6 +44,7 @@ QUANTILES = (0.5, 0.95, 0.99)
 class HistogramReading:
     """A prometheus histogram at one moment, summed over its label sets: `cumulative[i]` observations
     were <= `bounds[i]`; the last bound is +inf, so `cumulative[-1]` is the count."""
+
     bounds: tuple[float, ...]
     cumulative: tuple[float, ...]
     total: float  # sum of the observed values
@@ -55,8 +57,11 @@ class HistogramReading:
         """The observations made between `earlier` and this reading."""
         if earlier.bounds != self.bounds:
             raise ValueError("readings of histograms with different buckets")
-        return HistogramReading(self.bounds, tuple(a - b for a, b in zip(self.cumulative, earlier.cumulative)),
-                                self.total - earlier.total)
+        return HistogramReading(
+            self.bounds,
+            tuple(a - b for a, b in zip(self.cumulative, earlier.cumulative, strict=True)),
+            self.total - earlier.total,
+        )
 
     def mean(self) -> float | None:
         return self.total / self.count if self.count else None
@@ -77,7 +82,7 @@ class HistogramReading:
 
     def bucket_counts(self) -> list[float]:
         """Observations per bucket (not cumulative)."""
-        return [c - p for c, p in zip(self.cumulative, (0.0, *self.cumulative))]
+        return [c - p for c, p in zip(self.cumulative, (0.0, *self.cumulative[:-1]), strict=True)]
 
 
 def read_histogram(histogram) -> HistogramReading:
@@ -97,21 +102,28 @@ def read_histogram(histogram) -> HistogramReading:
 
 def read_counter(counter, label: str) -> dict[str, float]:
     """A labelled prometheus_client Counter's totals by the value of `label`."""
-    return {sample.labels[label]: sample.value for metric in counter.collect() for sample in metric.samples
-            if sample.name.endswith("_total")}
+    return {
+        sample.labels[label]: sample.value
+        for metric in counter.collect()
+        for sample in metric.samples
+        if sample.name.endswith("_total")
+    }
 
 
 @dataclass(frozen=True)
 class Reading:
     """Cumulative counts at monotonic time `at`: histograms and counters by name."""
+
     at: float
     histograms: dict[str, HistogramReading]
     counters: dict[str, float]
 
     def __sub__(self, earlier: "Reading") -> "Reading":
-        return Reading(self.at - earlier.at,
-                       {name: h - earlier.histograms[name] for name, h in self.histograms.items()},
-                       {name: v - earlier.counters.get(name, 0.0) for name, v in self.counters.items()})
+        return Reading(
+            self.at - earlier.at,
+            {name: h - earlier.histograms[name] for name, h in self.histograms.items()},
+            {name: v - earlier.counters.get(name, 0.0) for name, v in self.counters.items()},
+        )
 
 
 class ReadingRing:
@@ -136,6 +148,7 @@ class ReadingRing:
 
 
 # ----------------------------------------------------------------------------------------------- JSON
+
 
 class LatencySummary(BaseModel):
     p50_ms: float | None = Field(description="estimated from histogram buckets (see the module docstring)")
@@ -184,10 +197,13 @@ class ModelStats(BaseModel):
 
 
 class StatsResponse(BaseModel):
-    window_s: float = Field(description="seconds the windowed figures cover: the last minute, or less right after "
-                                        "start-up, or more if /stats was not called for longer than that")
-    requests: int = Field(description="POST /predict and /v2 infer requests answered in the window, any status, "
-                                      "any model")
+    window_s: float = Field(
+        description="seconds the windowed figures cover: the last minute, or less right after "
+        "start-up, or more if /stats was not called for longer than that"
+    )
+    requests: int = Field(
+        description="POST /predict and /v2 infer requests answered in the window, any status, any model"
+    )
     requests_per_s: float
     latency: LatencySummary = Field(description="those requests, arrival to response")
     stages: Stages
@@ -224,12 +240,15 @@ class LiveStats:
     def read(self) -> Reading:
         metrics, models = self.serving.metrics, self.serving.models
         histograms = {name: read_histogram(getattr(metrics, name)) for name in HISTOGRAMS}
-        counters = {"cache_hits": sum(m.cache.hits for m in models.values()),
-                    "cache_misses": sum(m.cache.misses for m in models.values())}
+        counters = {
+            "cache_hits": sum(m.cache.hits for m in models.values()),
+            "cache_misses": sum(m.cache.misses for m in models.values()),
+        }
         for name, m in models.items():  # "/": model names are URL path segments, so never hold one
             histograms[f"request_latency/{name}"] = read_histogram(m.metrics.request_latency)
             counters |= {f"cache_hits/{name}": m.cache.hits, f"cache_misses/{name}": m.cache.misses}
-        counters |= {f"rejected_{reason}": value for reason, value in read_counter(metrics.rejections, "reason").items()}
+        rejections = read_counter(metrics.rejections, "reason")
+        counters |= {f"rejected_{reason}": value for reason, value in rejections.items()}
         return Reading(self.clock(), histograms, counters)
 
     def report(self) -> StatsResponse:
@@ -243,24 +262,39 @@ class LiveStats:
             requests=int(h["request_latency"].count),
             requests_per_s=_per_second(h["request_latency"].count, window.at),
             latency=LatencySummary.of(h["request_latency"]),
-            stages=Stages(queue=LatencySummary.of(h["queue_wait"]), preprocess=LatencySummary.of(h["preprocess"]),
-                          inference=LatencySummary.of(h["inference"])),
+            stages=Stages(
+                queue=LatencySummary.of(h["queue_wait"]),
+                preprocess=LatencySummary.of(h["preprocess"]),
+                inference=LatencySummary.of(h["inference"]),
+            ),
             batch_size=BatchSizes(
-                inferences=int(batches.count), images=int(batches.total), mean=batches.mean(),
-                buckets=[BatchSizeBucket(smallest=low, largest=None if math.isinf(high) else int(high),
-                                         inferences=int(n))
-                         for low, high, n in zip(lower_bounds, batches.bounds, batches.bucket_counts())]),
-            cache=CacheStats(hits=hits, misses=misses, hit_rate=_hit_rate(hits, misses),
-                             entries=sum(len(m.cache) for m in self.serving.models.values())),
+                inferences=int(batches.count),
+                images=int(batches.total),
+                mean=batches.mean(),
+                buckets=[
+                    BatchSizeBucket(smallest=low, largest=None if math.isinf(high) else int(high), inferences=int(n))
+                    for low, high, n in zip(lower_bounds, batches.bounds, batches.bucket_counts(), strict=True)
+                ],
+            ),
+            cache=CacheStats(
+                hits=hits,
+                misses=misses,
+                hit_rate=_hit_rate(hits, misses),
+                entries=sum(len(m.cache) for m in self.serving.models.values()),
+            ),
             rejected={name.removeprefix("rejected_"): int(v) for name, v in c.items() if name.startswith("rejected_")},
             queue_depth=sum(m.batcher.depth for m in self.serving.models.values()),
             in_flight=self.serving.in_flight,
-            models={name: ModelStats(requests=int(h[f"request_latency/{name}"].count),
-                                     requests_per_s=_per_second(h[f"request_latency/{name}"].count, window.at),
-                                     latency=LatencySummary.of(h[f"request_latency/{name}"]),
-                                     cache_hit_rate=_hit_rate(c[f"cache_hits/{name}"], c[f"cache_misses/{name}"]),
-                                     queue_depth=m.batcher.depth)
-                    for name, m in self.serving.models.items()},
+            models={
+                name: ModelStats(
+                    requests=int(h[f"request_latency/{name}"].count),
+                    requests_per_s=_per_second(h[f"request_latency/{name}"].count, window.at),
+                    latency=LatencySummary.of(h[f"request_latency/{name}"]),
+                    cache_hit_rate=_hit_rate(c[f"cache_hits/{name}"], c[f"cache_misses/{name}"]),
+                    queue_depth=m.batcher.depth,
+                )
+                for name, m in self.serving.models.items()
+            },
         )
 
 
@@ -278,7 +312,10 @@ async def live_stats(request: Request) -> LiveStats:
 stats_router = APIRouter(tags=["operations"], lifespan=lifespan)
 
 
-@stats_router.get("/stats", response_model=StatsResponse,
-                  summary="Requests/s, latency quantiles, batch sizes and cache hit rate over the last minute")
+@stats_router.get(
+    "/stats",
+    response_model=StatsResponse,
+    summary="Requests/s, latency quantiles, batch sizes and cache hit rate over the last minute",
+)
 async def stats(live: LiveStats = Depends(live_stats)) -> StatsResponse:
     return live.report()

@@ -24,6 +24,7 @@ MobileNetV3. torchvision zero-initialises the classifier head (it is meant for f
 would make every logit 0 and agreement meaningless, so the head gets `nn.Linear`'s default init.
 A ViT has LayerNorm, not BatchNorm, so no statistics need re-estimating.
 """
+
 import argparse
 import warnings
 from dataclasses import dataclass
@@ -69,6 +70,7 @@ def control_vit(quick: bool) -> ViTShape:
 class ControlResult:
     """`rows`: stage 1's `01_baseline.csv` columns plus `model`, one row each for onnx_fp32 and
     onnx_dynamic_int8; `profile`: the INT8 model's `op_type_summary` rows, largest share first."""
+
     rows: list[dict]
     profile: list[dict]
 
@@ -76,14 +78,27 @@ class ControlResult:
 def build_vit(shape: ViTShape) -> torch.nn.Module:
     """A seeded random-init ViT for 224x224 inputs (the held-out photos' crop) in eval mode."""
     torch.manual_seed(RANDOM_INIT_SEED)
-    model = VisionTransformer(image_size=CROP_SIZE, patch_size=shape.patch_size, num_layers=shape.num_layers,
-                              num_heads=shape.num_heads, hidden_dim=shape.hidden_dim, mlp_dim=shape.mlp_dim)
+    model = VisionTransformer(
+        image_size=CROP_SIZE,
+        patch_size=shape.patch_size,
+        num_layers=shape.num_layers,
+        num_heads=shape.num_heads,
+        hidden_dim=shape.hidden_dim,
+        mlp_dim=shape.mlp_dim,
+    )
     model.heads.head.reset_parameters()  # torchvision's zero init would make every logit 0
     return model.eval()
 
 
-def transformer_control(shape: ViTShape, held_out: np.ndarray, timing: Timing, batch_size: int, threads: int,
-                        profile_runs: int, artifacts_dir) -> ControlResult:
+def transformer_control(
+    shape: ViTShape,
+    held_out: np.ndarray,
+    timing: Timing,
+    batch_size: int,
+    threads: int,
+    profile_runs: int,
+    artifacts_dir,
+) -> ControlResult:
     """Export `shape`'s ViT, quantize it dynamically, time FP32 and INT8 in turns, compare, profile INT8.
 
     `held_out` is the preprocessed photos stage 1 compares its variants on; `timing`, `batch_size` and
@@ -100,64 +115,96 @@ def transformer_control(shape: ViTShape, held_out: np.ndarray, timing: Timing, b
     fp32_run = ort_runner(make_session(fp32_path, threads))
     export_diff = export_max_abs_diff(model, fp32_run, [held_out[:1], held_out[:batch_size]])
     if export_diff > EXPORT_TOLERANCE:
-        raise RuntimeError(f"{shape.name}: ONNX export differs from PyTorch by {export_diff:.2e} logit "
-                           f"(> {EXPORT_TOLERANCE}): the export is wrong")
+        raise RuntimeError(
+            f"{shape.name}: ONNX export differs from PyTorch by {export_diff:.2e} logit "
+            f"(> {EXPORT_TOLERANCE}): the export is wrong"
+        )
     # ORT's symbolic shape inference cannot follow exported attention's shape arithmetic; ONNX's still runs.
-    int8_path = quantize_dynamic_int8(fp32_path, artifacts_dir / f"{shape.name}_dynamic_int8.onnx",
-                                      symbolic_shapes=False)
+    int8_path = quantize_dynamic_int8(
+        fp32_path, artifacts_dir / f"{shape.name}_dynamic_int8.onnx", symbolic_shapes=False
+    )
     int8_run = ort_runner(make_session(int8_path, threads))
 
     reference = predict(fp32_run, array_batches(held_out, batch_size))
     variants = {"onnx_fp32": (fp32_run, fp32_path), "onnx_dynamic_int8": (int8_run, int8_path)}
-    latency = interleaved_benchmark({variant: run for variant, (run, _) in variants.items()}, held_out, batch_size,
-                                    timing)
-    rows = [{
-        "model": shape.name, "variant": variant, **latency[variant],
-        "size_mb": size_mb(path), "threads": threads, "weights": "random-init", "bn_recalibration_images": 0,
-        "export_max_abs_diff": f"{export_diff:.2e}" if variant == "onnx_fp32" else "",
-        # Its own ONNX FP32 is the reference, as for MobileNetV3.
-        **evaluate(run, held_out, None if variant == "onnx_fp32" else reference, batch_size=batch_size),
-    } for variant, (run, path) in variants.items()]
+    latency = interleaved_benchmark(
+        {variant: run for variant, (run, _) in variants.items()}, held_out, batch_size, timing
+    )
+    rows = [
+        {
+            "model": shape.name,
+            "variant": variant,
+            **latency[variant],
+            "size_mb": size_mb(path),
+            "threads": threads,
+            "weights": "random-init",
+            "bn_recalibration_images": 0,
+            "export_max_abs_diff": f"{export_diff:.2e}" if variant == "onnx_fp32" else "",
+            # Its own ONNX FP32 is the reference, as for MobileNetV3.
+            **evaluate(run, held_out, None if variant == "onnx_fp32" else reference, batch_size=batch_size),
+        }
+        for variant, (run, path) in variants.items()
+    ]
 
-    trace = profile_model(int8_path, held_out[:1], profile_runs, threads,
-                          artifacts_dir / f"{shape.name}_dynamic_int8_profile.json")
+    trace = profile_model(
+        int8_path, held_out[:1], profile_runs, threads, artifacts_dir / f"{shape.name}_dynamic_int8_profile.json"
+    )
     return ControlResult(rows, op_type_summary(trace, profile_runs))
 
 
 def op_shares(profile: list[dict], op_types) -> str:
     """'MatMulInteger 40.1%, ...' for `op_types`, plus the share of every other op type."""
     shares = {row["op_type"]: row["share_pct"] for row in profile}
-    return (", ".join(f"{op} {shares.get(op, 0)}%" for op in op_types)
-            + f", other op types {round(100 - sum(shares.get(op, 0) for op in op_types), 2)}%")
+    return (
+        ", ".join(f"{op} {shares.get(op, 0)}%" for op in op_types)
+        + f", other op types {round(100 - sum(shares.get(op, 0) for op in op_types), 2)}%"
+    )
 
 
 def int8_vs_fp32(rows: list[dict]) -> str:
     """The same-run ratios: dynamic INT8's batch-1 mean and per-image time over FP32's."""
-    fp32, int8 = (next(row for row in rows if row["variant"] == variant)
-                  for variant in ("onnx_fp32", "onnx_dynamic_int8"))
-    return (f"dynamic INT8 / FP32: batch 1 {int8['mean_ms'] / fp32['mean_ms']:.2f}x, per image at batch "
-            f"{int8['batch_size']} {int8['per_image_ms'] / fp32['per_image_ms']:.2f}x, "
-            f"size {int8['size_mb'] / fp32['size_mb']:.3f}x")
+    fp32, int8 = (
+        next(row for row in rows if row["variant"] == variant) for variant in ("onnx_fp32", "onnx_dynamic_int8")
+    )
+    return (
+        f"dynamic INT8 / FP32: batch 1 {int8['mean_ms'] / fp32['mean_ms']:.2f}x, per image at batch "
+        f"{int8['batch_size']} {int8['per_image_ms'] / fp32['per_image_ms']:.2f}x, "
+        f"size {int8['size_mb'] / fp32['size_mb']:.3f}x"
+    )
 
 
 def get_args_parser(add_help=True):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=add_help)
     parser.add_argument("--artifacts-dir", default=str(ARTIFACTS_DIR), help="where the ViT models and profile go")
-    parser.add_argument("--quick", action="store_true",
-                        help=f"a {QUICK_CONTROL_VIT.num_layers}-layer ViT, few timed calls: a smoke run in seconds")
-    parser.add_argument("--threads", type=cli.positive_int, default=DEFAULT_INTRA_OP_THREADS,
-                        help="intra-op threads for onnxruntime and torch")
-    parser.add_argument("--batch-size", type=cli.positive_int, default=None,
-                        help="batch for per-image throughput (default: stage 1's)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"a {QUICK_CONTROL_VIT.num_layers}-layer ViT, few timed calls: a smoke run in seconds",
+    )
+    parser.add_argument(
+        "--threads",
+        type=cli.positive_int,
+        default=DEFAULT_INTRA_OP_THREADS,
+        help="intra-op threads for onnxruntime and torch",
+    )
+    parser.add_argument(
+        "--batch-size", type=cli.positive_int, default=None, help="batch for per-image throughput (default: stage 1's)"
+    )
     return parser
 
 
 def main(args):
     mode = cli.defaults(args)  # stage 1's counts, as the control runs stage 1's steps
     shape = control_vit(args.quick)
-    result = transformer_control(shape, held_out_batch(mode.held_out_images), mode.timing,
-                                 args.batch_size or mode.batch_size, args.threads, mode.profile_runs,
-                                 args.artifacts_dir)
+    result = transformer_control(
+        shape,
+        held_out_batch(mode.held_out_images),
+        mode.timing,
+        args.batch_size or mode.batch_size,
+        args.threads,
+        mode.profile_runs,
+        args.artifacts_dir,
+    )
     print(f"{shape} (weights: random-init)")
     columns = dict.fromkeys(key for row in result.rows for key in row)  # FP32, the reference, has no agreement
     print(markdown_table([{key: row.get(key, "") for key in columns} for row in result.rows]))

@@ -7,6 +7,7 @@ lying one is cut off as it arrives) and never waits past `timeout_s` for them, s
 client cannot hold memory or an admission slot for long. Every refusal is a `BadUpload` subclass from
 `mnv3.errors`, which gives its status.
 """
+
 import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 
@@ -51,8 +52,10 @@ async def _read_upload(request: Request, limit: int) -> bytes:
     content_type = request.headers.get("content-type", "")
     media_type = content_type.partition(";")[0].strip().lower()
     if media_type != "multipart/form-data" and not media_type.startswith("image/"):
-        raise UnsupportedMediaType(f"content type {content_type or '(none)'!r} not accepted: send multipart/form-data "
-                                   "with the image in field 'file', or the raw image with an image/* content type")
+        raise UnsupportedMediaType(
+            f"content type {content_type or '(none)'!r} not accepted: send multipart/form-data "
+            "with the image in field 'file', or the raw image with an image/* content type"
+        )
     if media_type.startswith("image/"):
         return await _read_body(request, limit)
     _check_declared_length(request, limit)

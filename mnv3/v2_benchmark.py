@@ -12,6 +12,7 @@ Side by side: two models in one server (e.g. FP32 and static INT8), mixed traffi
 `/predict?model=`, every photo sent to both, alternating; throughput per model over the whole run, and
 the top-1 agreement of the two models on the photos both answered.
 """
+
 import json
 import struct
 import time
@@ -38,9 +39,11 @@ MIXED = "mixed"
 
 # ---------------------------------------------------------------------------------------- the /v2 client
 
+
 @dataclass(frozen=True)
 class V2Request:
     """An infer request body with the binary tensor data extension, and its JSON header's length."""
+
     body: bytes
     header_length: int
 
@@ -52,11 +55,20 @@ def v2_request(photo: bytes, top_k: int = TOP_K) -> V2Request:
     "probability:index:label" strings: the answer /predict gives. They come back in JSON, not binary:
     five short strings gain nothing from binary, and JSON needs no length-prefixed parsing."""
     element = struct.pack("<I", len(photo)) + photo
-    header = json.dumps({
-        "inputs": [{"name": IMAGE_INPUT, "shape": [1, 1], "datatype": "BYTES",
-                    "parameters": {"binary_data_size": len(element)}}],
-        "outputs": [{"name": PROBABILITIES_OUTPUT, "parameters": {"classification": top_k, "binary_data": False}}],
-    }, separators=(",", ":")).encode()
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": IMAGE_INPUT,
+                    "shape": [1, 1],
+                    "datatype": "BYTES",
+                    "parameters": {"binary_data_size": len(element)},
+                }
+            ],
+            "outputs": [{"name": PROBABILITIES_OUTPUT, "parameters": {"classification": top_k, "binary_data": False}}],
+        },
+        separators=(",", ":"),
+    ).encode()
     return V2Request(header + element, len(header))
 
 
@@ -69,8 +81,11 @@ class V2Client(PredictClient):
         self._path = f"/v2/models/{model}/infer"
 
     def __call__(self, request: V2Request) -> tuple[str, dict | None]:  # type: ignore[override]
-        return self.post(self._path, body=request.body, headers={
-            "Content-Type": "application/octet-stream", HEADER_LENGTH: str(request.header_length)})
+        return self.post(
+            self._path,
+            body=request.body,
+            headers={"Content-Type": "application/octet-stream", HEADER_LENGTH: str(request.header_length)},
+        )
 
 
 def v2_top_classes(answer: dict) -> list[int]:
@@ -93,6 +108,7 @@ def default_model_name(url: str) -> str:
 
 # ---------------------------------------------------------------------------------------- /v2 vs /predict
 
+
 @dataclass(frozen=True)
 class V2VsPredictResult:
     concurrency: int
@@ -102,8 +118,12 @@ class V2VsPredictResult:
     def total(self, path: str) -> tuple[int, int, int, float]:
         """(sent, answered, errors, seconds) over the path's turns."""
         runs = [result for name, _, result in self.turns if name == path]
-        return (sum(r.sent for r in runs), sum(r.ok for r in runs), sum(sum(r.errors.values()) for r in runs),
-                sum(r.seconds for r in runs))
+        return (
+            sum(r.sent for r in runs),
+            sum(r.ok for r in runs),
+            sum(sum(r.errors.values()) for r in runs),
+            sum(r.seconds for r in runs),
+        )
 
     def rps(self, path: str) -> float:
         _, ok, _, seconds = self.total(path)
@@ -116,39 +136,65 @@ class V2VsPredictResult:
 
     def rows(self, environment: dict) -> list[dict]:
         """A row per turn, then one per path over all its turns (the /v2 one carries the ratio)."""
-        rows = [{"configuration": path, "turn": turn} | result.as_row() | self.settings
-                for path, turn, result in self.turns]
+        rows = [
+            {"configuration": path, "turn": turn} | result.as_row() | self.settings for path, turn, result in self.turns
+        ]
         for path in (PREDICT, V2_BINARY):
             sent, ok, errors, seconds = self.total(path)
-            rows.append({"configuration": path, "turn": "all", "mode": "closed", "concurrency": self.concurrency,
-                         "sent": sent, "ok": ok, "errors": errors, "seconds": round(seconds, 3),
-                         "req_per_s": round(self.rps(path), 2)} | self.settings
-                        | ({"v2_to_predict_ratio": self.ratio} if path == V2_BINARY else {}))
+            rows.append(
+                {
+                    "configuration": path,
+                    "turn": "all",
+                    "mode": "closed",
+                    "concurrency": self.concurrency,
+                    "sent": sent,
+                    "ok": ok,
+                    "errors": errors,
+                    "seconds": round(seconds, 3),
+                    "req_per_s": round(self.rps(path), 2),
+                }
+                | self.settings
+                | ({"v2_to_predict_ratio": self.ratio} if path == V2_BINARY else {})
+            )
         return [row | environment for row in rows]
 
     def summary(self) -> str:
-        return (f"at concurrency {self.concurrency}, in {TURNS} turns each: /predict {self.rps(PREDICT):.1f} req/s, "
-                f"/v2 binary {self.rps(V2_BINARY):.1f} req/s: /v2 / /predict = {self.ratio} (goal >= 0.95)")
+        return (
+            f"at concurrency {self.concurrency}, in {TURNS} turns each: /predict {self.rps(PREDICT):.1f} req/s, "
+            f"/v2 binary {self.rps(V2_BINARY):.1f} req/s: /v2 / /predict = {self.ratio} (goal >= 0.95)"
+        )
 
 
-def run_v2_vs_predict(model: Path, photos: list[bytes], concurrency: int, requests_per_path: int,
-                      server_options: dict, start_timeout_s: float) -> V2VsPredictResult:
+def run_v2_vs_predict(
+    model: Path,
+    photos: list[bytes],
+    concurrency: int,
+    requests_per_path: int,
+    server_options: dict,
+    start_timeout_s: float,
+) -> V2VsPredictResult:
     """`requests_per_path` closed-loop requests through each path, in TURNS turns each, on one server."""
     v2_requests = [v2_request(photo) for photo in photos]  # before any timed loop, like `photos` themselves
     per_turn = -(-requests_per_path // TURNS)
     with loadtest.ServerProcess(model, start_timeout_s, **server_options) as url:
         settings = loadtest.server_settings(url)
         v2_client = partial(V2Client, model=default_model_name(url))
-        paths: dict[str, tuple[Callable, list]] = {PREDICT: (PredictClient, photos),
-                                                   V2_BINARY: (v2_client, v2_requests)}
+        paths: dict[str, tuple[Callable, list]] = {
+            PREDICT: (PredictClient, photos),
+            V2_BINARY: (v2_client, v2_requests),
+        }
         for client, bodies in paths.values():
             loadtest.warm_up(url, bodies, concurrency, client)
-        turns = [(path, turn, closed_loop(url, bodies, concurrency, per_turn, f"{path} turn {turn}", client))
-                 for turn in range(1, TURNS + 1) for path, (client, bodies) in paths.items()]
+        turns = [
+            (path, turn, closed_loop(url, bodies, concurrency, per_turn, f"{path} turn {turn}", client))
+            for turn in range(1, TURNS + 1)
+            for path, (client, bodies) in paths.items()
+        ]
     return V2VsPredictResult(concurrency, turns, settings)
 
 
 # ---------------------------------------------------------------------------------------- side by side
+
 
 class MixedTraffic:
     """`send((model, photo index, photo))`: POST /predict?model=..., keeping every answer and each
@@ -200,19 +246,32 @@ class SideBySideResult:
     def rows(self, environment: dict) -> list[dict]:
         """One row per model, then the whole run with the agreement; `model` names the file(s) served."""
         agreeing, compared = self.agreement
-        rows = [{"configuration": MIXED, "served_model": spec.name} | self.per_model[spec.name].as_row()
-                | self.settings | environment | {"model": spec.path.name} for spec in self.models]
-        rows.append({"configuration": MIXED, "served_model": "all"} | self.total.as_row() | self.settings
-                    | {"top1_agreement": self.top1_agreement, "photos_compared": compared, "photos_agreeing": agreeing}
-                    | environment | {"model": "+".join(spec.path.name for spec in self.models)})
+        rows = [
+            {"configuration": MIXED, "served_model": spec.name}
+            | self.per_model[spec.name].as_row()
+            | self.settings
+            | environment
+            | {"model": spec.path.name}
+            for spec in self.models
+        ]
+        rows.append(
+            {"configuration": MIXED, "served_model": "all"}
+            | self.total.as_row()
+            | self.settings
+            | {"top1_agreement": self.top1_agreement, "photos_compared": compared, "photos_agreeing": agreeing}
+            | environment
+            | {"model": "+".join(spec.path.name for spec in self.models)}
+        )
         return rows
 
     def summary(self) -> str:
         per_model = ", ".join(f"{name} {result.rps:.1f} req/s" for name, result in self.per_model.items())
         agreeing, compared = self.agreement
-        return (f"side by side, mixed traffic at concurrency {self.total.concurrency}: {per_model} "
-                f"({self.total.rps:.1f} req/s in all); top-1 agreement {self.top1_agreement} "
-                f"({agreeing} of {compared} photos)")
+        return (
+            f"side by side, mixed traffic at concurrency {self.total.concurrency}: {per_model} "
+            f"({self.total.rps:.1f} req/s in all); top-1 agreement {self.top1_agreement} "
+            f"({agreeing} of {compared} photos)"
+        )
 
 
 def side_by_side_models(texts: list[str] | None, artifacts_dir: Path) -> tuple[ModelSpec, ModelSpec]:
@@ -229,8 +288,13 @@ def side_by_side_models(texts: list[str] | None, artifacts_dir: Path) -> tuple[M
     return first, second
 
 
-def run_side_by_side(models: tuple[ModelSpec, ModelSpec], photos: list[bytes], concurrency: int,
-                     server_options: dict, start_timeout_s: float) -> SideBySideResult:
+def run_side_by_side(
+    models: tuple[ModelSpec, ModelSpec],
+    photos: list[bytes],
+    concurrency: int,
+    server_options: dict,
+    start_timeout_s: float,
+) -> SideBySideResult:
     """Both models in one server; every photo to each, alternating models, through one closed loop."""
     first, second = (f"{spec.name}={spec.path}" + (f"@{spec.backend}" if spec.backend else "") for spec in models)
     server = loadtest.ServerProcess(first, start_timeout_s, extra_models=(second,), **server_options)
@@ -244,8 +308,10 @@ def run_side_by_side(models: tuple[ModelSpec, ModelSpec], photos: list[bytes], c
             loadtest.warm_up(url, photos, concurrency, partial(PredictClient, model=name))
         with MixedTraffic(url, names) as send:
             total = loadtest.run_closed_loop(send, items, concurrency, desc="side by side")
-    per_model = {name: LoadResult.from_samples("closed", concurrency, samples, total.seconds)
-                 for name, samples in send.samples.items()}
+    per_model = {
+        name: LoadResult.from_samples("closed", concurrency, samples, total.seconds)
+        for name, samples in send.samples.items()
+    }
     result = SideBySideResult(models, total, per_model, send.answers, len(photos), settings)
     print(result.summary())
     return result

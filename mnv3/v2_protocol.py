@@ -19,6 +19,7 @@ The one output is `PROBABILITIES`, FP32 [N, classes]; Triton's classification ex
 (`"parameters": {"classification": k}`) returns it as BYTES [N, k] of `"probability:index[:label]"`,
 most probable first, the probability printed as C++'s std::to_string prints a float (6 decimals).
 """
+
 import base64
 import binascii
 import json
@@ -39,8 +40,22 @@ HEADER_LENGTH = "Inference-Header-Content-Length"
 # What the server implements of Triton's extensions; `statistics` is not one of them, and perf_analyzer
 # polls /stats when a server lists it.
 EXTENSIONS = ("binary_tensor_data", "classification", "model_configuration")
-DATATYPES = ("BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
-             "FP16", "FP32", "FP64", "BF16", "BYTES")
+DATATYPES = (
+    "BOOL",
+    "UINT8",
+    "UINT16",
+    "UINT32",
+    "UINT64",
+    "INT8",
+    "INT16",
+    "INT32",
+    "INT64",
+    "FP16",
+    "FP32",
+    "FP64",
+    "BF16",
+    "BYTES",
+)
 _DATATYPE_OF_INPUT = {IMAGE_INPUT: "BYTES", PIXELS_INPUT: "FP32"}
 _LENGTH = struct.Struct("<I")  # the prefix of each BYTES element
 
@@ -61,6 +76,7 @@ def _bad(message: str) -> V2Error:
 @dataclass(frozen=True)
 class ModelDescription:
     """What the metadata documents and the parser need to know about one served model."""
+
     name: str
     version: str
     input_shape: tuple[int, ...]  # of one image, e.g. (3, 224, 224)
@@ -82,6 +98,7 @@ class RequestedOutput:
 @dataclass(frozen=True)
 class InferRequest:
     """A valid infer request: exactly one of `images` (encoded, one per image) and `pixels` (N, *shape)."""
+
     id: str | None
     images: list[bytes] | None
     pixels: np.ndarray | None
@@ -97,11 +114,13 @@ class InferRequest:
 class InferResponse:
     """`body` to send; `header_length` is None for pure JSON (Content-Type application/json), else the
     value of `Inference-Header-Content-Length` (Content-Type application/octet-stream)."""
+
     body: bytes
     header_length: int | None = field(default=None)
 
 
 # ---- request ---------------------------------------------------------------------------------------
+
 
 def parse_infer_request(body: bytes, header_length: str | None, model: ModelDescription) -> InferRequest:
     """Parse and validate an infer request body; `header_length` is the `Inference-Header-Content-Length`
@@ -144,8 +163,10 @@ def _parse_json_header(data: bytes) -> dict:
     try:
         header = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise _bad(f"the inference header is not JSON ({exc or 'nested too deeply'}); with binary tensors, send its length "
-                   f"in {HEADER_LENGTH}") from None
+        raise _bad(
+            f"the inference header is not JSON ({exc or 'nested too deeply'}); with binary tensors, "
+            f"send its length in {HEADER_LENGTH}"
+        ) from None
     if not isinstance(header, dict):
         raise _bad("the inference header must be a JSON object")
     return header
@@ -161,8 +182,10 @@ def _the_one_input(inputs) -> dict:
     if unknown:
         raise _bad(f"unknown input {unknown[0]!r}; the inputs are {', '.join(INPUT_NAMES)} (send one)")
     if len(inputs) > 1:
-        raise _bad(f"send one input, not {len(inputs)} ({', '.join(names)}): {IMAGE_INPUT} for encoded "
-                   f"images or {PIXELS_INPUT} for a preprocessed tensor")
+        raise _bad(
+            f"send one input, not {len(inputs)} ({', '.join(names)}): {IMAGE_INPUT} for encoded "
+            f"images or {PIXELS_INPUT} for a preprocessed tensor"
+        )
     return inputs[0]
 
 
@@ -197,12 +220,12 @@ def _input_bytes(tensor: dict, body: bytes, json_end: int) -> bytes | None:
     size = parameters.get("binary_data_size")
     if size is None:
         if "data" not in tensor:
-            raise _bad(f"{name} has neither \"data\" nor parameters.binary_data_size")
+            raise _bad(f'{name} has neither "data" nor parameters.binary_data_size')
         if json_end != len(body):
             raise _bad(f"{len(body) - json_end} bytes follow the inference header but no input is binary")
         return None
     if "data" in tensor:
-        raise _bad(f"{name} has both \"data\" and parameters.binary_data_size; send one")
+        raise _bad(f'{name} has both "data" and parameters.binary_data_size; send one')
     if type(size) is not int or size < 0:
         raise _bad(f"{name}'s binary_data_size must be a non-negative integer, got {size!r}")
     available = len(body) - json_end
@@ -220,9 +243,11 @@ def _binary_bytes_elements(raw: bytes) -> list[bytes]:
         (length,) = _LENGTH.unpack_from(raw, offset)
         offset += _LENGTH.size
         if offset + length > len(raw):
-            raise _bad(f"{IMAGE_INPUT} element {len(elements)} says {length} bytes but only "
-                       f"{len(raw) - offset} remain in the tensor data")
-        elements.append(raw[offset:offset + length])
+            raise _bad(
+                f"{IMAGE_INPUT} element {len(elements)} says {length} bytes but only "
+                f"{len(raw) - offset} remain in the tensor data"
+            )
+        elements.append(raw[offset : offset + length])
         offset += length
     return elements
 
@@ -230,8 +255,10 @@ def _binary_bytes_elements(raw: bytes) -> list[bytes]:
 def _json_bytes_elements(tensor: dict) -> list[bytes]:
     parameters = tensor.get("parameters", {})
     if parameters.get("content_type") != "base64":
-        raise _bad(f'{IMAGE_INPUT} in JSON needs "parameters": {{"content_type": "base64"}} and base64 strings '
-                   "(a JSON BYTES element is text); or send the images with the binary tensor data extension")
+        raise _bad(
+            f'{IMAGE_INPUT} in JSON needs "parameters": {{"content_type": "base64"}} and base64 strings '
+            "(a JSON BYTES element is text); or send the images with the binary tensor data extension"
+        )
     strings = _flatten(tensor["data"])
     if not all(isinstance(item, str) for item in strings):
         raise _bad(f"{IMAGE_INPUT}'s data must be base64 strings")
@@ -307,6 +334,7 @@ def _flag(value, what: str) -> bool:
 
 # ---- response --------------------------------------------------------------------------------------
 
+
 def encode_infer_response(request: InferRequest, probabilities: np.ndarray, model: ModelDescription) -> InferResponse:
     """The response to `request`, given the model's (N, classes) probabilities for its N images."""
     outputs, sections = [], []
@@ -324,8 +352,9 @@ def encode_infer_response(request: InferRequest, probabilities: np.ndarray, mode
     return InferResponse(header_bytes + b"".join(filter(None, sections)), len(header_bytes))
 
 
-def _output(requested: RequestedOutput, probabilities: np.ndarray, class_names: list[str],
-            binary: bool) -> tuple[dict, bytes | None]:
+def _output(
+    requested: RequestedOutput, probabilities: np.ndarray, class_names: list[str], binary: bool
+) -> tuple[dict, bytes | None]:
     """One output tensor's JSON, and its binary section if it goes in binary."""
     if requested.classification is None:
         tensor = {"name": requested.name, "datatype": "FP32", "shape": list(probabilities.shape)}
@@ -345,8 +374,10 @@ def classifications(probabilities: np.ndarray, k: int, class_names: list[str]) -
     """Triton's classification strings, per row the k (at most all) most probable classes, highest first."""
     k = min(k, probabilities.shape[1])
     best = np.argsort(-probabilities, axis=1, kind="stable")[:, :k]
-    return [[_classification(float(row[i]), int(i), class_names) for i in order]
-            for row, order in zip(probabilities, best)]
+    return [
+        [_classification(float(row[i]), int(i), class_names) for i in order]
+        for row, order in zip(probabilities, best, strict=True)
+    ]
 
 
 def _classification(probability: float, index: int, class_names: list[str]) -> str:
@@ -355,6 +386,7 @@ def _classification(probability: float, index: int, class_names: list[str]) -> s
 
 
 # ---- metadata --------------------------------------------------------------------------------------
+
 
 def server_metadata(version: str) -> dict:
     """`GET /v2`."""
@@ -384,8 +416,13 @@ def model_config(model: ModelDescription) -> dict:
         "max_batch_size": model.max_images,
         "input": [
             {"name": IMAGE_INPUT, "data_type": "TYPE_STRING", "dims": [1], "optional": True},
-            {"name": PIXELS_INPUT, "data_type": "TYPE_FP32", "format": "FORMAT_NCHW",
-             "dims": list(model.input_shape), "optional": True},
+            {
+                "name": PIXELS_INPUT,
+                "data_type": "TYPE_FP32",
+                "format": "FORMAT_NCHW",
+                "dims": list(model.input_shape),
+                "optional": True,
+            },
         ],
         "output": [{"name": PROBABILITIES_OUTPUT, "data_type": "TYPE_FP32", "dims": [model.num_classes]}],
         "dynamic_batching": {

@@ -11,6 +11,7 @@ Every failure on these routes answers as Triton does, `{"error": "..."}`, with t
 `mnv3.errors`' table (400 bad request, 404 unknown model or version, 503 busy or not ready, 504
 deadline...), and is counted in `mnv3_rejections_total` as /predict's are.
 """
+
 import asyncio
 import time
 from collections.abc import Callable, Coroutine
@@ -26,8 +27,17 @@ from mnv3.errors import ERRORS, error_response
 from mnv3.preprocess import InvalidImage
 from mnv3.serving import ServedModel, Serving, serving, unless_disconnected
 from mnv3.uploads import read_body
-from mnv3.v2_protocol import (HEADER_LENGTH, InferRequest, ModelDescription, V2Error, encode_infer_response,
-                              model_config, model_metadata, parse_infer_request, server_metadata)
+from mnv3.v2_protocol import (
+    HEADER_LENGTH,
+    InferRequest,
+    ModelDescription,
+    V2Error,
+    encode_infer_response,
+    model_config,
+    model_metadata,
+    parse_infer_request,
+    server_metadata,
+)
 
 MODEL_VERSION = "1"  # one version per model: the file it was started with
 SERVER_VERSION = "1"
@@ -68,16 +78,21 @@ class V2ErrorBody(BaseModel):
 
 
 V2_ERROR_DOCS: dict[int | str, dict[str, Any]] = {
-    status: {"model": V2ErrorBody, "description": description} for status, description in (
-        (400, "malformed request: see the message (datatype, shape, binary lengths, JSON, images per request...), "
-              "or an image that is not one"),
+    status: {"model": V2ErrorBody, "description": description}
+    for status, description in (
+        (
+            400,
+            "malformed request: see the message (datatype, shape, binary lengths, JSON, images per request...), "
+            "or an image that is not one",
+        ),
         (404, "no model of that name, or no such version (each model has version 1)"),
         (408, "the body did not arrive within --body-timeout-s"),
         (413, "body over --max-upload-bytes; image over --max-pixels"),
         (500, "inference failed for the batch an image ran in"),
         (503, "not ready, --max-in-flight or --queue-limit reached, or shutting down (+ Retry-After)"),
         (504, "no result within --deadline-ms"),
-    )}
+    )
+}
 
 v2_router = APIRouter(prefix="/v2", tags=["Open Inference Protocol (KServe v2)"], route_class=V2Route)
 
@@ -93,15 +108,22 @@ async def metadata() -> dict:
     return server_metadata(SERVER_VERSION)
 
 
-@v2_router.get("/health/live", response_class=Response, responses={200: {"description": "the process is up"}},
-               summary="Liveness: 200, empty body")
+@v2_router.get(
+    "/health/live",
+    response_class=Response,
+    responses={200: {"description": "the process is up"}},
+    summary="Liveness: 200, empty body",
+)
 async def live() -> Response:
     return Response()
 
 
-@v2_router.get("/health/ready", response_class=Response,
-               responses={200: {"description": "every model is warmed up"}, 503: V2_ERROR_DOCS[503]},
-               summary="Readiness: 200 once every model is warmed up, else 503")
+@v2_router.get(
+    "/health/ready",
+    response_class=Response,
+    responses={200: {"description": "every model is warmed up"}, 503: V2_ERROR_DOCS[503]},
+    summary="Readiness: 200 once every model is warmed up, else 503",
+)
 async def ready(s: Serving = Depends(serving)) -> Response:
     if s.not_ready_reason:
         raise V2Error(503, s.not_ready_reason)
@@ -110,29 +132,36 @@ async def ready(s: Serving = Depends(serving)) -> Response:
 
 # ---- per model: /v2/models/{name} and /v2/models/{name}/versions/{version} alike
 
+
 def description(served: ServedModel) -> ModelDescription:
     engine, config = served.engine, served.config
     num_classes = engine.session.get_outputs()[0].shape[-1]
     return ModelDescription(
-        name=served.name, version=MODEL_VERSION, input_shape=tuple(engine.input_shape[1:]),
+        name=served.name,
+        version=MODEL_VERSION,
+        input_shape=tuple(engine.input_shape[1:]),
         class_names=engine.class_names,
         num_classes=num_classes if isinstance(num_classes, int) else len(engine.class_names),
-        max_images=config.images_per_request, batcher_max_batch_size=config.max_batch_size,
+        max_images=config.images_per_request,
+        batcher_max_batch_size=config.max_batch_size,
         batch_window_s=config.batch_window_ms / 1000,
-        platform="onnxruntime_onnx" if served.backend == "onnxruntime" else served.backend)
+        platform="onnxruntime_onnx" if served.backend == "onnxruntime" else served.backend,
+    )
 
 
-async def named_model(request: Request,
-                      name: Annotated[str, Path(description="the model's name, as GET /models lists it")]
-                      ) -> ServedModel:
+async def named_model(
+    request: Request, name: Annotated[str, Path(description="the model's name, as GET /models lists it")]
+) -> ServedModel:
     s: Serving = request.app.state.serving
     if name not in s.models:
         raise V2Error(404, f"unknown model {name!r}; this server serves {', '.join(s.models)}")
     return s.models[name]
 
 
-async def versioned_model(version: Annotated[str, Path(description=f"each model has one version, {MODEL_VERSION}")],
-                          model: ServedModel = Depends(named_model)) -> ServedModel:
+async def versioned_model(
+    version: Annotated[str, Path(description=f"each model has one version, {MODEL_VERSION}")],
+    model: ServedModel = Depends(named_model),
+) -> ServedModel:
     if version != MODEL_VERSION:
         raise V2Error(404, f"model {model.name} has no version {version!r}; its one version is {MODEL_VERSION}")
     return model
@@ -156,29 +185,61 @@ class InferResponseBody(BaseModel):
     model_name: str
     model_version: str
     id: str | None = Field(None, description="the request's id, when it had one")
-    outputs: list[dict] = Field(description="PROBABILITIES, FP32 [N, classes] (or BYTES [N, k] "
-                                            "'probability:index:label' with parameters.classification = k)")
+    outputs: list[dict] = Field(
+        description="PROBABILITIES, FP32 [N, classes] (or BYTES [N, k] "
+        "'probability:index:label' with parameters.classification = k)"
+    )
 
 
-INFER_BODY = {"requestBody": {"required": True, "content": {
-    "application/json": {"schema": {"type": "object", "required": ["inputs"], "properties": {
-        "id": {"type": "string"},
-        "parameters": {"type": "object"},
-        "inputs": {"type": "array", "items": {"type": "object", "required": ["name", "shape", "datatype"],
-                                              "properties": {"name": {"type": "string", "enum": ["IMAGE", "PIXELS"]},
-                                                             "shape": {"type": "array", "items": {"type": "integer"}},
-                                                             "datatype": {"type": "string"},
-                                                             "parameters": {"type": "object"},
-                                                             "data": {}}}},
-        "outputs": {"type": "array", "items": {"type": "object", "properties": {
-            "name": {"type": "string"}, "parameters": {"type": "object"}}}}}}},
-    "application/octet-stream": {"schema": {"type": "string", "format": "binary"},
-                                 "description": f"binary tensor data extension: the JSON header, then the raw "
-                                                f"tensors; {HEADER_LENGTH} gives the header's length"},
-}}}
-INFER_RESPONSES: dict[int | str, dict[str, Any]] = V2_ERROR_DOCS | {200: {"content": {
-    "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
-    "description": f"JSON, or with binary outputs the JSON header and the raw tensors ({HEADER_LENGTH})"}}
+INFER_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {
+                "schema": {
+                    "type": "object",
+                    "required": ["inputs"],
+                    "properties": {
+                        "id": {"type": "string"},
+                        "parameters": {"type": "object"},
+                        "inputs": {
+                            "type": "array",
+                            "items": {
+                                "type": "object",
+                                "required": ["name", "shape", "datatype"],
+                                "properties": {
+                                    "name": {"type": "string", "enum": ["IMAGE", "PIXELS"]},
+                                    "shape": {"type": "array", "items": {"type": "integer"}},
+                                    "datatype": {"type": "string"},
+                                    "parameters": {"type": "object"},
+                                    "data": {},
+                                },
+                            },
+                        },
+                        "outputs": {
+                            "type": "array",
+                            "items": {
+                                "type": "object",
+                                "properties": {"name": {"type": "string"}, "parameters": {"type": "object"}},
+                            },
+                        },
+                    },
+                }
+            },
+            "application/octet-stream": {
+                "schema": {"type": "string", "format": "binary"},
+                "description": f"binary tensor data extension: the JSON header, then the raw "
+                f"tensors; {HEADER_LENGTH} gives the header's length",
+            },
+        },
+    }
+}
+INFER_RESPONSES: dict[int | str, dict[str, Any]] = V2_ERROR_DOCS | {
+    200: {
+        "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+        "description": f"JSON, or with binary outputs the JSON header and the raw tensors ({HEADER_LENGTH})",
+    }
+}
 
 
 def _add_model_routes(path: str, model_dependency) -> None:
@@ -189,25 +250,36 @@ def _add_model_routes(path: str, model_dependency) -> None:
     async def model_metadata_(model: ServedModel = Depends(model_dependency)) -> dict:
         return model_metadata(description(model))
 
-    @v2_router.get(path + "/ready", response_class=Response,
-                   responses={200: {"description": "warmed up"}, **not_found, 503: V2_ERROR_DOCS[503]},
-                   summary="Model readiness: 200 once it is warmed up")
+    @v2_router.get(
+        path + "/ready",
+        response_class=Response,
+        responses={200: {"description": "warmed up"}, **not_found, 503: V2_ERROR_DOCS[503]},
+        summary="Model readiness: 200 once it is warmed up",
+    )
     async def model_ready(model: ServedModel = Depends(model_dependency)) -> Response:
         if not model.warmed_up:
             raise V2Error(503, f"model {model.name} is warming up")
         return Response()
 
-    @v2_router.get(path + "/config", response_model=dict, responses=not_found,
-                   summary="Model configuration (Triton's extension: max_batch_size, dynamic_batching, inputs, "
-                           "outputs)")
+    @v2_router.get(
+        path + "/config",
+        response_model=dict,
+        responses=not_found,
+        summary="Model configuration (Triton's extension: max_batch_size, dynamic_batching, inputs, outputs)",
+    )
     async def model_configuration(model: ServedModel = Depends(model_dependency)) -> dict:
         return model_config(description(model))
 
-    @v2_router.post(path + "/infer", response_model=InferResponseBody, responses=INFER_RESPONSES,
-                    openapi_extra=INFER_BODY, summary="Classify encoded images (IMAGE, BYTES) or preprocessed "
-                                                      "pixels (PIXELS, FP32 [N, 3, 224, 224])")
-    async def infer(request: Request, model: ServedModel = Depends(model_dependency),
-                    s: Serving = Depends(serving)) -> Response:
+    @v2_router.post(
+        path + "/infer",
+        response_model=InferResponseBody,
+        responses=INFER_RESPONSES,
+        openapi_extra=INFER_BODY,
+        summary="Classify encoded images (IMAGE, BYTES) or preprocessed pixels (PIXELS, FP32 [N, 3, 224, 224])",
+    )
+    async def infer(
+        request: Request, model: ServedModel = Depends(model_dependency), s: Serving = Depends(serving)
+    ) -> Response:
         return await _infer(request, model, s)
 
 
@@ -229,8 +301,9 @@ async def _infer(request: Request, model: ServedModel, s: Serving) -> Response:
     response = encode_infer_response(parsed, probabilities, described)
     if response.header_length is None:
         return Response(response.body, media_type="application/json")
-    return Response(response.body, media_type="application/octet-stream",
-                    headers={HEADER_LENGTH: str(response.header_length)})
+    return Response(
+        response.body, media_type="application/octet-stream", headers={HEADER_LENGTH: str(response.header_length)}
+    )
 
 
 async def _rows(model: ServedModel, parsed: InferRequest, deadline: float) -> list[np.ndarray]:
@@ -239,8 +312,9 @@ async def _rows(model: ServedModel, parsed: InferRequest, deadline: float) -> li
     try:
         async with asyncio.TaskGroup() as group:
             if parsed.images is not None:
-                tasks = [group.create_task(_image_row(model, i, data, deadline))
-                         for i, data in enumerate(parsed.images)]
+                tasks = [
+                    group.create_task(_image_row(model, i, data, deadline)) for i, data in enumerate(parsed.images)
+                ]
             elif parsed.pixels is not None:
                 tasks = [group.create_task(_pixels_row(model, row, deadline)) for row in parsed.pixels]
     except BaseExceptionGroup as failures:
@@ -252,8 +326,9 @@ async def _image_row(model: ServedModel, index: int, data: bytes, deadline: floa
     """One encoded image's probabilities, through the model's cache under a key of its own (/predict
     stores only the top-k of an image, and this needs every class)."""
     try:
-        row, _ = await model.cache.get_or_compute(data, lambda: model.probabilities(data, deadline),
-                                                  kind="probabilities")
+        row, _ = await model.cache.get_or_compute(
+            data, lambda: model.probabilities(data, deadline), kind="probabilities"
+        )
     except InvalidImage as exc:  # and ImageTooLarge, its subclass
         raise type(exc)(f"image {index}: {exc}") from None
     return row

@@ -5,6 +5,7 @@ Variants are timed in turns with an ONNX FP32 session in one interleaved run, ne
 from another run: on a shared machine only ratios taken in turns hold. Agreement and SQNR are against
 that FP32 session's logits on the same held-out photos.
 """
+
 import json
 import sys
 import tempfile
@@ -29,8 +30,15 @@ STATIC_INT8 = "onnx_static_int8"
 RATIO_KEYS = ("mean_ms", "p50_ms", "per_image_ms", "per_image_p50_ms")  # timed columns compared with FP32
 FP32_COLUMNS = ("mean_ms", "p50_ms", "per_image_ms", "size_mb")  # FP32's own, beside each recipe's ratios
 COMPARISON_ROUNDS = 8  # --compare-recipes: more rounds than a stage-1 benchmark, so drift averages out
-RATIO_TABLE_COLUMNS = ("recipe", "mean_ms_vs_onnx_fp32", "p50_ms_vs_onnx_fp32", "per_image_ms_vs_onnx_fp32",
-                       "size_mb_vs_onnx_fp32", "top1_agreement", "sqnr_db")
+RATIO_TABLE_COLUMNS = (
+    "recipe",
+    "mean_ms_vs_onnx_fp32",
+    "p50_ms_vs_onnx_fp32",
+    "per_image_ms_vs_onnx_fp32",
+    "size_mb_vs_onnx_fp32",
+    "top1_agreement",
+    "sqnr_db",
+)
 OPENVINO_PRECISIONS = {"f32": "fp32", "bf16": "bf16"}  # OpenVINO's precision hint -> the variant-name suffix
 VARIANT_NAMES = {
     "pytorch_fp32": "PyTorch FP32",
@@ -40,14 +48,28 @@ VARIANT_NAMES = {
     "openvino_fp32": "OpenVINO FP32",
     "openvino_bf16": "OpenVINO BF16",
 }
-COMPARISON_COLUMNS = ("mean_ms", "p95_ms", "size_mb", "batch_size", "per_image_ms", "top1_agreement",
-                      "top5_agreement", "sqnr_db", "top1_accuracy", "top5_accuracy", "threads", "weights", "arch",
-                      "classes")
+COMPARISON_COLUMNS = (
+    "mean_ms",
+    "p95_ms",
+    "size_mb",
+    "batch_size",
+    "per_image_ms",
+    "top1_agreement",
+    "top5_agreement",
+    "sqnr_db",
+    "top1_accuracy",
+    "top5_accuracy",
+    "threads",
+    "weights",
+    "arch",
+    "classes",
+)
 
 
 @dataclass(frozen=True)
 class Bench:
     """How a stage measures variants against ONNX FP32, and what every row it writes records."""
+
     threads: int
     timing: Timing
     batch_size: int
@@ -66,6 +88,7 @@ class Bench:
 @dataclass(frozen=True)
 class Measured:
     """One model from an interleaved run: its latency row, file size, and scores against FP32."""
+
     latency: dict
     size_mb: float
     scores: dict
@@ -74,22 +97,37 @@ class Measured:
         return self.latency | {"size_mb": self.size_mb}
 
 
-def measure_against_fp32(fp32_path: Path, models: dict[str, Path], bench: Bench, rounds: int = 5
-                         ) -> dict[str, Measured]:
+def measure_against_fp32(
+    fp32_path: Path, models: dict[str, Path], bench: Bench, rounds: int = 5
+) -> dict[str, Measured]:
     """Each of `models` on onnxruntime and ONNX FP32 (key FP32) timed in turns in one run, scored against
     FP32's logits."""
-    return measure_runners(fp32_path, {name: (ort_runner(make_session(path, bench.threads)), size_mb(path))
-                                       for name, path in models.items()}, bench, rounds)
+    return measure_runners(
+        fp32_path,
+        {name: (ort_runner(make_session(path, bench.threads)), size_mb(path)) for name, path in models.items()},
+        bench,
+        rounds,
+    )
 
 
-def measure_runners(fp32_path: Path, runners: dict[str, tuple[Callable, float]], bench: Bench, rounds: int = 5,
-                    fp32: Callable | None = None) -> dict[str, Measured]:
+def measure_runners(
+    fp32_path: Path,
+    runners: dict[str, tuple[Callable, float]],
+    bench: Bench,
+    rounds: int = 5,
+    fp32: Callable | None = None,
+) -> dict[str, Measured]:
     """Each of `runners` ({name: (run(batch) -> logits, size in MB)}) and ONNX FP32 (key FP32; `fp32` runs it,
     by default a make_session one) timed in turns in one run, scored against FP32's logits."""
     fp32 = fp32 or ort_runner(make_session(fp32_path, bench.threads))
     reference = predict(fp32, array_batches(bench.held_out, bench.batch_size))
-    latency = interleaved_benchmark({FP32: fp32} | {name: run for name, (run, _) in runners.items()},
-                                    bench.held_out, bench.batch_size, bench.timing, rounds=rounds)
+    latency = interleaved_benchmark(
+        {FP32: fp32} | {name: run for name, (run, _) in runners.items()},
+        bench.held_out,
+        bench.batch_size,
+        bench.timing,
+        rounds=rounds,
+    )
     measured = {FP32: Measured(latency[FP32], size_mb(fp32_path), {})}
     for name, (run, size) in runners.items():
         scores = evaluate(run, bench.held_out, reference, bench.labelled, bench.batch_size, bench.preprocessing)
@@ -100,6 +138,7 @@ def measure_runners(fp32_path: Path, runners: dict[str, tuple[Callable, float]],
 @dataclass(frozen=True)
 class Variant:
     """A stage-1 variant: its name (the CSV's `variant`), `run(batch) -> logits`, and its size."""
+
     name: str
     run: Callable[[np.ndarray], np.ndarray]
     size_mb: float
@@ -123,35 +162,65 @@ def openvino_variants(fp32_path: Path, threads: int) -> list[Variant]:
         precisions.append("bf16")
     else:
         print("openvino: this CPU has no native BF16 (no AVX512_BF16/AMX), openvino_bf16 row skipped")
-    return [Variant(f"openvino_{OPENVINO_PRECISIONS[precision]}",
-                    ort_runner(OpenVINOSession(fp32_path, threads, precision)), size_mb(fp32_path))
-            for precision in precisions]
+    return [
+        Variant(
+            f"openvino_{OPENVINO_PRECISIONS[precision]}",
+            ort_runner(OpenVINOSession(fp32_path, threads, precision)),
+            size_mb(fp32_path),
+        )
+        for precision in precisions
+    ]
 
 
-def baseline_rows(variants: list[Variant], bench: Bench, reference: np.ndarray, bn_recalibration_images: int,
-                  export_max_abs_diff: float) -> list[dict]:
+def baseline_rows(
+    variants: list[Variant],
+    bench: Bench,
+    reference: np.ndarray,
+    bn_recalibration_images: int,
+    export_max_abs_diff: float,
+) -> list[dict]:
     """Stage 1's rows: the variants timed in turns (a noisy neighbour slows all alike, so the ratios
     hold), each scored against ONNX FP32's `reference` logits."""
-    latency = interleaved_benchmark({variant.name: variant.run for variant in variants}, bench.held_out,
-                                    bench.batch_size, bench.timing)
-    return [{"variant": variant.name, **latency[variant.name], "size_mb": variant.size_mb, "threads": bench.threads,
-             **bench.provenance(), "bn_recalibration_images": bn_recalibration_images,
-             "export_max_abs_diff": f"{export_max_abs_diff:.2e}" if variant.name == FP32 else "",
-             # ONNX FP32 is the reference (it equals PyTorch to EXPORT_TOLERANCE), so it has no agreement.
-             **evaluate(variant.run, bench.held_out, None if variant.name == FP32 else reference, bench.labelled,
-                        bench.batch_size, bench.preprocessing)}
-            for variant in variants]
+    latency = interleaved_benchmark(
+        {variant.name: variant.run for variant in variants}, bench.held_out, bench.batch_size, bench.timing
+    )
+    return [
+        {
+            "variant": variant.name,
+            **latency[variant.name],
+            "size_mb": variant.size_mb,
+            "threads": bench.threads,
+            **bench.provenance(),
+            "bn_recalibration_images": bn_recalibration_images,
+            "export_max_abs_diff": f"{export_max_abs_diff:.2e}" if variant.name == FP32 else "",
+            # ONNX FP32 is the reference (it equals PyTorch to EXPORT_TOLERANCE), so it has no agreement.
+            **evaluate(
+                variant.run,
+                bench.held_out,
+                None if variant.name == FP32 else reference,
+                bench.labelled,
+                bench.batch_size,
+                bench.preprocessing,
+            ),
+        }
+        for variant in variants
+    ]
 
 
 def fastest(rows: list[dict]) -> str:
     """Which variant is fastest for one image at a time and which per image in a batch, and by how much."""
+
     def verdict(column: str) -> str:
         first, second = sorted(rows, key=lambda row: row[column])[:2]
-        return (f"{first['variant']} ({first[column]} ms; next {second['variant']} at "
-                f"{second[column] / first[column]:.2f}x)")
+        return (
+            f"{first['variant']} ({first[column]} ms; next {second['variant']} at "
+            f"{second[column] / first[column]:.2f}x)"
+        )
 
-    return (f"fastest at batch 1 (mean): {verdict('mean_ms')}\n"
-            f"fastest per image at batch {rows[0]['batch_size']}: {verdict('per_image_ms')}")
+    return (
+        f"fastest at batch 1 (mean): {verdict('mean_ms')}\n"
+        f"fastest per image at batch {rows[0]['batch_size']}: {verdict('per_image_ms')}"
+    )
 
 
 def same_run_ratios(measured: dict, fp32: dict, keys=RATIO_KEYS) -> dict:
@@ -161,8 +230,15 @@ def same_run_ratios(measured: dict, fp32: dict, keys=RATIO_KEYS) -> dict:
 
 def static_row(static: Measured, fp32: Measured, bench: Bench) -> dict:
     """The 02_static.csv row of the shipped model (its recipe columns are added by the stage)."""
-    return {"variant": STATIC_INT8, **static.latency, **same_run_ratios(static.latency, fp32.latency),
-            "size_mb": static.size_mb, "threads": bench.threads, **bench.provenance(), **static.scores}
+    return {
+        "variant": STATIC_INT8,
+        **static.latency,
+        **same_run_ratios(static.latency, fp32.latency),
+        "size_mb": static.size_mb,
+        "threads": bench.threads,
+        **bench.provenance(),
+        **static.scores,
+    }
 
 
 def measure_static(fp32_path: Path, static_path: Path, bench: Bench) -> dict:
@@ -173,16 +249,19 @@ def measure_static(fp32_path: Path, static_path: Path, bench: Bench) -> dict:
 
 def recipe_columns(name: str) -> dict:
     """Every field of recipe `name` as one CSV cell (lists space-separated, extra options as JSON)."""
-    return {key: " ".join(value) if isinstance(value, list) else json.dumps(value) if isinstance(value, dict) else value
-            for key, value in RECIPES[name].record().items()}
+    return {
+        key: " ".join(value) if isinstance(value, list) else json.dumps(value) if isinstance(value, dict) else value
+        for key, value in RECIPES[name].record().items()
+    }
 
 
 def recipe_path(recipes_dir: Path, name: str) -> Path:
     return Path(recipes_dir) / f"{name}.onnx"
 
 
-def build_recipes(fp32_path: Path, names: list[str], calibration: list[Path], recipes_dir: Path,
-                  preprocessing: Preprocessing) -> dict[str, float]:
+def build_recipes(
+    fp32_path: Path, names: list[str], calibration: list[Path], recipes_dir: Path, preprocessing: Preprocessing
+) -> dict[str, float]:
     """Build each recipe into `recipes_dir` on one preprocessed calibration set; seconds each took."""
     calibration_images = preprocess_photos(calibration, preprocessing)
     Path(recipes_dir).mkdir(parents=True, exist_ok=True)
@@ -192,31 +271,56 @@ def build_recipes(fp32_path: Path, names: list[str], calibration: list[Path], re
         for name in names:
             print(f"building recipe {name}")
             start = time.perf_counter()
-            quantize_static_int8(fp32_path, recipe_path(recipes_dir, name), calibration_images, RECIPES[name],
-                                 cache_dir=calibration_cache)
+            quantize_static_int8(
+                fp32_path,
+                recipe_path(recipes_dir, name),
+                calibration_images,
+                RECIPES[name],
+                cache_dir=calibration_cache,
+            )
             build_s[name] = round(time.perf_counter() - start, 1)
     return build_s
 
 
-def compare_recipes(fp32_path: Path, names: list[str], shipped: str, calibration: list[Path], recipes_dir: Path,
-                    bench: Bench, repeats: int) -> tuple[list[dict], dict]:
+def compare_recipes(
+    fp32_path: Path,
+    names: list[str],
+    shipped: str,
+    calibration: list[Path],
+    recipes_dir: Path,
+    bench: Bench,
+    repeats: int,
+) -> tuple[list[dict], dict]:
     """Build every recipe in `names` into `recipes_dir`, time them and ONNX FP32 in turns in one run
     (`repeats` x the bench's calls, in COMPARISON_ROUNDS rounds), and score them against FP32.
 
     Returns (one 02_recipes.csv row per recipe, the `shipped` recipe's 02_static.csv row): the
     shipped row is the same measurement as its comparison row, not a second one."""
     build_s = build_recipes(fp32_path, names, calibration, recipes_dir, bench.preprocessing)
-    timing = replace(bench.timing, iters=bench.timing.iters * repeats,
-                     batch_iters=bench.timing.batch_iters * repeats)
-    measured = measure_against_fp32(fp32_path, {name: recipe_path(recipes_dir, name) for name in names},
-                                    replace(bench, timing=timing), rounds=COMPARISON_ROUNDS)
+    timing = replace(bench.timing, iters=bench.timing.iters * repeats, batch_iters=bench.timing.batch_iters * repeats)
+    measured = measure_against_fp32(
+        fp32_path,
+        {name: recipe_path(recipes_dir, name) for name in names},
+        replace(bench, timing=timing),
+        rounds=COMPARISON_ROUNDS,
+    )
     fp32 = measured[FP32].columns()
-    rows = [{"recipe": name, "shipped": name == shipped, **recipe_columns(name),
-             "calibration_images": len(calibration), "build_s": build_s[name], **measured[name].columns(),
-             **same_run_ratios(measured[name].columns(), fp32, keys=RATIO_KEYS + ("size_mb",)),
-             **measured[name].scores, **{f"onnx_fp32_{key}": fp32[key] for key in FP32_COLUMNS},
-             "threads": bench.threads, **bench.provenance()}
-            for name in names]
+    rows = [
+        {
+            "recipe": name,
+            "shipped": name == shipped,
+            **recipe_columns(name),
+            "calibration_images": len(calibration),
+            "build_s": build_s[name],
+            **measured[name].columns(),
+            **same_run_ratios(measured[name].columns(), fp32, keys=RATIO_KEYS + ("size_mb",)),
+            **measured[name].scores,
+            **{f"onnx_fp32_{key}": fp32[key] for key in FP32_COLUMNS},
+            "threads": bench.threads,
+            **bench.provenance(),
+        }
+        for name in names
+    ]
     return rows, static_row(measured[shipped], measured[FP32], bench)
 
 
@@ -229,14 +333,21 @@ def compare_variants(rows: list[dict]) -> list[dict]:
     """The seed's four-row table (plus any other stage-1 variants), with latency relative to ONNX FP32."""
     settings = {(str(row["threads"]), str(row["batch_size"])) for row in rows}
     if len(settings) > 1:
-        print(f"warning: stages 1 and 2 ran with different (threads, batch size) {sorted(settings)}; "
-              "rerun stage 1 with the same flags for a fair comparison", file=sys.stderr)
+        print(
+            f"warning: stages 1 and 2 ran with different (threads, batch size) {sorted(settings)}; "
+            "rerun stage 1 with the same flags for a fair comparison",
+            file=sys.stderr,
+        )
     onnx_fp32_ms = next(float(row["mean_ms"]) for row in rows if row["variant"] == FP32)
     return [
-        {"variant": VARIANT_NAMES.get(row["variant"], row["variant"]),
-         **{column: row.get(column, "") for column in COMPARISON_COLUMNS if any(r.get(column) for r in rows)},
-         # INT8's own same-run ratio where stage 2 timed it in turns with FP32, else across the two runs
-         "mean_vs_onnx_fp32": round(float(row.get("mean_ms_vs_onnx_fp32") or float(row["mean_ms"]) / onnx_fp32_ms), 2)}
+        {
+            "variant": VARIANT_NAMES.get(row["variant"], row["variant"]),
+            **{column: row.get(column, "") for column in COMPARISON_COLUMNS if any(r.get(column) for r in rows)},
+            # INT8's own same-run ratio where stage 2 timed it in turns with FP32, else across the two runs
+            "mean_vs_onnx_fp32": round(
+                float(row.get("mean_ms_vs_onnx_fp32") or float(row["mean_ms"]) / onnx_fp32_ms), 2
+            ),
+        }
         for row in rows
     ]
 
@@ -246,6 +357,7 @@ class EngineVariant:
     """One way to serve the model: a file beside the models, the engine that runs it (engine.BACKENDS),
     OpenVINO's inference precision for what is not quantized (f32 or bf16; onnxruntime has none) and its
     streams for batches (OpenVINOSession)."""
+
     name: str
     engine: str
     file: str
@@ -256,16 +368,30 @@ class EngineVariant:
 FP32_VARIANT = EngineVariant("onnxruntime_fp32", "onnxruntime", FP32_ONNX)  # the reference every ratio is against
 # NNCF INT8 IR files stage 2 builds, and the exact FP32 rewrites each starts from: none, and the shipped
 # recipe's except pad16 (padding depthwise channels feeds onnxruntime's kernel; OpenVINO would only do more work).
-OPENVINO_INT8_BUILDS = {"nncf_int8.xml": (),
-                        "nncf_rewritten_int8.xml": tuple(name for name in RECIPES[DEFAULT_RECIPE].graph_rewrites
-                                                         if name != "pad16")}
-ENGINE_TABLE_COLUMNS = ("variant", "engine", "file", "precision", "streams", "mean_ms", "per_image_ms",
-                        "mean_ms_vs_onnx_fp32", "per_image_ms_vs_onnx_fp32", "top1_agreement", "top5_agreement",
-                        "sqnr_db", "chosen")
+OPENVINO_INT8_BUILDS = {
+    "nncf_int8.xml": (),
+    "nncf_rewritten_int8.xml": tuple(name for name in RECIPES[DEFAULT_RECIPE].graph_rewrites if name != "pad16"),
+}
+ENGINE_TABLE_COLUMNS = (
+    "variant",
+    "engine",
+    "file",
+    "precision",
+    "streams",
+    "mean_ms",
+    "per_image_ms",
+    "mean_ms_vs_onnx_fp32",
+    "per_image_ms_vs_onnx_fp32",
+    "top1_agreement",
+    "top5_agreement",
+    "sqnr_db",
+    "chosen",
+)
 
 
-def build_openvino_int8(fp32_path: Path, calibration: list[Path], artifacts_dir: Path,
-                        preprocessing: Preprocessing) -> list[str]:
+def build_openvino_int8(
+    fp32_path: Path, calibration: list[Path], artifacts_dir: Path, preprocessing: Preprocessing
+) -> list[str]:
     """Each OPENVINO_INT8_BUILDS file in `artifacts_dir`, quantized by NNCF on `calibration` (preprocessed as
     the model's manifest says); none (and says so) without nncf and openvino."""
     try:
@@ -297,19 +423,31 @@ def engine_variants(int8_file: str, openvino_files: list[str], threads: int) -> 
         print("openvino: not installed, only onnxruntime variants are candidates")
         return variants
     precisions = ["f32", "bf16"] if bf16_supported() else ["f32"]
-    variants += [EngineVariant(variant_name("openvino", file, precision), "openvino", file, precision)
-                 for file in [FP32_ONNX, int8_file, *openvino_files] for precision in precisions]
+    variants += [
+        EngineVariant(variant_name("openvino", file, precision), "openvino", file, precision)
+        for file in [FP32_ONNX, int8_file, *openvino_files]
+        for precision in precisions
+    ]
     if threads > 1:
-        variants += [EngineVariant(variant_name("openvino", file, "f32", threads), "openvino", file, "f32", threads)
-                     for file in [int8_file, *openvino_files]]
+        variants += [
+            EngineVariant(variant_name("openvino", file, "f32", threads), "openvino", file, "f32", threads)
+            for file in [int8_file, *openvino_files]
+        ]
     return variants
 
 
 def engine_runner(variant: EngineVariant, artifacts_dir: Path, threads: int, batch_size: int) -> Callable:
     """The variant as the server opens it by default (engine.open_session; onnxruntime's idle threads
     sleep, ServerConfig.ort_spinning), compiled for batch 1 and `batch_size`."""
-    session = open_session(Path(artifacts_dir) / variant.file, variant.engine, threads, max_batch_size=batch_size,
-                           allow_spinning=False, precision=variant.precision, streams=variant.streams)
+    session = open_session(
+        Path(artifacts_dir) / variant.file,
+        variant.engine,
+        threads,
+        max_batch_size=batch_size,
+        allow_spinning=False,
+        precision=variant.precision,
+        streams=variant.streams,
+    )
     return ort_runner(session)
 
 
@@ -323,14 +461,28 @@ def engine_rows(fp32_path: Path, runners: dict[EngineVariant, Callable], bench: 
     """FP32_VARIANT and each of `runners` timed in turns in one run (COMPARISON_ROUNDS rounds), all opened as
     the server opens them, each a row with its same-run ratios to FP32 and its agreement with FP32's logits."""
     measured = measure_runners(
-        fp32_path, {variant.name: (run, model_size_mb(Path(fp32_path).parent / variant.file))
-                    for variant, run in runners.items()}, bench, rounds=COMPARISON_ROUNDS,
-        fp32=engine_runner(FP32_VARIANT, Path(fp32_path).parent, bench.threads, bench.batch_size))
+        fp32_path,
+        {variant.name: (run, model_size_mb(Path(fp32_path).parent / variant.file)) for variant, run in runners.items()},
+        bench,
+        rounds=COMPARISON_ROUNDS,
+        fp32=engine_runner(FP32_VARIANT, Path(fp32_path).parent, bench.threads, bench.batch_size),
+    )
     fp32 = measured.pop(FP32).latency
     measured = {FP32_VARIANT.name: Measured(fp32, size_mb(fp32_path), {})} | measured
     variants = {variant.name: variant for variant in [FP32_VARIANT, *runners]}
-    return [{"variant": name, "engine": variants[name].engine, "file": variants[name].file,
-             "precision": variants[name].precision, "streams": variants[name].streams, **result.latency,
-             **same_run_ratios(result.latency, fp32), "size_mb": result.size_mb, **result.scores,
-             "threads": bench.threads, **bench.provenance()}
-            for name, result in measured.items()]
+    return [
+        {
+            "variant": name,
+            "engine": variants[name].engine,
+            "file": variants[name].file,
+            "precision": variants[name].precision,
+            "streams": variants[name].streams,
+            **result.latency,
+            **same_run_ratios(result.latency, fp32),
+            "size_mb": result.size_mb,
+            **result.scores,
+            "threads": bench.threads,
+            **bench.provenance(),
+        }
+        for name, result in measured.items()
+    ]

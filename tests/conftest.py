@@ -2,6 +2,7 @@
 
 Nothing here downloads: models are seeded random-init MobileNetV3 exports.
 """
+
 import select
 import socket
 import threading
@@ -30,8 +31,9 @@ def export_random_init(arch: str, directory):
     from mnv3.photos import CALIBRATION_SOURCES, augmented_views
 
     torch.manual_seed(0)
-    model = recalibrate_batchnorm(getattr(torchvision.models, arch)(weights=None),
-                                  augmented_views(CALIBRATION_SOURCES, 16, 0))
+    model = recalibrate_batchnorm(
+        getattr(torchvision.models, arch)(weights=None), augmented_views(CALIBRATION_SOURCES, 16, 0)
+    )
     export_onnx(model, directory / FP32_ONNX)
     write_class_names(directory, IMAGENET_CLASSES)
     return directory
@@ -118,8 +120,11 @@ def upload(port: int, size: int, first: int, headers: str = "") -> tuple[bytes, 
     rest only once the server has not answered within 2 s. Returns the response, whether the server closed
     the connection after it (rather than waiting for the rest of the body), and whether the rest was sent."""
     with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
-        sock.sendall(f"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\n{headers}"
-                     f"Content-Length: {size}\r\n\r\n".encode() + b"\0" * first)
+        sock.sendall(
+            f"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\n{headers}"
+            f"Content-Length: {size}\r\n\r\n".encode()
+            + b"\0" * first
+        )
         rest_sent = not select.select([sock], [], [], 2)[0]
         if rest_sent:
             sock.sendall(b"\0" * (size - first))
@@ -168,8 +173,10 @@ TIERS = ("unit", "integration", "e2e")
 
 def pytest_collection_modifyitems(items):
     """A test without a tier would drop out of `make test-fast` unnoticed: refuse to run one."""
-    untiered = sorted({item.nodeid.split("::")[0] for item in items
-                       if not any(item.get_closest_marker(tier) for tier in TIERS)})
+    untiered = sorted(
+        {item.nodeid.split("::")[0] for item in items if not any(item.get_closest_marker(tier) for tier in TIERS)}
+    )
     if untiered:
-        raise pytest.UsageError(f"no tier marker (pytestmark = pytest.mark.<{'|'.join(TIERS)}>) in: "
-                                f"{', '.join(untiered)}")
+        raise pytest.UsageError(
+            f"no tier marker (pytestmark = pytest.mark.<{'|'.join(TIERS)}>) in: {', '.join(untiered)}"
+        )

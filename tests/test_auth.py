@@ -1,6 +1,7 @@
 """Access control (mnv3.auth) in front of a small app with the server's routes: who gets through where,
 what refusals say, rate limits on an injected clock, bad key files, no key material anywhere, and over a
 real socket that a refused 10 MiB upload is answered without being read."""
+
 import hashlib
 import logging
 import socket
@@ -14,8 +15,16 @@ from fastapi.testclient import TestClient
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from conftest import upload
-from mnv3.auth import (ApiKeyAuth, KeyFileError, Scope, exposure_warning, is_loopback, load_key_file, parse_keys,
-                       required_scope)
+from mnv3.auth import (
+    ApiKeyAuth,
+    KeyFileError,
+    Scope,
+    exposure_warning,
+    is_loopback,
+    load_key_file,
+    parse_keys,
+    required_scope,
+)
 from mnv3.loadtest import free_port
 
 pytestmark = pytest.mark.integration
@@ -34,16 +43,27 @@ sha256:{hashlib.sha256(ADMIN_KEY.encode()).hexdigest()} admin
 
 # (method, path, what it needs), for the server's routes as the other issues add them
 ROUTES = [
-    ("GET", "/healthz", Scope.OPEN), ("GET", "/readyz", Scope.OPEN),
-    ("GET", "/v2/health/live", Scope.OPEN), ("GET", "/v2/health/ready", Scope.OPEN),
-    ("GET", "/", Scope.OPEN), ("GET", "/static/page.js", Scope.OPEN),
-    ("GET", "/docs", Scope.OPEN), ("GET", "/redoc", Scope.OPEN), ("GET", "/openapi.json", Scope.OPEN),
-    ("POST", "/predict", Scope.INFER), ("POST", "/v2/models/fp32/infer", Scope.INFER),
+    ("GET", "/healthz", Scope.OPEN),
+    ("GET", "/readyz", Scope.OPEN),
+    ("GET", "/v2/health/live", Scope.OPEN),
+    ("GET", "/v2/health/ready", Scope.OPEN),
+    ("GET", "/", Scope.OPEN),
+    ("GET", "/static/page.js", Scope.OPEN),
+    ("GET", "/docs", Scope.OPEN),
+    ("GET", "/redoc", Scope.OPEN),
+    ("GET", "/openapi.json", Scope.OPEN),
+    ("POST", "/predict", Scope.INFER),
+    ("POST", "/v2/models/fp32/infer", Scope.INFER),
     ("POST", "/v2/models/fp32/versions/1/infer", Scope.INFER),
-    ("GET", "/stats", Scope.INFER), ("GET", "/models", Scope.INFER),
-    ("GET", "/metrics", Scope.ADMIN), ("GET", "/model", Scope.ADMIN), ("GET", "/v2", Scope.ADMIN),
-    ("GET", "/v2/models/fp32", Scope.ADMIN), ("GET", "/v2/models/fp32/versions/1", Scope.ADMIN),
-    ("GET", "/v2/models/fp32/ready", Scope.ADMIN), ("GET", "/v2/models/fp32/config", Scope.ADMIN),
+    ("GET", "/stats", Scope.INFER),
+    ("GET", "/models", Scope.INFER),
+    ("GET", "/metrics", Scope.ADMIN),
+    ("GET", "/model", Scope.ADMIN),
+    ("GET", "/v2", Scope.ADMIN),
+    ("GET", "/v2/models/fp32", Scope.ADMIN),
+    ("GET", "/v2/models/fp32/versions/1", Scope.ADMIN),
+    ("GET", "/v2/models/fp32/ready", Scope.ADMIN),
+    ("GET", "/v2/models/fp32/config", Scope.ADMIN),
     ("GET", "/debug/unlisted", Scope.ADMIN),  # nobody listed it: default-deny
 ]
 
@@ -159,13 +179,16 @@ def test_bearer_and_x_api_key_both_work_and_the_sha256_line_accepts_its_key(clie
     assert client.get("/metrics", headers=bearer(f"sha256:{digest}")).status_code == 401
 
 
-@pytest.mark.parametrize("headers, why", [
-    (bearer("wrong-key-0123456789abcdef"), "not valid"),
-    (bearer(INFER_KEY[:-1]), "not valid"),
-    ({"Authorization": f"Basic {INFER_KEY}"}, "must be 'Bearer KEY'"),
-    ({"Authorization": "Bearer "}, "must be 'Bearer KEY'"),
-    ({"Authorization": f"Bearer {INFER_KEY}", "X-API-Key": ADMIN_KEY}, "two different keys"),
-])
+@pytest.mark.parametrize(
+    "headers, why",
+    [
+        (bearer("wrong-key-0123456789abcdef"), "not valid"),
+        (bearer(INFER_KEY[:-1]), "not valid"),
+        ({"Authorization": f"Basic {INFER_KEY}"}, "must be 'Bearer KEY'"),
+        ({"Authorization": "Bearer "}, "must be 'Bearer KEY'"),
+        ({"Authorization": f"Bearer {INFER_KEY}", "X-API-Key": ADMIN_KEY}, "two different keys"),
+    ],
+)
 def test_a_wrong_key_is_a_401_with_its_reason(client, headers, why):
     response = client.post("/predict", headers=headers, content=b"x")
     assert response.status_code == 401 and why in reason(response)
@@ -176,8 +199,11 @@ def test_a_wrong_key_is_a_401_with_its_reason(client, headers, why):
 @pytest.mark.parametrize("query", ["api_key", "key", "token", "access_token", "API_KEY"])
 def test_a_key_in_the_query_string_is_refused_even_a_valid_one(client, query):
     for path in ("/predict", "/healthz"):
-        response = client.post(path, params={query: INFER_KEY}, headers=bearer(INFER_KEY), content=b"x") \
-            if path == "/predict" else client.get(path, params={query: INFER_KEY})
+        response = (
+            client.post(path, params={query: INFER_KEY}, headers=bearer(INFER_KEY), content=b"x")
+            if path == "/predict"
+            else client.get(path, params={query: INFER_KEY})
+        )
         assert response.status_code == 400 and "send it as the header" in reason(response)
     assert client.post("/predict", params={"model": "fp32"}, headers=bearer(INFER_KEY)).status_code == 200
 
@@ -232,8 +258,18 @@ def test_websockets_are_refused(client):
         ws.receive_text()
 
 
-@pytest.mark.parametrize("path", ["/static/../metrics", "/static/./x/../../model", "//metrics", "/docs/../model",
-                                  "/v2/health/live/..", "/predict/", "/PREDICT"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/static/../metrics",
+        "/static/./x/../../model",
+        "//metrics",
+        "/docs/../model",
+        "/v2/health/live/..",
+        "/predict/",
+        "/PREDICT",
+    ],
+)
 def test_odd_spellings_of_a_path_need_admin(path):
     assert required_scope("GET", path) is Scope.ADMIN
     assert required_scope("POST", path) is Scope.ADMIN
@@ -245,27 +281,33 @@ def test_open_paths_are_open_to_reads_only():
     assert required_scope("GET", "/predict") is Scope.ADMIN  # only POST /predict is inference
 
 
-@pytest.mark.parametrize("text, line, fix", [
-    ("", None, "no keys: add a line KEY SCOPE"),
-    ("# only a comment\n\n", None, "no keys"),
-    (f"{INFER_KEY}\n", 1, "a key needs a scope"),
-    (f"\n{INFER_KEY} write\n", 2, "unknown scope 'write': use one of infer, admin"),
-    (f"{INFER_KEY} infer\n{ADMIN_KEY} admin\n{INFER_KEY} admin\n", 3, "the same key as line 1"),
-    (f"sha256:{hashlib.sha256(INFER_KEY.encode()).hexdigest().upper()} admin\n{INFER_KEY} infer\n", 2,
-     "the same key as line 1"),
-    ("sha256:abc infer\n", 1, "64 hex digits"),
-    (f"sha256:{'g' * 64} infer\n", 1, "64 hex digits"),
-    ("short-key infer\n", 1, "16 to 512 characters, this one has 9"),
-    (f"{INFER_KEY}\u00e9 infer\n", 1, "visible ASCII"),
-    (f"{INFER_KEY} infer rate=50\n", 1, "rate=N/s or rate=N/min"),
-    (f"{INFER_KEY} infer rate=0/s\n", 1, "N > 0"),
-    (f"{INFER_KEY} infer rate=5/h\n", 1, "rate=N/s or rate=N/min"),
-    (f"{INFER_KEY} infer burst=10\n", 1, "burst= without rate="),
-    (f"{INFER_KEY} infer rate=5/s burst=0\n", 1, "at least 1"),
-    (f"{INFER_KEY} infer rate=5/s rate=6/s\n", 1, "given twice"),
-    (f"{INFER_KEY} infer limit=5\n", 1, "unknown option 'limit=5'"),
-    (f"{INFER_KEY} infer name=a/b\n", 1, "name= takes"),
-])
+@pytest.mark.parametrize(
+    "text, line, fix",
+    [
+        ("", None, "no keys: add a line KEY SCOPE"),
+        ("# only a comment\n\n", None, "no keys"),
+        (f"{INFER_KEY}\n", 1, "a key needs a scope"),
+        (f"\n{INFER_KEY} write\n", 2, "unknown scope 'write': use one of infer, admin"),
+        (f"{INFER_KEY} infer\n{ADMIN_KEY} admin\n{INFER_KEY} admin\n", 3, "the same key as line 1"),
+        (
+            f"sha256:{hashlib.sha256(INFER_KEY.encode()).hexdigest().upper()} admin\n{INFER_KEY} infer\n",
+            2,
+            "the same key as line 1",
+        ),
+        ("sha256:abc infer\n", 1, "64 hex digits"),
+        (f"sha256:{'g' * 64} infer\n", 1, "64 hex digits"),
+        ("short-key infer\n", 1, "16 to 512 characters, this one has 9"),
+        (f"{INFER_KEY}\u00e9 infer\n", 1, "visible ASCII"),
+        (f"{INFER_KEY} infer rate=50\n", 1, "rate=N/s or rate=N/min"),
+        (f"{INFER_KEY} infer rate=0/s\n", 1, "N > 0"),
+        (f"{INFER_KEY} infer rate=5/h\n", 1, "rate=N/s or rate=N/min"),
+        (f"{INFER_KEY} infer burst=10\n", 1, "burst= without rate="),
+        (f"{INFER_KEY} infer rate=5/s burst=0\n", 1, "at least 1"),
+        (f"{INFER_KEY} infer rate=5/s rate=6/s\n", 1, "given twice"),
+        (f"{INFER_KEY} infer limit=5\n", 1, "unknown option 'limit=5'"),
+        (f"{INFER_KEY} infer name=a/b\n", 1, "name= takes"),
+    ],
+)
 def test_a_bad_key_file_is_one_line_naming_the_line_and_the_fix(tmp_path, text, line, fix):
     path = tmp_path / "keys.txt"
     path.write_text(text, encoding="utf-8")
@@ -287,18 +329,33 @@ def test_a_good_key_file_loads_with_its_options(tmp_path):
     path.write_text(KEY_FILE + f"{'k' * 40} admin rate=120/min\n", encoding="utf-8")
     keys = load_key_file(path)
     assert [(k.name, k.scope, k.limit and (k.limit.rate_per_s, k.limit.burst)) for k in keys.keys] == [
-        ("client", Scope.INFER, None), ("line 4", Scope.ADMIN, None), ("line 5", Scope.INFER, (0.5, 2)),
-        ("line 6", Scope.ADMIN, (2.0, 2))]  # without burst=, one second's worth, at least 1
+        ("client", Scope.INFER, None),
+        ("line 4", Scope.ADMIN, None),
+        ("line 5", Scope.INFER, (0.5, 2)),
+        ("line 6", Scope.ADMIN, (2.0, 2)),
+    ]  # without burst=, one second's worth, at least 1
     assert keys.match(ADMIN_KEY).name == "line 4" and keys.match("k" * 39) is None
     assert not any(key in repr(keys) + repr(keys.keys) for key in KEYS)
 
 
-@pytest.mark.parametrize("host, loopback", [
-    ("127.0.0.1", True), ("127.0.0.2", True), ("::1", True), ("[::1]", True), ("localhost", True),
-    ("LOCALHOST", True), ("::ffff:127.0.0.1", True),
-    ("0.0.0.0", False), ("::", False), ("192.168.1.20", False), ("10.0.0.1", False), ("myhost.example", False),
-    ("", False),
-])
+@pytest.mark.parametrize(
+    "host, loopback",
+    [
+        ("127.0.0.1", True),
+        ("127.0.0.2", True),
+        ("::1", True),
+        ("[::1]", True),
+        ("localhost", True),
+        ("LOCALHOST", True),
+        ("::ffff:127.0.0.1", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("192.168.1.20", False),
+        ("10.0.0.1", False),
+        ("myhost.example", False),
+        ("", False),
+    ],
+)
 def test_is_loopback_and_the_warning_names_the_flag(host, loopback):
     assert is_loopback(host) is loopback
     warning = exposure_warning(host)
@@ -309,6 +366,7 @@ def test_is_loopback_and_the_warning_names_the_flag(host, loopback):
 
 # ------------------------------------------------------------------------------------ over a real socket
 
+
 @pytest.fixture(params=["httptools", "h11"])
 def live_server(request):
     """The protected stand-in app under uvicorn on 127.0.0.1 (with each of its HTTP parsers), inside a counter
@@ -316,8 +374,9 @@ def live_server(request):
     counter = ReceiveCounter(protected_app())
     port = free_port()
     # log_config=None: uvicorn's access log then reaches caplog
-    server = uvicorn.Server(uvicorn.Config(counter, host="127.0.0.1", port=port, http=request.param,
-                                           log_config=None, lifespan="off"))
+    server = uvicorn.Server(
+        uvicorn.Config(counter, host="127.0.0.1", port=port, http=request.param, log_config=None, lifespan="off")
+    )
     thread = threading.Thread(target=server.run, name="uvicorn")
     thread.start()
     give_up = time.monotonic() + WAIT_S

@@ -1,6 +1,7 @@
 """Access control wired into the server: every route of the real app has a deliberate scope; a
 `python -m mnv3.server --api-keys FILE` refuses before reading a body; Triton's client and the load-test
 client send their keys; a bad key file is a one-line CLI error; binding to 0.0.0.0 without keys warns."""
+
 import hashlib
 import re
 
@@ -27,18 +28,28 @@ ADMIN_KEY = "admin-key-for-the-server-tests-4567"  # in the file as its sha256 o
 # A route that is not here fails test_every_route_has_a_deliberate_scope: adding an endpoint means
 # deciding who may call it (and, if that is not admin, adding it to mnv3.auth.RULES).
 ROUTE_SCOPES = {
-    ("GET", "/healthz"): Scope.OPEN, ("GET", "/readyz"): Scope.OPEN,
-    ("GET", "/v2/health/live"): Scope.OPEN, ("GET", "/v2/health/ready"): Scope.OPEN,
-    ("GET", "/"): Scope.OPEN, (None, "/static"): Scope.OPEN,
-    ("GET", "/docs"): Scope.OPEN, (None, "/docs"): Scope.OPEN,
-    ("GET", "/redoc"): Scope.OPEN, (None, "/redoc"): Scope.OPEN,
-    ("GET", "/openapi.json"): Scope.OPEN, ("HEAD", "/openapi.json"): Scope.OPEN,
+    ("GET", "/healthz"): Scope.OPEN,
+    ("GET", "/readyz"): Scope.OPEN,
+    ("GET", "/v2/health/live"): Scope.OPEN,
+    ("GET", "/v2/health/ready"): Scope.OPEN,
+    ("GET", "/"): Scope.OPEN,
+    (None, "/static"): Scope.OPEN,
+    ("GET", "/docs"): Scope.OPEN,
+    (None, "/docs"): Scope.OPEN,
+    ("GET", "/redoc"): Scope.OPEN,
+    (None, "/redoc"): Scope.OPEN,
+    ("GET", "/openapi.json"): Scope.OPEN,
+    ("HEAD", "/openapi.json"): Scope.OPEN,
     ("POST", "/predict"): Scope.INFER,
     ("POST", "/v2/models/{name}/infer"): Scope.INFER,
     ("POST", "/v2/models/{name}/versions/{version}/infer"): Scope.INFER,
-    ("GET", "/stats"): Scope.INFER, ("GET", "/models"): Scope.INFER,
-    ("GET", "/model"): Scope.ADMIN, ("GET", "/metrics"): Scope.ADMIN, ("GET", "/v2"): Scope.ADMIN,
-    ("GET", "/v2/models/{name}"): Scope.ADMIN, ("GET", "/v2/models/{name}/ready"): Scope.ADMIN,
+    ("GET", "/stats"): Scope.INFER,
+    ("GET", "/models"): Scope.INFER,
+    ("GET", "/model"): Scope.ADMIN,
+    ("GET", "/metrics"): Scope.ADMIN,
+    ("GET", "/v2"): Scope.ADMIN,
+    ("GET", "/v2/models/{name}"): Scope.ADMIN,
+    ("GET", "/v2/models/{name}/ready"): Scope.ADMIN,
     ("GET", "/v2/models/{name}/config"): Scope.ADMIN,
     ("GET", "/v2/models/{name}/versions/{version}"): Scope.ADMIN,
     ("GET", "/v2/models/{name}/versions/{version}/ready"): Scope.ADMIN,
@@ -95,16 +106,18 @@ def test_an_unauthenticated_10_mib_upload_to_the_real_server_is_refused_unread(p
     # Answered with 10 MiB - 64 KiB never sent, and the connection closed rather than left to be drained.
     assert not rest_sent and closed
     photo = load_images(1, seed=3)[0]
-    keyed = requests.post(url + "/predict", files={"file": ("a.jpg", photo, "image/jpeg")}, headers=bearer(INFER_KEY),
-                          timeout=WAIT_S)
+    keyed = requests.post(
+        url + "/predict", files={"file": ("a.jpg", photo, "image/jpeg")}, headers=bearer(INFER_KEY), timeout=WAIT_S
+    )
     assert keyed.status_code == 200 and len(keyed.json()["predictions"]) == 5
     assert "binding to" not in process.output_tail()  # on 127.0.0.1: no exposure warning
 
 
 def test_tritonclient_passes_the_key_in_headers(protected):
     _, url = protected
-    client = triton.InferenceServerClient(url.removeprefix("http://"), connection_timeout=WAIT_S,
-                                          network_timeout=WAIT_S)
+    client = triton.InferenceServerClient(
+        url.removeprefix("http://"), connection_timeout=WAIT_S, network_timeout=WAIT_S
+    )
     try:
         assert client.is_server_live()  # a probe: open
         image = triton.InferInput("IMAGE", [1], "BYTES")

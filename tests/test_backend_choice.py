@@ -1,5 +1,6 @@
 """`--backend auto`: stage 2's engine choice in the manifest, what the server and the in-process limit make of
 it, the fallbacks and their reasons, the agreement guard, and that every engine variant computes the same network."""
+
 import logging
 import shutil
 import sys
@@ -53,8 +54,17 @@ def models_dir(fp32_model_dir, calibration, tmp_path_factory):
 
 
 def entry_for(engine: str, file: str, precision: str = "f32", for_model: str = STATIC_INT8_ONNX) -> dict:
-    row = {"variant": f"{engine}_{file}", "engine": engine, "file": file, "precision": precision, "streams": 1,
-           "mean_ms_vs_onnx_fp32": 0.5, "per_image_ms_vs_onnx_fp32": 0.4, "batch_size": 32, "top1_agreement": 1.0}
+    row = {
+        "variant": f"{engine}_{file}",
+        "engine": engine,
+        "file": file,
+        "precision": precision,
+        "streams": 1,
+        "mean_ms_vs_onnx_fp32": 0.5,
+        "per_image_ms_vs_onnx_fp32": 0.4,
+        "batch_size": 32,
+        "top1_agreement": 1.0,
+    }
     return manifest_entry(row, {}, for_model, 3, REAL_WEIGHTS, 0.99, {"cpu": "test"})
 
 
@@ -66,7 +76,10 @@ def test_auto_serves_the_manifest_choice_and_explicit_backend_wins(models_dir, o
     assert engine.choice.reason.startswith("fastest of 3 engine x precision variants")
     explicit = Engine.load(models_dir / STATIC_INT8_ONNX, "onnxruntime")
     assert (explicit.backend, explicit.path.name, explicit.choice.reason) == (
-        "onnxruntime", STATIC_INT8_ONNX, "--backend onnxruntime given")
+        "onnxruntime",
+        STATIC_INT8_ONNX,
+        "--backend onnxruntime given",
+    )
 
 
 def test_auto_falls_back_to_onnxruntime_with_the_reason(models_dir, tmp_path, monkeypatch, caplog):
@@ -88,9 +101,14 @@ def test_auto_falls_back_to_onnxruntime_with_the_reason(models_dir, tmp_path, mo
     caplog.set_level(logging.INFO, logger="mnv3.engine")
     engine = Engine.load(models_dir / STATIC_INT8_ONNX, "auto")
     assert [(r.levelno, r.getMessage()) for r in caplog.records][-1] == (
-        logging.WARNING, f"--backend auto: {STATIC_INT8_ONNX} with onnxruntime: {engine.choice.reason}")
-    assert (engine.backend, engine.path.name, engine.providers) == ("onnxruntime", STATIC_INT8_ONNX,
-                                                                    ["CPUExecutionProvider"])
+        logging.WARNING,
+        f"--backend auto: {STATIC_INT8_ONNX} with onnxruntime: {engine.choice.reason}",
+    )
+    assert (engine.backend, engine.path.name, engine.providers) == (
+        "onnxruntime",
+        STATIC_INT8_ONNX,
+        ["CPUExecutionProvider"],
+    )
     assert "openvino is not installed here" in engine.choice.reason
 
 
@@ -106,7 +124,11 @@ def test_model_endpoint_says_what_was_chosen_and_why(models_dir, openvino_instal
     assert (info["backend"], info["file"], info["providers"]) == ("openvino", FP32_ONNX, ["OpenVINO:CPU:f32"])
     choice = info["backend_choice"]
     assert (choice["requested"], choice["path"], choice["precision"], choice["fallback"]) == (
-        "auto", FP32_ONNX, "f32", False)
+        "auto",
+        FP32_ONNX,
+        "f32",
+        False,
+    )
     assert choice["manifest_entry"] == entry and choice["reason"] == entry["reason"]
 
 
@@ -114,8 +136,15 @@ def test_stage5_limits_the_served_engine_and_onnxruntime_fp32_and_int8(models_di
     update_manifest(models_dir, **{MANIFEST_KEY: entry_for("openvino", STATIC_INT8_ONNX, "f32")})
     engines = limit_engines(models_dir / STATIC_INT8_ONNX)
     assert list(engines) == ["openvino_static_int8_f32", "onnxruntime_fp32", "onnxruntime_static_int8"]
-    limit, grid = run_limit("openvino_static_int8_f32", engines["openvino_static_int8_f32"], load_images(4),
-                            batch_sizes=(1, 4), thread_splits=((1, 1),), confirm_passes=1, desc=None)
+    limit, grid = run_limit(
+        "openvino_static_int8_f32",
+        engines["openvino_static_int8_f32"],
+        load_images(4),
+        batch_sizes=(1, 4),
+        thread_splits=((1, 1),),
+        confirm_passes=1,
+        desc=None,
+    )
     assert limit.engine == "openvino_static_int8_f32" and limit.images_per_s > 0 and len(grid) == 2
 
 
@@ -125,19 +154,26 @@ def measured_rows(models_dir, calibration, held_out):
     that skips the network and returns noise, timed in turns with FP32 in --quick counts."""
     openvino_files = build_openvino_int8(models_dir / FP32_ONNX, calibration, models_dir, DEFAULT_PREPROCESSING)
     variants = engine_variants(STATIC_INT8_ONNX, openvino_files, 2)
-    bench = Bench(2, QUICK.timing, 8, held_out[:16], None, REAL_WEIGHTS, "mobilenet_v3_large", 1000,
-                  DEFAULT_PREPROCESSING)
+    bench = Bench(
+        2, QUICK.timing, 8, held_out[:16], None, REAL_WEIGHTS, "mobilenet_v3_large", 1000, DEFAULT_PREPROCESSING
+    )
     runners = {variant: engine_runner(variant, models_dir, 2, 8) for variant in variants}
     rng = np.random.default_rng(0)
-    runners[EngineVariant("degraded_noise", "onnxruntime", FP32_ONNX)] = \
-        lambda batch: rng.standard_normal((len(batch), 1000)).astype(np.float32)
+    runners[EngineVariant("degraded_noise", "onnxruntime", FP32_ONNX)] = lambda batch: rng.standard_normal(
+        (len(batch), 1000)
+    ).astype(np.float32)
     return {row["variant"]: row for row in engine_rows(models_dir / FP32_ONNX, runners, bench)}
 
 
 @pytest.mark.slow
 def test_every_engine_variant_computes_the_same_network(measured_rows):
-    same_fp32 = [name for name, row in measured_rows.items() if row["file"] == FP32_ONNX and row["precision"] != "bf16"
-                 and name not in ("onnxruntime_fp32", "degraded_noise")]
+    same_fp32 = [
+        name
+        for name, row in measured_rows.items()
+        if row["file"] == FP32_ONNX
+        and row["precision"] != "bf16"
+        and name not in ("onnxruntime_fp32", "degraded_noise")
+    ]
     int8 = [name for name, row in measured_rows.items() if "int8" in row["file"] or row["precision"] == "bf16"]
     assert "onnxruntime_static_int8" in int8
     for name in same_fp32:
@@ -167,8 +203,11 @@ def test_the_guard_refuses_a_degraded_variant_with_real_weights_only(measured_ro
 def test_openvino_streams_split_a_batch_and_compute_the_same_logits(models_dir, held_out, openvino_installed):
     from mnv3.engine import open_session
 
-    one, two = (open_session(models_dir / FP32_ONNX, "openvino", 2, max_batch_size=8, precision="f32", streams=n)
-                for n in (1, 2))
+    one, two = (
+        open_session(models_dir / FP32_ONNX, "openvino", 2, max_batch_size=8, precision="f32", streams=n)
+        for n in (1, 2)
+    )
     for batch in (held_out[:1], held_out[:7]):  # batch 1 runs alone; 7 is cut into parts of 4 and 3
-        np.testing.assert_allclose(two.run(None, {"input": batch})[0], one.run(None, {"input": batch})[0],
-                                   rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(
+            two.run(None, {"input": batch})[0], one.run(None, {"input": batch})[0], rtol=1e-4, atol=1e-5
+        )

@@ -8,6 +8,7 @@ Accepted (200): every image mode the accepted formats carry, tiny and extreme-as
 animated images (first frame), EXIF-rotated photos (turned upright), odd filenames and query strings,
 and JPEG scan data that libjpeg can conceal (garbage in, garbage out, as in any viewer).
 """
+
 import io
 import socket
 import struct
@@ -34,8 +35,14 @@ PIXEL_LIMIT = 4_000_000
 @pytest.fixture(scope="module")
 def client(fp32_model_path):
     # No cache: the valid request after each bad one really runs inference.
-    with serving_client(fp32_model_path, max_batch_size=4, batch_window_ms=5, cache_size=0,
-                        max_upload_bytes=UPLOAD_LIMIT, max_pixels=PIXEL_LIMIT) as client:
+    with serving_client(
+        fp32_model_path,
+        max_batch_size=4,
+        batch_window_ms=5,
+        cache_size=0,
+        max_upload_bytes=UPLOAD_LIMIT,
+        max_pixels=PIXEL_LIMIT,
+    ) as client:
         yield client
 
 
@@ -76,16 +83,16 @@ def corrupt_huffman_table(jpeg: bytes) -> bytes:
     """Every code-length count of the first Huffman table set to 255: more codes than can exist."""
     dht = jpeg.index(b"\xff\xc4")
     counts = dht + 5  # marker (2), length (2), class/id (1)
-    return jpeg[:counts] + b"\xff" * 16 + jpeg[counts + 16:]
+    return jpeg[:counts] + b"\xff" * 16 + jpeg[counts + 16 :]
 
 
 def corrupt_scan_data(jpeg: bytes) -> bytes:
     """The middle half of the entropy-coded data overwritten with noise (no 0xFF, so no fake markers)."""
     sos = jpeg.index(b"\xff\xda")
-    start = sos + 2 + int.from_bytes(jpeg[sos + 2:sos + 4], "big")
+    start = sos + 2 + int.from_bytes(jpeg[sos + 2 : sos + 4], "big")
     length = (len(jpeg) - start) // 2
     noise = np.random.default_rng(0).integers(0, 255, length, dtype=np.uint8).tobytes()
-    return jpeg[:start + length // 2] + noise + jpeg[start + length // 2 + length:]
+    return jpeg[: start + length // 2] + noise + jpeg[start + length // 2 + length :]
 
 
 def multipart(parts: list[tuple[str, str | None, bytes]], boundary: str = "b0undary") -> bytes:
@@ -107,40 +114,74 @@ REFUSED = {
     "empty body": (lambda c, j: post_raw(c, b""), 400, "empty body"),
     "zero-byte file": (lambda c, j: post_file(c, b""), 400, "empty body"),
     "text as image": (lambda c, j: post_file(c, b"just some text\n" * 10), 400, "not a recognised image format"),
-    "html as image": (lambda c, j: post_raw(c, b"<!DOCTYPE html><html><body><img src=x></body></html>", "image/png"),
-                      400, "not a recognised image format"),
-    "pdf as image": (lambda c, j: post_file(c, b"%PDF-1.7\n1 0 obj <<>> endobj\ntrailer <<>>\n%%EOF\n"),
-                     400, "not a recognised image format"),
-    "svg": (lambda c, j: post_raw(c, b'<svg xmlns="http://www.w3.org/2000/svg" width="9" height="9"/>', "image/svg+xml"),
-            400, "not a recognised image format"),
-    "eps (would run ghostscript)": (lambda c, j: post_raw(c, encode(photo(j).resize((32, 32)), "EPS")), 400,
-                                    "not a recognised image format"),
-    "ico (not an accepted format)": (lambda c, j: post_raw(c, encode(photo(j), "ICO")), 400,
-                                     "not a recognised image format"),
-    "truncated jpeg": (lambda c, j: post_file(c, j[:len(j) // 2]), 400, "truncated"),
-    "truncated png": (lambda c, j: post_file(c, (lambda p: p[:len(p) // 2])(encode(photo(j), "PNG"))), 400,
-                      "corrupt or truncated"),
+    "html as image": (
+        lambda c, j: post_raw(c, b"<!DOCTYPE html><html><body><img src=x></body></html>", "image/png"),
+        400,
+        "not a recognised image format",
+    ),
+    "pdf as image": (
+        lambda c, j: post_file(c, b"%PDF-1.7\n1 0 obj <<>> endobj\ntrailer <<>>\n%%EOF\n"),
+        400,
+        "not a recognised image format",
+    ),
+    "svg": (
+        lambda c, j: post_raw(c, b'<svg xmlns="http://www.w3.org/2000/svg" width="9" height="9"/>', "image/svg+xml"),
+        400,
+        "not a recognised image format",
+    ),
+    "eps (would run ghostscript)": (
+        lambda c, j: post_raw(c, encode(photo(j).resize((32, 32)), "EPS")),
+        400,
+        "not a recognised image format",
+    ),
+    "ico (not an accepted format)": (
+        lambda c, j: post_raw(c, encode(photo(j), "ICO")),
+        400,
+        "not a recognised image format",
+    ),
+    "truncated jpeg": (lambda c, j: post_file(c, j[: len(j) // 2]), 400, "truncated"),
+    "truncated png": (
+        lambda c, j: post_file(c, (lambda p: p[: len(p) // 2])(encode(photo(j), "PNG"))),
+        400,
+        "corrupt or truncated",
+    ),
     "jpeg header only": (lambda c, j: post_file(c, j[:20]), 400, "not a recognised image format"),
     "corrupt huffman table": (lambda c, j: post_file(c, corrupt_huffman_table(j)), 400, "corrupt or truncated"),
     "decompression bomb": (lambda c, j: post_file(c, decompression_bomb()), 413, "over the limit of"),
-    "huge declared dimensions": (lambda c, j: post_file(c, png_declaring(1_000_000, 1_000_000)), 413,
-                                 "over the limit of"),
-    "pixel limit, valid image": (lambda c, j: post_file(c, encode(Image.new("L", (2100, 2000)), "PNG")), 413,
-                                 "pixels"),
+    "huge declared dimensions": (
+        lambda c, j: post_file(c, png_declaring(1_000_000, 1_000_000)),
+        413,
+        "over the limit of",
+    ),
+    "pixel limit, valid image": (lambda c, j: post_file(c, encode(Image.new("L", (2100, 2000)), "PNG")), 413, "pixels"),
     "wrong multipart field": (lambda c, j: post_file(c, j, field="image"), 400, "'file'"),
-    "file sent as a text field": (lambda c, j: post_multipart(c, multipart([("file", None, b"not a file")])), 400,
-                                  "'file'"),
-    "two files": (lambda c, j: c.post("/predict", files=[("file", ("a.jpg", j, "image/jpeg")),
-                                                          ("file", ("b.jpg", j, "image/jpeg"))]), 400, "Too many files"),
+    "file sent as a text field": (
+        lambda c, j: post_multipart(c, multipart([("file", None, b"not a file")])),
+        400,
+        "'file'",
+    ),
+    "two files": (
+        lambda c, j: c.post(
+            "/predict", files=[("file", ("a.jpg", j, "image/jpeg")), ("file", ("b.jpg", j, "image/jpeg"))]
+        ),
+        400,
+        "Too many files",
+    ),
     "malformed multipart": (lambda c, j: post_raw(c, b"--x\r\n", "multipart/form-data"), 400, "multipart"),
-    "multipart, wrong boundary": (lambda c, j: post_multipart(c, multipart([("file", b"a.jpg", j)]), "other"), 400,
-                                  "malformed multipart"),
+    "multipart, wrong boundary": (
+        lambda c, j: post_multipart(c, multipart([("file", b"a.jpg", j)]), "other"),
+        400,
+        "malformed multipart",
+    ),
     "missing content type": (lambda c, j: post_raw(c, j, None), 415, "content type"),
     "wrong content type": (lambda c, j: post_raw(c, j, "text/plain"), 415, "content type"),
     "json content type": (lambda c, j: c.post("/predict", json={"file": "aGVsbG8="}), 415, "content type"),
     "body over the limit": (lambda c, j: post_raw(c, bytes(UPLOAD_LIMIT + 1)), 413, "over the limit"),
-    "chunked body over the limit": (lambda c, j: post_raw(c, iter([bytes(UPLOAD_LIMIT // 2)] * 3)), 413,
-                                    "over the limit"),
+    "chunked body over the limit": (
+        lambda c, j: post_raw(c, iter([bytes(UPLOAD_LIMIT // 2)] * 3)),
+        413,
+        "over the limit",
+    ),
     "multipart file over the limit": (lambda c, j: post_file(c, bytes(UPLOAD_LIMIT)), 413, "over the limit"),
 }
 
@@ -157,10 +198,16 @@ def test_refused_with_a_clear_documented_4xx_and_the_server_serves_on(client, jp
     assert post_file(client, jpeg).status_code == 200
 
 
-@pytest.mark.parametrize("method, path, status", [
-    ("GET", "/predict", 405), ("PUT", "/predict", 405), ("DELETE", "/predict", 405),
-    ("POST", "/nowhere", 404), ("GET", "/predict/../../etc/passwd", 404),
-])
+@pytest.mark.parametrize(
+    "method, path, status",
+    [
+        ("GET", "/predict", 405),
+        ("PUT", "/predict", 405),
+        ("DELETE", "/predict", 405),
+        ("POST", "/nowhere", 404),
+        ("GET", "/predict/../../etc/passwd", 404),
+    ],
+)
 def test_unsupported_method_or_path_is_json(client, jpeg, method, path, status):
     response = client.request(method, path)
     assert response.status_code == status
@@ -168,6 +215,7 @@ def test_unsupported_method_or_path_is_json(client, jpeg, method, path, status):
 
 
 # ------------------------------------------------------------------------------------------ accepted
+
 
 def predictions(response) -> dict[int, float]:
     assert response.status_code == 200, response.text
@@ -244,6 +292,7 @@ def test_exif_orientation_is_honoured(client, jpeg):
 
 # --------------------------------------------------------- every mode Pillow can write, in every format
 
+
 def image_in_mode(mode: str) -> Image.Image:
     rgb = Image.fromarray(np.random.default_rng(0).integers(0, 256, (48, 64, 3), dtype=np.uint8))
     if mode in ("LAB", "HSV"):
@@ -253,8 +302,27 @@ def image_in_mode(mode: str) -> Image.Image:
     return rgb.convert(mode)
 
 
-MODES = ("1", "L", "LA", "La", "P", "PA", "RGB", "RGBA", "RGBa", "RGBX", "CMYK", "YCbCr", "LAB", "HSV",
-         "I", "I;16", "I;16B", "I;16L", "F")
+MODES = (
+    "1",
+    "L",
+    "LA",
+    "La",
+    "P",
+    "PA",
+    "RGB",
+    "RGBA",
+    "RGBa",
+    "RGBX",
+    "CMYK",
+    "YCbCr",
+    "LAB",
+    "HSV",
+    "I",
+    "I;16",
+    "I;16B",
+    "I;16L",
+    "F",
+)
 OTHER_FORMATS = ("PPM", "TGA", "PCX", "SGI", "IM", "SPIDER", "JPEG2000", "QOI", "DDS", "XBM", "MSP", "BLP")
 
 
@@ -287,11 +355,15 @@ def test_every_mode_in_every_format_works_or_fails_cleanly(client, format):
 
 # ---------------------------------------------------------------------- slow, stalled and cut uploads
 
+
 def raw_post(url: str, content_length: int, body: bytes) -> socket.socket:
     host, port = url.removeprefix("http://").split(":")
     sock = socket.create_connection((host, int(port)), timeout=WAIT_S)
-    sock.sendall(f"POST /predict HTTP/1.1\r\nHost: {host}\r\nContent-Type: image/jpeg\r\n"
-                 f"Content-Length: {content_length}\r\n\r\n".encode() + body)
+    sock.sendall(
+        f"POST /predict HTTP/1.1\r\nHost: {host}\r\nContent-Type: image/jpeg\r\n"
+        f"Content-Length: {content_length}\r\n\r\n".encode()
+        + body
+    )
     return sock
 
 

@@ -1,4 +1,5 @@
 """DynamicBatcher against a fake engine: each input is a 1-element array holding a request id."""
+
 import asyncio
 import threading
 
@@ -41,6 +42,7 @@ def item(request_id: float) -> np.ndarray:
 
 def run(scenario):
     """Run `scenario(batcher_factory)` on a fresh loop; every batcher made is stopped afterwards."""
+
     async def main():
         made = []
 
@@ -159,8 +161,9 @@ def test_engine_error_fails_only_its_batch():
     async def scenario(make):
         engine = FakeEngine(poison=-1)
         batcher = make(engine, max_batch_size=2, window_ms=50)
-        outcomes = await asyncio.gather(batcher.submit(item(-1)), batcher.submit(item(1)),
-                                        batcher.submit(item(2)), return_exceptions=True)
+        outcomes = await asyncio.gather(
+            batcher.submit(item(-1)), batcher.submit(item(1)), batcher.submit(item(2)), return_exceptions=True
+        )
         assert [type(o) for o in outcomes[:2]] == [RuntimeError, RuntimeError]
         assert float(outcomes[2].row[0]) == 20
         assert float((await batcher.submit(item(3))).row[0]) == 30  # the worker survived

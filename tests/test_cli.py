@@ -1,4 +1,5 @@
 """The plumbing every entry point shares: --quick defaults that never override a flag, and one-line errors."""
+
 import pytest
 
 import batching_loadtest
@@ -28,8 +29,10 @@ def test_load_tests_take_the_servers_defaults():
 
     args = parse(batching_loadtest)
     assert (args.batch_window_ms, args.max_batch_size) == (ServerConfig.batch_window_ms, ServerConfig.max_batch_size)
-    assert (args.intra_op_threads, args.inter_op_threads) == (ServerConfig.intra_op_threads,
-                                                              ServerConfig.inter_op_threads)
+    assert (args.intra_op_threads, args.inter_op_threads) == (
+        ServerConfig.intra_op_threads,
+        ServerConfig.inter_op_threads,
+    )
 
 
 @pytest.mark.parametrize("error", [MissingArtifact("x.onnx not found: run stage 1"), cli.UsageError("lower --x")])

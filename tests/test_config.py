@@ -1,4 +1,5 @@
 """Server settings: several --model specs (NAME=PATH@BACKEND), their names, and MNV3_MODEL for one model."""
+
 from pathlib import Path
 
 import pytest
@@ -8,14 +9,17 @@ from mnv3.config import ModelSpec, ServerConfig, parse_args
 pytestmark = pytest.mark.unit
 
 
-@pytest.mark.parametrize("text, name, path, backend", [
-    ("artifacts/fp32.onnx", "fp32", "artifacts/fp32.onnx", None),
-    ("int8=artifacts/static_int8.onnx", "int8", "artifacts/static_int8.onnx", None),
-    ("artifacts/fp32.onnx@openvino", "fp32", "artifacts/fp32.onnx", "openvino"),
-    ("bf16=artifacts/fp32.onnx@openvino", "bf16", "artifacts/fp32.onnx", "openvino"),
-    ("runs/a=b/fp32.onnx", "fp32", "runs/a=b/fp32.onnx", None),  # '=' inside a directory name: all path
-    ("models/v1@2024.onnx", "v1@2024", "models/v1@2024.onnx", None),  # '@' before no backend: all path
-])
+@pytest.mark.parametrize(
+    "text, name, path, backend",
+    [
+        ("artifacts/fp32.onnx", "fp32", "artifacts/fp32.onnx", None),
+        ("int8=artifacts/static_int8.onnx", "int8", "artifacts/static_int8.onnx", None),
+        ("artifacts/fp32.onnx@openvino", "fp32", "artifacts/fp32.onnx", "openvino"),
+        ("bf16=artifacts/fp32.onnx@openvino", "bf16", "artifacts/fp32.onnx", "openvino"),
+        ("runs/a=b/fp32.onnx", "fp32", "runs/a=b/fp32.onnx", None),  # '=' inside a directory name: all path
+        ("models/v1@2024.onnx", "v1@2024", "models/v1@2024.onnx", None),  # '@' before no backend: all path
+    ],
+)
 def test_model_spec_forms(text, name, path, backend):
     assert ModelSpec.parse(text) == ModelSpec(name, Path(path), backend)
 
@@ -23,7 +27,9 @@ def test_model_spec_forms(text, name, path, backend):
 def test_repeated_model_flags_serve_several_the_first_the_default():
     config = parse_args(["--model", "a.onnx", "--model", "b=x/a.onnx@openvino", "--backend", "onnxruntime"], {})
     assert [(m.name, str(m.path), config.backend_of(m)) for m in config.models] == [
-        ("a", "a.onnx", "onnxruntime"), ("b", "x/a.onnx", "openvino")]
+        ("a", "a.onnx", "onnxruntime"),
+        ("b", "x/a.onnx", "openvino"),
+    ]
     assert str(config.model) == "a.onnx"  # the default model, as one-model code reads it
 
 
@@ -34,11 +40,14 @@ def test_the_environment_gives_one_model_and_a_flag_replaces_it():
         parse_args([], {})
 
 
-@pytest.mark.parametrize("models, message", [
-    (["a.onnx", "x/a.onnx"], "two models are named 'a'"),
-    (["my model.onnx"], "not URL-safe"),
-    (["a?b=a.onnx"], "not URL-safe"),
-])
+@pytest.mark.parametrize(
+    "models, message",
+    [
+        (["a.onnx", "x/a.onnx"], "two models are named 'a'"),
+        (["my model.onnx"], "not URL-safe"),
+        (["a?b=a.onnx"], "not URL-safe"),
+    ],
+)
 def test_duplicate_or_unsafe_names_are_refused(models, message):
     with pytest.raises(ValueError, match=message):
         ServerConfig(model=models[0], extra_models=tuple(models[1:]))

@@ -1,6 +1,7 @@
 """A user's own fine-tuned MobileNetV3-Small, saved as torchvision's reference train.py saves it, through
 stage 1, stage 2 and the server: the user's class names and preprocessing everywhere, the server's
 answers PyTorch's. Plus the weights and class-name files a user can get wrong."""
+
 import argparse
 import hashlib
 import json
@@ -23,8 +24,12 @@ from mnv3.runtime import make_session, ort_runner
 pytestmark = pytest.mark.e2e
 
 # Four classes, each a photo that installed packages ship; the names in ImageFolder's (sorted) order.
-SOURCES = {"cat": ("skimage", "data/chelsea.png"), "coins": ("skimage", "data/coins.png"),
-           "retina": ("skimage", "data/retina.jpg"), "rocket": ("skimage", "data/rocket.jpg")}
+SOURCES = {
+    "cat": ("skimage", "data/chelsea.png"),
+    "coins": ("skimage", "data/coins.png"),
+    "retina": ("skimage", "data/retina.jpg"),
+    "rocket": ("skimage", "data/rocket.jpg"),
+}
 CLASS_NAMES = sorted(SOURCES)
 # Not torchvision's defaults, so a stage or a server that ignored the manifest would answer differently.
 PREPROCESSING = Preprocessing(resize=160, crop=128, mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25))
@@ -34,8 +39,15 @@ FINE_TUNE_STEPS = 200  # full-batch steps on the head alone: well under a second
 
 def user_transform():
     """What the user trained and evaluated with: torchvision's transforms, with PREPROCESSING's values."""
-    return v2.Compose([v2.Resize(PREPROCESSING.resize), v2.CenterCrop(PREPROCESSING.crop), v2.PILToTensor(),
-                       v2.ToDtype(torch.float32, scale=True), v2.Normalize(PREPROCESSING.mean, PREPROCESSING.std)])
+    return v2.Compose(
+        [
+            v2.Resize(PREPROCESSING.resize),
+            v2.CenterCrop(PREPROCESSING.crop),
+            v2.PILToTensor(),
+            v2.ToDtype(torch.float32, scale=True),
+            v2.Normalize(PREPROCESSING.mean, PREPROCESSING.std),
+        ]
+    )
 
 
 def views(count: int, seed: int) -> tuple[list, torch.Tensor]:
@@ -76,10 +88,16 @@ def user_run(tmp_path_factory):
     model = fine_tune()
     checkpoint = root / "model_0.pth"
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 30).state_dict(), "epoch": 0,
-                "args": argparse.Namespace(model="mobilenet_v3_small", lr=0.1, val_resize_size=160,
-                                           val_crop_size=128)}, checkpoint)
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 30).state_dict(),
+            "epoch": 0,
+            "args": argparse.Namespace(model="mobilenet_v3_small", lr=0.1, val_resize_size=160, val_crop_size=128),
+        },
+        checkpoint,
+    )
     (root / "classes.txt").write_text("\n".join(CLASS_NAMES) + "\n")
     test_images, test_labels = views(TEST_VIEWS, seed=50)
     jpegs = [encode_jpeg(image) for image in test_images]
@@ -89,16 +107,41 @@ def user_run(tmp_path_factory):
         (folder / f"{i}.jpg").write_bytes(jpeg)
     artifacts, results = root / "artifacts", root / "results"
     common = ["--quick", "--artifacts-dir", artifacts, "--results-dir", results, "--labels", root / "labelled"]
-    run_stage(baseline_export_quantize, *common, "--arch", "mobilenet_v3_small", "--weights", checkpoint,
-              "--class-names", root / "classes.txt", "--resize", PREPROCESSING.resize, "--crop", PREPROCESSING.crop,
-              "--mean", *PREPROCESSING.mean, "--std", *PREPROCESSING.std, "--backends", "onnxruntime")
+    run_stage(
+        baseline_export_quantize,
+        *common,
+        "--arch",
+        "mobilenet_v3_small",
+        "--weights",
+        checkpoint,
+        "--class-names",
+        root / "classes.txt",
+        "--resize",
+        PREPROCESSING.resize,
+        "--crop",
+        PREPROCESSING.crop,
+        "--mean",
+        *PREPROCESSING.mean,
+        "--std",
+        *PREPROCESSING.std,
+        "--backends",
+        "onnxruntime",
+    )
     run_stage(static_quantization, *common, "--calibration-dir", root / "calibration")
     # What the user's PyTorch says, on the pixels the server decodes, preprocessed as the user trained.
     inputs = torch.stack([user_transform()(decode_image(jpeg)) for jpeg in jpegs])
     with torch.inference_mode():
         logits = model(inputs).numpy()
-    return {"root": root, "artifacts": artifacts, "results": results, "checkpoint": checkpoint, "jpegs": jpegs,
-            "labels": test_labels.numpy(), "torch_logits": logits, "user_inputs": inputs.numpy()}
+    return {
+        "root": root,
+        "artifacts": artifacts,
+        "results": results,
+        "checkpoint": checkpoint,
+        "jpegs": jpegs,
+        "labels": test_labels.numpy(),
+        "torch_logits": logits,
+        "user_inputs": inputs.numpy(),
+    }
 
 
 @pytest.mark.slow
@@ -117,11 +160,15 @@ def test_stage_1_records_the_users_model_and_preprocessing(user_run):
     assert json.loads((artifacts / "class_names.json").read_text()) == CLASS_NAMES
     rows = read_csv(user_run["results"] / "01_baseline.csv")
     assert {(row["arch"], row["classes"], row["weights"]) for row in rows} == {
-        ("mobilenet_v3_small", "4", manifest["weights"])}
+        ("mobilenet_v3_small", "4", manifest["weights"])
+    }
     # The user's labelled folder scored against the user's classes; PyTorch and ONNX FP32 agree on it.
     accuracy = {row["variant"]: float(row["top1_accuracy"]) for row in rows}
-    assert accuracy["pytorch_fp32"] == accuracy["onnx_fp32"] == pytest.approx(
-        np.mean(user_run["torch_logits"].argmax(axis=1) == user_run["labels"]))
+    assert (
+        accuracy["pytorch_fp32"]
+        == accuracy["onnx_fp32"]
+        == pytest.approx(np.mean(user_run["torch_logits"].argmax(axis=1) == user_run["labels"]))
+    )
 
 
 @pytest.mark.slow
@@ -147,8 +194,10 @@ def test_server_answers_with_the_users_labels_as_the_model_does_on_the_users_pre
         run = ort_runner(make_session(user_run["artifacts"] / model))
         expected_top1 = run(user_run["user_inputs"]).argmax(axis=1)
     # onnxruntime, as `expected_top1` was computed: --backend auto would serve stage 2's engine choice instead.
-    with ServerProcess(user_run["artifacts"] / model, top_k=10, backend="onnxruntime") as url, \
-            PredictClient(url) as client:
+    with (
+        ServerProcess(user_run["artifacts"] / model, top_k=10, backend="onnxruntime") as url,
+        PredictClient(url) as client,
+    ):
         answers = [client(jpeg) for jpeg in user_run["jpegs"]]
     assert [status for status, _ in answers] == ["200"] * len(answers)
     for _, body in answers:  # top_k 10 of 4 classes: all 4, each once, with the user's names for its class ids
@@ -160,10 +209,18 @@ def test_server_answers_with_the_users_labels_as_the_model_does_on_the_users_pre
 
 # ------------------------------------------------------------------------------------------ bad input
 
+
 def expect_one_line_error(capsys, tmp_path, *flags) -> str:
     with pytest.raises(SystemExit) as exit_info:
-        run_stage(baseline_export_quantize, "--quick", "--artifacts-dir", tmp_path / "artifacts",
-                  "--results-dir", tmp_path / "results", *flags)
+        run_stage(
+            baseline_export_quantize,
+            "--quick",
+            "--artifacts-dir",
+            tmp_path / "artifacts",
+            "--results-dir",
+            tmp_path / "results",
+            *flags,
+        )
     error = capsys.readouterr().err
     assert exit_info.value.code == 2 and error.startswith("error: ") and len(error.strip().splitlines()) == 1
     assert not (tmp_path / "artifacts" / "fp32.onnx").exists()
@@ -179,8 +236,16 @@ def test_whole_pickled_model_exits_2_saying_how_to_save_a_state_dict(tmp_path, c
 def test_class_name_count_mismatch_exits_2_with_both_counts(tmp_path, capsys):
     torch.save({"model": mobilenet_v3_small(num_classes=4).state_dict(), "epoch": 0}, tmp_path / "ckpt.pth")
     (tmp_path / "names.json").write_text(json.dumps(["a", "b", "c"]))
-    error = expect_one_line_error(capsys, tmp_path, "--arch", "mobilenet_v3_small", "--weights", tmp_path / "ckpt.pth",
-                                  "--class-names", tmp_path / "names.json")
+    error = expect_one_line_error(
+        capsys,
+        tmp_path,
+        "--arch",
+        "mobilenet_v3_small",
+        "--weights",
+        tmp_path / "ckpt.pth",
+        "--class-names",
+        tmp_path / "names.json",
+    )
     assert "3 names" in error and "4 classes" in error
 
 
@@ -200,8 +265,16 @@ def test_unreadable_weights_exit_2(tmp_path, capsys, weights):
 def test_unreadable_class_names_exit_2(tmp_path, capsys):
     torch.save(mobilenet_v3_small(num_classes=4).state_dict(), tmp_path / "small.pth")
     (tmp_path / "names.txt").write_bytes(b"\xff\xfe\x00 not utf-8")
-    error = expect_one_line_error(capsys, tmp_path, "--arch", "mobilenet_v3_small", "--weights", tmp_path / "small.pth",
-                                  "--class-names", tmp_path / "names.txt")
+    error = expect_one_line_error(
+        capsys,
+        tmp_path,
+        "--arch",
+        "mobilenet_v3_small",
+        "--weights",
+        tmp_path / "small.pth",
+        "--class-names",
+        tmp_path / "names.txt",
+    )
     assert "--class-names" in error
 
 

@@ -1,5 +1,6 @@
 """Schema-level fuzzing: requests generated from the OpenAPI schema, fitting it and not, never get a 5xx,
 and every response matches what the schema documents (status code, content type, body)."""
+
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
@@ -18,8 +19,16 @@ EXAMPLES = 100  # per generation mode, spread over all operations: about a secon
 def api_schema(fp32_model_path):
     # Schemathesis runs the app's lifespan itself (model load, warm-up) and keeps it for the process.
     # (schemathesis.pytest.from_fixture does not work with pytest 9, hence a strategy inside a test.)
-    app = create_app(ServerConfig(model=fp32_model_path, max_batch_size=4, batch_window_ms=5, cache_size=16,
-                                  max_upload_bytes=100_000, max_pixels=1_000_000))
+    app = create_app(
+        ServerConfig(
+            model=fp32_model_path,
+            max_batch_size=4,
+            batch_window_ms=5,
+            cache_size=16,
+            max_upload_bytes=100_000,
+            max_pixels=1_000_000,
+        )
+    )
     return schemathesis.openapi.from_asgi("/openapi.json", app)
 
 

@@ -7,40 +7,93 @@ pytestmark = pytest.mark.unit
 
 
 def test_goals_are_ratios_of_measured_rows_and_name_the_missing_stage(tmp_path):
-    write_csv(tmp_path / "model_variants.csv", [
-        {"variant": "ONNX FP32", "mean_ms": 10, "per_image_ms": 8, "size_mb": 20, "sqnr_db": "", "top1_agreement": ""},
-        {"variant": "ONNX Static INT8", "mean_ms": 7, "per_image_ms": 6, "size_mb": 5, "sqnr_db": 30,
-         "top1_agreement": 0.98},
-    ])
-    write_csv(tmp_path / "02_static.csv", [{"variant": "onnx_static_int8", "mean_ms": 7, "per_image_ms": 6,
-                                            "mean_ms_vs_onnx_fp32": 0.7, "per_image_ms_vs_onnx_fp32": 0.75}])
+    write_csv(
+        tmp_path / "model_variants.csv",
+        [
+            {
+                "variant": "ONNX FP32",
+                "mean_ms": 10,
+                "per_image_ms": 8,
+                "size_mb": 20,
+                "sqnr_db": "",
+                "top1_agreement": "",
+            },
+            {
+                "variant": "ONNX Static INT8",
+                "mean_ms": 7,
+                "per_image_ms": 6,
+                "size_mb": 5,
+                "sqnr_db": 30,
+                "top1_agreement": 0.98,
+            },
+        ],
+    )
+    write_csv(
+        tmp_path / "02_static.csv",
+        [
+            {
+                "variant": "onnx_static_int8",
+                "mean_ms": 7,
+                "per_image_ms": 6,
+                "mean_ms_vs_onnx_fp32": 0.7,
+                "per_image_ms_vs_onnx_fp32": 0.75,
+            }
+        ],
+    )
     goals = {row["goal"]: row for row in measured_goals(tmp_path)}
     assert goals["static INT8 batch-1 latency / ONNX FP32"] == {
-        "goal": "static INT8 batch-1 latency / ONNX FP32", "target": "<= 0.8", "measured": 0.7, "met": "yes"}
+        "goal": "static INT8 batch-1 latency / ONNX FP32",
+        "target": "<= 0.8",
+        "measured": 0.7,
+        "met": "yes",
+    }
     assert goals["static INT8 per-image time at batch N / ONNX FP32"]["met"] == "no"  # 0.75 > 0.6
     assert goals["static INT8 size / ONNX FP32"]["measured"] == 0.25
     assert goals["static INT8 top-1 agreement with FP32"]["met"] == "no"
     assert goals["static INT8 logits SQNR vs FP32 (dB)"]["met"] == "yes"
     assert goals["cache hit round trip p50 (ms)"]["met"] == "not measured: run `python caching.py`"
     assert goals["batched server req/s / in-process limit"]["met"].endswith("`python batching_loadtest.py`")
-    write_csv(tmp_path / "05_v2_vs_predict.csv", [
-        {"configuration": "predict", "turn": "all", "v2_to_predict_ratio": ""},
-        {"configuration": "v2_binary", "turn": "all", "v2_to_predict_ratio": 0.94},
-    ])
+    write_csv(
+        tmp_path / "05_v2_vs_predict.csv",
+        [
+            {"configuration": "predict", "turn": "all", "v2_to_predict_ratio": ""},
+            {"configuration": "v2_binary", "turn": "all", "v2_to_predict_ratio": 0.94},
+        ],
+    )
     v2 = {row["goal"]: row for row in measured_goals(tmp_path)}["/v2 binary req/s / /predict, same server, in turns"]
     assert (v2["measured"], v2["met"]) == (0.94, "no")  # within 5% means >= 0.95
 
 
 def test_int8_latency_goals_are_the_latest_stage_2_same_run_ratios_never_across_runs(tmp_path):
-    write_csv(tmp_path / "model_variants.csv", [  # stage 1's FP32 and stage 2's INT8: 6/4 across two runs
-        {"variant": "ONNX FP32", "mean_ms": 4, "per_image_ms": 4, "size_mb": 20},
-        {"variant": "ONNX Static INT8", "mean_ms": 6, "per_image_ms": 3, "size_mb": 5},
-    ])
-    write_csv(tmp_path / "02_recipes.csv", [  # an older comparison, stale once stage 2 runs again
-        {"recipe": "shipped_before", "shipped": "True", "mean_ms_vs_onnx_fp32": 0.5, "per_image_ms_vs_onnx_fp32": 0.5},
-    ])
-    write_csv(tmp_path / "02_static.csv", [{"variant": "onnx_static_int8", "recipe": "now_shipped",
-                                            "mean_ms_vs_onnx_fp32": 0.9, "per_image_ms_vs_onnx_fp32": 0.8}])
+    write_csv(
+        tmp_path / "model_variants.csv",
+        [  # stage 1's FP32 and stage 2's INT8: 6/4 across two runs
+            {"variant": "ONNX FP32", "mean_ms": 4, "per_image_ms": 4, "size_mb": 20},
+            {"variant": "ONNX Static INT8", "mean_ms": 6, "per_image_ms": 3, "size_mb": 5},
+        ],
+    )
+    write_csv(
+        tmp_path / "02_recipes.csv",
+        [  # an older comparison, stale once stage 2 runs again
+            {
+                "recipe": "shipped_before",
+                "shipped": "True",
+                "mean_ms_vs_onnx_fp32": 0.5,
+                "per_image_ms_vs_onnx_fp32": 0.5,
+            },
+        ],
+    )
+    write_csv(
+        tmp_path / "02_static.csv",
+        [
+            {
+                "variant": "onnx_static_int8",
+                "recipe": "now_shipped",
+                "mean_ms_vs_onnx_fp32": 0.9,
+                "per_image_ms_vs_onnx_fp32": 0.8,
+            }
+        ],
+    )
     goals = {row["goal"]: row["measured"] for row in measured_goals(tmp_path)}
     assert goals["static INT8 batch-1 latency / ONNX FP32"] == 0.9
     assert goals["static INT8 per-image time at batch N / ONNX FP32"] == 0.8
@@ -52,14 +105,20 @@ def test_int8_latency_goals_are_the_latest_stage_2_same_run_ratios_never_across_
 
 
 def test_fastest_variant_is_ranked_by_same_run_ratios_across_stage_1_and_the_recipes(tmp_path):
-    write_csv(tmp_path / "01_baseline.csv", [
-        {"variant": "pytorch_fp32", "mean_ms": 1, "per_image_ms": 1},  # not an offered variant
-        {"variant": "onnx_fp32", "mean_ms": 4, "per_image_ms": 4},
-        {"variant": "openvino_fp32", "mean_ms": 3, "per_image_ms": 4.4},
-    ])
-    write_csv(tmp_path / "02_recipes.csv", [
-        {"recipe": "r", "shipped": "True", "mean_ms_vs_onnx_fp32": 0.9, "per_image_ms_vs_onnx_fp32": 0.7},
-    ])
+    write_csv(
+        tmp_path / "01_baseline.csv",
+        [
+            {"variant": "pytorch_fp32", "mean_ms": 1, "per_image_ms": 1},  # not an offered variant
+            {"variant": "onnx_fp32", "mean_ms": 4, "per_image_ms": 4},
+            {"variant": "openvino_fp32", "mean_ms": 3, "per_image_ms": 4.4},
+        ],
+    )
+    write_csv(
+        tmp_path / "02_recipes.csv",
+        [
+            {"recipe": "r", "shipped": "True", "mean_ms_vs_onnx_fp32": 0.9, "per_image_ms_vs_onnx_fp32": 0.7},
+        ],
+    )
     goals = {row["goal"]: row["measured"] for row in measured_goals(tmp_path)}
     assert goals["fastest variant batch 1 (openvino_fp32) / ONNX FP32"] == 0.75
     assert goals["fastest variant per image at batch N (static INT8 r) / ONNX FP32"] == 0.7

@@ -1,12 +1,19 @@
 """The exact graph rewrites: each equal to the FP32 graph on photos for MobileNetV3-Large and -Small, and what
 each one changes, on the fixture models and on small hand-built graphs."""
+
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
 
-from mnv3.graph_rewrites import (GRAPH_REWRITES, HARDSWISH_SIXTH, apply_graph_rewrites, channel_groups,
-                                 hardswish_to_clip, pad_depthwise_channels)
+from mnv3.graph_rewrites import (
+    GRAPH_REWRITES,
+    HARDSWISH_SIXTH,
+    apply_graph_rewrites,
+    channel_groups,
+    hardswish_to_clip,
+    pad_depthwise_channels,
+)
 from mnv3.quantize import RECIPES
 from mnv3.runtime import make_session, ort_runner
 
@@ -14,8 +21,9 @@ pytestmark = pytest.mark.integration
 
 FIXTURE_MODELS = {"mobilenet_v3_large": "fp32_model_path", "mobilenet_v3_small": "fp32_small_model_path"}
 # Each rewrite alone, and every list of them a recipe applies (the shipped one among them).
-REWRITE_LISTS = sorted({(name,) for name in GRAPH_REWRITES} | {recipe.graph_rewrites for recipe in RECIPES.values()}
-                       - {()})
+REWRITE_LISTS = sorted(
+    {(name,) for name in GRAPH_REWRITES} | {recipe.graph_rewrites for recipe in RECIPES.values()} - {()}
+)
 
 
 # MobileNetV3-Small needs an export of its own (seconds): `make test` runs it, `make test-fast` does not.
@@ -46,12 +54,17 @@ def depthwise_groups(model: onnx.ModelProto) -> list[int]:
 
 def make_model(nodes, inputs, outputs, initializers) -> onnx.ModelProto:
     def values(names_and_shapes):
-        return [onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, shape)
-                for name, shape in names_and_shapes]
+        return [
+            onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, shape) for name, shape in names_and_shapes
+        ]
 
     graph = onnx.helper.make_graph(
-        nodes, "test", values(inputs), values(outputs),
-        [onnx.numpy_helper.from_array(np.asarray(array, np.float32), name) for name, array in initializers.items()])
+        nodes,
+        "test",
+        values(inputs),
+        values(outputs),
+        [onnx.numpy_helper.from_array(np.asarray(array, np.float32), name) for name, array in initializers.items()],
+    )
     return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
 
 
@@ -72,10 +85,13 @@ def test_graph_rewrites_are_exact_in_fp32_on_photos(fp32_path, held_out, referen
     np.testing.assert_allclose(run(rewritten, held_out), reference, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize(("arch", "unaligned"), [
-    ("mobilenet_v3_large", {72, 120, 200, 184}),
-    pytest.param("mobilenet_v3_small", {72, 88, 120}, marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    ("arch", "unaligned"),
+    [
+        ("mobilenet_v3_large", {72, 120, 200, 184}),
+        pytest.param("mobilenet_v3_small", {72, 88, 120}, marks=pytest.mark.slow),
+    ],
+)
 def test_pad_depthwise_channels_rounds_every_depthwise_conv_up_to_16_exactly(request, held_out, arch, unaligned):
     fp32_path = request.getfixturevalue(FIXTURE_MODELS[arch])
     original = onnx.load(str(fp32_path))
@@ -89,8 +105,12 @@ def test_pad_depthwise_channels_rounds_every_depthwise_conv_up_to_16_exactly(req
 
 
 def test_pad_depthwise_channels_leaves_channels_that_reach_a_graph_output():
-    model = make_model([onnx.helper.make_node("Conv", ["x", "w"], ["y"], group=24)],
-                       [("x", [1, 24, 8, 8])], [("y", [1, 24, 6, 6])], {"w": np.ones((24, 1, 3, 3))})
+    model = make_model(
+        [onnx.helper.make_node("Conv", ["x", "w"], ["y"], group=24)],
+        [("x", [1, 24, 8, 8])],
+        [("y", [1, 24, 6, 6])],
+        {"w": np.ones((24, 1, 3, 3))},
+    )
     assert pad_depthwise_channels(model).graph == model.graph
 
 
@@ -98,20 +118,32 @@ def test_pad_depthwise_channels_pads_a_conv_between_two_padded_groups_on_both_si
     """dw(24) -> 1x1 conv -> dw(40) -> +1, unnamed nodes: the middle conv gets zero columns and zero filters,
     and the last conv zero columns for the extra channels the Add made non-zero."""
     rng = np.random.default_rng(0)
-    weights = {"w_in": rng.normal(size=(24, 8, 1, 1)), "w_dw1": rng.normal(size=(24, 1, 3, 3)),
-               "b_dw1": rng.normal(size=24), "w_mid": rng.normal(size=(40, 24, 1, 1)),
-               "w_dw2": rng.normal(size=(40, 1, 3, 3)), "w_out": rng.normal(size=(8, 40, 1, 1)), "one": 1.0}
-    nodes = [onnx.helper.make_node("Conv", ["x", "w_in"], ["a"]),
-             onnx.helper.make_node("Conv", ["a", "w_dw1", "b_dw1"], ["b"], group=24, pads=[1, 1, 1, 1]),
-             onnx.helper.make_node("Relu", ["b"], ["c"]),
-             onnx.helper.make_node("Conv", ["c", "w_mid"], ["d"]),
-             onnx.helper.make_node("Conv", ["d", "w_dw2"], ["e"], group=40, pads=[1, 1, 1, 1]),
-             onnx.helper.make_node("Add", ["e", "one"], ["f"]),
-             onnx.helper.make_node("Conv", ["f", "w_out"], ["y"])]
+    weights = {
+        "w_in": rng.normal(size=(24, 8, 1, 1)),
+        "w_dw1": rng.normal(size=(24, 1, 3, 3)),
+        "b_dw1": rng.normal(size=24),
+        "w_mid": rng.normal(size=(40, 24, 1, 1)),
+        "w_dw2": rng.normal(size=(40, 1, 3, 3)),
+        "w_out": rng.normal(size=(8, 40, 1, 1)),
+        "one": 1.0,
+    }
+    nodes = [
+        onnx.helper.make_node("Conv", ["x", "w_in"], ["a"]),
+        onnx.helper.make_node("Conv", ["a", "w_dw1", "b_dw1"], ["b"], group=24, pads=[1, 1, 1, 1]),
+        onnx.helper.make_node("Relu", ["b"], ["c"]),
+        onnx.helper.make_node("Conv", ["c", "w_mid"], ["d"]),
+        onnx.helper.make_node("Conv", ["d", "w_dw2"], ["e"], group=40, pads=[1, 1, 1, 1]),
+        onnx.helper.make_node("Add", ["e", "one"], ["f"]),
+        onnx.helper.make_node("Conv", ["f", "w_out"], ["y"]),
+    ]
     model = make_model(nodes, [("x", [2, 8, 6, 6])], [("y", [2, 8, 6, 6])], weights)
     constants = {name: np.asarray(array) for name, array in weights.items()}
     assert [sorted(group.tensors) for group in channel_groups(model.graph, constants)] == [
-        ["x"], ["a", "b", "c"], ["d", "e", "f"], ["y"]]
+        ["x"],
+        ["a", "b", "c"],
+        ["d", "e", "f"],
+        ["y"],
+    ]
     padded = pad_depthwise_channels(model)
     onnx.checker.check_model(padded)
     assert depthwise_groups(padded) == [32, 48]
@@ -122,11 +154,16 @@ def test_pad_depthwise_channels_pads_a_conv_between_two_padded_groups_on_both_si
 
 
 def test_pad_depthwise_channels_leaves_a_group_with_a_per_channel_constant():
-    model = make_model([onnx.helper.make_node("Conv", ["x", "w"], ["a"], group=24),
-                        onnx.helper.make_node("Add", ["a", "shift"], ["b"]),
-                        onnx.helper.make_node("Conv", ["b", "w_out"], ["y"])],
-                       [("x", [1, 24, 8, 8])], [("y", [1, 8, 6, 6])],
-                       {"w": np.ones((24, 1, 3, 3)), "shift": np.ones((24, 1, 1)), "w_out": np.ones((8, 24, 1, 1))})
+    model = make_model(
+        [
+            onnx.helper.make_node("Conv", ["x", "w"], ["a"], group=24),
+            onnx.helper.make_node("Add", ["a", "shift"], ["b"]),
+            onnx.helper.make_node("Conv", ["b", "w_out"], ["y"]),
+        ],
+        [("x", [1, 24, 8, 8])],
+        [("y", [1, 8, 6, 6])],
+        {"w": np.ones((24, 1, 3, 3)), "shift": np.ones((24, 1, 1)), "w_out": np.ones((8, 24, 1, 1))},
+    )
     assert pad_depthwise_channels(model).graph == model.graph
 
 
@@ -140,10 +177,15 @@ def test_fold_sixth_keeps_only_the_mul_of_the_hardswish_that_feeds_a_residual_ad
 def test_hardsigmoid_to_clip_folds_any_alpha_and_beta_into_the_conv(attributes):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(2, 4, 5, 5)).astype(np.float32) * 4
-    model = make_model([onnx.helper.make_node("Conv", ["x", "w", "b"], ["z"]),
-                        onnx.helper.make_node("HardSigmoid", ["z"], ["y"], **attributes)],
-                       [("x", x.shape)], [("y", [2, 3, 5, 5])],
-                       {"w": rng.normal(size=(3, 4, 1, 1)), "b": rng.normal(size=3)})
+    model = make_model(
+        [
+            onnx.helper.make_node("Conv", ["x", "w", "b"], ["z"]),
+            onnx.helper.make_node("HardSigmoid", ["z"], ["y"], **attributes),
+        ],
+        [("x", x.shape)],
+        [("y", [2, 3, 5, 5])],
+        {"w": rng.normal(size=(3, 4, 1, 1)), "b": rng.normal(size=3)},
+    )
     folded = apply_graph_rewrites(model, ("hardsigmoid_to_clip",))
     assert [node.op_type for node in folded.graph.node] == ["Conv", "Clip"]
     np.testing.assert_allclose(run(folded, x), run(model, x), atol=1e-6)
@@ -151,8 +193,9 @@ def test_hardsigmoid_to_clip_folds_any_alpha_and_beta_into_the_conv(attributes):
 
 def test_hardswish_to_clip_writes_the_definition():
     x = np.linspace(-5, 5, 101, dtype=np.float32).reshape(1, -1)
-    model = hardswish_to_clip(make_model([onnx.helper.make_node("HardSwish", ["x"], ["y"])],
-                                         [("x", x.shape)], [("y", x.shape)], {}))
+    model = hardswish_to_clip(
+        make_model([onnx.helper.make_node("HardSwish", ["x"], ["y"])], [("x", x.shape)], [("y", x.shape)], {})
+    )
     assert [node.op_type for node in model.graph.node] == ["Add", "Clip", "Mul", "Mul"]
     y = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     np.testing.assert_allclose(y, x * np.clip(x + 3, 0, 6) / 6, atol=1e-6)

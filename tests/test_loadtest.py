@@ -6,8 +6,19 @@ import pytest
 import requests
 
 from mnv3.batching_benchmark import bucket_labels
-from mnv3.loadtest import (ServerProcess, ServerStartError, PredictClient, batch_size_histogram, free_port,
-                           metrics_delta, metrics_row, parse_metrics, poisson_schedule, run_closed_loop, run_open_loop)
+from mnv3.loadtest import (
+    PredictClient,
+    ServerProcess,
+    ServerStartError,
+    batch_size_histogram,
+    free_port,
+    metrics_delta,
+    metrics_row,
+    parse_metrics,
+    poisson_schedule,
+    run_closed_loop,
+    run_open_loop,
+)
 from mnv3.photos import load_images
 
 pytestmark = pytest.mark.integration
@@ -50,8 +61,9 @@ def test_metrics_parsing_gives_histogram_breakdown_and_counters():
 
 def test_metrics_delta_isolates_one_run():
     before = parse_metrics(SAMPLE_METRICS)
-    one_more_batch_of_8 = (SAMPLE_METRICS.replace('le="8.0"} 6.0', 'le="8.0"} 7.0')
-                           .replace('le="+Inf"} 6.0\nmnv3_batch_size_count', 'le="+Inf"} 7.0\nmnv3_batch_size_count'))
+    one_more_batch_of_8 = SAMPLE_METRICS.replace('le="8.0"} 6.0', 'le="8.0"} 7.0').replace(
+        'le="+Inf"} 6.0\nmnv3_batch_size_count', 'le="+Inf"} 7.0\nmnv3_batch_size_count'
+    )
     after = parse_metrics(one_more_batch_of_8)
     assert batch_size_histogram(metrics_delta(before, after)) == {"1": 0, "2": 0, "4": 0, "8": 1, "+Inf": 0}
 
@@ -72,8 +84,8 @@ def fake_server(service_s: float, statuses=("200",)):
             calls.append(body)
             status = statuses[(len(calls) - 1) % len(statuses)]
             time.sleep(service_s)
-        return status, {"batch_size": 1, "queue_ms": 0.0, "preprocess_ms": 1.0, "inference_ms": 2.0,
-                        "cache_hit": False}
+        return status, {"batch_size": 1, "queue_ms": 0.0, "preprocess_ms": 1.0, "inference_ms": 2.0, "cache_hit": False}
+
     return send, calls
 
 
@@ -92,8 +104,9 @@ def test_open_loop_latency_counts_from_the_scheduled_send_time():
     # 10 requests scheduled within ~10 ms on a server that serves one per 20 ms: the k-th waits for the
     # k before it. A closed-loop client would report ~20 ms each; from the schedule it is ~20*(k+1) ms.
     send, calls = fake_server(0.02)
-    result = run_open_loop(send, [b"x"], rate=1000.0, seconds=0.01, max_requests=10, max_in_flight=10,
-                           max_lateness_s=10.0)
+    result = run_open_loop(
+        send, [b"x"], rate=1000.0, seconds=0.01, max_requests=10, max_in_flight=10, max_lateness_s=10.0
+    )
     n = result.sent
     assert n == len(calls) >= 5 and result.dropped == 0 and result.ok == n
     assert result.latency.p99_ms >= 0.8 * 20 * n
@@ -103,8 +116,9 @@ def test_open_loop_latency_counts_from_the_scheduled_send_time():
 
 def test_open_loop_drops_what_it_cannot_send_in_time():
     send, calls = fake_server(0.02)
-    result = run_open_loop(send, [b"x"], rate=1000.0, seconds=0.01, max_requests=10, max_in_flight=1,
-                           max_lateness_s=0.03)
+    result = run_open_loop(
+        send, [b"x"], rate=1000.0, seconds=0.01, max_requests=10, max_in_flight=1, max_lateness_s=0.03
+    )
     assert result.dropped > 0 and result.sent == len(calls) and result.sent + result.dropped >= 5
 
 

@@ -1,5 +1,6 @@
 """Weights provenance (never silently random), what a weights file may hold, class names, and the ONNX
 FP32 export's numerics."""
+
 import argparse
 import hashlib
 import urllib.error
@@ -9,11 +10,21 @@ import torch
 import torchvision.models._api
 from torchvision.models import mobilenet_v3_large, mobilenet_v3_small
 
-from mnv3.runtime import make_session, ort_runner
-from mnv3.model import (EXPORT_TOLERANCE, IMAGENET_CLASSES, BadClassNames, BadWeights, class_names_for,
-                        export_max_abs_diff, export_onnx, load_model, num_classes, recalibrate_batchnorm)
+from mnv3.model import (
+    EXPORT_TOLERANCE,
+    IMAGENET_CLASSES,
+    BadClassNames,
+    BadWeights,
+    class_names_for,
+    export_max_abs_diff,
+    export_onnx,
+    load_model,
+    num_classes,
+    recalibrate_batchnorm,
+)
 from mnv3.photos import CALIBRATION_SOURCES, augmented_views, held_out_images
 from mnv3.preprocess import preprocess_batch
+from mnv3.runtime import make_session, ort_runner
 
 pytestmark = pytest.mark.integration
 
@@ -54,9 +65,16 @@ def test_training_checkpoint_loads_its_model_entry_with_the_classes_of_its_head(
     source = mobilenet_v3_small(num_classes=4)
     path = tmp_path / "model_9.pth"
     # As references/classification/train.py saves it, its argparse.Namespace included.
-    torch.save({"model": source.state_dict(), "optimizer": torch.optim.SGD(source.parameters(), lr=0.1).state_dict(),
-                "epoch": 9, "args": argparse.Namespace(model="mobilenet_v3_small", lr=0.1),
-                "model_ema": source.state_dict()}, path)
+    torch.save(
+        {
+            "model": source.state_dict(),
+            "optimizer": torch.optim.SGD(source.parameters(), lr=0.1).state_dict(),
+            "epoch": 9,
+            "args": argparse.Namespace(model="mobilenet_v3_small", lr=0.1),
+            "model_ema": source.state_dict(),
+        },
+        path,
+    )
     model, provenance = load_model("mobilenet_v3_small", path)
     assert provenance.startswith("file:") and num_classes(model) == 4
     assert torch.equal(model.classifier[3].weight, source.classifier[3].weight)

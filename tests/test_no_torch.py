@@ -1,4 +1,5 @@
 """The serving path must run where torch is not installed: build the app, serve one image, look."""
+
 import subprocess
 import sys
 
@@ -23,7 +24,8 @@ print("torch imported:", "torch" in sys.modules)
 
 
 def test_serving_never_imports_torch(fp32_model_path):
-    result = subprocess.run([sys.executable, "-c", SERVE_ONE_IMAGE, str(fp32_model_path)],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-c", SERVE_ONE_IMAGE, str(fp32_model_path)], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().endswith("torch imported: False")

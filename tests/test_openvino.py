@@ -1,4 +1,5 @@
 """The optional OpenVINO backend against onnxruntime on the same (random-init) FP32 export and real photos."""
+
 import subprocess
 import sys
 import time
@@ -66,8 +67,9 @@ def test_openvino_predicts_what_onnxruntime_predicts(engines, batch_size):
 def test_server_serves_with_the_openvino_backend(fp32_model_path, engines):
     ort_engine, ov_engine = engines
     photos = load_images(3, seed=7)
-    config = ServerConfig(model=fp32_model_path, backend="openvino", max_batch_size=4, batch_window_ms=200,
-                          cache_size=0)
+    config = ServerConfig(
+        model=fp32_model_path, backend="openvino", max_batch_size=4, batch_window_ms=200, cache_size=0
+    )
     with TestClient(create_app(config)) as client, ThreadPoolExecutor(len(photos)) as pool:
         give_up = time.monotonic() + 30
         while client.get("/readyz").status_code != 200:
@@ -76,8 +78,9 @@ def test_server_serves_with_the_openvino_backend(fp32_model_path, engines):
         info = client.get("/model").json()
         assert info["backend"] == "openvino" and info["providers"] == ov_engine.providers
         assert info["providers"][0].startswith("OpenVINO:CPU:")
-        responses = list(pool.map(lambda data: client.post("/predict", files={"file": ("a.jpg", data, "image/jpeg")}),
-                                  photos))
+        responses = list(
+            pool.map(lambda data: client.post("/predict", files={"file": ("a.jpg", data, "image/jpeg")}), photos)
+        )
     assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
     bodies = [r.json() for r in responses]
     assert max(body["batch_size"] for body in bodies) > 1  # a dynamic batch went through OpenVINO
@@ -97,9 +100,12 @@ def test_missing_openvino_is_a_clear_load_error(fp32_model_path, monkeypatch):
 
 
 def test_onnxruntime_serving_never_imports_openvino(fp32_model_path):
-    code = ("import sys; from mnv3.config import ServerConfig; from mnv3.server import load_engine; "
-            "load_engine(ServerConfig(model=sys.argv[1])); print('openvino imported:', 'openvino' in sys.modules)")
-    result = subprocess.run([sys.executable, "-c", code, str(fp32_model_path)], capture_output=True, text=True,
-                            timeout=60)
+    code = (
+        "import sys; from mnv3.config import ServerConfig; from mnv3.server import load_engine; "
+        "load_engine(ServerConfig(model=sys.argv[1])); print('openvino imported:', 'openvino' in sys.modules)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(fp32_model_path)], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().endswith("openvino imported: False")

@@ -1,6 +1,7 @@
 """Overload: refusals come at once and cost nothing, abandoned work is never computed, under twice the
 load the server can carry accepted requests stay fast and every answer is the right one, and a soak
 with a churning cache keeps memory flat."""
+
 import socket
 import subprocess
 import sys
@@ -41,8 +42,10 @@ def live_server(model_path, **settings):
     thread.start()
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: server.started and requests.get(url + "/readyz", timeout=WAIT_S).status_code == 200,
-                   "the server to be ready")
+        wait_until(
+            lambda: server.started and requests.get(url + "/readyz", timeout=WAIT_S).status_code == 200,
+            "the server to be ready",
+        )
         yield url, app.state.serving
     finally:
         server.should_exit = True
@@ -52,14 +55,19 @@ def live_server(model_path, **settings):
 def open_socket(url: str, content_length: int, body: bytes) -> socket.socket:
     port = int(url.rsplit(":", 1)[1])
     sock = socket.create_connection(("127.0.0.1", port), timeout=WAIT_S)
-    sock.sendall(f"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\n"
-                 f"Content-Length: {content_length}\r\n\r\n".encode() + body)
+    sock.sendall(
+        f"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\n"
+        f"Content-Length: {content_length}\r\n\r\n".encode()
+        + body
+    )
     return sock
 
 
 def test_in_flight_limit_refuses_at_arrival_without_reading_the_body(fp32_model_path, images):
-    with live_server(fp32_model_path, max_batch_size=1, max_in_flight=2) as (url, serving), \
-            ThreadPoolExecutor(2) as pool:
+    with (
+        live_server(fp32_model_path, max_batch_size=1, max_in_flight=2) as (url, serving),
+        ThreadPoolExecutor(2) as pool,
+    ):
         gate = Gate(serving.engine)
         running = pool.submit(post, url, images[0])
         gate.entered.wait(WAIT_S)
@@ -77,8 +85,7 @@ def test_in_flight_limit_refuses_at_arrival_without_reading_the_body(fp32_model_
 
 
 def test_a_follower_still_gets_its_answer_when_the_identical_leader_disconnects(fp32_model_path, images):
-    with live_server(fp32_model_path, max_batch_size=1, cache_size=8) as (url, serving), \
-            ThreadPoolExecutor(2) as pool:
+    with live_server(fp32_model_path, max_batch_size=1, cache_size=8) as (url, serving), ThreadPoolExecutor(2) as pool:
         gate = Gate(serving.engine)
         running = pool.submit(post, url, images[0])
         gate.entered.wait(WAIT_S)
@@ -131,16 +138,17 @@ def test_twice_the_sustainable_rate_sheds_load_and_answers_every_accepted_reques
             if payload is not None:
                 answers.append((body, payload))
             return status, payload
+
         return send_one
 
-    with ServerProcess(fp32_model_path, cache_size=0, max_batch_size=8, queue_limit=8, max_in_flight=16,
-                       deadline_ms=1000 * deadline_s) as url:
+    with ServerProcess(
+        fp32_model_path, cache_size=0, max_batch_size=8, queue_limit=8, max_in_flight=16, deadline_ms=1000 * deadline_s
+    ) as url:
         with PredictClient(url) as send:
             sustainable = run_closed_loop(send, images, concurrency=8, count=48)
         assert sustainable.ok == 48
         with PredictClient(url) as send:
-            result = run_open_loop(send_and_keep(send), images, rate=2 * sustainable.rps, seconds=3,
-                                   max_in_flight=64)
+            result = run_open_loop(send_and_keep(send), images, rate=2 * sustainable.rps, seconds=3, max_in_flight=64)
 
     assert set(result.errors) <= {"503", "504"}, result.errors  # shed load, never a 5xx crash or a reset
     assert result.errors, "twice the sustainable rate should have been refused in part"
@@ -156,8 +164,12 @@ def test_twice_the_sustainable_rate_sheds_load_and_answers_every_accepted_reques
 
 @pytest.mark.slow
 def test_soak_quick_mode_keeps_memory_flat_with_a_churning_cache(fp32_model_path, tmp_path):
-    result = subprocess.run([sys.executable, "-m", "mnv3.soak", "--model", str(fp32_model_path), "--quick",
-                             "--results-dir", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "mnv3.soak", "--model", str(fp32_model_path), "--quick", "--results-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     rows = report.read_csv(tmp_path / "07_soak.csv")
     assert len(rows) == 10 and int(rows[-1]["requests_done"]) == 400

@@ -2,6 +2,7 @@
 
 The browser may reach 127.0.0.1 only: every test checks the page tried nothing else.
 """
+
 import io
 import math
 import re
@@ -18,8 +19,10 @@ from mnv3.photos import load_images
 
 pytestmark = [
     pytest.mark.e2e,
-    pytest.mark.skipif(not CHROMIUM.exists(), reason=f"{CHROMIUM} not installed (Debian: apt-get install "
-                                                     "chromium; `make test` installs it)"),
+    pytest.mark.skipif(
+        not CHROMIUM.exists(),
+        reason=f"{CHROMIUM} not installed (Debian: apt-get install chromium; `make test` installs it)",
+    ),
 ]
 WAIT_MS = 30_000  # upper bound on any wait in the page; a broken page fails instead of hanging
 
@@ -33,8 +36,13 @@ def server(fp32_model_path):
 @pytest.fixture(scope="module")
 def two_models(fp32_model_path, other_model_path):
     """A server of two models with different answers: `fp32` (the default) and `shifted`."""
-    with ServerProcess(f"fp32={fp32_model_path}", extra_models=(f"shifted={other_model_path}",),
-                       max_batch_size=8, batch_window_ms=20, cache_size=64) as url:
+    with ServerProcess(
+        f"fp32={fp32_model_path}",
+        extra_models=(f"shifted={other_model_path}",),
+        max_batch_size=8,
+        batch_window_ms=20,
+        cache_size=64,
+    ) as url:
         yield url
 
 
@@ -75,19 +83,26 @@ def photos():
 def shown_predictions(card):
     card.locator(".top5 li").nth(4).wait_for()
     rows = card.locator(".top5 li")
-    return [{"class_id": int(row.get_attribute("data-class-id")), "label": row.locator(".label").inner_text(),
-             "probability": float(row.get_attribute("data-probability")),
-             "percent": row.locator(".percent").inner_text()} for row in rows.all()]
+    return [
+        {
+            "class_id": int(row.get_attribute("data-class-id")),
+            "label": row.locator(".label").inner_text(),
+            "probability": float(row.get_attribute("data-probability")),
+            "percent": row.locator(".percent").inner_text(),
+        }
+        for row in rows.all()
+    ]
 
 
 def timings(card) -> dict[str, str]:
     terms, values = card.locator(".timings dt").all_inner_texts(), card.locator(".timings dd").all_inner_texts()
-    return dict(zip(terms, values))
+    return dict(zip(terms, values, strict=True))
 
 
 def predict(url: str, photo: bytes, model: str | None = None) -> dict:
-    answer = requests.post(url + "/predict", params={"model": model} if model else None,
-                           files={"file": ("photo.jpg", photo, "image/jpeg")})
+    answer = requests.post(
+        url + "/predict", params={"model": model} if model else None, files={"file": ("photo.jpg", photo, "image/jpeg")}
+    )
     assert answer.ok, answer.text
     return answer.json()
 
@@ -105,12 +120,13 @@ def test_a_chosen_photo_shows_the_same_top5_as_predict(page, server, photos, tmp
     shown = shown_predictions(card)
     answer = requests.post(server + "/predict", files={"file": ("street.jpg", photos[0], "image/jpeg")}).json()
     assert answer["cache_hit"], "the page did not upload the photo's exact bytes"
-    assert [(p["class_id"], p["label"], p["probability"]) for p in shown] == \
-           [(p["class_id"], p["label"], p["probability"]) for p in answer["predictions"]]
+    assert [(p["class_id"], p["label"], p["probability"]) for p in shown] == [
+        (p["class_id"], p["label"], p["probability"]) for p in answer["predictions"]
+    ]
     for p in shown:  # the percentage as printed agrees with the probability to its last printed digit
         printed = p["percent"].rstrip("%")
         decimals = len(printed.partition(".")[2])
-        assert abs(float(printed) - 100 * p["probability"]) <= 0.5 * 10 ** -decimals + 1e-12
+        assert abs(float(printed) - 100 * p["probability"]) <= 0.5 * 10**-decimals + 1e-12
 
     times = timings(card)
     assert times["cache"] == "miss" and times["batch size"] == "1"
@@ -166,8 +182,10 @@ def test_downscale_sends_a_smaller_copy_and_says_so(page, server, photos, tmp_pa
 
 def test_the_live_panel_follows_the_server(browser, fp32_model_path, photos, tmp_path):
     # A server of its own, so that nothing but this test's photos is in its window.
-    with ServerProcess(fp32_model_path, max_batch_size=8, batch_window_ms=20, cache_size=64) as url, \
-            opened(browser, url) as page:
+    with (
+        ServerProcess(fp32_model_path, max_batch_size=8, batch_window_ms=20, cache_size=64) as url,
+        opened(browser, url) as page,
+    ):
         page.wait_for_function("() => document.getElementById('stat-rps').textContent === '0.0'")
         assert page.locator("#stat-requests").inner_text() == "0"
         paths = []
@@ -178,10 +196,12 @@ def test_the_live_panel_follows_the_server(browser, fp32_model_path, photos, tmp
         page.locator("#photos .photo .top5").nth(len(paths) - 1).wait_for()
 
         page.wait_for_function(f"() => document.getElementById('stat-requests').textContent === '{len(paths)}'")
-        window, rps = page.evaluate("[document.getElementById('live-window').textContent, "
-                                    "Number(document.getElementById('stat-rps').textContent)]")  # one refresh's
+        window, rps = page.evaluate(
+            "[document.getElementById('live-window').textContent, "
+            "Number(document.getElementById('stat-rps').textContent)]"
+        )  # one refresh's
         seconds = int(re.match(r"Last (\d+) s: everything since the server started", window).group(1))
-        assert rps > 0 and abs(rps - len(paths) / seconds) <= 0.05 + len(paths) * 0.5 / seconds ** 2
+        assert rps > 0 and abs(rps - len(paths) / seconds) <= 0.05 + len(paths) * 0.5 / seconds**2
         stats = requests.get(url + "/stats").json()
         assert stats["requests"] == len(paths) and stats["cache"]["misses"] == len(paths)
         assert page.locator("#stat-p50").inner_text().endswith(" ms")
@@ -203,8 +223,11 @@ def test_the_selector_lists_every_model_and_the_chosen_one_answers(two_model_pag
     served = requests.get(two_models + "/models").json()
     select = page.get_by_label("Model", exact=True)  # the selector is labelled
     select.locator("option").nth(1).wait_for(state="attached")
-    assert select.locator("option").evaluate_all("options => options.map(o => o.value)") == \
-           [m["name"] for m in served["models"]] == ["fp32", "shifted"]
+    assert (
+        select.locator("option").evaluate_all("options => options.map(o => o.value)")
+        == [m["name"] for m in served["models"]]
+        == ["fp32", "shifted"]
+    )
     assert select.input_value() == served["default"] == "fp32"
     assert page.locator("#model-line").inner_text() == "2 models: fp32, shifted (default fp32)"
 
@@ -218,12 +241,14 @@ def test_the_selector_lists_every_model_and_the_chosen_one_answers(two_model_pag
     answer = predict(two_models, photos[0], "shifted")
     assert answer["cache_hit"], "the page did not send the photo to ?model=shifted"
     assert [(p["class_id"], p["label"], p["probability"]) for p in shown] == top5(answer["predictions"])
-    assert top5(answer["predictions"]) != top5(predict(two_models, photos[0])["predictions"]), \
+    assert top5(answer["predictions"]) != top5(predict(two_models, photos[0])["predictions"]), (
         "the two models answer alike: this test could not tell which one the page asked"
+    )
 
 
-def test_compare_mode_shows_every_model_side_by_side_and_their_top1_agreement(two_model_page, two_models, photos,
-                                                                             tmp_path):
+def test_compare_mode_shows_every_model_side_by_side_and_their_top1_agreement(
+    two_model_page, two_models, photos, tmp_path
+):
     page = two_model_page
     page.get_by_label("Compare all models").check()
     assert page.get_by_label("Model", exact=True).is_disabled()  # every model answers: nothing to choose
@@ -244,8 +269,9 @@ def test_compare_mode_shows_every_model_side_by_side_and_their_top1_agreement(tw
         for side, name in zip(sides.all(), ("fp32", "shifted"), strict=True):
             answers[name] = predict(two_models, data, name)
             assert answers[name]["cache_hit"], f"the page did not send this photo to ?model={name}"
-            assert [(p["class_id"], p["label"], p["probability"]) for p in shown_predictions(side)] == \
-                   top5(answers[name]["predictions"])
+            assert [(p["class_id"], p["label"], p["probability"]) for p in shown_predictions(side)] == top5(
+                answers[name]["predictions"]
+            )
             times = timings(side)
             assert re.fullmatch(r"\d+(\.\d+)? ms", times["round trip"]), times
             assert times["cache"] == "miss"
@@ -258,7 +284,8 @@ def test_compare_mode_shows_every_model_side_by_side_and_their_top1_agreement(tw
         assert card.locator(".agreement-line").inner_text() == expected
     assert page.locator("#agreement").inner_text() == (
         f"Top-1 agreement with fp32 over the photos compared: shifted {same_top1}/{len(paths)} "
-        f"({math.floor(100 * same_top1 / len(paths) + 0.5)}%)")
+        f"({math.floor(100 * same_top1 / len(paths) + 0.5)}%)"
+    )
 
     # The live panel's table of each model shows what GET /stats says of each (read and shown in one go).
     models, rows = page.evaluate("""async () => {
@@ -286,13 +313,17 @@ def test_docs_render_offline_and_list_every_operation(page, server):
     operations = requests.get(server + "/openapi.json").json()["paths"]
     page.goto(server + "/docs")
     page.locator(".opblock").first.wait_for()
-    shown = {(block.locator(".opblock-summary-method").inner_text().lower(),
-              block.locator(".opblock-summary-path").inner_text().replace("\u200b", ""))
-             for block in page.locator(".opblock").all()}
+    shown = {
+        (
+            block.locator(".opblock-summary-method").inner_text().lower(),
+            block.locator(".opblock-summary-path").inner_text().replace("\u200b", ""),
+        )
+        for block in page.locator(".opblock").all()
+    }
     assert shown == {(method, path) for path, methods in operations.items() for method in methods}
 
     page.goto(server + "/redoc")
-    for path, methods in operations.items():
+    for methods in operations.values():
         for operation in methods.values():
             page.get_by_role("heading", name=operation["summary"]).first.wait_for()
 
@@ -336,8 +367,12 @@ def test_a_protected_server_gets_a_key_from_the_page_for_this_tab_only(browser, 
             path.write_bytes(photos[0])
             page.get_by_label("Choose photos").set_input_files(path)
             shown = shown_predictions(page.locator("#photos .photo").first)
-            answer = requests.post(url + "/predict", files={"file": ("street.jpg", photos[0], "image/jpeg")},
-                                   headers={"Authorization": f"Bearer {key}"}, timeout=WAIT_MS / 1000).json()
+            answer = requests.post(
+                url + "/predict",
+                files={"file": ("street.jpg", photos[0], "image/jpeg")},
+                headers={"Authorization": f"Bearer {key}"},
+                timeout=WAIT_MS / 1000,
+            ).json()
             assert [p["class_id"] for p in shown] == [p["class_id"] for p in answer["predictions"]]
             page.wait_for_function("() => Number(document.getElementById('stat-requests').textContent) >= 1")
 

@@ -1,4 +1,5 @@
 """perf_analyzer's data file: each photo as base64 of what goes on the wire, a uint32 LE length then the bytes."""
+
 import base64
 import struct
 

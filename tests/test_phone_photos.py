@@ -1,5 +1,6 @@
 """Phone-size photos and JPEG draft decoding: the generator makes what a phone uploads, and the draft
 decode stays close to a full decode where it applies and changes nothing where it does not."""
+
 import io
 
 import numpy as np
@@ -10,10 +11,23 @@ from conftest import post_file, serving_client
 from mnv3.config import parse_args
 from mnv3.engine import Engine
 from mnv3.phone_benchmark import compare_decodes
-from mnv3.photos import (EXIF_ORIENTATION_TAG, HELD_OUT_SOURCES, PHONE_ORIENTATIONS, PHONE_PHOTO_SIZE, phone_photo,
-                         phone_photos, source_photos)
-from mnv3.preprocess import (JPEG_DRAFT_MARGIN, RESIZE_SIZE, ImageTooLarge, decode_image, jpeg_draft_reduction,
-                             preprocess)
+from mnv3.photos import (
+    EXIF_ORIENTATION_TAG,
+    HELD_OUT_SOURCES,
+    PHONE_ORIENTATIONS,
+    PHONE_PHOTO_SIZE,
+    phone_photo,
+    phone_photos,
+    source_photos,
+)
+from mnv3.preprocess import (
+    JPEG_DRAFT_MARGIN,
+    RESIZE_SIZE,
+    ImageTooLarge,
+    decode_image,
+    jpeg_draft_reduction,
+    preprocess,
+)
 from test_preprocess import SIZES as EQUALITY_TEST_SIZES
 
 # How far a draft decode's preprocessed tensor may be from the full decode's, in normalised units (one
@@ -140,8 +154,7 @@ def test_the_server_decodes_as_its_jpeg_draft_setting_says(fp32_model_path, orie
         response = post_file(client, body)
     assert response.status_code == 200
     for prediction in response.json()["predictions"]:
-        assert prediction["probability"] == pytest.approx(float(expected[jpeg_draft][prediction["class_id"]]),
-                                                          rel=1e-5)
+        assert prediction["probability"] == pytest.approx(float(expected[jpeg_draft][prediction["class_id"]]), rel=1e-5)
 
 
 @pytest.mark.slow
@@ -153,7 +166,8 @@ def test_decode_comparison_measures_the_draft_against_the_full_decode(fp32_model
     assert 0 < row["tensor_mean_abs_diff"] <= row["tensor_max_abs_diff"] <= DRAFT_MAX_ABS_DIFF
     # one round: the ratio is that round's full time over its draft time
     assert row["full_to_draft_time_ratio"] == pytest.approx(
-        row["full_decode_ms_per_image"] / row["draft_decode_ms_per_image"], rel=0.01)
+        row["full_decode_ms_per_image"] / row["draft_decode_ms_per_image"], rel=0.01
+    )
     # The reference is the served model itself here: the same comparison, and full agreement with itself.
     for name in ("top1_agreement", "top5_agreement", "sqnr_db"):
         assert row[f"fp32_draft_vs_full_{name}"] == row[f"draft_vs_full_{name}"]

@@ -1,4 +1,5 @@
 """mnv3.preprocess (numpy/Pillow) must match torchvision's own transforms for the weights we ship."""
+
 import numpy as np
 import pytest
 import torch
@@ -32,8 +33,15 @@ def test_preprocessing_a_model_was_trained_with_matches_torchvision_transforms()
     from mnv3.preprocess import Preprocessing
 
     preprocessing = Preprocessing(resize=160, crop=128, mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25))
-    transform = v2.Compose([v2.Resize(160), v2.CenterCrop(128), v2.PILToTensor(), v2.ToDtype(torch.float32, scale=True),
-                            v2.Normalize(preprocessing.mean, preprocessing.std)])
+    transform = v2.Compose(
+        [
+            v2.Resize(160),
+            v2.CenterCrop(128),
+            v2.PILToTensor(),
+            v2.ToDtype(torch.float32, scale=True),
+            v2.Normalize(preprocessing.mean, preprocessing.std),
+        ]
+    )
     for photo in PHOTOS:
         for size in SIZES:
             image = photo.resize(size)

@@ -1,5 +1,6 @@
 """Dynamic and static INT8 on the fixture model, the recipes, the calibration reader, agreement metrics, labels,
 profiling. The graph rewrites the recipes apply are tested in test_graph_rewrites.py."""
+
 import csv
 from pathlib import Path
 
@@ -11,12 +12,21 @@ from PIL import Image
 
 from mnv3.accuracy import UnreadableLabels, agreement, load_labels, sqnr_db, true_accuracy
 from mnv3.graph_rewrites import GRAPH_REWRITES
-from mnv3.runtime import make_session, ort_runner
 from mnv3.photos import fill_calibration_dir, held_out_images
 from mnv3.preprocess import preprocess
 from mnv3.profiling import op_type_summary, profile_model
-from mnv3.quantize import (DEFAULT_RECIPE, RECIPES, ArrayCalibrationReader, PhotoCalibrationReader, StaticRecipe,
-                           calibration_photos, preprocess_photos, quantize_dynamic_int8, quantize_static_int8)
+from mnv3.quantize import (
+    DEFAULT_RECIPE,
+    RECIPES,
+    ArrayCalibrationReader,
+    PhotoCalibrationReader,
+    StaticRecipe,
+    calibration_photos,
+    preprocess_photos,
+    quantize_dynamic_int8,
+    quantize_static_int8,
+)
+from mnv3.runtime import make_session, ort_runner
 
 pytestmark = pytest.mark.integration
 
@@ -60,9 +70,11 @@ def build_recipe(fp32_model_path, calibration_array, calibration_cache, tmp_path
     def build(name):
         if name not in built:
             out = tmp_path_factory.mktemp(name) / f"{name}.onnx"
-            built[name] = quantize_static_int8(fp32_model_path, out, calibration_array, RECIPES[name],
-                                               cache_dir=calibration_cache)
+            built[name] = quantize_static_int8(
+                fp32_model_path, out, calibration_array, RECIPES[name], cache_dir=calibration_cache
+            )
         return built[name]
+
     return build
 
 
@@ -130,14 +142,17 @@ def test_every_recipe_builds_and_agrees_with_fp32(name, fp32_model_path, build_r
 
 @pytest.mark.slow  # an export of MobileNetV3-Small of its own
 def test_shipped_recipe_on_mobilenet_v3_small_runs_in_integers_and_agrees_with_fp32(
-        fp32_small_model_path, calibration_array, held_out, tmp_path):
+    fp32_small_model_path, calibration_array, held_out, tmp_path
+):
     """Small's channel counts differ from Large's: the same rewrites still leave no FP32 activation behind."""
-    path = quantize_static_int8(fp32_small_model_path, tmp_path / "small.onnx", calibration_array,
-                                RECIPES[DEFAULT_RECIPE])
+    path = quantize_static_int8(
+        fp32_small_model_path, tmp_path / "small.onnx", calibration_array, RECIPES[DEFAULT_RECIPE]
+    )
     assert not {"HardSwish", "HardSigmoid"} & op_types(path)
     assert {"QuantizeLinear", "DequantizeLinear"} <= op_types(path)
-    scores = agreement(ort_runner(make_session(fp32_small_model_path))(held_out),
-                       ort_runner(make_session(path))(held_out))
+    scores = agreement(
+        ort_runner(make_session(fp32_small_model_path))(held_out), ort_runner(make_session(path))(held_out)
+    )
     assert scores["top1_agreement"] >= MIN_TOP1_AGREEMENT and scores["sqnr_db"] >= MIN_SQNR_DB
 
 
@@ -155,18 +170,26 @@ def test_recipe_name_spells_its_rewrites_in_order(name):
     tokens = [GRAPH_REWRITES[rewrite].token for rewrite in rewrites]
     assert "_".join(tokens) in name and all(rewrite in GRAPH_REWRITES for rewrite in rewrites)
     if "fold6" in rewrites:  # it folds the 1/6 that hardswish_to_clip writes, so comes after it
-        assert "hardswish_to_clip" in rewrites[:rewrites.index("fold6")]
+        assert "hardswish_to_clip" in rewrites[: rewrites.index("fold6")]
 
 
 def test_calibration_cache_is_shared_by_recipes_with_the_same_key():
     base = StaticRecipe(graph_rewrites=("hardswish_to_clip",))
-    assert base.calibration_key() == StaticRecipe(graph_rewrites=("hardswish_to_clip",), per_channel=False,
-                                                  reduce_range=True, quant_format="QOperator").calibration_key()
+    assert (
+        base.calibration_key()
+        == StaticRecipe(
+            graph_rewrites=("hardswish_to_clip",), per_channel=False, reduce_range=True, quant_format="QOperator"
+        ).calibration_key()
+    )
     assert base.calibration_key() != StaticRecipe().calibration_key()
-    assert base.calibration_key() != StaticRecipe(graph_rewrites=("hardswish_to_clip",),
-                                                  calibrate_method="Entropy").calibration_key()
-    assert base.calibration_key() != StaticRecipe(graph_rewrites=("hardswish_to_clip",),
-                                                  op_types_to_quantize=("Conv",)).calibration_key()
+    assert (
+        base.calibration_key()
+        != StaticRecipe(graph_rewrites=("hardswish_to_clip",), calibrate_method="Entropy").calibration_key()
+    )
+    assert (
+        base.calibration_key()
+        != StaticRecipe(graph_rewrites=("hardswish_to_clip",), op_types_to_quantize=("Conv",)).calibration_key()
+    )
     assert base.calibration_key() != StaticRecipe(graph_rewrites=("hardswish_to_clip", "fold6")).calibration_key()
 
 
@@ -246,8 +269,9 @@ def test_profile_of_dynamic_model_attributes_time_to_op_types(dynamic_model, hel
     by_op = {row["op_type"]: row for row in summary}
     assert {"ConvInteger", "DynamicQuantizeLinear"} <= set(by_op)
     assert sum(row["share_pct"] for row in summary) == pytest.approx(100, abs=0.1)
-    assert by_op["ConvInteger"]["calls_per_run"] == sum(1 for n in onnx.load(str(dynamic_model)).graph.node
-                                                       if n.op_type == "ConvInteger")
+    assert by_op["ConvInteger"]["calls_per_run"] == sum(
+        1 for n in onnx.load(str(dynamic_model)).graph.node if n.op_type == "ConvInteger"
+    )
 
 
 def test_calibration_photos_regenerates_a_smaller_generated_set_but_keeps_user_images(tmp_path):

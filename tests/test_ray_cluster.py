@@ -4,6 +4,7 @@ repeats of a photo routed to the replica whose cache has it.
 
 Slow (two raylets, two replicas): the e2e tier. It starts and stops only its own Ray processes.
 """
+
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -34,8 +35,12 @@ def test_serve_deploy_places_a_replica_on_each_node_and_both_answer(fp32_model_p
         # The shipped config, with what the README says to change on a cluster: an absolute model path.
         # Its autoscaling floor is raised to one replica per node, so both nodes serve from the start.
         config = ray_cluster.write_serve_config(
-            tmp_path / "serve_config.yaml", fp32_model_path, port, {},
-            {"autoscaling_config": {"min_replicas": 2, "max_replicas": 2, "target_ongoing_requests": 32}})
+            tmp_path / "serve_config.yaml",
+            fp32_model_path,
+            port,
+            {},
+            {"autoscaling_config": {"min_replicas": 2, "max_replicas": 2, "target_ongoing_requests": 32}},
+        )
         cluster.deploy(config)
         cluster.wait_for_replicas(2)
 
@@ -65,8 +70,14 @@ def test_serve_deploy_places_a_replica_on_each_node_and_both_answer(fp32_model_p
 
 def post_all(url: str, bodies: list[bytes]) -> list[requests.Response]:
     with ThreadPoolExecutor(4) as pool:
-        return list(pool.map(lambda body: requests.post(
-            url + "/predict", files={"file": ("image.jpg", body, "image/jpeg")}, timeout=TIMEOUT_S), bodies))
+        return list(
+            pool.map(
+                lambda body: requests.post(
+                    url + "/predict", files={"file": ("image.jpg", body, "image/jpeg")}, timeout=TIMEOUT_S
+                ),
+                bodies,
+            )
+        )
 
 
 def alive(pids: list[int]) -> list[int]:

@@ -1,13 +1,15 @@
 """The middleware Ray's proxy runs (mnv3.ray_serve.proxy_middlewares), on stand-in ASGI apps shaped like
 Ray's proxy: its plain-text errors, a request whose replica died (no response at all), a retried request."""
+
 import hashlib
 import json
 
 import pytest
 
 # Ray's own function that wraps its proxy app in the callback's middlewares, so the order is Ray's.
-http_util = pytest.importorskip("ray.serve._private.http_util",
-                                reason="Ray Serve is optional: pip install -r requirements-ray.txt")
+http_util = pytest.importorskip(
+    "ray.serve._private.http_util", reason="Ray Serve is optional: pip install -r requirements-ray.txt"
+)
 
 from starlette.middleware import Middleware  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402
@@ -80,8 +82,9 @@ def test_answered_requests_are_not_retried_and_rays_plain_text_errors_become_jso
 
 def test_a_body_over_the_upload_limit_is_not_kept_for_a_retry():
     proxy = StandInProxy("replica lost", ANSWER)
-    client = client_for(proxy, [Middleware(ray_serve.RetryLostReplica, max_body_bytes=4),
-                                Middleware(ray_serve.JsonErrors)])
+    client = client_for(
+        proxy, [Middleware(ray_serve.RetryLostReplica, max_body_bytes=4), Middleware(ray_serve.JsonErrors)]
+    )
     response = client.post("/predict", content=b"more than four", headers={"content-type": "image/jpeg"})
     assert response.status_code == 502 and len(proxy.bodies) == 1
 
@@ -90,8 +93,10 @@ def test_the_routing_key_is_the_images_hash_whatever_the_multipart_boundary():
     proxy = StandInProxy(ANSWER, ANSWER, ANSWER, ANSWER)
     client = client_for(proxy)
     for boundary in ("one-boundary", "another-boundary"):
-        body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.jpg\"\r\n"
-                f"Content-Type: image/jpeg\r\n\r\nimage bytes\r\n--{boundary}--\r\n").encode()
+        body = (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="a.jpg"\r\n'
+            f"Content-Type: image/jpeg\r\n\r\nimage bytes\r\n--{boundary}--\r\n"
+        ).encode()
         client.post("/predict", content=body, headers={"content-type": f"multipart/form-data; boundary={boundary}"})
     client.post("/predict", content=b"image bytes", headers={"content-type": "image/jpeg"})
     client.post("/predict", content=b"other image", headers={"content-type": "image/jpeg"})

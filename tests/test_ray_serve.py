@@ -2,6 +2,7 @@
 
 One local Ray cluster (127.0.0.1 only, 2 CPUs) for the module; it is shut down at the end.
 """
+
 import os
 import re
 import subprocess
@@ -70,19 +71,18 @@ def test_answers_match_plain_server_and_both_replicas_serve(ray_url, config, ima
     assert [r.status_code for r in responses] == [200] * IMAGES, [r.text for r in responses if r.status_code != 200]
 
     with TestClient(server.create_app(config)) as plain:
-        expected = [plain.post("/predict", files={"file": ("image.jpg", body, "image/jpeg")}).json()
-                    for body in images]
+        expected = [plain.post("/predict", files={"file": ("image.jpg", body, "image/jpeg")}).json() for body in images]
     for response, want in zip(responses, expected, strict=True):
         got = response.json()
         assert got["model"] == want["model"]
         # Batch composition and thread count differ between the two: equal up to float rounding.
-        np.testing.assert_allclose([p["probability"] for p in got["predictions"]],
-                                   [p["probability"] for p in want["predictions"]], rtol=RTOL)
+        np.testing.assert_allclose(
+            [p["probability"] for p in got["predictions"]], [p["probability"] for p in want["predictions"]], rtol=RTOL
+        )
         got_top, want_top = got["predictions"][0], want["predictions"][0]
         # The random-init stand-in is nearly uniform (top-2 margins ~1e-6): only a class tied with the
         # plain server's top-1 within rounding may lead instead (on this machine the outputs are identical).
-        tied = {p["class_id"] for p in want["predictions"]
-                if p["probability"] >= want_top["probability"] * (1 - RTOL)}
+        tied = {p["class_id"] for p in want["predictions"] if p["probability"] >= want_top["probability"] * (1 - RTOL)}
         assert got_top["class_id"] == want_top["class_id"] or got_top["class_id"] in tied, (got_top, want_top)
 
     replicas = {r.headers[ray_serve.REPLICA_HEADER] for r in responses}
@@ -120,8 +120,9 @@ def test_ray_stays_optional():
 
 
 def test_more_cpus_than_the_machine_has_is_one_line_and_exit_2(fp32_model_path, capsys):
-    args = ray_serve.parse_args(["--model", str(fp32_model_path), "--replicas", str(os.cpu_count() + 1),
-                                 "--num-cpus", "1", "--cache-size", "3"])
+    args = ray_serve.parse_args(
+        ["--model", str(fp32_model_path), "--replicas", str(os.cpu_count() + 1), "--num-cpus", "1", "--cache-size", "3"]
+    )
     assert args.server_flags == ["--cache-size", "3"]
     with pytest.raises(SystemExit) as exit_info:
         ray_serve.main(args)  # before any Ray process starts
@@ -130,8 +131,9 @@ def test_more_cpus_than_the_machine_has_is_one_line_and_exit_2(fp32_model_path, 
     assert error.startswith("error: --replicas") and "lower --num-cpus" in error and error.count("\n") == 1
 
 
-def test_build_app_reads_the_key_file_once_and_the_replicas_app_is_protected(fp32_model_path, tmp_path, monkeypatch,
-                                                                              capsys):
+def test_build_app_reads_the_key_file_once_and_the_replicas_app_is_protected(
+    fp32_model_path, tmp_path, monkeypatch, capsys
+):
     bad = tmp_path / "bad_keys"
     bad.write_text("sha256:abc infer\n")
     with pytest.raises(KeyFileError, match=f"^{re.escape(str(bad))}:1: sha256: must be followed by the 64 hex"):
@@ -154,8 +156,9 @@ def test_build_app_reads_the_key_file_once_and_the_replicas_app_is_protected(fp3
     with TestClient(server.create_app(config)) as client:  # as MobileNetV3.__serve_build_asgi_app__ builds it
         photo = load_images(1, seed=9)[0]
         assert client.post("/predict", files={"file": ("a.jpg", photo, "image/jpeg")}).status_code == 401
-        keyed = client.post("/predict", files={"file": ("a.jpg", photo, "image/jpeg")},
-                            headers={"Authorization": f"Bearer {key}"})
+        keyed = client.post(
+            "/predict", files={"file": ("a.jpg", photo, "image/jpeg")}, headers={"Authorization": f"Bearer {key}"}
+        )
         assert keyed.status_code == 200 and len(keyed.json()["predictions"]) == 5
         assert client.get("/metrics", headers={"Authorization": f"Bearer {key}"}).status_code == 403
         assert client.get("/healthz").status_code == 200

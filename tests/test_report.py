@@ -1,4 +1,5 @@
 """summary.md is rebuilt from whatever CSVs and PNGs are in results/, so later stages need no changes."""
+
 import pytest
 
 from mnv3.plots import plot_variants
@@ -12,8 +13,9 @@ def test_summary_includes_every_csv_and_png_in_file_name_order(tmp_path):
     write_csv(tmp_path / "01_baseline.csv", [{"variant": "onnx_fp32", "mean_ms": 8.5, "weights": "file:abc"}])
     write_csv(tmp_path / "05_loadtest.csv", [{"mode": "batched", "rps": 410.1}])  # a later stage's file
     write_csv(tmp_path / "model_variants.csv", [{"variant": "ONNX FP32", "note": "a|b"}])
-    plot_variants([{"variant": "ONNX FP32", "mean_ms": 8.5, "p95_ms": 10.7, "size_mb": 21.2}],
-                  tmp_path / "model_variants.png")
+    plot_variants(
+        [{"variant": "ONNX FP32", "mean_ms": 8.5, "p95_ms": 10.7, "size_mb": 21.2}], tmp_path / "model_variants.png"
+    )
     (tmp_path / "04_cache.png").write_bytes((tmp_path / "model_variants.png").read_bytes())  # a plot with no CSV
     summary = write_summary(tmp_path).read_text()
     headings = [line for line in summary.splitlines() if line.startswith("## ")]
@@ -35,8 +37,10 @@ def test_markdown_table_uses_first_row_columns():
 
 
 def test_plot_is_a_png(tmp_path):
-    rows = [{"variant": name, "mean_ms": ms, "p95_ms": ms * 1.3, "size_mb": mb}
-            for name, ms, mb in (("ONNX FP32", 8.5, 21.2), ("ONNX Static INT8", 11.1, 5.6))]
+    rows = [
+        {"variant": name, "mean_ms": ms, "p95_ms": ms * 1.3, "size_mb": mb}
+        for name, ms, mb in (("ONNX FP32", 8.5, 21.2), ("ONNX Static INT8", 11.1, 5.6))
+    ]
     assert plot_variants(rows, tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -1,4 +1,5 @@
 """The HTTP server against the real (random-init) MobileNetV3 ONNX export from conftest."""
+
 import io
 import json
 import subprocess
@@ -24,8 +25,14 @@ PIXEL_LIMIT = 1_000_000
 
 @pytest.fixture(scope="module")
 def client(fp32_model_path):
-    with serving_client(fp32_model_path, max_batch_size=8, batch_window_ms=100, cache_size=64,
-                        max_upload_bytes=UPLOAD_LIMIT, max_pixels=PIXEL_LIMIT) as client:
+    with serving_client(
+        fp32_model_path,
+        max_batch_size=8,
+        batch_window_ms=100,
+        cache_size=64,
+        max_upload_bytes=UPLOAD_LIMIT,
+        max_pixels=PIXEL_LIMIT,
+    ) as client:
         yield client
 
 
@@ -81,18 +88,21 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own_answer(client, im
             assert p["probability"] == pytest.approx(float(alone[p["class_id"]]), rel=1e-4)
 
 
-@pytest.mark.parametrize("send, status, message", [
-    (lambda c, jpeg: post_raw(c, b""), 400, "empty body"),
-    (lambda c, jpeg: post_raw(c, b"hello, world", "image/png"), 400, "not a recognised image"),
-    (lambda c, jpeg: post_file(c, jpeg[: len(jpeg) // 2]), 400, "truncated"),
-    (lambda c, jpeg: post_file(c, jpeg, field="image"), 400, "'file'"),
-    (lambda c, jpeg: post_raw(c, b"--x\r\n", "multipart/form-data"), 400, "multipart"),
-    (lambda c, jpeg: post_raw(c, jpeg, None), 415, "content type"),
-    (lambda c, jpeg: post_raw(c, jpeg, "text/plain"), 415, "content type"),
-    (lambda c, jpeg: post_raw(c, bytes(UPLOAD_LIMIT + 1)), 413, "over the limit"),
-    (lambda c, jpeg: post_raw(c, iter([bytes(UPLOAD_LIMIT // 2)] * 3)), 413, "over the limit"),  # chunked
-    (lambda c, jpeg: post_file(c, png((1200, 1000), "L")), 413, "pixels"),
-])
+@pytest.mark.parametrize(
+    "send, status, message",
+    [
+        (lambda c, jpeg: post_raw(c, b""), 400, "empty body"),
+        (lambda c, jpeg: post_raw(c, b"hello, world", "image/png"), 400, "not a recognised image"),
+        (lambda c, jpeg: post_file(c, jpeg[: len(jpeg) // 2]), 400, "truncated"),
+        (lambda c, jpeg: post_file(c, jpeg, field="image"), 400, "'file'"),
+        (lambda c, jpeg: post_raw(c, b"--x\r\n", "multipart/form-data"), 400, "multipart"),
+        (lambda c, jpeg: post_raw(c, jpeg, None), 415, "content type"),
+        (lambda c, jpeg: post_raw(c, jpeg, "text/plain"), 415, "content type"),
+        (lambda c, jpeg: post_raw(c, bytes(UPLOAD_LIMIT + 1)), 413, "over the limit"),
+        (lambda c, jpeg: post_raw(c, iter([bytes(UPLOAD_LIMIT // 2)] * 3)), 413, "over the limit"),  # chunked
+        (lambda c, jpeg: post_file(c, png((1200, 1000), "L")), 413, "pixels"),
+    ],
+)
 def test_bad_input_is_a_clear_4xx_and_the_server_keeps_serving(client, images, send, status, message):
     response = send(client, images[3])
     assert response.status_code == status, response.text
@@ -112,11 +122,22 @@ def test_operational_endpoints(client, fp32_model_path):
 
     metrics = client.get("/metrics")
     assert metrics.headers["content-type"].startswith("text/plain")
-    for name in ("mnv3_request_latency_seconds_bucket", "mnv3_queue_wait_seconds_count", "mnv3_preprocess_seconds_sum",
-                 "mnv3_inference_seconds_count", 'mnv3_batch_size_bucket{le="128.0"}', "mnv3_cache_hits_total",
-                 "mnv3_cache_misses_total", "mnv3_cache_entries", "mnv3_queue_depth", "mnv3_in_flight 0.0",
-                 "mnv3_dropped_total 0.0", 'mnv3_rejections_total{reason="queue_full"}',
-                 'mnv3_rejections_total{reason="busy"}', 'mnv3_rejections_total{reason="slow_upload"}'):
+    for name in (
+        "mnv3_request_latency_seconds_bucket",
+        "mnv3_queue_wait_seconds_count",
+        "mnv3_preprocess_seconds_sum",
+        "mnv3_inference_seconds_count",
+        'mnv3_batch_size_bucket{le="128.0"}',
+        "mnv3_cache_hits_total",
+        "mnv3_cache_misses_total",
+        "mnv3_cache_entries",
+        "mnv3_queue_depth",
+        "mnv3_in_flight 0.0",
+        "mnv3_dropped_total 0.0",
+        'mnv3_rejections_total{reason="queue_full"}',
+        'mnv3_rejections_total{reason="busy"}',
+        'mnv3_rejections_total{reason="slow_upload"}',
+    ):
         assert name in metrics.text
 
     assert client.get("/docs").status_code == 200
@@ -126,8 +147,10 @@ def test_operational_endpoints(client, fp32_model_path):
 
 
 def test_full_queue_gives_503_with_retry_after(fp32_model_path, images):
-    with serving_client(fp32_model_path, max_batch_size=1, queue_limit=1, cache_size=0) as client, \
-            ThreadPoolExecutor(2) as pool:
+    with (
+        serving_client(fp32_model_path, max_batch_size=1, queue_limit=1, cache_size=0) as client,
+        ThreadPoolExecutor(2) as pool,
+    ):
         serving = client.app.state.serving
         gate = Gate(serving.engine)
         running = pool.submit(post_file, client, images[0])
@@ -143,8 +166,10 @@ def test_full_queue_gives_503_with_retry_after(fp32_model_path, images):
 
 
 def test_deadline_gives_504_and_drops_work_not_yet_run(fp32_model_path, images):
-    with serving_client(fp32_model_path, max_batch_size=1, deadline_ms=300, cache_size=0) as client, \
-            ThreadPoolExecutor(2) as pool:
+    with (
+        serving_client(fp32_model_path, max_batch_size=1, deadline_ms=300, cache_size=0) as client,
+        ThreadPoolExecutor(2) as pool,
+    ):
         gate = Gate(client.app.state.serving.engine)
         running = pool.submit(post_file, client, images[0])
         gate.entered.wait(WAIT_S)
@@ -174,8 +199,10 @@ class FailingSession:
 
 
 def test_onnxruntime_error_fails_only_its_batch_and_the_server_serves_on(fp32_model_path, images):
-    with serving_client(fp32_model_path, max_batch_size=4, batch_window_ms=100, cache_size=0) as client, \
-            ThreadPoolExecutor(3) as pool:
+    with (
+        serving_client(fp32_model_path, max_batch_size=4, batch_window_ms=100, cache_size=0) as client,
+        ThreadPoolExecutor(3) as pool,
+    ):
         engine = client.app.state.serving.engine
         gate = Gate(engine)
         engine.session = FailingSession(engine.session, fail_call=2)
@@ -214,9 +241,12 @@ def test_wrong_input_shape_exits_2_with_one_line(tmp_path):
     from onnx import TensorProto, helper
 
     tensor = helper.make_tensor_value_info
-    graph = helper.make_graph([helper.make_node("Identity", ["input"], ["logits"])], "tiny",
-                              [tensor("input", TensorProto.FLOAT, ["batch", 3, 32, 32])],
-                              [tensor("logits", TensorProto.FLOAT, ["batch", 3, 32, 32])])
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["input"], ["logits"])],
+        "tiny",
+        [tensor("input", TensorProto.FLOAT, ["batch", 3, 32, 32])],
+        [tensor("logits", TensorProto.FLOAT, ["batch", 3, 32, 32])],
+    )
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "tiny.onnx")
     result = run_server("--model", str(tmp_path / "tiny.onnx"), "--port", "0")
     assert result.returncode == 2
@@ -227,7 +257,12 @@ def test_wrong_input_shape_exits_2_with_one_line(tmp_path):
 def test_flags_override_environment():
     environ = {"MNV3_MODEL": "m.onnx", "MNV3_CACHE_SIZE": "0", "MNV3_BATCH_WINDOW_MS": "5"}
     config = parse_args(["--batch-window-ms", "7"], environ)
-    assert (str(config.model), config.cache_size, config.batch_window_ms, config.max_batch_size) == ("m.onnx", 0, 7.0, 32)
+    assert (str(config.model), config.cache_size, config.batch_window_ms, config.max_batch_size) == (
+        "m.onnx",
+        0,
+        7.0,
+        32,
+    )
     with pytest.raises(SystemExit):
         parse_args(["--model", "m.onnx", "--max-batch-size", "0"], {})
 
@@ -249,8 +284,10 @@ def test_a_cache_entry_costs_about_a_kilobyte():
         tracemalloc.start()
         before = tracemalloc.get_traced_memory()[0]
         for i in range(entries):
+
             async def compute():
                 return Classified([Prediction(j, labels[j], 0.1 * j) for j in range(5)], 8, 1.0, 2.0, 3.0)
+
             await cache.get_or_compute(i.to_bytes(8, "little"), compute)
         per_entry = (tracemalloc.get_traced_memory()[0] - before) / entries
         tracemalloc.stop()

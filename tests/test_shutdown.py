@@ -1,4 +1,5 @@
 """SIGTERM: stop accepting, answer every request already accepted, exit 0."""
+
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +26,7 @@ def test_sigterm_answers_every_accepted_request_then_exits_0(fp32_model_path):
     # One core for decoding and one for inference, no batching: the requests take a while to get through.
     server = ServerProcess(fp32_model_path, cache_size=0, max_batch_size=1, intra_op_threads=1, preprocess_threads=1)
     with server as url, ThreadPoolExecutor(REQUESTS) as pool:
+
         def timed(body):
             response = post(url, body)
             return response.status_code, time.monotonic()
@@ -41,6 +43,7 @@ def test_sigterm_answers_every_accepted_request_then_exits_0(fp32_model_path):
             except requests.ConnectionError:
                 return True
             return False
+
         wait_until(refused, "new connections to be refused")
 
         outcomes = [future.result() for future in futures]

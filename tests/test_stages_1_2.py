@@ -1,4 +1,5 @@
 """Stages 1 and 2 end to end in --quick mode into tmp dirs, and the errors a user can cause."""
+
 import json
 import subprocess
 import sys
@@ -28,13 +29,33 @@ def stage_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("stages")
     dirs = {"artifacts": root / "artifacts", "results": root / "results", "calibration": root / "calibration"}
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(torchvision.models._api, "load_state_dict_from_url",
-                      lambda *a, **k: (_ for _ in ()).throw(urllib.error.URLError("offline test")))
+        patch.setattr(
+            torchvision.models._api,
+            "load_state_dict_from_url",
+            lambda *a, **k: (_ for _ in ()).throw(urllib.error.URLError("offline test")),
+        )
         with pytest.warns(UserWarning, match="RANDOM INIT"):
-            run_stage(baseline_export_quantize, "--quick", "--artifacts-dir", dirs["artifacts"],
-                      "--results-dir", dirs["results"], "--transformer-control")
-    run_stage(static_quantization, "--quick", "--artifacts-dir", dirs["artifacts"], "--results-dir", dirs["results"],
-              "--calibration-dir", dirs["calibration"], "--compare-recipes", "all")
+            run_stage(
+                baseline_export_quantize,
+                "--quick",
+                "--artifacts-dir",
+                dirs["artifacts"],
+                "--results-dir",
+                dirs["results"],
+                "--transformer-control",
+            )
+    run_stage(
+        static_quantization,
+        "--quick",
+        "--artifacts-dir",
+        dirs["artifacts"],
+        "--results-dir",
+        dirs["results"],
+        "--calibration-dir",
+        dirs["calibration"],
+        "--compare-recipes",
+        "all",
+    )
     return dirs
 
 
@@ -90,14 +111,25 @@ def test_compare_recipes_writes_one_sane_row_per_recipe_and_ships_the_default(st
     for name, row in rows.items():
         recipe = RECIPES[name].record()
         assert (row["quant_format"], row["per_channel"], row["reduce_range"], row["graph_rewrite"]) == (
-            recipe["quant_format"], str(recipe["per_channel"]), str(recipe["reduce_range"]), recipe["graph_rewrite"])
-        assert {"activation_type", "weight_type", "calibrate_method", "nodes_to_exclude", "op_types_to_quantize",
-                "extra_options"} <= set(row)
+            recipe["quant_format"],
+            str(recipe["per_channel"]),
+            str(recipe["reduce_range"]),
+            recipe["graph_rewrite"],
+        )
+        assert {
+            "activation_type",
+            "weight_type",
+            "calibrate_method",
+            "nodes_to_exclude",
+            "op_types_to_quantize",
+            "extra_options",
+        } <= set(row)
         assert 0 < float(row["p50_ms"]) <= float(row["p95_ms"]) and float(row["per_image_ms"]) > 0
         assert row["batch_size"] == "8" and row["threads"] == "2" and row["calibration_images"] == "16"
         assert 0.05 < float(row["mean_ms_vs_onnx_fp32"]) < 20 and 0.05 < float(row["per_image_ms_vs_onnx_fp32"]) < 20
         assert float(row["mean_ms_vs_onnx_fp32"]) == pytest.approx(
-            float(row["mean_ms"]) / float(row["onnx_fp32_mean_ms"]), abs=0.01)
+            float(row["mean_ms"]) / float(row["onnx_fp32_mean_ms"]), abs=0.01
+        )
         assert 0.2 < float(row["size_mb_vs_onnx_fp32"]) < 0.3
         assert 0 <= float(row["top1_agreement"]) <= float(row["top5_agreement"]) <= 1
         assert 0 < float(row["sqnr_db"]) < float("inf")
@@ -117,8 +149,18 @@ def test_stage_2_without_compare_builds_only_the_chosen_recipe(stage_dirs, tmp_p
     results = tmp_path / "results"
     results.mkdir()
     (results / "01_baseline.csv").write_bytes((stage_dirs["results"] / "01_baseline.csv").read_bytes())
-    run_stage(static_quantization, "--quick", "--artifacts-dir", artifacts, "--results-dir", results,
-              "--calibration-dir", stage_dirs["calibration"], "--recipe", "qdq_per_tensor_minmax")
+    run_stage(
+        static_quantization,
+        "--quick",
+        "--artifacts-dir",
+        artifacts,
+        "--results-dir",
+        results,
+        "--calibration-dir",
+        stage_dirs["calibration"],
+        "--recipe",
+        "qdq_per_tensor_minmax",
+    )
     static = read_csv(results / "02_static.csv")[0]
     assert static["recipe"] == "qdq_per_tensor_minmax" and static["per_channel"] == "False"
     # timed in turns with an FP32 session of its own, not against stage 1's FP32 from another run
@@ -126,7 +168,9 @@ def test_stage_2_without_compare_builds_only_the_chosen_recipe(stage_dirs, tmp_p
     variants = {row["variant"]: row for row in read_csv(results / "model_variants.csv")}
     assert variants["ONNX Static INT8"]["mean_vs_onnx_fp32"] == str(round(float(static["mean_ms_vs_onnx_fp32"]), 2))
     assert not (results / "02_recipes.csv").exists() and not (artifacts / "recipes").exists()
-    assert json.loads((artifacts / "manifest.json").read_text())["static_int8"]["recipe_name"] == "qdq_per_tensor_minmax"
+    assert (
+        json.loads((artifacts / "manifest.json").read_text())["static_int8"]["recipe_name"] == "qdq_per_tensor_minmax"
+    )
 
 
 def test_unknown_compare_recipe_is_rejected_by_argparse(capsys):
@@ -142,8 +186,13 @@ def test_manifest_records_provenance_files_and_recipe(stage_dirs):
     for entry in ("fp32", "dynamic_int8", "static_int8"):
         assert (stage_dirs["artifacts"] / manifest[entry]["path"]).exists()
     recipe = manifest["static_int8"]["recipe"]
-    assert (recipe["quant_format"], recipe["per_channel"], recipe["activation_type"], recipe["weight_type"],
-            recipe["calibrate_method"]) == ("QDQ", True, "QUInt8", "QInt8", "MinMax")
+    assert (
+        recipe["quant_format"],
+        recipe["per_channel"],
+        recipe["activation_type"],
+        recipe["weight_type"],
+        recipe["calibrate_method"],
+    ) == ("QDQ", True, "QUInt8", "QInt8", "MinMax")
     assert "reduce_range" in recipe and recipe["nodes_to_exclude"] == []
     assert recipe["graph_rewrite"] == RECIPES[DEFAULT_RECIPE].record()["graph_rewrite"]
     assert manifest["static_int8"]["calibration_images"] == 16
@@ -154,7 +203,11 @@ def test_stage_2_records_the_fastest_engine_for_auto_and_that_the_stand_in_is_no
     entry = json.loads((stage_dirs["artifacts"] / "manifest.json").read_text())["engine_choice"]
     [chosen] = [row for row in rows if row["chosen"] == "True"]
     assert (entry["variant"], entry["engine"], entry["file"], entry["precision"]) == (
-        chosen["variant"], chosen["engine"], chosen["file"], chosen["precision"])
+        chosen["variant"],
+        chosen["engine"],
+        chosen["file"],
+        chosen["precision"],
+    )
     assert (stage_dirs["artifacts"] / entry["file"]).exists() and entry["for_model"] == "static_int8.onnx"
     assert rows[0]["variant"] == "onnxruntime_fp32" and float(rows[0]["mean_ms_vs_onnx_fp32"]) == 1.0
     assert "onnxruntime_static_int8" in {row["variant"] for row in rows}
@@ -181,8 +234,13 @@ def test_summary_has_every_table_in_file_order(stage_dirs):
 
 
 def test_stage_2_without_stage_1_names_stage_1(tmp_path):
-    result = subprocess.run([sys.executable, "static_quantization.py", "--quick", "--artifacts-dir", tmp_path,
-                             "--results-dir", tmp_path], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "static_quantization.py", "--quick", "--artifacts-dir", tmp_path, "--results-dir", tmp_path],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2
     assert "stage 1" in result.stderr and "baseline_export_quantize.py" in result.stderr
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
@@ -191,8 +249,16 @@ def test_stage_2_without_stage_1_names_stage_1(tmp_path):
 def test_bad_weights_file_exits_2_with_one_line(tmp_path, capsys):
     (tmp_path / "bad.pth").write_bytes(b"not a checkpoint")
     with pytest.raises(SystemExit) as exit_info:
-        run_stage(baseline_export_quantize, "--quick", "--weights", tmp_path / "bad.pth",
-                  "--artifacts-dir", tmp_path, "--results-dir", tmp_path)
+        run_stage(
+            baseline_export_quantize,
+            "--quick",
+            "--weights",
+            tmp_path / "bad.pth",
+            "--artifacts-dir",
+            tmp_path,
+            "--results-dir",
+            tmp_path,
+        )
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.startswith("error: --weights")
     assert not (tmp_path / "fp32.onnx").exists()
@@ -200,8 +266,18 @@ def test_bad_weights_file_exits_2_with_one_line(tmp_path, capsys):
 
 def test_unreadable_labels_exit_2(stage_dirs, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:  # checked before any calibration or output
-        run_stage(static_quantization, "--quick", "--labels", tmp_path / "nope.csv", "--artifacts-dir",
-                  stage_dirs["artifacts"], "--results-dir", stage_dirs["results"], "--calibration-dir", tmp_path)
+        run_stage(
+            static_quantization,
+            "--quick",
+            "--labels",
+            tmp_path / "nope.csv",
+            "--artifacts-dir",
+            stage_dirs["artifacts"],
+            "--results-dir",
+            stage_dirs["results"],
+            "--calibration-dir",
+            tmp_path,
+        )
     assert exit_info.value.code == 2
     assert "--labels" in capsys.readouterr().err
 
@@ -218,8 +294,16 @@ def test_corrupt_calibration_image_exits_2_naming_the_file(stage_dirs, tmp_path,
     calibration.mkdir()
     (calibration / "holiday.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
     with pytest.raises(SystemExit) as exit_info:
-        run_stage(static_quantization, "--quick", "--artifacts-dir", stage_dirs["artifacts"],
-                  "--results-dir", stage_dirs["results"], "--calibration-dir", calibration)
+        run_stage(
+            static_quantization,
+            "--quick",
+            "--artifacts-dir",
+            stage_dirs["artifacts"],
+            "--results-dir",
+            stage_dirs["results"],
+            "--calibration-dir",
+            calibration,
+        )
     assert exit_info.value.code == 2
     error = capsys.readouterr().err
     assert "holiday.jpg" in error and "remove or replace" in error and "Traceback" not in error

@@ -3,6 +3,7 @@
 Timings on a shared machine are noise: the tests check the relations every row must satisfy (counts,
 ratios, what the server's metrics saw), never that one timing beats another.
 """
+
 import os
 import subprocess
 import sys
@@ -16,9 +17,18 @@ import batching_loadtest
 import caching
 import fastapi_serving
 from conftest import assert_rate
-from mnv3.artifacts import (BATCH_SIZE_HISTOGRAM_PNG, BATCHING_CSV, CACHING_CSV, LATENCY_PNG, PHONE_PHOTOS_CSV,
-                            SERVING_BASELINE_CSV, SIDE_BY_SIDE_CSV, THROUGHPUT_PNG, V2_VS_PREDICT_CSV,
-                            update_manifest)
+from mnv3.artifacts import (
+    BATCH_SIZE_HISTOGRAM_PNG,
+    BATCHING_CSV,
+    CACHING_CSV,
+    LATENCY_PNG,
+    PHONE_PHOTOS_CSV,
+    SERVING_BASELINE_CSV,
+    SIDE_BY_SIDE_CSV,
+    THROUGHPUT_PNG,
+    V2_VS_PREDICT_CSV,
+    update_manifest,
+)
 from mnv3.cli import serving_model
 from mnv3.phone_benchmark import TIME_PARTS
 from mnv3.report import read_csv
@@ -29,8 +39,18 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run_quick(stage, csv_name, model, results_dir, *extra):
-    args = stage.get_args_parser().parse_args(["--quick", "--model", str(model), "--results-dir", str(results_dir),
-                                               "--artifacts-dir", str(results_dir / "artifacts"), *extra])
+    args = stage.get_args_parser().parse_args(
+        [
+            "--quick",
+            "--model",
+            str(model),
+            "--results-dir",
+            str(results_dir),
+            "--artifacts-dir",
+            str(results_dir / "artifacts"),
+            *extra,
+        ]
+    )
     stage.main(args)
     return read_csv(results_dir / csv_name)
 
@@ -65,8 +85,12 @@ def test_stage3_baseline(fp32_model_path, tmp_path):
 
 def test_stage4_hits_are_answered_from_the_cache_without_inference(fp32_model_path, tmp_path):
     rows = run_quick(caching, CACHING_CSV, fp32_model_path, tmp_path)
-    assert [(r["run"], r["phase"]) for r in rows] == [("sequential", "miss"), ("sequential", "hit"),
-                                                      ("concurrent", "miss"), ("concurrent", "hit")]
+    assert [(r["run"], r["phase"]) for r in rows] == [
+        ("sequential", "miss"),
+        ("sequential", "hit"),
+        ("concurrent", "miss"),
+        ("concurrent", "hit"),
+    ]
     for miss, hit in (rows[:2], rows[2:]):
         assert int(miss["errors"]) == int(hit["errors"]) == 0
         assert int(miss["cache_hits"]) == 0 and int(hit["cache_hits"]) == int(hit["ok"])
@@ -75,14 +99,23 @@ def test_stage4_hits_are_answered_from_the_cache_without_inference(fp32_model_pa
         assert int(hit["metrics_batches"]) == 0 and int(miss["metrics_batches"]) == int(miss["ok"])  # batch size 1
         assert float(hit["mean_inference_ms"]) == 0 < float(miss["mean_inference_ms"])
         assert float(hit["hit_speedup_p50"]) == pytest.approx(
-            float(miss["latency_p50_ms"]) / float(hit["latency_p50_ms"]), abs=0.01)
+            float(miss["latency_p50_ms"]) / float(hit["latency_p50_ms"]), abs=0.01
+        )
         assert float(hit["hit_throughput_ratio"]) == pytest.approx(
-            float(hit["req_per_s"]) / float(miss["req_per_s"]), abs=0.01)
+            float(hit["req_per_s"]) / float(miss["req_per_s"]), abs=0.01
+        )
 
 
 def test_stage5_batching_sweep_open_loop_and_limit(fp32_model_path, other_model_path, tmp_path):
-    rows = run_quick(batching_loadtest, BATCHING_CSV, fp32_model_path, tmp_path,
-                     "--side-by-side-models", str(fp32_model_path), str(other_model_path))
+    rows = run_quick(
+        batching_loadtest,
+        BATCHING_CSV,
+        fp32_model_path,
+        tmp_path,
+        "--side-by-side-models",
+        str(fp32_model_path),
+        str(other_model_path),
+    )
     by_kind = {}
     for row in rows:
         by_kind.setdefault((row["configuration"], row["mode"]), []).append(row)
@@ -97,7 +130,8 @@ def test_stage5_batching_sweep_open_loop_and_limit(fp32_model_path, other_model_
     assert all(r["server_max_batch_size"] == "32" and r["server_batch_window_ms"] == "20.0" for r in batched)
     headline = next(r for r in batched if r["concurrency"] == "8")
     assert float(headline["speedup_vs_no_batching"]) == pytest.approx(
-        float(headline["req_per_s"]) / float(baseline["req_per_s"]), abs=0.01)
+        float(headline["req_per_s"]) / float(baseline["req_per_s"]), abs=0.01
+    )
     assert_server_batched_every_answer(headline, max_batch_size=int(headline["server_max_batch_size"]))
     # the open loop offers a fraction of the headline's rate, and every request it sent was answered or refused
     fraction = batching_loadtest.get_args_parser().get_default("open_loop_fraction")
@@ -108,18 +142,25 @@ def test_stage5_batching_sweep_open_loop_and_limit(fp32_model_path, other_model_
     for row in [*grid, confirmed]:
         assert_rate(row["images_per_s"], row["images"], row["seconds"])
     fastest = max(grid, key=lambda r: float(r["images_per_s"]))  # the configuration measured again
-    assert [confirmed[k] for k in ("batch_size", "intra_op_threads", "decode_threads")] == \
-        [fastest[k] for k in ("batch_size", "intra_op_threads", "decode_threads")]
+    assert [confirmed[k] for k in ("batch_size", "intra_op_threads", "decode_threads")] == [
+        fastest[k] for k in ("batch_size", "intra_op_threads", "decode_threads")
+    ]
     assert float(headline["server_to_limit_ratio"]) == pytest.approx(
-        float(headline["req_per_s"]) / float(confirmed["images_per_s"]), abs=0.006)
+        float(headline["req_per_s"]) / float(confirmed["images_per_s"]), abs=0.006
+    )
     for png in (THROUGHPUT_PNG, LATENCY_PNG, BATCH_SIZE_HISTOGRAM_PNG):
         with Image.open(tmp_path / png) as image:
             assert image.format == "PNG" and min(image.size) > 100
     # issue 11's rows (their relations: tests/test_v2_benchmark.py): every request of both answered
     v2_rows = read_csv(tmp_path / V2_VS_PREDICT_CSV)
     assert [(r["configuration"], r["turn"]) for r in v2_rows] == [
-        ("predict", "1"), ("v2_binary", "1"), ("predict", "2"), ("v2_binary", "2"), ("predict", "all"),
-        ("v2_binary", "all")]
+        ("predict", "1"),
+        ("v2_binary", "1"),
+        ("predict", "2"),
+        ("v2_binary", "2"),
+        ("predict", "all"),
+        ("v2_binary", "all"),
+    ]
     side_by_side = read_csv(tmp_path / SIDE_BY_SIDE_CSV)
     assert [r["served_model"] for r in side_by_side] == ["fp32", "other", "all"]
     for row in v2_rows + side_by_side:
@@ -148,7 +189,8 @@ def test_stage5_phone_photo_rows(fp32_model_path, tmp_path):
         assert sum(parts.values()) == pytest.approx(float(row["latency_mean_ms"]), abs=0.05)
         assert parts["decode_preprocess_ms"] == pytest.approx(float(row["mean_preprocess_ms"]), abs=0.01)
     assert float(uploads[0]["draft_speedup"]) == pytest.approx(
-        float(uploads[0]["req_per_s"]) / float(uploads[1]["req_per_s"]), abs=0.01)
+        float(uploads[0]["req_per_s"]) / float(uploads[1]["req_per_s"]), abs=0.01
+    )
 
 
 def test_stage5_refuses_a_negative_phone_photo_count(tmp_path):

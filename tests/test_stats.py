@@ -1,5 +1,6 @@
 """GET /stats's windowed math: histogram quantiles as Prometheus estimates them, bucket differences, the
 ring of readings, and the endpoint against a real server."""
+
 import time
 from types import SimpleNamespace
 
@@ -121,8 +122,12 @@ def test_the_window_covers_the_last_minute_only():
     assert 10 <= stats.latency.p99_ms <= 25 and stats.latency.mean_ms == pytest.approx(20)
     assert (stats.cache.hits, stats.cache.misses, stats.cache.hit_rate) == (5, 5, 0.5)
     assert stats.batch_size.inferences == 5 and stats.batch_size.images == 5
-    assert [(b.smallest, b.largest, b.inferences) for b in stats.batch_size.buckets][:4] == \
-           [(1, 1, 5), (2, 2, 0), (3, 4, 0), (5, 8, 0)]
+    assert [(b.smallest, b.largest, b.inferences) for b in stats.batch_size.buckets][:4] == [
+        (1, 1, 5),
+        (2, 2, 0),
+        (3, 4, 0),
+        (5, 8, 0),
+    ]
     assert stats.batch_size.buckets[-1].largest is None
     assert (stats.queue_depth, stats.in_flight, stats.cache.entries) == (3, 5, 7)
     only = stats.models["only"]  # a server of one model: its figures are the server's
@@ -171,7 +176,9 @@ def test_stats_endpoint_counts_what_the_server_did(fp32_model_path):
             time.sleep(0.05)
         for data in images + images[:1]:
             assert client.post("/predict", files={"file": ("p.jpg", data, "image/jpeg")}).status_code == 200
-        assert client.post("/predict", content=b"not an image", headers={"content-type": "image/jpeg"}).status_code == 400
+        assert (
+            client.post("/predict", content=b"not an image", headers={"content-type": "image/jpeg"}).status_code == 400
+        )
         stats = client.get("/stats").json()
     assert stats["requests"] == 5 and stats["requests_per_s"] > 0
     assert (stats["cache"]["hits"], stats["cache"]["misses"]) == (1, 4)
@@ -181,15 +188,18 @@ def test_stats_endpoint_counts_what_the_server_did(fp32_model_path):
 
 def test_with_two_models_the_stats_are_over_both(fp32_model_path, other_model_path):
     images = load_images(2, seed=9)
-    config = ServerConfig(model=f"fp32={fp32_model_path}", extra_models=(f"shifted={other_model_path}",),
-                          cache_size=16)
+    config = ServerConfig(model=f"fp32={fp32_model_path}", extra_models=(f"shifted={other_model_path}",), cache_size=16)
     with TestClient(create_app(config)) as client:
         give_up = time.monotonic() + 60
         while client.get("/readyz").status_code != 200:
             assert time.monotonic() < give_up, "warm-up did not finish"
             time.sleep(0.05)
-        for model, data in (("fp32", images[0]), ("shifted", images[0]), ("shifted", images[1]),
-                            ("shifted", images[1])):
+        for model, data in (
+            ("fp32", images[0]),
+            ("shifted", images[0]),
+            ("shifted", images[1]),
+            ("shifted", images[1]),
+        ):
             answer = client.post("/predict", params={"model": model}, files={"file": ("p.jpg", data, "image/jpeg")})
             assert answer.status_code == 200
         models = client.get("/models").json()["models"]

@@ -1,5 +1,6 @@
 """The transformer control in quick mode: a tiny random-init ViT through stage 1's export, dynamic INT8,
 interleaved timing, agreement and profiling, giving rows with stage 1's columns."""
+
 from pathlib import Path
 
 import numpy as np
@@ -29,8 +30,9 @@ MIN_SQNR_DB = 20.0
 def control(tmp_path_factory):
     artifacts_dir = tmp_path_factory.mktemp("transformer_control")
     held_out = held_out_batch(QUICK.held_out_images)
-    result = transformer_control.transformer_control(SHAPE, held_out, QUICK.timing, QUICK.batch_size, THREADS,
-                                                     QUICK.profile_runs, artifacts_dir)
+    result = transformer_control.transformer_control(
+        SHAPE, held_out, QUICK.timing, QUICK.batch_size, THREADS, QUICK.profile_runs, artifacts_dir
+    )
     return result, artifacts_dir, held_out
 
 
@@ -76,7 +78,7 @@ def test_profile_names_integer_matmuls_for_every_weight_matmul(control):
 
 def test_random_init_is_seeded_with_a_live_head():
     first, second = build_vit(SHAPE), build_vit(SHAPE)
-    for (name, a), b in zip(first.state_dict().items(), second.state_dict().values()):
+    for (name, a), b in zip(first.state_dict().items(), second.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
     assert first.heads.head.weight.abs().sum() > 0  # torchvision's zero init would make every logit 0
     image = torch.from_numpy(np.ascontiguousarray(held_out_batch(QUICK.held_out_images)[:2]))

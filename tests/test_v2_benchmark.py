@@ -2,6 +2,7 @@
 on the fixture models: the /v2 load client sends what tritonclient sends and gets /predict's answers,
 and the rows hold their relations (every request answered, rates = counts / seconds, the agreement
 recounted from the answers). No timing is compared: on a shared machine that is noise."""
+
 import numpy as np
 import pytest
 import requests
@@ -47,8 +48,9 @@ def triton_body(photo: bytes) -> tuple[bytes, int]:
 
 
 def test_v2_request_is_tritonclients_and_the_servers_codec_reads_it(photos):
-    model = ModelDescription("m", "1", (3, 224, 224), [], 1000, max_images=8, batcher_max_batch_size=8,
-                             batch_window_s=0.02)
+    model = ModelDescription(
+        "m", "1", (3, 224, 224), [], 1000, max_images=8, batcher_max_batch_size=8, batch_window_s=0.02
+    )
     for photo in photos[:3]:
         request = v2_request(photo)
         assert (request.body, request.header_length) == triton_body(photo)
@@ -62,24 +64,27 @@ def test_v2_client_answers_as_predict_does(fp32_model_path, photos):
         for photo in photos[:4]:
             status, answer = send(v2_request(photo))
             assert status == "200" and answer["model_name"] == "fp32"
-            top = requests.post(url + "/predict", files={"file": ("p.jpg", photo, "image/jpeg")},
-                                timeout=WAIT_S).json()["predictions"]
+            top = requests.post(
+                url + "/predict", files={"file": ("p.jpg", photo, "image/jpeg")}, timeout=WAIT_S
+            ).json()["predictions"]
             assert v2_top_classes(answer) == [p["class_id"] for p in top]
             probabilities = [float(text.split(":")[0]) for text in answer["outputs"][0]["data"]]
             np.testing.assert_allclose(probabilities, [p["probability"] for p in top], atol=PROBABILITY_TOLERANCE)
         with V2Client(url, "no_such_model") as unknown:
             assert unknown(v2_request(photos[0])) == ("404", None)
         # what a request header says about its length is checked: the client must send the right one
-        wrong = requests.post(url + "/v2/models/fp32/infer", data=v2_request(photos[0]).body,
-                              headers={HEADER_LENGTH: "5"}, timeout=WAIT_S)
+        wrong = requests.post(
+            url + "/v2/models/fp32/infer", data=v2_request(photos[0]).body, headers={HEADER_LENGTH: "5"}, timeout=WAIT_S
+        )
         assert wrong.status_code == 400 and "error" in wrong.json()
 
 
 def test_v2_vs_predict_rows_alternate_paths_and_answer_every_request(fp32_model_path, photos):
     requests_per_path = 12
     result = run_v2_vs_predict(fp32_model_path, photos, CONCURRENCY, requests_per_path, SERVER, WAIT_S)
-    assert [(path, turn) for path, turn, _ in result.turns] == \
-        [(path, turn) for turn in range(1, TURNS + 1) for path in (PREDICT, V2_BINARY)]
+    assert [(path, turn) for path, turn, _ in result.turns] == [
+        (path, turn) for turn in range(1, TURNS + 1) for path in (PREDICT, V2_BINARY)
+    ]
     rows = result.rows({"model": fp32_model_path.name})
     per_turn, totals = rows[:-2], rows[-2:]
     for row in per_turn:
@@ -102,8 +107,9 @@ def test_v2_vs_predict_rows_alternate_paths_and_answer_every_request(fp32_model_
     assert "v2_to_predict_ratio" not in predict
 
 
-def test_side_by_side_sends_every_photo_to_both_and_counts_agreement(fp32_model_path, other_model_path, photos,
-                                                                     tmp_path):
+def test_side_by_side_sends_every_photo_to_both_and_counts_agreement(
+    fp32_model_path, other_model_path, photos, tmp_path
+):
     models = side_by_side_models([f"fp32={fp32_model_path}", f"other={other_model_path}"], tmp_path)
     result = run_side_by_side(models, photos, CONCURRENCY, SERVER, WAIT_S)
     rows = result.rows({"model": "ignored"})

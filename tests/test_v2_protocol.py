@@ -1,4 +1,5 @@
 """The v2 codec against Triton's own Python client: requests built by tritonclient.http, responses read by it."""
+
 import base64
 import json
 import random
@@ -8,16 +9,34 @@ import numpy as np
 import pytest
 from tritonclient.http import InferenceServerClient, InferInput, InferRequestedOutput
 
-from mnv3.v2_protocol import (EXTENSIONS, IMAGE_INPUT, PIXELS_INPUT, PROBABILITIES_OUTPUT, InferRequest,
-                              ModelDescription, V2Error, encode_infer_response, model_config, model_metadata,
-                              parse_infer_request, server_metadata)
+from mnv3.v2_protocol import (
+    EXTENSIONS,
+    IMAGE_INPUT,
+    PIXELS_INPUT,
+    PROBABILITIES_OUTPUT,
+    InferRequest,
+    ModelDescription,
+    V2Error,
+    encode_infer_response,
+    model_config,
+    model_metadata,
+    parse_infer_request,
+    server_metadata,
+)
 
 pytestmark = pytest.mark.unit
 
 CLASS_NAMES = ["tench", "goldfish", "great white shark", "tiger shark", "hammerhead"]
-MODEL = ModelDescription(name="fp32", version="1", input_shape=(3, 4, 5), class_names=CLASS_NAMES,
-                         num_classes=len(CLASS_NAMES), max_images=4, batcher_max_batch_size=8,
-                         batch_window_s=0.002)
+MODEL = ModelDescription(
+    name="fp32",
+    version="1",
+    input_shape=(3, 4, 5),
+    class_names=CLASS_NAMES,
+    num_classes=len(CLASS_NAMES),
+    max_images=4,
+    batcher_max_batch_size=8,
+    batch_window_s=0.002,
+)
 # Not images, but every byte value: the codec must carry them untouched (decoding is the server's job).
 PAYLOADS = [bytes(range(256)) * 3, b"\xff\xd8\xff\x00\x00jpeg", b"\x89PNG\r\n\x1a\n" + bytes(17)]
 
@@ -61,6 +80,7 @@ def read_response(response):
 
 # ---- requests ----------------------------------------------------------------------------------------
 
+
 def test_binary_images_as_the_client_sends_them():
     request = parse(*request_body([image_input(PAYLOADS)], request_id="req-7"))
     assert request.images == PAYLOADS and request.pixels is None and request.count == 3
@@ -84,15 +104,25 @@ def test_pixels_round_trip(binary):
 
 def test_nested_json_pixels_equal_flat_ones():
     pixels = random_pixels(1)
-    header = {"inputs": [{"name": PIXELS_INPUT, "datatype": "FP32", "shape": list(pixels.shape),
-                          "data": pixels.tolist()}]}
+    header = {
+        "inputs": [{"name": PIXELS_INPUT, "datatype": "FP32", "shape": list(pixels.shape), "data": pixels.tolist()}]
+    }
     np.testing.assert_array_equal(parse(json.dumps(header).encode()).pixels, pixels)
 
 
 def test_json_images_in_base64():
-    header = {"id": "b64", "inputs": [{"name": IMAGE_INPUT, "datatype": "BYTES", "shape": [2, 1],
-                                       "parameters": {"content_type": "base64"},
-                                       "data": [[base64.b64encode(p).decode()] for p in PAYLOADS[:2]]}]}
+    header = {
+        "id": "b64",
+        "inputs": [
+            {
+                "name": IMAGE_INPUT,
+                "datatype": "BYTES",
+                "shape": [2, 1],
+                "parameters": {"content_type": "base64"},
+                "data": [[base64.b64encode(p).decode()] for p in PAYLOADS[:2]],
+            }
+        ],
+    }
     request = parse(json.dumps(header).encode())
     assert request.images == PAYLOADS[:2] and request.id == "b64" and not request.binary_output
 
@@ -107,10 +137,16 @@ def test_requested_outputs_and_their_parameters():
 
 # ---- responses ---------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
 def test_probabilities_read_back_by_tritonclient(binary):
-    request = parse(*request_body([image_input(PAYLOADS)], request_id="r1",
-                                  outputs=[InferRequestedOutput(PROBABILITIES_OUTPUT, binary_data=binary)]))
+    request = parse(
+        *request_body(
+            [image_input(PAYLOADS)],
+            request_id="r1",
+            outputs=[InferRequestedOutput(PROBABILITIES_OUTPUT, binary_data=binary)],
+        )
+    )
     probs = probabilities(3)
     response = encode_infer_response(request, probs, MODEL)
     assert (response.header_length is not None) == binary
@@ -138,7 +174,9 @@ def test_no_id_in_the_request_none_in_the_response():
 def expected_classification(row: np.ndarray, k: int, class_names) -> list[str]:
     """Triton's classification.cc: std::to_string(prob) + ":" + index [+ ":" + label], highest first."""
     ranked = sorted(range(len(row)), key=lambda i: -row[i])[:k]
-    return [":".join(["%f" % row[i], str(i)] + ([class_names[i]] if class_names else [])) for i in ranked]
+    # C's printf format, as Triton's C++ writes it: an independent check of the module's own formatting.
+    labels = [[class_names[i]] if class_names else [] for i in range(len(row))]
+    return [":".join(["%f" % row[i], str(i), *labels[i]]) for i in ranked]  # noqa: UP031
 
 
 @pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
@@ -150,7 +188,7 @@ def test_classification_extension(binary, k):
     result = read_response(encode_infer_response(request, probs, MODEL))
     strings = result.as_numpy(PROBABILITIES_OUTPUT)
     assert strings.shape == (3, min(k, MODEL.num_classes))
-    for row, got in zip(probs, strings):
+    for row, got in zip(probs, strings, strict=True):
         assert [s.decode() if isinstance(s, bytes) else s for s in got] == expected_classification(row, k, CLASS_NAMES)
 
 
@@ -164,6 +202,7 @@ def test_classification_without_class_names_has_no_label():
 
 
 # ---- metadata ----------------------------------------------------------------------------------------
+
 
 def test_server_metadata_lists_only_what_is_implemented():
     document = server_metadata("0.1.0")
@@ -188,13 +227,24 @@ def test_model_metadata_and_config_agree():
 
 # ---- bad input ---------------------------------------------------------------------------------------
 
+
 def json_request(*inputs, **header) -> tuple[bytes, None]:
     return json.dumps({"inputs": list(inputs), **header}).encode(), None
 
 
 def binary_images(elements: bytes, shape, size=None) -> tuple[bytes, str]:
-    header = json.dumps({"inputs": [{"name": IMAGE_INPUT, "datatype": "BYTES", "shape": shape,
-                                     "parameters": {"binary_data_size": len(elements) if size is None else size}}]})
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": IMAGE_INPUT,
+                    "datatype": "BYTES",
+                    "shape": shape,
+                    "parameters": {"binary_data_size": len(elements) if size is None else size},
+                }
+            ]
+        }
+    )
     return header.encode() + elements, str(len(header))
 
 
@@ -219,74 +269,142 @@ def _bytes_input(name) -> InferInput:
     return tensor
 
 
-_BASE64_IMAGE = {"name": IMAGE_INPUT, "datatype": "BYTES", "shape": [1], "parameters": {"content_type": "base64"},
-                 "data": ["eA=="]}
+_BASE64_IMAGE = {
+    "name": IMAGE_INPUT,
+    "datatype": "BYTES",
+    "shape": [1],
+    "parameters": {"content_type": "base64"},
+    "data": ["eA=="],
+}
 
 
 BAD_REQUESTS = {
     "wrong datatype": (lambda: tritonclient_body(_fp32_named(IMAGE_INPUT)), "takes BYTES, not FP32"),
-    "unknown datatype": (lambda: json_request({"name": IMAGE_INPUT, "datatype": "FP8", "shape": [1], "data": ["x"]}),
-                         "unknown datatype 'FP8'"),
-    "shape larger than the data": (lambda: tritonclient_body(resized(image_input(PAYLOADS[:1]), [2])),
-                                   "holds 1 elements"),
-    "fp32 byte count": (lambda: tritonclient_body(resized(pixels_input(random_pixels(1)[:, :, :, :4]), [1, 3, 4, 5])),
-                        "bytes of FP32, but binary_data_size is"),
-    "json element count": (lambda: json_request({"name": PIXELS_INPUT, "datatype": "FP32", "shape": [1, 3, 4, 5],
-                                                 "data": [0.5] * 59}), "(60 elements) but holds 59"),
-    "ragged json": (lambda: json_request({"name": PIXELS_INPUT, "datatype": "FP32", "shape": [1, 3, 4, 5],
-                                          "data": [[0.5] * 30, [0.5] * 29]}), "not a rectangular array"),
-    "strings as pixels": (lambda: json_request({"name": PIXELS_INPUT, "datatype": "FP32", "shape": [1, 3, 4, 5],
-                                                "data": ["1.5"] * 60}), "must be numbers"),
+    "unknown datatype": (
+        lambda: json_request({"name": IMAGE_INPUT, "datatype": "FP8", "shape": [1], "data": ["x"]}),
+        "unknown datatype 'FP8'",
+    ),
+    "shape larger than the data": (
+        lambda: tritonclient_body(resized(image_input(PAYLOADS[:1]), [2])),
+        "holds 1 elements",
+    ),
+    "fp32 byte count": (
+        lambda: tritonclient_body(resized(pixels_input(random_pixels(1)[:, :, :, :4]), [1, 3, 4, 5])),
+        "bytes of FP32, but binary_data_size is",
+    ),
+    "json element count": (
+        lambda: json_request({"name": PIXELS_INPUT, "datatype": "FP32", "shape": [1, 3, 4, 5], "data": [0.5] * 59}),
+        "(60 elements) but holds 59",
+    ),
+    "ragged json": (
+        lambda: json_request(
+            {"name": PIXELS_INPUT, "datatype": "FP32", "shape": [1, 3, 4, 5], "data": [[0.5] * 30, [0.5] * 29]}
+        ),
+        "not a rectangular array",
+    ),
+    "strings as pixels": (
+        lambda: json_request({"name": PIXELS_INPUT, "datatype": "FP32", "shape": [1, 3, 4, 5], "data": ["1.5"] * 60}),
+        "must be numbers",
+    ),
     "missing input": (lambda: tritonclient_body(), "missing input"),
-    "two inputs": (lambda: tritonclient_body(image_input(PAYLOADS[:1]), pixels_input(random_pixels(1))),
-                   "send one input, not 2"),
+    "two inputs": (
+        lambda: tritonclient_body(image_input(PAYLOADS[:1]), pixels_input(random_pixels(1))),
+        "send one input, not 2",
+    ),
     "unknown input": (lambda: tritonclient_body(_bytes_input("INPUT0")), "unknown input 'INPUT0'"),
-    "unknown output": (lambda: tritonclient_body(image_input(PAYLOADS[:1]), outputs=[InferRequestedOutput("OUTPUT0")]),
-                       "unknown output 'OUTPUT0'"),
-    "output twice": (lambda: tritonclient_body(image_input(PAYLOADS[:1]),
-                                               outputs=[InferRequestedOutput(PROBABILITIES_OUTPUT)] * 2),
-                     "requested twice"),
+    "unknown output": (
+        lambda: tritonclient_body(image_input(PAYLOADS[:1]), outputs=[InferRequestedOutput("OUTPUT0")]),
+        "unknown output 'OUTPUT0'",
+    ),
+    "output twice": (
+        lambda: tritonclient_body(image_input(PAYLOADS[:1]), outputs=[InferRequestedOutput(PROBABILITIES_OUTPUT)] * 2),
+        "requested twice",
+    ),
     # tritonclient leaves out class_count=0, so this one is written by hand.
-    "classification 0": (lambda: json_request(_BASE64_IMAGE, outputs=[{"name": PROBABILITIES_OUTPUT,
-                                                                      "parameters": {"classification": 0}}]),
-                         "positive integer"),
+    "classification 0": (
+        lambda: json_request(
+            _BASE64_IMAGE, outputs=[{"name": PROBABILITIES_OUTPUT, "parameters": {"classification": 0}}]
+        ),
+        "positive integer",
+    ),
     "negative header length": (lambda: (tritonclient_body(image_input(PAYLOADS[:1]))[0], "-5"), "negative"),
-    "non-numeric header length": (lambda: (tritonclient_body(image_input(PAYLOADS[:1]))[0], "12a"),
-                                  "decimal byte count"),
-    "header length past the body": (lambda: (tritonclient_body(image_input(PAYLOADS[:1]))[0], "100000"),
-                                    "the body has only"),
+    "non-numeric header length": (
+        lambda: (tritonclient_body(image_input(PAYLOADS[:1]))[0], "12a"),
+        "decimal byte count",
+    ),
+    "header length past the body": (
+        lambda: (tritonclient_body(image_input(PAYLOADS[:1]))[0], "100000"),
+        "the body has only",
+    ),
     "header not json": (lambda: (b"\xff\xfe not json", None), "not JSON"),
     "binary without its header length": (lambda: (tritonclient_body(image_input(PAYLOADS[:1]))[0], None), "not JSON"),
     "header not an object": (lambda: (b"[1, 2]", None), "must be a JSON object"),
-    "bytes element runs past the data": (lambda: binary_images(struct.pack("<I", 1000) + b"x" * 10, [1]),
-                                         "says 1000 bytes but only 10 remain"),
-    "bytes length cut off": (lambda: binary_images(struct.pack("<I", 1) + b"x" + b"\x01\x00", [2]),
-                             "cut off in its 4-byte length"),
-    "binary_data_size past the body": (lambda: binary_images(struct.pack("<I", 1) + b"x", [1], size=50),
-                                       "binary_data_size is 50 but 5 bytes follow"),
+    "bytes element runs past the data": (
+        lambda: binary_images(struct.pack("<I", 1000) + b"x" * 10, [1]),
+        "says 1000 bytes but only 10 remain",
+    ),
+    "bytes length cut off": (
+        lambda: binary_images(struct.pack("<I", 1) + b"x" + b"\x01\x00", [2]),
+        "cut off in its 4-byte length",
+    ),
+    "binary_data_size past the body": (
+        lambda: binary_images(struct.pack("<I", 1) + b"x", [1], size=50),
+        "binary_data_size is 50 but 5 bytes follow",
+    ),
     "bytes after the json": (lambda: (json_request(_BASE64_IMAGE)[0] + b"trailing", None), "not JSON"),
-    "bytes after the json header": (lambda: (json_request(_BASE64_IMAGE)[0] + b"trailing",
-                                             str(len(json_request(_BASE64_IMAGE)[0]))), "no input is binary"),
-    "data and binary_data_size": (lambda: json_request({"name": IMAGE_INPUT, "datatype": "BYTES", "shape": [1],
-                                                        "data": ["eA=="], "parameters": {"binary_data_size": 5}}),
-                                  "both \"data\" and parameters.binary_data_size"),
-    "empty tensor": (lambda: json_request({"name": IMAGE_INPUT, "datatype": "BYTES", "shape": [0], "data": []}),
-                     "empty tensor"),
-    "too many images": (lambda: tritonclient_body(image_input(PAYLOADS + PAYLOADS[:2])),
-                        "5 images in one request; the limit is 4"),
-    "fp32 of another image size": (lambda: tritonclient_body(pixels_input(np.zeros((1, 3, 224, 224), np.float32))),
-                                   "takes [N, 3, 4, 5]"),
-    "json bytes without base64": (lambda: tritonclient_body(image_input(["not an image"], binary=False)),
-                                  "content_type"),
-    "json bytes not base64": (lambda: json_request({"name": IMAGE_INPUT, "datatype": "BYTES", "shape": [1],
-                                                    "parameters": {"content_type": "base64"}, "data": ["%%%"]}),
-                              "not base64"),
-    "negative dimension": (lambda: json_request({"name": IMAGE_INPUT, "datatype": "BYTES", "shape": [-1], "data": []}),
-                           "non-negative integers"),
-    "id not a string": (lambda: json_request(_BASE64_IMAGE, id=7),
-                        '"id" must be a string'),
-    "no data at all": (lambda: json_request({"name": IMAGE_INPUT, "datatype": "BYTES", "shape": [1]}),
-                       "neither \"data\" nor"),
+    "bytes after the json header": (
+        lambda: (json_request(_BASE64_IMAGE)[0] + b"trailing", str(len(json_request(_BASE64_IMAGE)[0]))),
+        "no input is binary",
+    ),
+    "data and binary_data_size": (
+        lambda: json_request(
+            {
+                "name": IMAGE_INPUT,
+                "datatype": "BYTES",
+                "shape": [1],
+                "data": ["eA=="],
+                "parameters": {"binary_data_size": 5},
+            }
+        ),
+        'both "data" and parameters.binary_data_size',
+    ),
+    "empty tensor": (
+        lambda: json_request({"name": IMAGE_INPUT, "datatype": "BYTES", "shape": [0], "data": []}),
+        "empty tensor",
+    ),
+    "too many images": (
+        lambda: tritonclient_body(image_input(PAYLOADS + PAYLOADS[:2])),
+        "5 images in one request; the limit is 4",
+    ),
+    "fp32 of another image size": (
+        lambda: tritonclient_body(pixels_input(np.zeros((1, 3, 224, 224), np.float32))),
+        "takes [N, 3, 4, 5]",
+    ),
+    "json bytes without base64": (
+        lambda: tritonclient_body(image_input(["not an image"], binary=False)),
+        "content_type",
+    ),
+    "json bytes not base64": (
+        lambda: json_request(
+            {
+                "name": IMAGE_INPUT,
+                "datatype": "BYTES",
+                "shape": [1],
+                "parameters": {"content_type": "base64"},
+                "data": ["%%%"],
+            }
+        ),
+        "not base64",
+    ),
+    "negative dimension": (
+        lambda: json_request({"name": IMAGE_INPUT, "datatype": "BYTES", "shape": [-1], "data": []}),
+        "non-negative integers",
+    ),
+    "id not a string": (lambda: json_request(_BASE64_IMAGE, id=7), '"id" must be a string'),
+    "no data at all": (
+        lambda: json_request({"name": IMAGE_INPUT, "datatype": "BYTES", "shape": [1]}),
+        'neither "data" nor',
+    ),
     "deeply nested header": (lambda: (b"[" * 100_000 + b"]" * 100_000, None), "not JSON"),
 }
 
@@ -302,9 +420,11 @@ def test_bad_request_is_a_400_with_its_reason(case):
 
 def test_mutated_bodies_give_a_request_or_a_v2_error():
     """Whatever a client sends, the parser answers with a request or a V2Error, never another exception."""
-    valid = [request_body([image_input(PAYLOADS)], request_id="x"),
-             request_body([pixels_input(random_pixels(1), binary=False)]),
-             request_body([pixels_input(random_pixels(2))], outputs=[InferRequestedOutput(PROBABILITIES_OUTPUT)])]
+    valid = [
+        request_body([image_input(PAYLOADS)], request_id="x"),
+        request_body([pixels_input(random_pixels(1), binary=False)]),
+        request_body([pixels_input(random_pixels(2))], outputs=[InferRequestedOutput(PROBABILITIES_OUTPUT)]),
+    ]
     rng = random.Random(0)
     for _ in range(600):
         body, header_length = rng.choice(valid)

@@ -1,5 +1,6 @@
 """A real server process with two models, driven by Triton's own client (tritonclient.http) over the Open
 Inference Protocol, and by /predict: the two paths must give the same answers for the same photos."""
+
 import json
 import struct
 import subprocess
@@ -29,9 +30,14 @@ PROBABILITY_TOLERANCE = 1e-4  # the same model in batches of other sizes: float 
 @pytest.fixture(scope="module")
 def server(fp32_model_path, other_model_path):
     """Two models with different answers, `large` (the default) and `small`, in one server process."""
-    with ServerProcess(f"large={fp32_model_path}", extra_models=(f"small={other_model_path}",),
-                       max_batch_size=MAX_BATCH_SIZE, batch_window_ms=50, cache_size=64,
-                       max_upload_bytes=UPLOAD_LIMIT) as url:
+    with ServerProcess(
+        f"large={fp32_model_path}",
+        extra_models=(f"small={other_model_path}",),
+        max_batch_size=MAX_BATCH_SIZE,
+        batch_window_ms=50,
+        cache_size=64,
+        max_upload_bytes=UPLOAD_LIMIT,
+    ) as url:
         yield url
 
 
@@ -56,8 +62,12 @@ def class_names(model_path) -> list[str]:
 
 
 def predict(url: str, photo: bytes, model: str | None = None) -> requests.Response:
-    return requests.post(url + "/predict", params={"model": model} if model else None,
-                         files={"file": ("photo.jpg", photo, "image/jpeg")}, timeout=WAIT_S)
+    return requests.post(
+        url + "/predict",
+        params={"model": model} if model else None,
+        files={"file": ("photo.jpg", photo, "image/jpeg")},
+        timeout=WAIT_S,
+    )
 
 
 def image_input(photos: list[bytes], binary: bool = True) -> triton.InferInput:
@@ -79,9 +89,10 @@ def assert_same_as_predict(url: str, model: str, photos: list[bytes], probabilit
         response = predict(url, photo, model)
         assert response.status_code == 200, response.text
         top = response.json()["predictions"]
-        assert [p["class_id"] for p in top] == list(np.argsort(row, kind="stable")[::-1][:len(top)])
-        np.testing.assert_allclose([p["probability"] for p in top], row[[p["class_id"] for p in top]],
-                                   rtol=PROBABILITY_TOLERANCE)
+        assert [p["class_id"] for p in top] == list(np.argsort(row, kind="stable")[::-1][: len(top)])
+        np.testing.assert_allclose(
+            [p["probability"] for p in top], row[[p["class_id"] for p in top]], rtol=PROBABILITY_TOLERANCE
+        )
 
 
 def test_health_metadata_and_config(client):
@@ -109,8 +120,9 @@ def test_encoded_jpegs_in_binary_answer_as_predict_does(server, client, photos, 
 
 
 def test_the_two_models_answer_differently(client, photos):
-    large, small = (client.infer(model, [image_input(photos[:2])]).as_numpy("PROBABILITIES")
-                    for model in ("large", "small"))
+    large, small = (
+        client.infer(model, [image_input(photos[:2])]).as_numpy("PROBABILITIES") for model in ("large", "small")
+    )
     assert not np.allclose(large, small, rtol=PROBABILITY_TOLERANCE)
 
 
@@ -134,15 +146,18 @@ def test_classification_extension_gives_predicts_top_k(server, client, photos, f
         fields = [item.decode().split(":", 2) for item in row]
         assert [(int(index), label) for _, index, label in fields] == [(p["class_id"], p["label"]) for p in top]
         assert [label for _, index, label in fields] == [names[int(index)] for _, index, _ in fields]
-        np.testing.assert_allclose([float(value) for value, _, _ in fields], [p["probability"] for p in top],
-                                   atol=1e-6)  # printed with 6 decimals
+        np.testing.assert_allclose(
+            [float(value) for value, _, _ in fields], [p["probability"] for p in top], atol=1e-6
+        )  # printed with 6 decimals
 
 
 def test_unknown_model_or_version_is_404(client, photos):
-    for call in (lambda: client.infer("nope", [image_input(photos[:1])]),
-                 lambda: client.get_model_metadata("large", "2"),
-                 lambda: client.get_model_config("nope"),
-                 lambda: client.infer("large", [image_input(photos[:1])], model_version="7")):
+    for call in (
+        lambda: client.infer("nope", [image_input(photos[:1])]),
+        lambda: client.get_model_metadata("large", "2"),
+        lambda: client.get_model_config("nope"),
+        lambda: client.infer("large", [image_input(photos[:1])], model_version="7"),
+    ):
         with pytest.raises(InferenceServerException) as failure:
             call()
         assert failure.value.status() == "404"
@@ -162,8 +177,11 @@ def test_predict_takes_a_model_and_models_lists_them(server, photos, fp32_model_
     assert default_model | {"cache": None} == listing["models"][0] | {"cache": None}  # its entries may have grown
     assert requests.get(server + "/model", params={"model": "small"}, timeout=WAIT_S).json()["name"] == "small"
 
-    default, large, small = predict(server, photos[5]), predict(server, photos[5], "large"), predict(server, photos[5],
-                                                                                                    "small")
+    default, large, small = (
+        predict(server, photos[5]),
+        predict(server, photos[5], "large"),
+        predict(server, photos[5], "small"),
+    )
     assert default.json()["model"] == large.json()["model"] == listing["models"][0]["model"]
     assert small.json()["model"] == listing["models"][1]["model"] != large.json()["model"]
     assert large.json()["cache_hit"] is True and small.json()["cache_hit"] is False  # a cache per model
@@ -179,7 +197,7 @@ def test_two_models_serve_concurrently(server, photos):
             response = predict(server, photos[i % len(photos)], model)
             return response.status_code, response.json()["predictions"][0]["class_id"]
         with triton_client(server) as client:
-            row = client.infer(model, [image_input(photos[i % len(photos):][:1])]).as_numpy("PROBABILITIES")[0]
+            row = client.infer(model, [image_input(photos[i % len(photos) :][:1])]).as_numpy("PROBABILITIES")[0]
         return 200, int(row.argmax())
 
     with ThreadPoolExecutor(8) as pool:
@@ -200,8 +218,9 @@ def binary_request(header: dict, tail: bytes) -> tuple[bytes, dict]:
 
 
 def image_header(count: int, size: int) -> dict:
-    return {"inputs": [{"name": "IMAGE", "datatype": "BYTES", "shape": [count],
-                        "parameters": {"binary_data_size": size}}]}
+    return {
+        "inputs": [{"name": "IMAGE", "datatype": "BYTES", "shape": [count], "parameters": {"binary_data_size": size}}]
+    }
 
 
 def bad_requests(photo: bytes) -> dict[str, tuple[bytes, dict, int, str]]:
@@ -213,10 +232,12 @@ def bad_requests(photo: bytes) -> dict[str, tuple[bytes, dict, int, str]]:
         "header not JSON": (b"{not json" + element, {"Inference-Header-Content-Length": "9"}, 400, "not JSON"),
         "negative header length": (b"{}", {"Inference-Header-Content-Length": "-3"}, 400, "negative"),
         "wrong datatype": (json.dumps(wrong_datatype).encode(), {}, 400, "takes BYTES"),
-        "element runs past the data": (*binary_request(image_header(1, len(element) - 5), element[:-5]), 400,
-                                       "remain"),
-        "more images than allowed": (*binary_request(image_header(many, many * len(element)), element * many), 400,
-                                     f"limit is {MAX_BATCH_SIZE}"),
+        "element runs past the data": (*binary_request(image_header(1, len(element) - 5), element[:-5]), 400, "remain"),
+        "more images than allowed": (
+            *binary_request(image_header(many, many * len(element)), element * many),
+            400,
+            f"limit is {MAX_BATCH_SIZE}",
+        ),
         "not an image": (*binary_request(image_header(1, 8), struct.pack("<I", 4) + b"abcd"), 400, "image 0"),
         "body over the limit": (b"x" * (UPLOAD_LIMIT + 1), {}, 413, "over the limit"),
     }
@@ -234,13 +255,19 @@ def test_bad_input_is_a_4xx_error_and_the_server_serves_on(server, client, photo
 def test_deadline_and_full_queue_answer_504_and_503_in_the_protocols_shape(fp32_model_path, photos):
     """With inference held: a queued image's deadline passes (504), and a request whose images do not all
     fit in the queue is refused whole (503 + Retry-After); both as {"error": ...}, then it serves on."""
+
     def infer(images):
         body, json_size = triton.InferenceServerClient.generate_request_body([image_input(images)])
-        return client.post("/v2/models/fp32/infer", content=body,
-                           headers={"Inference-Header-Content-Length": str(json_size)})
+        return client.post(
+            "/v2/models/fp32/infer", content=body, headers={"Inference-Header-Content-Length": str(json_size)}
+        )
 
-    with serving_client(fp32_model_path, max_batch_size=1, max_request_images=4, queue_limit=3, deadline_ms=500,
-                        cache_size=0) as client, ThreadPoolExecutor(1) as pool:
+    with (
+        serving_client(
+            fp32_model_path, max_batch_size=1, max_request_images=4, queue_limit=3, deadline_ms=500, cache_size=0
+        ) as client,
+        ThreadPoolExecutor(1) as pool,
+    ):
         gate = Gate(client.app.state.serving.engine)
         held = pool.submit(post_file, client, photos[0])
         assert gate.entered.wait(WAIT_S)
@@ -259,8 +286,14 @@ def test_deadline_and_full_queue_answer_504_and_503_in_the_protocols_shape(fp32_
 
 
 def test_duplicate_or_unsafe_model_names_are_one_line_cli_errors(fp32_model_path):
-    for models, message in (([fp32_model_path, fp32_model_path], "two models are named 'fp32'"),
-                            ([f"my model={fp32_model_path}"], "not URL-safe")):
-        result = subprocess.run([sys.executable, "-m", "mnv3.server", *(f"--model={m}" for m in models)],
-                                capture_output=True, text=True, timeout=WAIT_S)
+    for models, message in (
+        ([fp32_model_path, fp32_model_path], "two models are named 'fp32'"),
+        ([f"my model={fp32_model_path}"], "not URL-safe"),
+    ):
+        result = subprocess.run(
+            [sys.executable, "-m", "mnv3.server", *(f"--model={m}" for m in models)],
+            capture_output=True,
+            text=True,
+            timeout=WAIT_S,
+        )
         assert result.returncode == 2 and message in result.stderr.strip().splitlines()[-1]
