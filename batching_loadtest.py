@@ -76,9 +76,9 @@ def get_args_parser():
     parser.add_argument(
         "--side-by-side-models",
         nargs=2,
-        metavar="[NAME=]PATH",
+        metavar="[NAME=]PATH[@BACKEND]",
         help="the two models served together under mixed traffic (default: fp32.onnx and "
-        "the static INT8 model in --artifacts-dir; with --model, no side-by-side row "
+        "the static INT8 model in --artifacts-dir, both on onnxruntime; with --model, no side-by-side row "
         "unless given)",
     )
     parser.add_argument(

@@ -275,10 +275,14 @@ class SideBySideResult:
 
 
 def side_by_side_models(texts: list[str] | None, artifacts_dir: Path) -> tuple[ModelSpec, ModelSpec]:
-    """The two models to serve together, as PATH or NAME=PATH each; default stage 1's FP32 and stage 2's
-    static INT8 in `artifacts_dir`."""
+    """The two models to serve together, as [NAME=]PATH[@BACKEND] each; default stage 1's FP32 and stage 2's
+    static INT8 in `artifacts_dir`, both on onnxruntime: `--backend auto` could serve one chosen engine for
+    both files, and the row compares the two networks."""
     if texts is None:
-        texts = [f"fp32={require(artifacts_dir / FP32_ONNX, 1)}", f"static_int8={static_int8_model(artifacts_dir)}"]
+        texts = [
+            f"fp32={require(artifacts_dir / FP32_ONNX, 1)}@onnxruntime",
+            f"static_int8={static_int8_model(artifacts_dir)}@onnxruntime",
+        ]
     first, second = map(ModelSpec.parse, texts)
     for spec in (first, second):
         if not spec.path.exists():

@@ -139,3 +139,12 @@ def test_side_by_side_models_need_two_files_and_two_names(fp32_model_path, tmp_p
         side_by_side_models([str(fp32_model_path), str(tmp_path / "missing.onnx")], tmp_path)
     with pytest.raises(FileNotFoundError, match="stage 1"):
         side_by_side_models(None, tmp_path)  # no fp32.onnx from stage 1 there
+
+
+def test_side_by_side_defaults_pin_both_files_to_onnxruntime(tmp_path):
+    # --backend auto may serve one chosen engine for both files; the row compares the two networks.
+    for name in ("fp32.onnx", "static_int8.onnx"):
+        (tmp_path / name).write_bytes(b"")
+    fp32, int8 = side_by_side_models(None, tmp_path)
+    assert (fp32.name, fp32.path, fp32.backend) == ("fp32", tmp_path / "fp32.onnx", "onnxruntime")
+    assert (int8.name, int8.path, int8.backend) == ("static_int8", tmp_path / "static_int8.onnx", "onnxruntime")
