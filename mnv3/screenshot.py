@@ -58,7 +58,7 @@ def get_args_parser(add_help=True) -> argparse.ArgumentParser:
         help="a model to serve, as the server's --model takes it; repeat it for several (the "
         "page then shows them side by side). Default: "
         + " and ".join(str(path) for path, _ in DEFAULT_MODELS)
-        + ", written by stages 1 and 2",
+        + ", written by stages 1 and 2, both on onnxruntime",
     )
     return parser
 
@@ -81,7 +81,8 @@ def take(page, path: Path, viewport: dict, full_page: bool) -> None:
 def served_models(args) -> list[str]:
     """The --model specs, each file checked to exist (a missing default names the stage that writes it)."""
     if not args.model:
-        return [str(require(path, stage)) for path, stage in DEFAULT_MODELS]
+        # On onnxruntime both: --backend auto could serve the one engine stage 2 chose for both files.
+        return [f"{require(path, stage)}@onnxruntime" for path, stage in DEFAULT_MODELS]
     for spec in map(ModelSpec.parse, args.model):
         if not spec.path.exists():
             raise MissingArtifact(f"{spec.path} not found: check --model")
