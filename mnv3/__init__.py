@@ -1,1 +1,1 @@
-"""mnv3: MobileNetV3-Large made fast on CPUs (ONNX, INT8) and served over HTTP."""
+"""mnv3: MobileNetV3 (Large or Small, ImageNet or your own fine-tune) made fast on CPUs and served over HTTP."""

@@ -274,7 +274,7 @@ def create_app(config: ServerConfig, *engines: Engine) -> FastAPI:
 
     app = FastAPI(
         title="mnv3",
-        summary="MobileNetV3-Large image classification on CPU",
+        summary="MobileNetV3 image classification on CPU",
         lifespan=lifespan,
         docs_url=None,
         redoc_url=None,
