@@ -52,7 +52,8 @@ def test_goals_are_ratios_of_measured_rows_and_name_the_missing_stage(tmp_path):
     assert goals["static INT8 top-1 agreement with FP32"]["met"] == "no"
     assert goals["static INT8 logits SQNR vs FP32 (dB)"]["met"] == "yes"
     assert goals["cache hit round trip p50 (ms)"]["met"] == "not measured: run `python caching.py`"
-    assert goals["batched server req/s / in-process limit of the engine it serves"]["met"].endswith("`python batching_loadtest.py`")
+    server_to_limit = goals["batched server req/s / in-process limit of the engine it serves"]
+    assert server_to_limit["met"].endswith("`python batching_loadtest.py`")
     write_csv(
         tmp_path / "05_v2_vs_predict.csv",
         [
