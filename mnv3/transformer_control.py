@@ -75,7 +75,7 @@ class ControlResult:
     profile: list[dict]
 
 
-def build_vit(shape: ViTShape) -> torch.nn.Module:
+def build_vit(shape: ViTShape) -> VisionTransformer:
     """A seeded random-init ViT for 224x224 inputs (the held-out photos' crop) in eval mode."""
     torch.manual_seed(RANDOM_INIT_SEED)
     model = VisionTransformer(
@@ -138,6 +138,8 @@ def transformer_control(
             "size_mb": size_mb(path),
             "threads": threads,
             "weights": "random-init",
+            "arch": "vision_transformer",
+            "classes": model.num_classes,
             "bn_recalibration_images": 0,
             "export_max_abs_diff": f"{export_diff:.2e}" if variant == "onnx_fp32" else "",
             # Its own ONNX FP32 is the reference, as for MobileNetV3.
