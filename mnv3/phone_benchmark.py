@@ -24,10 +24,10 @@ import numpy as np
 
 from mnv3 import loadtest
 from mnv3.accuracy import agreement, array_batches, predict
-from mnv3.artifacts import FP32_ONNX
+from mnv3.artifacts import FP32_ONNX, model_preprocessing
 from mnv3.loadtest import LoadResult, metrics_row
 from mnv3.photos import PHONE_PHOTO_QUALITY, PHONE_PHOTO_SIZE
-from mnv3.preprocess import STD, decode_and_preprocess, decode_image
+from mnv3.preprocess import DEFAULT_PREPROCESSING, Preprocessing, decode_and_preprocess, decode_image
 from mnv3.runtime import make_session, ort_runner
 
 FULL, DRAFT = "full", "draft"
@@ -54,6 +54,7 @@ class DecodeComparison:
     tensor_diff: np.ndarray  # |draft - full| over every preprocessed value
     logits: dict  # agreement(full logits, draft logits) of the served model
     reference_logits: dict  # the same for the FP32 reference, and the served model vs it on full decodes
+    preprocessing: Preprocessing  # the served model's, which both decodes went through
 
     @property
     def time_ratio(self) -> float:
@@ -61,7 +62,8 @@ class DecodeComparison:
         return float(np.median(np.array(self.seconds[FULL]) / np.array(self.seconds[DRAFT])))
 
     def as_row(self) -> dict:
-        grey_levels = self.tensor_diff * (255 * np.reshape(STD, (3, 1, 1)))  # back to 0-255 pixel values
+        std = np.reshape(self.preprocessing.std, (3, 1, 1))
+        grey_levels = self.tensor_diff * (255 * std)  # back to 0-255 pixel values
         low, high, mean = self.photo_bytes
         return (
             {
@@ -107,7 +109,7 @@ class DecodeComparison:
         )
 
 
-def decode_seconds(bodies: list[bytes], rounds: int) -> dict[str, list[float]]:
+def decode_seconds(bodies: list[bytes], rounds: int, preprocessing: Preprocessing) -> dict[str, list[float]]:
     """Seconds per image of decode + preprocess, full and draft, in turns (alternating which goes first)."""
     seconds: dict[str, list[float]] = {FULL: [], DRAFT: []}
     for round_index in range(rounds):
@@ -115,16 +117,20 @@ def decode_seconds(bodies: list[bytes], rounds: int) -> dict[str, list[float]]:
         for name in order:
             start = time.perf_counter()
             for body in bodies:
-                decode_and_preprocess(body, jpeg_draft=name == DRAFT)
+                decode_and_preprocess(body, jpeg_draft=name == DRAFT, preprocessing=preprocessing)
             seconds[name].append((time.perf_counter() - start) / len(bodies))
     return seconds
 
 
-def compare_decodes(model, bodies: list[bytes], rounds: int, reference=None) -> DecodeComparison:
-    """Draft vs full decode of `bodies`: cost (in turns), preprocessed tensors, and `model`'s logits (and
-    those of `reference`, the FP32 model `model` was quantized from, if given)."""
+def compare_decodes(
+    model, bodies: list[bytes], rounds: int, reference=None, preprocessing: Preprocessing = DEFAULT_PREPROCESSING
+) -> DecodeComparison:
+    """Draft vs full decode of `bodies` with `model`'s `preprocessing`: cost (in turns), preprocessed tensors,
+    and `model`'s logits (and those of `reference`, the FP32 model `model` was quantized from, if given)."""
     tensors = {
-        name: np.stack([decode_and_preprocess(body, jpeg_draft=name == DRAFT) for body in bodies])
+        name: np.stack(
+            [decode_and_preprocess(body, jpeg_draft=name == DRAFT, preprocessing=preprocessing) for body in bodies]
+        )
         for name in (FULL, DRAFT)
     }
 
@@ -145,11 +151,12 @@ def compare_decodes(model, bodies: list[bytes], rounds: int, reference=None) -> 
     return DecodeComparison(
         photos=len(bodies),
         photo_bytes=(min(sizes), max(sizes), float(np.mean(sizes))),
-        draft_size=decode_image(bodies[0], jpeg_draft=True).size,
-        seconds=decode_seconds(bodies, rounds),
+        draft_size=decode_image(bodies[0], jpeg_draft=True, resize_size=preprocessing.resize).size,
+        seconds=decode_seconds(bodies, rounds, preprocessing),
         tensor_diff=np.abs(tensors[DRAFT] - tensors[FULL]),
         logits=agreement(served[FULL], served[DRAFT]),
         reference_logits=reference_logits,
+        preprocessing=preprocessing,
     )
 
 
@@ -221,6 +228,7 @@ def run_phone_benchmark(model: Path, bodies: list[bytes], plan: PhonePlan) -> Ph
         bodies,
         plan.decode_rounds,
         reference if reference.exists() and reference.resolve() != model.resolve() else None,
+        model_preprocessing(model.parent),
     )
     print(decode.summary())
     loads, settings = {}, {}

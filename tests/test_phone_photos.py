@@ -24,6 +24,7 @@ from mnv3.preprocess import (
     JPEG_DRAFT_MARGIN,
     RESIZE_SIZE,
     ImageTooLarge,
+    Preprocessing,
     decode_image,
     jpeg_draft_reduction,
     preprocess,
@@ -173,3 +174,14 @@ def test_decode_comparison_measures_the_draft_against_the_full_decode(fp32_model
         assert row[f"fp32_draft_vs_full_{name}"] == row[f"draft_vs_full_{name}"]
     assert (row["served_vs_fp32_top1_agreement"], row["served_vs_fp32_sqnr_db"]) == (1.0, float("inf"))
     assert np.isfinite(row["draft_vs_full_sqnr_db"])  # the draft did change the logits
+
+
+@pytest.mark.slow
+def test_decode_comparison_uses_the_served_models_preprocessing(fp32_model_path, oriented):
+    # A model trained with a larger resize needs a larger draft: a quarter-size decode no longer keeps twice it.
+    preprocessing = Preprocessing(resize=400, crop=224, std=(0.5, 0.5, 0.5))
+    comparison = compare_decodes(fp32_model_path, [oriented[1]], rounds=1, preprocessing=preprocessing)
+    row = comparison.as_row()
+    assert row["draft_decoded_size"] == f"{WIDTH // 2}x{HEIGHT // 2}"
+    # Grey levels are the tensor difference scaled back with this model's std, not ImageNet's.
+    assert row["pixel_max_abs_diff_levels"] == pytest.approx(row["tensor_max_abs_diff"] * 255 * 0.5, abs=0.05)
