@@ -152,6 +152,10 @@ class ModelInfo(BaseModel):
     input_shape: list[int | str]
     providers: list[str]
     class_names: str = Field(description="where labels come from")
+    preprocessing: dict = Field(
+        description="what every upload goes through before this model (from the manifest beside it): "
+        "shorter side to resize, centre crop, (x/255 - mean)/std; jpeg_draft: large JPEGs decoded at reduced scale"
+    )
     threads: dict[str, int]
     ort_spinning: bool = Field(description="whether idle onnxruntime threads busy-wait")
     batching: dict[str, int | float]
@@ -218,6 +222,7 @@ def describe(served: ServedModel) -> ModelInfo:
         class_names=f"{len(engine.class_names)} names from the file beside the model"
         if engine.class_names
         else "none found: labels are class_<id>",
+        preprocessing=engine.preprocessing.record() | {"jpeg_draft": bool(config.jpeg_draft)},
         threads={
             "intra_op": config.intra_op_threads,
             "inter_op": config.inter_op_threads,

@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import pytest
+import requests
 import torch
 from torchvision.models import mobilenet_v3_large, mobilenet_v3_small
 from torchvision.transforms import v2
@@ -199,6 +200,8 @@ def test_server_answers_with_the_users_labels_as_the_model_does_on_the_users_pre
         PredictClient(url) as client,
     ):
         answers = [client(jpeg) for jpeg in user_run["jpegs"]]
+        served_preprocessing = requests.get(url + "/model", timeout=10).json()["preprocessing"]
+    assert served_preprocessing == PREPROCESSING.record() | {"jpeg_draft": True}  # the manifest's, not ImageNet's
     assert [status for status, _ in answers] == ["200"] * len(answers)
     for _, body in answers:  # top_k 10 of 4 classes: all 4, each once, with the user's names for its class ids
         assert sorted(p["label"] for p in body["predictions"]) == CLASS_NAMES

@@ -119,6 +119,14 @@ def test_operational_endpoints(client, fp32_model_path):
     assert info["batching"]["max_batch_size"] == 8 and info["cache"]["size"] == 64
     assert info["threads"] == {"intra_op": 2, "inter_op": 1, "preprocess": 2}
     assert info["ort_spinning"] is False
+    # torchvision's preprocessing: the fixture's manifest records none, so the engine takes the default
+    assert info["preprocessing"] == {
+        "resize": 256,
+        "crop": 224,
+        "mean": [0.485, 0.456, 0.406],
+        "std": [0.229, 0.224, 0.225],
+        "jpeg_draft": True,
+    }
 
     metrics = client.get("/metrics")
     assert metrics.headers["content-type"].startswith("text/plain")
