@@ -45,7 +45,7 @@ $(DEV_STAMP): $(STAMP) requirements-dev.txt pyproject.toml
 	touch $@
 
 $(CHROMIUM):
-	apt-get update -q && apt-get install -y -q chromium
+	apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium
 
 test: $(EXTRAS_STAMP) $(CHROMIUM)
 	$(PY) -m pytest -q
