@@ -21,14 +21,12 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-import requests
-
 from mnv3 import loadtest
 from mnv3.artifacts import FP32_ONNX, MissingArtifact, require
 from mnv3.batching_benchmark import closed_loop
 from mnv3.cli import UsageError, static_int8_model
 from mnv3.config import ModelSpec
-from mnv3.loadtest import REQUEST_TIMEOUT_S, LoadResult, PredictClient, auth_headers
+from mnv3.loadtest import REQUEST_TIMEOUT_S, LoadResult, PredictClient
 from mnv3.v2_protocol import HEADER_LENGTH, IMAGE_INPUT, PROBABILITIES_OUTPUT
 
 PREDICT, V2_BINARY = "predict", "v2_binary"
@@ -97,13 +95,6 @@ def v2_top_classes(answer: dict) -> list[int]:
 def predict_top_classes(answer: dict) -> list[int]:
     """The class ids of a /predict answer, most probable first."""
     return [prediction["class_id"] for prediction in answer["predictions"]]
-
-
-def default_model_name(url: str) -> str:
-    """The name the server gives its default model (GET /model): the one /v2/models/{name} takes."""
-    response = requests.get(url + "/model", headers=auth_headers(), timeout=10)
-    response.raise_for_status()
-    return response.json()["name"]
 
 
 # ---------------------------------------------------------------------------------------- /v2 vs /predict
@@ -178,7 +169,8 @@ def run_v2_vs_predict(
     per_turn = -(-requests_per_path // TURNS)
     with loadtest.ServerProcess(model, start_timeout_s, **server_options) as url:
         settings = loadtest.server_settings(url)
-        v2_client = partial(V2Client, model=default_model_name(url))
+        # The name /v2/models/{name} takes: the server names a model given as a plain path as the config does.
+        v2_client = partial(V2Client, model=ModelSpec.parse(model).name)
         paths: dict[str, tuple[Callable, list]] = {
             PREDICT: (PredictClient, photos),
             V2_BINARY: (v2_client, v2_requests),
