@@ -5,15 +5,19 @@
 both runtimes. Only this module imports openvino, and only `Engine.load(..., backend="openvino")` and
 stage 1 import this module: onnxruntime stays the one hard dependency.
 
-Batch sizes: a model with a dynamic batch axis is compiled twice, at load time: reshaped to a static batch
-of 1, and kept dynamic for every other size the batcher makes. The dynamic model is noticeably slower
-than a static one at batch 1, and barely at larger batches, while each compiled model costs memory and a
-compile stall. So one per batch size (up to `max_batch_size` of them) is not worth it; batch 1, which is
-what every request runs at under light load, is.
+Batch sizes: every model is compiled for a static shape; a dynamic batch axis is not, as OpenVINO's CPU
+plugin runs a dynamic shape noticeably slower than a static one, most of all for INT8 files. A batch of
+exactly one runs on a model compiled for batch 1 with every thread (the latency path: what every request
+runs at under light load). A larger batch is cut into parts of at most MICRO_BATCH images, each part a
+power of two (13 = 4 + 4 + 4 + 1), and each part runs on a model compiled for its size. Small parts are
+faster per image than the whole batch at once: a few images' activations stay in a core's cache, which
+a batch of 32 spills. So the compiled models are one per power of two up to MICRO_BATCH (and up to
+`max_batch_size`), each compiled and run once at load, so no request pays for a compile or a first
+allocation.
 
-Streams: with `streams` > 1 the dynamic-batch model is compiled for that many CPU streams (the threads
-split between them) and a batch is cut into that many parts that run at once, one infer request each:
-fewer threads per convolution synchronise less. The batch-1 model keeps one stream with every thread.
+Streams: with `streams` > 1 the part models are compiled for that many CPU streams (the threads split
+between them), and the parts of a batch run at once, each on an infer request of its own: fewer threads
+per convolution synchronise less. The batch-1 model keeps one stream with every thread.
 """
 
 import threading
@@ -23,6 +27,8 @@ import numpy as np
 import openvino as ov
 
 PRECISIONS = ("auto", "f32", "bf16")
+# The largest part a batch is cut into: at and around this size, parts ran fastest per image (see above).
+MICRO_BATCH = 4
 DEVICE = "CPU"
 
 
@@ -39,8 +45,9 @@ def bf16_supported(core: ov.Core | None = None) -> bool:
 
 
 class OpenVINOSession:
-    """The file compiled for the CPU: a static batch-1 model plus a dynamic-batch one (just the file's own
-    shape when its batch axis is fixed; no dynamic one when `max_batch_size` is 1). Calls take turns."""
+    """The file compiled for the CPU at static batch sizes (see the module docstring): batch 1, and the
+    powers of two up to MICRO_BATCH for the parts of larger batches (none when `max_batch_size` is 1).
+    A file whose batch axis is fixed is compiled at that size alone. Calls take turns."""
 
     def __init__(
         self, path, threads: int, precision: str = "auto", max_batch_size: int | None = None, streams: int = 1
@@ -52,48 +59,72 @@ class OpenVINOSession:
             precision = "bf16" if bf16_supported(core) else "f32"
         model = core.read_model(str(path))
         self.precision = precision
-        settings = {
+        latency = {
             "INFERENCE_NUM_THREADS": threads,
             "NUM_STREAMS": 1,
             "PERFORMANCE_HINT": "LATENCY",
             "INFERENCE_PRECISION_HINT": precision,
         }
-        self._batch_1 = self._any_batch = None
-        shape = model.inputs[0].partial_shape  # Engine refuses files with other than one input, after this
-        if shape.rank.is_static and shape.rank.get_length() > 0 and shape[0].is_dynamic:
-            batch_1 = model.clone()
-            batch_1.reshape({0: [1, *shape[1:]]})
-            self._batch_1 = core.compile_model(batch_1, DEVICE, settings).create_infer_request()
-        if self._batch_1 is None or max_batch_size != 1:
-            if streams > 1:
-                settings |= {"NUM_STREAMS": streams, "PERFORMANCE_HINT": "THROUGHPUT"}
-            compiled = core.compile_model(model, DEVICE, settings)
-            self._any_batch = [compiled.create_infer_request() for _ in range(streams)]
-        self._lock = threading.Lock()  # an infer request runs one call at a time
+        parts = latency | {"NUM_STREAMS": streams, "PERFORMANCE_HINT": "THROUGHPUT"} if streams > 1 else latency
+        # Two infer requests a stream: one is fed while the other runs, so a stream never waits for Python.
+        jobs = 2 * streams
         self._inputs = [_port(p) for p in model.inputs]
         self._outputs = [_port(p) for p in model.outputs]
+        shape = model.inputs[0].partial_shape  # Engine refuses files with other than one input, after this
+        self._alone: ov.InferRequest | None = None
+        self._parts: dict[int, ov.AsyncInferQueue] = {}
+        if shape.rank.is_static and shape.rank.get_length() > 0 and shape[0].is_dynamic:
+            self._alone = core.compile_model(_at_batch(model, 1), DEVICE, latency).create_infer_request()
+            largest = min(MICRO_BATCH, max_batch_size or MICRO_BATCH)
+            sizes = [1 << k for k in range(largest.bit_length()) if max_batch_size != 1]
+        else:
+            sizes = [shape[0].get_length() if shape.rank.is_static and shape.rank.get_length() > 0 else 1]
+        self._output_rows: list[tuple[tuple, np.dtype]] = []  # each output's row shape and type (static here)
+        for size in sizes:
+            compiled = core.compile_model(_at_batch(model, size) if self._alone else model, DEVICE, parts)
+            queue = ov.AsyncInferQueue(compiled, jobs)
+            queue.set_callback(self._copy_out)
+            self._parts[size] = queue
+            self._output_rows = [(tuple(o.get_shape())[1:], o.get_element_type().to_dtype()) for o in compiled.outputs]
+        self._out: list[np.ndarray] = []  # the outputs of the call in progress, filled in part by part
+        self._lock = threading.Lock()  # one call at a time: parts write into that call's outputs
+        self._warm_up()
 
     def run(self, output_names, feeds: dict) -> list[np.ndarray]:
         """onnxruntime's call shape: all outputs for one input feed (`output_names` must be None)."""
         assert output_names is None, "only all outputs are supported"
         (batch,) = feeds.values()
-        if len(batch) == 1 and self._batch_1 is not None:
-            requests, parts = [self._batch_1], [batch]
-        elif self._any_batch is None:
-            raise ValueError(f"compiled for batch 1 only (max_batch_size=1), got a batch of {len(batch)}")
-        else:
-            parts = np.array_split(batch, min(len(batch), len(self._any_batch)))
-            requests = self._any_batch[: len(parts)]
+        batch = np.ascontiguousarray(batch)
         with self._lock:
-            # share_inputs: no copy of the batch in; outputs are copied out, the requests reuse their buffers.
-            for request, part in zip(requests, parts, strict=True):
-                request.start_async({0: np.ascontiguousarray(part)}, share_inputs=True)
-            for request in requests:
-                request.wait()
-            return [
-                np.concatenate([request.get_output_tensor(i).data for request in requests])
-                for i in range(len(self._outputs))
-            ]
+            if len(batch) == 1 and self._alone is not None:
+                # share_inputs: no copy of the batch in; outputs are copied out, the request reuses its buffers.
+                self._alone.infer({0: batch}, share_inputs=True)
+                return [self._alone.get_output_tensor(i).data.copy() for i in range(len(self._outputs))]
+            if not self._parts:
+                raise ValueError(f"compiled for batch 1 only (max_batch_size=1), got a batch of {len(batch)}")
+            sizes = split_batch(len(batch), self._parts)
+            self._out = [np.empty((len(batch), *shape), dtype) for shape, dtype in self._output_rows]
+            offset = 0
+            for size in sizes:
+                # Each part is a view of the batch (contiguous rows), read in place by its request.
+                self._parts[size].start_async({0: batch[offset : offset + size]}, offset, share_inputs=True)
+                offset += size
+            for size in set(sizes):
+                self._parts[size].wait_all()
+            return self._out
+
+    def _copy_out(self, request: ov.InferRequest, offset: int) -> None:
+        """A part's callback: its rows of every output, copied out of the request's reused buffers."""
+        for i, out in enumerate(self._out):
+            rows = request.get_output_tensor(i).data
+            out[offset : offset + len(rows)] = rows
+
+    def _warm_up(self) -> None:
+        """One run on every infer request, so no request pays for the plugin's first allocations."""
+        alone = [self._alone] if self._alone is not None else []
+        for request in alone + [queue[j] for queue in self._parts.values() for j in range(len(queue))]:
+            tensor = request.get_input_tensor()
+            request.infer({0: np.zeros(tensor.shape, dtype=tensor.element_type.to_dtype())})
 
     def get_inputs(self) -> list[Port]:
         return self._inputs
@@ -104,6 +135,24 @@ class OpenVINOSession:
     def get_providers(self) -> list[str]:
         """For /model: runtime, device and the precision it computes in, e.g. 'OpenVINO:CPU:f32'."""
         return [f"OpenVINO:{DEVICE}:{self.precision}"]
+
+
+def split_batch(rows: int, sizes) -> list[int]:
+    """`rows` as parts of the compiled `sizes`, largest first (13 with 1, 2, 4: 4, 4, 4, 1)."""
+    parts = []
+    for size in sorted(sizes, reverse=True):
+        parts += [size] * (rows // size)
+        rows %= size
+    if rows:
+        raise ValueError(f"a batch of {sum(parts) + rows} cannot be cut into the compiled sizes {sorted(sizes)}")
+    return parts
+
+
+def _at_batch(model: ov.Model, size: int) -> ov.Model:
+    """A copy of `model` whose input has a static batch axis of `size`."""
+    static = model.clone()
+    static.reshape({0: [size, *model.inputs[0].partial_shape[1:]]})
+    return static
 
 
 def _port(port) -> Port:

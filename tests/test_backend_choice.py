@@ -200,14 +200,30 @@ def test_the_guard_refuses_a_degraded_variant_with_real_weights_only(measured_ro
     assert not stand_in["guard_applied"] and stand_in["agreement_guard"].startswith("not applied")
 
 
-def test_openvino_streams_split_a_batch_and_compute_the_same_logits(models_dir, held_out, openvino_installed):
+@pytest.mark.parametrize("file_name", [FP32_ONNX, STATIC_INT8_ONNX])
+def test_openvino_parts_of_a_batch_compute_each_photo_as_alone(models_dir, held_out, openvino_installed, file_name):
+    """Every way a batch is cut (1..9 photos: parts of 4, 2 and 1 on one or two streams) gives each photo the
+    logits it gets alone, and in its own row."""
     from mnv3.engine import open_session
 
-    one, two = (
-        open_session(models_dir / FP32_ONNX, "openvino", 2, max_batch_size=8, precision="f32", streams=n)
+    sessions = [
+        open_session(models_dir / file_name, "openvino", 2, max_batch_size=8, precision="f32", streams=n)
         for n in (1, 2)
-    )
-    for batch in (held_out[:1], held_out[:7]):  # batch 1 runs alone; 7 is cut into parts of 4 and 3
-        np.testing.assert_allclose(
-            two.run(None, {"input": batch})[0], one.run(None, {"input": batch})[0], rtol=1e-4, atol=1e-5
-        )
+    ]
+    alone = np.concatenate([sessions[0].run(None, {"input": photo[None]})[0] for photo in held_out[:9]])
+    for session in sessions:
+        for size in range(1, 10):
+            np.testing.assert_allclose(
+                session.run(None, {"input": held_out[:size]})[0], alone[:size], rtol=1e-4, atol=1e-5
+            )
+
+
+def test_a_batch_is_cut_into_the_compiled_sizes(openvino_installed):
+    from mnv3.openvino_backend import split_batch
+
+    assert split_batch(13, [1, 2, 4]) == [4, 4, 4, 1]
+    assert split_batch(32, [1, 2, 4]) == [4] * 8
+    assert split_batch(7, [4, 2, 1]) == [4, 2, 1]
+    assert split_batch(6, [3]) == [3, 3]  # a file with a fixed batch axis of 3
+    with pytest.raises(ValueError, match="cannot be cut into the compiled sizes"):
+        split_batch(5, [3])
