@@ -156,17 +156,7 @@ def run(args):
         preprocessing=preprocessing.record(),
         model={"arch": args.arch, "classes": len(class_names), "class_names": class_names_source},
     )
-    bench = Bench(
-        args.threads,
-        mode.timing,
-        args.batch_size,
-        held_out_batch(mode.held_out_images, preprocessing),
-        labelled,
-        provenance,
-        args.arch,
-        len(class_names),
-        preprocessing,
-    )
+    bench = Bench.for_stage(args, mode, preprocessing, class_names, labelled, provenance, args.arch)
     fp32_run = ort_runner(make_session(fp32_path, args.threads))
     export_diff = check_export(model, fp32_run, bench.held_out)
     print(f"export check: max |ONNX - PyTorch| logit = {export_diff:.2e} at batch sizes {EXPORT_CHECK_BATCHES}")

@@ -17,7 +17,7 @@ import shutil
 import sys
 
 from mnv3 import cli, report
-from mnv3.accuracy import UnreadableLabels, held_out_batch, load_labels
+from mnv3.accuracy import UnreadableLabels, load_labels
 from mnv3.artifacts import (
     BASELINE_CSV,
     CALIBRATION_DIR,
@@ -135,17 +135,7 @@ def run(args):
             file=sys.stderr,
         )
     recipe = RECIPES[args.recipe]
-    bench = Bench(
-        args.threads,
-        mode.timing,
-        args.batch_size,
-        held_out_batch(mode.held_out_images, preprocessing),
-        labelled,
-        provenance,
-        arch,
-        len(class_names),
-        preprocessing,
-    )
+    bench = Bench.for_stage(args, mode, preprocessing, class_names, labelled, provenance, arch)
     if args.compare_recipes:
         names = list(dict.fromkeys(args.compare_recipes + [args.recipe]))
         print(

@@ -6,6 +6,7 @@ two servers at the same concurrency, measured minutes apart on the same machine;
 is also swept over concurrencies and driven open loop. The limit is measured after both servers
 have stopped, so it has the machine to itself: for the engine the servers run (`--backend auto`), and
 for onnxruntime on the FP32 and INT8 files beside it, so what the chosen engine gains shows end to end.
+Every limit decodes as the batching server said it does (its jpeg_draft setting, from GET /model).
 """
 
 from dataclasses import dataclass
@@ -174,6 +175,7 @@ def run_batching_benchmark(model: Path, bodies: list[bytes], plan: BatchingPlan)
             name,
             engine,
             bodies[: plan.limit_images],
+            batching_settings["server_jpeg_draft"],
             plan.limit_batch_sizes,
             plan.limit_thread_splits,
             plan.limit_confirm_passes,

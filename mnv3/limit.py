@@ -1,12 +1,12 @@
 """The in-process limit: how many images/s this machine classifies with no HTTP, no queue, no JSON.
 
 The same work the server does per image (preprocess.decode_and_preprocess with the preprocessing the
-manifest beside the model records, then one run of the engine per batch), on the same JPEG bodies, in one
-process. Decoding the next batch runs in a thread pool while the engine runs the current one, as the
-server's preprocessing overlaps its inference. The engine is opened as the server opens it
-(engine.open_session, from a backend_choice.Choice: file, engine, precision, streams), so the limit of
-`--backend auto`'s choice is the ceiling stage 5 holds the batched server to: server req/s / limit
-images/s is the serving overhead. The limits of other engines show what the choice gains.
+manifest beside the model records and the server's --jpeg-draft setting, then one run of the engine per
+batch), on the same JPEG bodies, in one process. Decoding the next batch runs in a thread pool while the
+engine runs the current one, as the server's preprocessing overlaps its inference. The engine is opened
+as the server opens it (engine.open_session, from a backend_choice.Choice: file, engine, precision,
+streams), so the limit of `--backend auto`'s choice is the ceiling stage 5 holds the batched server to:
+server req/s / limit images/s is the serving overhead. The limits of other engines show what the choice gains.
 """
 
 import time
@@ -35,6 +35,7 @@ class LimitResult:
     batch_size: int
     intra_op_threads: int
     decode_threads: int
+    jpeg_draft: bool  # the server's setting it decoded with: large JPEGs at a reduced DCT scale, or in full
     images: int
     seconds: float
 
@@ -46,11 +47,13 @@ class LimitResult:
         return asdict(self) | {"seconds": round(self.seconds, 3), "images_per_s": round(self.images_per_s, 2)}
 
 
-def classify_all(session, pool, bodies: list[bytes], batch_size: int, preprocessing: Preprocessing) -> float:
+def classify_all(
+    session, pool, bodies: list[bytes], batch_size: int, preprocessing: Preprocessing, jpeg_draft: bool
+) -> float:
     """Seconds to classify every body in batches, decoding batch k+1 while batch k runs."""
     input_name = session.get_inputs()[0].name
     batches = [bodies[i : i + batch_size] for i in range(0, len(bodies), batch_size)]
-    decode = partial(decode_and_preprocess, preprocessing=preprocessing)
+    decode = partial(decode_and_preprocess, jpeg_draft=jpeg_draft, preprocessing=preprocessing)
     start = time.perf_counter()
     pending = [pool.submit(decode, body) for body in batches[0]]
     for k in range(len(batches)):
@@ -65,12 +68,14 @@ def measure_limit(
     engine: str,
     served: Choice,
     bodies: list[bytes],
+    jpeg_draft: bool,
     batch_size: int,
     intra_op_threads: int,
     decode_threads: int,
     passes: int = 1,
 ) -> LimitResult:
-    """Images/s of one configuration over `passes` runs through `bodies`, after an untimed warm-up batch."""
+    """Images/s of one configuration over `passes` runs through `bodies`, after an untimed warm-up batch,
+    decoding as a server with `jpeg_draft` (its --jpeg-draft) does."""
     # No spinning, as the server runs by default: decoding shares the cores with ORT here too.
     session = open_session(
         served.path,
@@ -84,15 +89,17 @@ def measure_limit(
     )
     preprocessing = model_preprocessing(served.path.parent)  # as the server serving this file does
     with ThreadPoolExecutor(max_workers=decode_threads) as pool:
-        classify_all(session, pool, bodies[:batch_size], batch_size, preprocessing)  # the engine allocates for it
-        seconds = sum(classify_all(session, pool, bodies, batch_size, preprocessing) for _ in range(passes))
-    return LimitResult(engine, batch_size, intra_op_threads, decode_threads, passes * len(bodies), seconds)
+        warm_up = bodies[:batch_size]
+        classify_all(session, pool, warm_up, batch_size, preprocessing, jpeg_draft)  # the engine allocates for it
+        seconds = sum(classify_all(session, pool, bodies, batch_size, preprocessing, jpeg_draft) for _ in range(passes))
+    return LimitResult(engine, batch_size, intra_op_threads, decode_threads, jpeg_draft, passes * len(bodies), seconds)
 
 
 def run_limit(
     engine: str,
     served: Choice,
     bodies: list[bytes],
+    jpeg_draft: bool,
     batch_sizes=BATCH_SIZES,
     thread_splits=THREAD_SPLITS,
     confirm_passes: int = CONFIRM_PASSES,
@@ -100,14 +107,15 @@ def run_limit(
 ) -> tuple[LimitResult, list[LimitResult]]:
     """(the limit, every configuration tried). Each configuration is one short pass, so the fastest of
     them is partly the luckiest; the limit is that configuration measured again, `confirm_passes` times
-    longer, which is an unbiased figure for it."""
+    longer, which is an unbiased figure for it. Every run decodes as a server with `jpeg_draft` does: pass
+    the setting of the server the limit is compared with."""
     grid = []
     configurations = [(b, t, d) for t, d in thread_splits for b in batch_sizes]
     for batch_size, intra_op_threads, decode_threads in tqdm(
         configurations, desc=desc, leave=False, disable=desc is None
     ):
-        grid.append(measure_limit(engine, served, bodies, batch_size, intra_op_threads, decode_threads))
+        grid.append(measure_limit(engine, served, bodies, jpeg_draft, batch_size, intra_op_threads, decode_threads))
     best = max(grid, key=lambda r: r.images_per_s)
     return measure_limit(
-        engine, served, bodies, best.batch_size, best.intra_op_threads, best.decode_threads, confirm_passes
+        engine, served, bodies, jpeg_draft, best.batch_size, best.intra_op_threads, best.decode_threads, confirm_passes
     ), grid

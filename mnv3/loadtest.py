@@ -459,4 +459,5 @@ def server_settings(base_url: str, api_key: str | None = None) -> dict:
         | {f"server_{name}_threads": n for name, n in info["threads"].items()}
         | {f"server_{name}": value for name, value in info["batching"].items()}
         | {"server_ort_spinning": info["ort_spinning"], "server_cache_size": info["cache"]["size"]}
+        | {"server_jpeg_draft": info["preprocessing"]["jpeg_draft"]}
     )

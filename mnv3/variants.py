@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mnv3.accuracy import array_batches, evaluate, predict
+from mnv3.accuracy import array_batches, evaluate, held_out_batch, predict
 from mnv3.artifacts import FP32_ONNX
 from mnv3.backend_choice import variant_name
 from mnv3.engine import open_session
@@ -79,6 +79,31 @@ class Bench:
     arch: str
     classes: int
     preprocessing: Preprocessing  # the model's, which `held_out` already went through; `labelled` goes through it
+
+    @classmethod
+    def for_stage(
+        cls,
+        args,
+        mode,
+        preprocessing: Preprocessing,
+        class_names: list[str],
+        labelled: tuple[list[Path], np.ndarray] | None,
+        weights: str,
+        arch: str,
+    ) -> "Bench":
+        """Stage 1's or 2's bench: its --threads and --batch-size, its mode's (cli.defaults) timing and
+        held-out photo count, those photos put through the model's `preprocessing`, and what its rows record."""
+        return cls(
+            threads=args.threads,
+            timing=mode.timing,
+            batch_size=args.batch_size,
+            held_out=held_out_batch(mode.held_out_images, preprocessing),
+            labelled=labelled,
+            weights=weights,
+            arch=arch,
+            classes=len(class_names),
+            preprocessing=preprocessing,
+        )
 
     def provenance(self) -> dict:
         """The columns every row records: which weights, which architecture, how many classes."""

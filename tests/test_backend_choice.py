@@ -140,6 +140,7 @@ def test_stage5_limits_the_served_engine_and_onnxruntime_fp32_and_int8(models_di
         "openvino_static_int8_f32",
         engines["openvino_static_int8_f32"],
         load_images(4),
+        jpeg_draft=True,
         batch_sizes=(1, 4),
         thread_splits=((1, 1),),
         confirm_passes=1,

@@ -106,7 +106,8 @@ def test_stage4_hits_are_answered_from_the_cache_without_inference(fp32_model_pa
         )
 
 
-def test_stage5_batching_sweep_open_loop_and_limit(fp32_model_path, other_model_path, tmp_path):
+def test_stage5_batching_sweep_open_loop_and_limit(fp32_model_path, other_model_path, tmp_path, monkeypatch):
+    monkeypatch.setenv("MNV3_JPEG_DRAFT", "0")  # the servers' non-default setting, which the limit must follow
     rows = run_quick(
         batching_loadtest,
         BATCHING_CSV,
@@ -139,8 +140,10 @@ def test_stage5_batching_sweep_open_loop_and_limit(fp32_model_path, other_model_
     assert int(open_loop["ok"]) > 0 and int(open_loop["ok"]) + int(open_loop["errors"]) == int(open_loop["sent"])
     grid = by_kind[("in_process_limit", "in_process")]
     [confirmed] = by_kind[("in_process_limit_confirmed", "in_process")]
+    assert {r["server_jpeg_draft"] for r in [baseline, *batched]} == {"False"}
     for row in [*grid, confirmed]:
         assert_rate(row["images_per_s"], row["images"], row["seconds"])
+        assert row["jpeg_draft"] == headline["server_jpeg_draft"]  # it decoded as the server it is compared with
     fastest = max(grid, key=lambda r: float(r["images_per_s"]))  # the configuration measured again
     assert [confirmed[k] for k in ("batch_size", "intra_op_threads", "decode_threads")] == [
         fastest[k] for k in ("batch_size", "intra_op_threads", "decode_threads")
