@@ -141,7 +141,9 @@ class DynamicBatcher:
             return
         started = time.perf_counter()
         try:
-            outputs = await loop.run_in_executor(self._executor, self.run_batch, np.stack([p.array for p in live]))
+            # Stacked on the inference thread: a batch is megabytes to copy, which the event loop
+            # would otherwise do while every connection waits.
+            outputs = await loop.run_in_executor(self._executor, self._stack_and_run, [p.array for p in live])
             if len(outputs) != len(live):  # else some requests would wait for a row that never comes
                 raise RuntimeError(f"run_batch returned {len(outputs)} rows for a batch of {len(live)}")
         except Exception as exc:  # fails this batch's requests only; the worker goes on
@@ -153,6 +155,9 @@ class DynamicBatcher:
         for p, row in zip(live, outputs, strict=True):
             if not p.future.done():
                 p.future.set_result(BatchResult(row, len(live), started - p.queued_at, inference_s))
+
+    def _stack_and_run(self, arrays: list[np.ndarray]) -> np.ndarray:
+        return self.run_batch(np.stack(arrays))
 
     async def _collect(self, batch: list[_Pending]) -> None:
         """Wait for a first request, then gather more into `batch` until it is full or its window closes."""

@@ -117,7 +117,8 @@ def resize_and_crop(image: Image.Image, size: int = RESIZE_SIZE, crop: int = CRO
 
 def preprocess(image: Image.Image, preprocessing: Preprocessing = DEFAULT_PREPROCESSING) -> np.ndarray:
     """PIL image -> float32 array of shape (3, crop, crop), ready to stack into an NCHW batch."""
-    hwc = np.asarray(resize_and_crop(image.convert("RGB"), preprocessing.resize, preprocessing.crop))
+    rgb = image if image.mode == "RGB" else image.convert("RGB")  # convert() copies even an RGB image
+    hwc = np.asarray(resize_and_crop(rgb, preprocessing.resize, preprocessing.crop))
     scale, shift = preprocessing.scale_shift
     # One pass from uint8 into the result, then one in place: no float32 copy -> transpose ->
     # multiply -> add chain allocating a full-size temporary at each step.
@@ -169,7 +170,9 @@ def decode_image(
                     # Pillow picks the largest reduction r with size // (requested size) >= r.
                     image.draft(image.mode, (w // reduction, h // reduction))
             image.load()
-            return _to_rgb(ImageOps.exif_transpose(image))
+            # In place: without an orientation to undo, exif_transpose would return a full copy.
+            ImageOps.exif_transpose(image, in_place=True)
+            return _to_rgb(image)
     except InvalidImage:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
