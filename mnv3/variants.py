@@ -438,7 +438,7 @@ def build_openvino_int8(
 def engine_variants(int8_file: str, openvino_files: list[str], threads: int) -> list[EngineVariant]:
     """Every installed engine x precision on the models beside FP32 (FP32_VARIANT is the reference, not here):
     onnxruntime on the INT8 file; OpenVINO on FP32, the INT8 file and `openvino_files`, in f32 and, where the
-    CPU computes it natively, bf16; and the INT8 files in f32 with a stream a thread for batches."""
+    CPU computes it natively, bf16; each with one CPU stream and with a stream a thread for batches."""
     variants = [EngineVariant(variant_name("onnxruntime", int8_file, "auto"), "onnxruntime", int8_file)]
     try:
         from mnv3.openvino_backend import bf16_supported
@@ -448,17 +448,12 @@ def engine_variants(int8_file: str, openvino_files: list[str], threads: int) -> 
         print("openvino: not installed, only onnxruntime variants are candidates")
         return variants
     precisions = ["f32", "bf16"] if bf16_supported() else ["f32"]
-    variants += [
-        EngineVariant(variant_name("openvino", file, precision), "openvino", file, precision)
+    return variants + [
+        EngineVariant(variant_name("openvino", file, precision, streams), "openvino", file, precision, streams)
         for file in [FP32_ONNX, int8_file, *openvino_files]
         for precision in precisions
+        for streams in sorted({1, threads})
     ]
-    if threads > 1:
-        variants += [
-            EngineVariant(variant_name("openvino", file, "f32", threads), "openvino", file, "f32", threads)
-            for file in [int8_file, *openvino_files]
-        ]
-    return variants
 
 
 def engine_runner(variant: EngineVariant, artifacts_dir: Path, threads: int, batch_size: int) -> Callable:
