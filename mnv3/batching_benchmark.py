@@ -9,6 +9,7 @@ for onnxruntime on the FP32 and INT8 files beside it, so what the chosen engine 
 Every limit decodes as the batching server said it does (its jpeg_draft setting, from GET /model).
 """
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,6 +113,19 @@ class BatchingResult:
             )
         return [row | environment for row in rows]
 
+    def cpu_summary(self) -> str:
+        """Where the gap to the limit goes: the CPU the server and the load client spent per request (on the
+        same cores) against the limit's per image, and the most the server could answer with every core busy."""
+        cpu = self.headline.cpu_row()
+        server, client = cpu["server_cpu_ms_per_request"], cpu["client_cpu_ms_per_request"]
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        ceiling = 1000 * cores / (server + client)  # NaN where the server's CPU is not exported
+        return (
+            f"CPU per image: the server {server:.2f} ms + the load client {client:.2f} ms, the limit "
+            f"{1000 * self.limit.cpu_seconds / self.limit.images:.2f} ms; with all {cores} cores busy the server "
+            f"could answer at most {ceiling:.0f} req/s, {loadtest.ratio(ceiling, self.limit.images_per_s)} of the limit"
+        )
+
     def summary(self) -> str:
         c, limit = self.plan.concurrency, self.limit
         return "\n".join(
@@ -122,6 +136,7 @@ class BatchingResult:
                 f"{limit.batch_size}, intra-op {limit.intra_op_threads}, decode threads {limit.decode_threads}; the "
                 f"fastest of {len(self.grid)} configurations, measured again over {limit.images} images); the server "
                 f"reaches {self.of_limit} of it",
+                self.cpu_summary(),
                 *[
                     f"in-process limit of {name}: {other.images_per_s:.1f} images/s (the served engine's is "
                     f"{loadtest.ratio(limit.images_per_s, other.images_per_s)}x)"

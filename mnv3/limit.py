@@ -38,30 +38,37 @@ class LimitResult:
     jpeg_draft: bool  # the server's setting it decoded with: large JPEGs at a reduced DCT scale, or in full
     images: int
     seconds: float
+    cpu_seconds: float  # the process's CPU time over those seconds, every thread (engine, decoding) included
 
     @property
     def images_per_s(self) -> float:
         return self.images / self.seconds
 
     def as_row(self) -> dict:
-        return asdict(self) | {"seconds": round(self.seconds, 3), "images_per_s": round(self.images_per_s, 2)}
+        return asdict(self) | {
+            "seconds": round(self.seconds, 3),
+            "cpu_seconds": round(self.cpu_seconds, 3),
+            "images_per_s": round(self.images_per_s, 2),
+            "cpu_ms_per_image": round(1000 * self.cpu_seconds / self.images, 3),
+        }
 
 
 def classify_all(
     session, pool, bodies: list[bytes], batch_size: int, preprocessing: Preprocessing, jpeg_draft: bool
 ) -> float:
-    """Seconds to classify every body in batches, decoding batch k+1 while batch k runs."""
+    """(seconds, CPU seconds of this process) to classify every body in batches, decoding batch k+1 while
+    batch k runs."""
     input_name = session.get_inputs()[0].name
     batches = [bodies[i : i + batch_size] for i in range(0, len(bodies), batch_size)]
     decode = partial(decode_and_preprocess, jpeg_draft=jpeg_draft, preprocessing=preprocessing)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     pending = [pool.submit(decode, body) for body in batches[0]]
     for k in range(len(batches)):
         arrays = [future.result() for future in pending]
         if k + 1 < len(batches):
             pending = [pool.submit(decode, body) for body in batches[k + 1]]
         session.run(None, {input_name: np.stack(arrays)})
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu_start
 
 
 def measure_limit(
@@ -91,8 +98,11 @@ def measure_limit(
     with ThreadPoolExecutor(max_workers=decode_threads) as pool:
         warm_up = bodies[:batch_size]
         classify_all(session, pool, warm_up, batch_size, preprocessing, jpeg_draft)  # the engine allocates for it
-        seconds = sum(classify_all(session, pool, bodies, batch_size, preprocessing, jpeg_draft) for _ in range(passes))
-    return LimitResult(engine, batch_size, intra_op_threads, decode_threads, jpeg_draft, passes * len(bodies), seconds)
+        runs = [classify_all(session, pool, bodies, batch_size, preprocessing, jpeg_draft) for _ in range(passes)]
+    seconds, cpu_seconds = (sum(column) for column in zip(*runs, strict=True))
+    return LimitResult(
+        engine, batch_size, intra_op_threads, decode_threads, jpeg_draft, passes * len(bodies), seconds, cpu_seconds
+    )
 
 
 def run_limit(

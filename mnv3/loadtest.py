@@ -238,6 +238,7 @@ class LoadResult:
     target_rps: float | None = None
     dropped: int = 0  # open loop: not sent, because the client fell too far behind its schedule
     metrics: dict = field(default_factory=dict)  # the server's /metrics for this run alone, if read
+    client_cpu_s: float | None = None  # CPU the sending process spent during the run, if measured
 
     @property
     def rps(self) -> float:
@@ -281,7 +282,17 @@ class LoadResult:
         nan = float("nan")
         latency = (self.latency or LatencyStats(nan, nan, nan, nan, 0)).as_row("latency_")
         server = {key: _round(value) for key, value in self.server.items()}
-        return row | latency | server | (metrics_row(self.metrics) if self.metrics else {})
+        return row | latency | server | (metrics_row(self.metrics) if self.metrics else {}) | self.cpu_row()
+
+    def cpu_row(self) -> dict:
+        """CPU per answered request: the server's (its process_cpu_seconds_total over the run) and the load
+        client's, which on a shared machine takes cores the server would otherwise have. NaN if not measured."""
+        spent = {"server": self.metrics.get(("process_cpu_seconds_total", "")), "client": self.client_cpu_s}
+        nan = float("nan")
+        return {
+            f"{who}_cpu_ms_per_request": _round(1000 * cpu_s / self.ok) if cpu_s is not None and self.ok else nan
+            for who, cpu_s in spent.items()
+        }
 
     def summary(self) -> str:
         p = self.latency
@@ -438,11 +449,12 @@ def warm_up(base_url: str, bodies: list, concurrency: int, client=PredictClient)
 
 def run_with_metrics(base_url: str, run, client=PredictClient) -> LoadResult:
     """`run(send)` with a fresh `client(base_url)` (default: POST /predict); its result carries the server's
-    metrics for just that run."""
-    before = read_metrics(base_url)
+    metrics for just that run, and the CPU this (sending) process spent on it."""
+    before, client_cpu_before = read_metrics(base_url), time.process_time()
     with client(base_url) as send:
         result = run(send)
-    return replace(result, metrics=metrics_delta(before, read_metrics(base_url)))
+    client_cpu_s = time.process_time() - client_cpu_before
+    return replace(result, metrics=metrics_delta(before, read_metrics(base_url)), client_cpu_s=client_cpu_s)
 
 
 def server_settings(base_url: str, api_key: str | None = None) -> dict:

@@ -14,7 +14,7 @@ model exports the same names without that label, exactly as before models could 
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from mnv3.batcher import DynamicBatcher
@@ -37,6 +37,9 @@ class Metrics:
     def __init__(self, model_names: list[str], in_flight: Callable[[], int]):
         self.registry = CollectorRegistry()  # per app, so tests can build several
         registry = self.registry
+        # The standard process_* series (CPU seconds, resident memory, open files), where the OS has /proc:
+        # what a load test divides by its requests to see what one costs the server.
+        ProcessCollector(registry=registry)
         self.labelled = len(model_names) > 1
         labels = ["model"] if self.labelled else []
         self.request_latency = Histogram(

@@ -145,6 +145,8 @@ def test_operational_endpoints(client, fp32_model_path):
         'mnv3_rejections_total{reason="queue_full"}',
         'mnv3_rejections_total{reason="busy"}',
         'mnv3_rejections_total{reason="slow_upload"}',
+        "process_cpu_seconds_total",  # the standard process series, which load tests divide per request
+        "process_resident_memory_bytes",
     ):
         assert name in metrics.text
 

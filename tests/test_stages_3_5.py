@@ -141,8 +141,17 @@ def test_stage5_batching_sweep_open_loop_and_limit(fp32_model_path, other_model_
     grid = by_kind[("in_process_limit", "in_process")]
     [confirmed] = by_kind[("in_process_limit_confirmed", "in_process")]
     assert {r["server_jpeg_draft"] for r in [baseline, *batched]} == {"False"}
+    cores = len(os.sched_getaffinity(0))
+    for row in [baseline, *batched]:  # CPU seconds spent, within what the machine's cores could spend in the run
+        for who in ("server", "client"):
+            cpu_s = float(row[f"{who}_cpu_ms_per_request"]) * int(row["ok"]) / 1000
+            assert 0 < cpu_s <= cores * (float(row["seconds"]) + 1.0), (who, row)
     for row in [*grid, confirmed]:
         assert_rate(row["images_per_s"], row["images"], row["seconds"])
+        assert 0 < float(row["cpu_seconds"]) <= cores * float(row["seconds"]) + 0.05
+        assert float(row["cpu_ms_per_image"]) == pytest.approx(
+            1000 * float(row["cpu_seconds"]) / int(row["images"]), rel=0.01, abs=0.002
+        )
         assert row["jpeg_draft"] == headline["server_jpeg_draft"]  # it decoded as the server it is compared with
     fastest = max(grid, key=lambda r: float(r["images_per_s"]))  # the configuration measured again
     assert [confirmed[k] for k in ("batch_size", "intra_op_threads", "decode_threads")] == [
