@@ -55,7 +55,7 @@ class LimitResult:
 
 def classify_all(
     session, pool, bodies: list[bytes], batch_size: int, preprocessing: Preprocessing, jpeg_draft: bool
-) -> float:
+) -> tuple[float, float]:
     """(seconds, CPU seconds of this process) to classify every body in batches, decoding batch k+1 while
     batch k runs."""
     input_name = session.get_inputs()[0].name
