@@ -15,6 +15,7 @@ file beside the given one; `Engine.choice` says what was asked for, what runs, a
 import hashlib
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,8 +56,12 @@ class Engine:
         backend: str = "onnxruntime",
         preprocessing: Preprocessing = DEFAULT_PREPROCESSING,
         choice: Choice | None = None,
+        load_rss_bytes: int | None = None,
     ):
         self.session = session
+        # How much resident memory grew while the session opened: OpenVINO compiles and runs every static
+        # batch size then, onnxruntime allocates most of its buffers at the first runs (the warm-up) instead.
+        self.load_rss_bytes = load_rss_bytes
         self.backend = backend
         self.choice = choice or explicit(path, backend)
         self.class_names = class_names
@@ -90,6 +95,7 @@ class Engine:
         path, backend, precision = choice.path, choice.backend, choice.precision
         sha256 = _digest(path)
         preprocessing = _preprocessing(path.parent)
+        before = rss_bytes()
         try:
             session = open_session(
                 path,
@@ -105,6 +111,7 @@ class Engine:
             raise
         except Exception as exc:  # both runtimes raise their own untyped errors for bad protobufs
             raise ModelLoadError(f"{path} is not a loadable ONNX model: {_one_line(exc)}") from exc
+        after = rss_bytes()
         _check_input(path, session.get_inputs(), max_batch_size, preprocessing.input_shape)
         if choice.requested == AUTO:  # once the model is known to load: a bad file's error stays one line
             log.log(
@@ -123,6 +130,7 @@ class Engine:
             backend,
             preprocessing,
             choice,
+            None if before is None or after is None else after - before,
         )
 
     @property
@@ -179,6 +187,15 @@ def open_session(
 
     # OpenVINO has no inter-op pool to size: one stream, `intra_op_threads` threads within it.
     return OpenVINOSession(path, intra_op_threads, precision, max_batch_size=max_batch_size, streams=streams)
+
+
+def rss_bytes() -> int | None:
+    """This process's resident memory, from /proc (Linux); None elsewhere."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _digest(path: Path) -> str:

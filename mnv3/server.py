@@ -129,6 +129,11 @@ class Status(BaseModel):
 
 class ModelMemoryInfo(BaseModel):
     file_bytes: int = Field(description="the model file's size: about what its weights take in memory")
+    load_rss_bytes: int | None = Field(
+        description="how much the process's resident memory grew while this model's engine opened: "
+        "OpenVINO compiles (and runs once) every static batch size then, onnxruntime allocates most of its "
+        "buffers at the warm-up instead. Approximate; null without /proc"
+    )
     warm_up_rss_bytes: int | None = Field(
         description="how much the process's resident memory grew while this model warmed up (batch 1 and the "
         "largest batch): mostly its runtime's buffers for the largest batch. Measured around the "

@@ -18,12 +18,11 @@ Guarantees:
 
 import asyncio
 import logging
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from fastapi import Query, Request
@@ -32,7 +31,7 @@ from starlette.requests import ClientDisconnect
 from mnv3.batcher import BatchResult, DeadlineExceeded, DynamicBatcher, QueueFull
 from mnv3.cache import ResultCache
 from mnv3.config import ModelSpec, ServerConfig
-from mnv3.engine import Engine, InferenceError, Prediction
+from mnv3.engine import Engine, InferenceError, Prediction, rss_bytes
 from mnv3.errors import Busy, UnknownModel
 from mnv3.metrics import Metrics
 from mnv3.preprocess import decode_and_preprocess
@@ -52,6 +51,7 @@ class Classified:
 @dataclass(frozen=True)
 class ModelMemory:
     file_bytes: int
+    load_rss_bytes: int | None  # None: no /proc to read
     warm_up_rss_bytes: int | None  # None: not warmed up yet, or no /proc to read
 
 
@@ -84,16 +84,16 @@ class ServedModel:
         )
         self.metrics = metrics.for_model(self.name, self.cache, self.batcher)
         self.warmed_up = False
-        self.memory = ModelMemory(engine.path.stat().st_size, None)
+        self.memory = ModelMemory(engine.path.stat().st_size, engine.load_rss_bytes, None)
 
     def warm_up(self) -> None:
         """Run batch 1 and the largest batch once (in a thread), so first requests do not pay for allocations."""
-        before = _rss_bytes()
+        before = rss_bytes()
         with self.inference_lock:
             self.engine.warm_up(sorted({1, self.config.max_batch_size}))
-        after = _rss_bytes()
+        after = rss_bytes()
         if before is not None and after is not None:
-            self.memory = ModelMemory(self.memory.file_bytes, after - before)
+            self.memory = replace(self.memory, warm_up_rss_bytes=after - before)
         self.warmed_up = True
 
     async def preprocessed(self, data: bytes, deadline: float) -> tuple[np.ndarray, float]:
@@ -262,12 +262,3 @@ async def unless_disconnected(request: Request, work):
 async def _disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-def _rss_bytes() -> int | None:
-    """This process's resident memory, from /proc (Linux); None elsewhere."""
-    try:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None

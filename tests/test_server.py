@@ -359,3 +359,18 @@ def test_engine_preprocesses_as_the_manifest_beside_the_model_says(fp32_model_pa
     update_manifest(tmp_path, preprocessing={"resize": 256})
     with pytest.raises(ModelLoadError, match="no valid preprocessing.*rerun stage 1"):
         Engine.load(model)
+
+
+def test_model_reports_the_memory_its_engine_took_to_open_and_to_warm_up(fp32_model_path, monkeypatch):
+    # Resident memory read around the engine's opening (OpenVINO compiles every batch size then) and around
+    # its warm-up (onnxruntime allocates most of its buffers then): each figure is its own difference.
+    opening, warming = iter([100_000_000, 130_000_000]), iter([500_000_000, 520_000_000])
+    monkeypatch.setattr("mnv3.engine.rss_bytes", lambda: next(opening))
+    monkeypatch.setattr("mnv3.serving.rss_bytes", lambda: next(warming))
+    with serving_client(fp32_model_path) as client:
+        memory = client.get("/model").json()["memory"]
+    assert memory == {
+        "file_bytes": fp32_model_path.stat().st_size,
+        "load_rss_bytes": 30_000_000,
+        "warm_up_rss_bytes": 20_000_000,
+    }
