@@ -172,8 +172,8 @@ class Variant:
 def openvino_variants(fp32_path: Path, threads: int) -> list[Variant]:
     """OpenVINO on the FP32 file: FP32, plus BF16 where the CPU computes it natively; none without openvino.
 
-    Runs through the session the server's `--backend openvino` uses: its static batch-1 model times batch 1,
-    its dynamic-batch model the batched run."""
+    Runs through the session the server's `--backend openvino` uses: its batch-1 model times batch 1, its
+    static parts of the batch the batched run."""
     try:
         from mnv3.openvino_backend import OpenVINOSession, bf16_supported
     except ModuleNotFoundError as exc:
