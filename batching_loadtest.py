@@ -2,13 +2,15 @@
 
 In one run, with the result cache off so every request is a miss:
   1. the stage-3 server (no batching) at `--concurrency` (the seed: 250), closed loop;
-  2. the batching server (a `--batch-window-ms` window, at most `--max-batch-size` per ORT run,
+  2. the in-process limit of the engine the servers run (mnv3/limit.py): the same decode + preprocess +
+     inference with no server, over a grid of batch sizes and thread splits; the fastest is measured
+     again, longer, now and once more after step 4, and the two are pooled as the limit;
+  3. the batching server (a `--batch-window-ms` window, at most `--max-batch-size` per ORT run,
      explicit ORT threads) over a concurrency sweep that includes `--concurrency`, reading the
      batch-size histogram and time breakdown from /metrics after each point;
-  3. the batching server open loop: Poisson arrivals at `--open-loop-fraction` of its measured
-     throughput, latency from each request's scheduled send time;
-  4. the in-process limit (mnv3/limit.py): the same decode + preprocess + inference with no server,
-     over a grid of batch sizes and thread splits; the fastest is measured again, longer, as the limit;
+  4. the batching server open loop: Poisson arrivals at `--open-loop-fraction` of its measured
+     throughput, latency from each request's scheduled send time; then the limits of onnxruntime on
+     the FP32 and INT8 files, for comparison;
   5. (mnv3/v2_benchmark.py) a batching server answering the same photos through /predict and through the
      Open Inference Protocol's binary path (/v2/models/NAME/infer) in turns at `--concurrency`;
   6. FP32 and static INT8 in one batching server (`--side-by-side-models`; with --model, only if given)

@@ -11,7 +11,7 @@ server req/s / limit images/s is the serving overhead. The limits of other engin
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 
 import numpy as np
@@ -126,6 +126,29 @@ def run_limit(
     ):
         grid.append(measure_limit(engine, served, bodies, jpeg_draft, batch_size, intra_op_threads, decode_threads))
     best = max(grid, key=lambda r: r.images_per_s)
+    return measure_again(best, served, bodies, confirm_passes), grid
+
+
+def measure_again(limit: LimitResult, served: Choice, bodies: list[bytes], passes: int) -> LimitResult:
+    """`limit`'s configuration (batch size, threads, jpeg_draft) measured anew over `passes` runs through `bodies`."""
     return measure_limit(
-        engine, served, bodies, jpeg_draft, best.batch_size, best.intra_op_threads, best.decode_threads, confirm_passes
-    ), grid
+        limit.engine,
+        served,
+        bodies,
+        limit.jpeg_draft,
+        limit.batch_size,
+        limit.intra_op_threads,
+        limit.decode_threads,
+        passes,
+    )
+
+
+def pooled(first: LimitResult, *more: LimitResult) -> LimitResult:
+    """Measurements of one configuration as one: their images, seconds and CPU seconds added up."""
+    runs = (first, *more)
+    return replace(
+        first,
+        images=sum(r.images for r in runs),
+        seconds=sum(r.seconds for r in runs),
+        cpu_seconds=sum(r.cpu_seconds for r in runs),
+    )

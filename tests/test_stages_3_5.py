@@ -29,7 +29,7 @@ from mnv3.artifacts import (
     V2_VS_PREDICT_CSV,
     update_manifest,
 )
-from mnv3.cli import serving_model
+from mnv3.cli import QUICK, serving_model
 from mnv3.phone_benchmark import TIME_PARTS
 from mnv3.report import read_csv
 
@@ -157,6 +157,10 @@ def test_stage5_batching_sweep_open_loop_and_limit(fp32_model_path, other_model_
     assert [confirmed[k] for k in ("batch_size", "intra_op_threads", "decode_threads")] == [
         fastest[k] for k in ("batch_size", "intra_op_threads", "decode_threads")
     ]
+    # the served limit pools a confirmation before the batching server and one after: its rate lies between them
+    turns = [float(confirmed[f"images_per_s_{when}_servers"]) for when in ("before", "after")]
+    assert min(turns) - 0.01 <= float(confirmed["images_per_s"]) <= max(turns) + 0.01
+    assert int(confirmed["images"]) == 2 * QUICK.limit_confirm_passes * QUICK.limit_images
     assert float(headline["server_to_limit_ratio"]) == pytest.approx(
         float(headline["req_per_s"]) / float(confirmed["images_per_s"]), abs=0.006
     )
