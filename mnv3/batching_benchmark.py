@@ -113,14 +113,12 @@ class BatchingResult:
             for concurrency, result in sorted(self.points.items())
         ]
         rows.append({"configuration": BATCHING} | self.open_loop.as_row() | self.batching_settings)
-        for limit, grid in [(self.limit, self.grid), *self.other_limits.values()]:
+        limits = [(self.limit, self.grid, {"served": True} | self.turn_columns())]
+        limits += [(limit, grid, {"served": False}) for limit, grid in self.other_limits.values()]
+        for limit, grid, columns in limits:
             rows += [{"configuration": "in_process_limit", "mode": "in_process"} | r.as_row() for r in grid]
-            served = grid is self.grid
             rows.append(
-                {"configuration": "in_process_limit_confirmed", "mode": "in_process"}
-                | limit.as_row()
-                | {"served": served}
-                | (self.turn_columns() if served else {})
+                {"configuration": "in_process_limit_confirmed", "mode": "in_process"} | limit.as_row() | columns
             )
         return [row | environment for row in rows]
 
@@ -136,7 +134,7 @@ class BatchingResult:
         same cores) against the limit's per image, and the most the server could answer with every core busy."""
         cpu = self.headline.cpu_row()
         server, client = cpu["server_cpu_ms_per_request"], cpu["client_cpu_ms_per_request"]
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        cores = os.cpu_count() or 1  # as the environment columns record it
         ceiling = 1000 * cores / (server + client)  # NaN where the server's CPU is not exported
         return (
             f"CPU per image: the server {server:.2f} ms + the load client {client:.2f} ms, the limit "
