@@ -26,6 +26,7 @@ from mnv3.artifacts import (
     FP32_ONNX,
     MODEL_VARIANTS_CSV,
     MODEL_VARIANTS_PNG,
+    OPENVINO_PROFILE_CSV,
     RECIPES_CSV,
     STATIC_CSV,
     STATIC_INT8_ONNX,
@@ -49,6 +50,7 @@ from mnv3.variants import (
     engine_runner,
     engine_variants,
     measure_static,
+    profile_openvino,
     ratio_table_rows,
     recipe_path,
 )
@@ -175,13 +177,14 @@ def run(args):
             "threads": args.threads,
         },
     )
-    choose_engine(args, fp32_path, calibration, bench)
+    choose_engine(args, fp32_path, calibration, bench, mode.profile_runs)
     print(f"wrote {write_summary(results_dir)}")
 
 
-def choose_engine(args, fp32_path, calibration, bench: Bench) -> dict:
+def choose_engine(args, fp32_path, calibration, bench: Bench, profile_runs: int) -> dict:
     """Time every installed engine x precision in turns with ONNX FP32, write results/02_engines.csv, and
-    record the fastest that agrees with FP32 in the manifest for `--backend auto`."""
+    record the fastest that agrees with FP32 in the manifest for `--backend auto`; then say how far the
+    chosen is from this CPU's peak and, with OpenVINO, where its time goes (results/02_openvino_profile.csv)."""
     openvino_files = build_openvino_int8(fp32_path, calibration, args.artifacts_dir, bench.preprocessing)
     variants = engine_variants(STATIC_INT8_ONNX, openvino_files, args.threads)
     print(f"timing {len(variants) + 1} engine x precision variants in turns with ONNX FP32")
@@ -204,8 +207,31 @@ def choose_engine(args, fp32_path, calibration, bench: Bench) -> dict:
     print(markdown_table([{key: row.get(key, "") for key in ENGINE_TABLE_COLUMNS} for row in rows]))
     print(f"--backend auto will serve {entry['variant']}: {entry['reason']}")
     print(f"agreement guard: {entry['agreement_guard']}")
+    print(silicon_summary(next(row for row in rows if row["chosen"]), bench.batch_size))
+    profiled = profile_openvino(rows, args.artifacts_dir, bench, profile_runs)
+    if profiled:
+        row, layers = profiled
+        write_csv(args.results_dir / OPENVINO_PROFILE_CSV, layers)
+        top = ", ".join(f"{layer['share_pct']:.0f}% {layer['layer_type']} {layer['kernel']}" for layer in layers[:4])
+        print(
+            f"OpenVINO's layer time of {row['variant']}, batch {layers[0]['batch_size']} on "
+            f"{layers[0]['threads']} thread(s): {top}"
+        )
     update_manifest(args.artifacts_dir, **{MANIFEST_KEY: entry})
     return entry
+
+
+def silicon_summary(row: dict, batch_size: int) -> str:
+    """How far the row is from this CPU's measured peak (mnv3.silicon), as a line."""
+    if row["of_peak"] is None:
+        return (
+            f"{row['variant']}: {row['gmac_per_s']} GMAC/s at batch {batch_size}; "
+            f"no {row['computes_in']} peak measured here (the peak is measured with openvino)"
+        )
+    return (
+        f"{row['variant']}: {row['gmac_per_s']} GMAC/s at batch {batch_size}, {row['of_peak']:.0%} of the fastest "
+        f"{row['computes_in']} matrix product measured here ({row['peak_gmac_per_s']} GMAC/s)"
+    )
 
 
 if __name__ == "__main__":

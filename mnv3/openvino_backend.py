@@ -74,14 +74,14 @@ class OpenVINOSession:
         self._alone: ov.InferRequest | None = None
         self._parts: dict[int, ov.AsyncInferQueue] = {}
         if shape.rank.is_static and shape.rank.get_length() > 0 and shape[0].is_dynamic:
-            self._alone = core.compile_model(_at_batch(model, 1), DEVICE, latency).create_infer_request()
+            self._alone = core.compile_model(at_batch(model, 1), DEVICE, latency).create_infer_request()
             largest = min(MICRO_BATCH, max_batch_size or MICRO_BATCH)
             sizes = [1 << k for k in range(largest.bit_length()) if max_batch_size != 1]
         else:
             sizes = [shape[0].get_length() if shape.rank.is_static and shape.rank.get_length() > 0 else 1]
         self._output_rows: list[tuple[tuple, np.dtype]] = []  # each output's row shape and type (static here)
         for size in sizes:
-            compiled = core.compile_model(_at_batch(model, size) if self._alone else model, DEVICE, parts)
+            compiled = core.compile_model(at_batch(model, size) if self._alone else model, DEVICE, parts)
             queue = ov.AsyncInferQueue(compiled, jobs)
             queue.set_callback(self._copy_out)
             self._parts[size] = queue
@@ -148,7 +148,7 @@ def split_batch(rows: int, sizes) -> list[int]:
     return parts
 
 
-def _at_batch(model: ov.Model, size: int) -> ov.Model:
+def at_batch(model: ov.Model, size: int) -> ov.Model:
     """A copy of `model` whose input has a static batch axis of `size`."""
     static = model.clone()
     static.reshape({0: [size, *model.inputs[0].partial_shape[1:]]})

@@ -1,4 +1,5 @@
-"""Where inference time goes, from onnxruntime's own profiler (a Chrome-trace JSON of per-node kernel times)."""
+"""Where inference time goes, from the runtimes' own profilers: onnxruntime's (a Chrome-trace JSON of per-node kernel
+times) and OpenVINO's per-layer counters."""
 
 import json
 from collections import defaultdict
@@ -38,4 +39,45 @@ def op_type_summary(trace_path, runs: int) -> list[dict]:
             "calls_per_run": calls[op_type] // runs,
         }
         for op_type, us in sorted(micros.items(), key=lambda item: -item[1])
+    ]
+
+
+def openvino_layer_summary(model_path, batch, runs: int, threads: int, precision: str) -> list[dict]:
+    """OpenVINO's own per-layer counters (PERF_COUNT) over `runs` runs of `batch` on the file compiled at the
+    batch's size, one stream of `threads` threads, `precision` for what is not quantized: time per layer type
+    and kernel (e.g. Convolution, brgconv_avx512_1x1_I8), largest share first. Layers fused into another
+    or not run report no time and are left out."""
+    import openvino as ov
+
+    from mnv3.openvino_backend import DEVICE, at_batch
+
+    core = ov.Core()
+    model = at_batch(core.read_model(str(model_path)), len(batch))
+    config = {
+        "PERF_COUNT": True,
+        "INFERENCE_NUM_THREADS": threads,
+        "NUM_STREAMS": 1,
+        "PERFORMANCE_HINT": "LATENCY",
+        "INFERENCE_PRECISION_HINT": precision,
+    }
+    request = core.compile_model(model, DEVICE, config).create_infer_request()
+    request.infer({0: batch})  # the first run allocates; not counted
+    micros: defaultdict[tuple[str, str], float] = defaultdict(float)
+    calls: defaultdict[tuple[str, str], int] = defaultdict(int)
+    for _ in tqdm(range(runs), desc="profiling", leave=False):
+        request.infer({0: batch})
+        for layer in request.get_profiling_info():
+            if layer.real_time.total_seconds() > 0:
+                micros[layer.node_type, layer.exec_type] += layer.real_time.total_seconds() * 1e6
+                calls[layer.node_type, layer.exec_type] += 1
+    total = sum(micros.values())
+    return [
+        {
+            "layer_type": layer_type,
+            "kernel": kernel,
+            "share_pct": round(100 * us / total, 2),
+            "ms_per_run": round(us / runs / 1000, 3),
+            "calls_per_run": calls[layer_type, kernel] // runs,
+        }
+        for (layer_type, kernel), us in sorted(micros.items(), key=lambda item: -item[1])
     ]

@@ -24,6 +24,7 @@ from mnv3.latency import Timing, interleaved_benchmark
 from mnv3.preprocess import Preprocessing
 from mnv3.quantize import DEFAULT_RECIPE, RECIPES, preprocess_photos, quantize_static_int8, size_mb
 from mnv3.runtime import make_session, ort_runner
+from mnv3.silicon import count_macs, gemm_peaks, silicon_columns
 
 FP32 = "onnx_fp32"
 STATIC_INT8 = "onnx_static_int8"
@@ -410,6 +411,7 @@ ENGINE_TABLE_COLUMNS = (
     "top1_agreement",
     "top5_agreement",
     "sqnr_db",
+    "of_peak",
     "chosen",
 )
 
@@ -479,7 +481,8 @@ def model_size_mb(path: Path) -> float:
 
 def engine_rows(fp32_path: Path, runners: dict[EngineVariant, Callable], bench: Bench) -> list[dict]:
     """FP32_VARIANT and each of `runners` timed in turns in one run (COMPARISON_ROUNDS rounds), all opened as
-    the server opens them, each a row with its same-run ratios to FP32 and its agreement with FP32's logits."""
+    the server opens them, each a row with its same-run ratios to FP32, its agreement with FP32's logits and
+    how far its rate at the batch size is from this CPU's measured peak (mnv3.silicon; measured right after)."""
     measured = measure_runners(
         fp32_path,
         {variant.name: (run, model_size_mb(Path(fp32_path).parent / variant.file)) for variant, run in runners.items()},
@@ -490,7 +493,7 @@ def engine_rows(fp32_path: Path, runners: dict[EngineVariant, Callable], bench: 
     fp32 = measured.pop(FP32).latency
     measured = {FP32_VARIANT.name: Measured(fp32, size_mb(fp32_path), {})} | measured
     variants = {variant.name: variant for variant in [FP32_VARIANT, *runners]}
-    return [
+    rows = [
         {
             "variant": name,
             "engine": variants[name].engine,
@@ -506,3 +509,24 @@ def engine_rows(fp32_path: Path, runners: dict[EngineVariant, Callable], bench: 
         }
         for name, result in measured.items()
     ]
+    macs, peaks = count_macs(fp32_path), gemm_peaks(bench.threads)
+    return [row | silicon_columns(row, FP32_ONNX, macs, peaks) for row in rows]
+
+
+def profile_openvino(rows: list[dict], artifacts_dir: Path, bench: Bench, runs: int) -> tuple[dict, list[dict]] | None:
+    """OpenVINO's per-layer time split (profiling.openvino_layer_summary) of the chosen row if OpenVINO runs it,
+    else of the fastest OpenVINO row per image: one part of a batch (MICRO_BATCH images) on one stream's
+    threads, as the server runs a batch's parts. None when no row is OpenVINO."""
+    openvino_rows = [row for row in rows if row["engine"] == "openvino"]
+    if not openvino_rows:
+        return None
+    from mnv3.openvino_backend import MICRO_BATCH
+    from mnv3.profiling import openvino_layer_summary
+
+    row = next((row for row in openvino_rows if row.get("chosen")), None)
+    row = row or min(openvino_rows, key=lambda row: float(row["per_image_ms"]))
+    threads = max(bench.threads // row["streams"], 1)
+    batch = np.ascontiguousarray(bench.held_out[np.arange(MICRO_BATCH) % len(bench.held_out)])
+    summary = openvino_layer_summary(Path(artifacts_dir) / row["file"], batch, runs, threads, row["precision"])
+    columns = {"variant": row["variant"], "batch_size": MICRO_BATCH, "threads": threads}
+    return row, [columns | layer for layer in summary]

@@ -1,5 +1,6 @@
 """Stages 1 and 2 end to end in --quick mode into tmp dirs, and the errors a user can cause."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import baseline_export_quantize
 import static_quantization
 from mnv3.quantize import DEFAULT_RECIPE, RECIPES
 from mnv3.report import read_csv
+from mnv3.silicon import compute_precision, count_macs
 
 pytestmark = pytest.mark.e2e
 
@@ -215,6 +217,33 @@ def test_stage_2_records_the_fastest_engine_for_auto_and_that_the_stand_in_is_no
     assert entry["mean_ms_vs_onnx_fp32"] == float(chosen["mean_ms_vs_onnx_fp32"]) and entry["batch_size"] == 8
     assert not entry["guard_applied"] and entry["agreement_guard"].startswith("not applied")
     assert entry["cpu"] and entry["threads"] == 2 and entry["weights"] == "random-init"
+
+
+def test_stage_2_says_how_far_each_engine_is_from_the_measured_peak(stage_dirs):
+    rows = read_csv(stage_dirs["results"] / "02_engines.csv")
+    macs = count_macs(stage_dirs["artifacts"] / "fp32.onnx")
+    for row in rows:
+        assert row["computes_in"] == compute_precision(row["file"], "fp32.onnx", row["precision"])
+        # per_image_ms is rounded to the microsecond in the CSV
+        assert float(row["gmac_per_s"]) == pytest.approx(macs / float(row["per_image_ms"]) / 1e6, rel=0.01)
+    if importlib.util.find_spec("openvino") is None:  # the peaks are measured with OpenVINO
+        assert all(row["of_peak"] == "" for row in rows)
+        assert not (stage_dirs["results"] / "02_openvino_profile.csv").exists()
+        return
+    peaks = {row["computes_in"]: row["peak_gmac_per_s"] for row in rows}
+    assert len(peaks) == len({(row["computes_in"], row["peak_gmac_per_s"]) for row in rows})  # one peak each
+    for row in rows:
+        assert float(row["of_peak"]) == pytest.approx(
+            float(row["gmac_per_s"]) / float(row["peak_gmac_per_s"]), abs=1e-3
+        )
+    # The layer profile is of the chosen variant where OpenVINO runs it, else of the fastest OpenVINO one.
+    [chosen] = [row for row in rows if row["chosen"] == "True"]
+    openvino_rows = [row for row in rows if row["engine"] == "openvino"]
+    expected = chosen if chosen["engine"] == "openvino" else min(openvino_rows, key=lambda r: float(r["per_image_ms"]))
+    layers = read_csv(stage_dirs["results"] / "02_openvino_profile.csv")
+    assert {layer["variant"] for layer in layers} == {expected["variant"]}
+    assert {layer["threads"] for layer in layers} == {str(max(2 // int(expected["streams"]), 1))}
+    assert sum(float(layer["share_pct"]) for layer in layers) == pytest.approx(100, abs=0.5)
 
 
 @pytest.mark.parametrize("value", ["1.5", "-0.1"])

@@ -1,0 +1,139 @@
+"""How far a variant is from the silicon: the network's multiply-accumulates (MACs) per image, counted from
+its ONNX graph, against the fastest large matrix product OpenVINO runs on this CPU in each precision.
+
+A variant's rate is its MACs per image over its per-image time at the benchmark's batch size; its share
+of the peak of the precision it computes in (`compute_precision`) says how much of the CPU's arithmetic
+it turns into the network's. The peak is measured, not derived from clock and vector widths: a VM's clock
+is not known, and a large GEMM is the best case of the same kernels the convolutions use. Depthwise
+convolutions, element-wise ops and memory traffic keep a network well below a GEMM's rate, so a share
+says how far the ceiling is, not that 1.0 is reachable.
+"""
+
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+# Large enough to be compute bound (activations and weights of MBs, not KBs); two shapes, the best kept, as a
+# single shape can land on a slow blocking of some kernel.
+GEMM_SHAPES = ((256, 1024, 1024), (1024, 1024, 1024))  # (M, K, N): an (M, K) input times a (K, N) weight
+GEMM_CALLS = 5  # a timed burst; the best of GEMM_BURSTS bursts counts, as other load only ever slows a burst
+GEMM_BURSTS = 5
+PEAK_PRECISIONS = ("f32", "bf16", "int8")
+
+
+def count_macs(onnx_path: Path) -> int:
+    """Multiply-accumulates per image of a float ONNX model: its Conv, Gemm and MatMul nodes at batch 1.
+
+    Shapes come from ONNX shape inference with the batch axis set to 1. Other ops (activations, pooling,
+    additions) are not MACs and are not counted."""
+    import onnx
+    from onnx import shape_inference
+
+    model = onnx.load(str(onnx_path))
+    for graph_input in model.graph.input:
+        batch = graph_input.type.tensor_type.shape.dim[0]
+        batch.ClearField("dim_param")
+        batch.dim_value = 1
+    graph = shape_inference.infer_shapes(model).graph
+    shapes = {init.name: list(init.dims) for init in graph.initializer}
+    for value in [*graph.input, *graph.value_info, *graph.output]:
+        shapes[value.name] = [dim.dim_value for dim in value.type.tensor_type.shape.dim]
+    macs = 0
+    for node in graph.node:
+        if node.op_type == "Conv":
+            # Every output element sums over its group's input channels times the kernel window.
+            macs += int(np.prod(shapes[node.output[0]])) * int(np.prod(shapes[node.input[1]][1:]))
+        elif node.op_type in ("Gemm", "MatMul"):
+            trans_a = any(a.name == "transA" and a.i for a in node.attribute)
+            a_shape = shapes[node.input[0]]
+            inner = a_shape[-2] if trans_a else a_shape[-1]
+            macs += int(np.prod(shapes[node.output[0]])) * inner
+    if not macs:
+        raise ValueError(f"{onnx_path}: no Conv, Gemm or MatMul with known shapes: not a float ONNX model")
+    return macs
+
+
+def compute_precision(file: str, fp32_file: str, precision: str) -> str:
+    """The precision a variant's heavy ops compute in: int8 for a quantized file (every file but `fp32_file`),
+    else OpenVINO's precision hint (bf16 or f32); onnxruntime computes an FP32 file in f32."""
+    if file != fp32_file:
+        return "int8"
+    return "bf16" if precision == "bf16" else "f32"
+
+
+def gemm_peaks(threads: int, precisions: Iterable[str] = PEAK_PRECISIONS) -> dict[str, float]:
+    """GMAC/s of the fastest large matrix product OpenVINO's CPU plugin runs here with `threads` threads, per
+    precision (bf16 only where the CPU computes it natively); {} without openvino."""
+    try:
+        import openvino as ov
+
+        from mnv3.openvino_backend import DEVICE, bf16_supported
+    except ModuleNotFoundError as exc:
+        if exc.name != "openvino":
+            raise
+        return {}
+    core = ov.Core()
+    peaks = {}
+    for precision in precisions:
+        if precision == "bf16" and not bf16_supported(core):
+            continue
+        config = {
+            "INFERENCE_NUM_THREADS": threads,
+            "NUM_STREAMS": 1,
+            "PERFORMANCE_HINT": "LATENCY",
+            "INFERENCE_PRECISION_HINT": "bf16" if precision == "bf16" else "f32",
+        }
+        rates = []
+        for m, k, n in GEMM_SHAPES:
+            request = core.compile_model(
+                _gemm(m, k, n, int8=precision == "int8"), DEVICE, config
+            ).create_infer_request()
+            x = np.random.default_rng(0).uniform(0, 1, (m, k)).astype(np.float32)
+            request.infer({0: x})  # first call allocates
+            rates.append(m * k * n / _best_seconds(request, x) / 1e9)
+        peaks[precision] = round(max(rates), 1)
+    return peaks
+
+
+def _best_seconds(request, x: np.ndarray) -> float:
+    """The fastest of GEMM_BURSTS bursts of GEMM_CALLS calls, per call."""
+    best = float("inf")
+    for _ in range(GEMM_BURSTS):
+        started = time.perf_counter()
+        for _ in range(GEMM_CALLS):
+            request.infer({0: x})
+        best = min(best, (time.perf_counter() - started) / GEMM_CALLS)
+    return best
+
+
+def _gemm(m: int, k: int, n: int, int8: bool):
+    """An OpenVINO model multiplying an (m, k) input by a constant (k, n) weight; with `int8`, both sides
+    through FakeQuantize (u8 activations, symmetric i8 weights), which the CPU plugin runs as an INT8 product,
+    as it does a quantized convolution."""
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    x = ops.parameter([m, k], np.float32)
+    w = ops.constant(np.random.default_rng(1).uniform(-1, 1, (k, n)).astype(np.float32))
+    a, b = x, w
+    if int8:
+        zero, one = np.float32(0), np.float32(1)
+        a = ops.fake_quantize(x, zero, one, zero, one, 256)
+        b = ops.fake_quantize(w, -one, one, -one, one, 255)
+    return ov.Model([ops.matmul(a, b, False, False)], [x])
+
+
+def silicon_columns(row: dict, fp32_file: str, macs: int, peaks: dict[str, float]) -> dict:
+    """An engine row's precision, MAC rate at its batch size and share of that precision's peak (None where no
+    peak was measured for it)."""
+    computes_in = compute_precision(row["file"], fp32_file, row["precision"])
+    peak = peaks.get(computes_in)
+    rate = macs / (float(row["per_image_ms"]) / 1000) / 1e9
+    return {
+        "computes_in": computes_in,
+        "gmac_per_s": round(rate, 1),
+        "peak_gmac_per_s": peak,
+        "of_peak": round(rate / peak, 3) if peak else None,
+    }

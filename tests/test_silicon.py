@@ -1,0 +1,136 @@
+"""How far variants are from the silicon: the MAC count of an ONNX graph, the measured GEMM peaks and
+OpenVINO's per-layer profile."""
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from mnv3.silicon import compute_precision, count_macs, silicon_columns
+
+
+def tiny_model(path):
+    """Input (N, 3, 8, 8) -> 3x3 conv to 4 channels -> 3x3 depthwise -> global pool -> Gemm to 10 -> MatMul to 2."""
+
+    def weight(name, *shape):
+        return numpy_helper.from_array(np.ones(shape, np.float32), name)
+
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]),
+        helper.make_node("Conv", ["c1", "w2"], ["c2"], pads=[1, 1, 1, 1], group=4),
+        helper.make_node("GlobalAveragePool", ["c2"], ["pooled"]),
+        helper.make_node("Flatten", ["pooled"], ["flat"]),
+        helper.make_node("Gemm", ["flat", "w3"], ["g"], transB=1),
+        helper.make_node("MatMul", ["g", "w4"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "tiny",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 2])],
+        [weight("w1", 4, 3, 3, 3), weight("w2", 4, 1, 3, 3), weight("w3", 10, 4), weight("w4", 10, 2)],
+    )
+    onnx.save(helper.make_model(graph), path)
+    return path
+
+
+@pytest.mark.unit
+def test_count_macs_counts_convs_by_group_and_matrix_products_at_batch_1(tmp_path):
+    # conv: 4x8x8 outputs x 3x3x3; depthwise: 4x8x8 x 1x3x3; Gemm: 10 outputs x 4; MatMul: 2 outputs x 10
+    assert count_macs(tiny_model(tmp_path / "tiny.onnx")) == 256 * 27 + 256 * 9 + 10 * 4 + 2 * 10
+
+
+@pytest.mark.unit
+def test_count_macs_refuses_a_graph_without_products(tmp_path):
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])],
+        "relu",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
+    )
+    onnx.save(helper.make_model(graph), tmp_path / "relu.onnx")
+    with pytest.raises(ValueError, match="no Conv, Gemm or MatMul"):
+        count_macs(tmp_path / "relu.onnx")
+
+
+@pytest.mark.integration
+def test_count_macs_of_the_export_equals_torchvisions_own_figure(fp32_model_path):
+    from torchvision.models import MobileNet_V3_Large_Weights
+
+    # torchvision's model card lists the network's multiply-accumulates (as "GFLOPS") to three places.
+    assert round(count_macs(fp32_model_path) / 1e9, 3) == MobileNet_V3_Large_Weights.IMAGENET1K_V1.meta["_ops"]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("file", "precision", "expected"),
+    [
+        ("fp32.onnx", "auto", "f32"),  # onnxruntime
+        ("fp32.onnx", "f32", "f32"),
+        ("fp32.onnx", "bf16", "bf16"),
+        ("static_int8.onnx", "auto", "int8"),
+        ("static_int8.onnx", "bf16", "int8"),  # bf16 only for what is not quantized
+        ("nncf_int8.xml", "f32", "int8"),
+    ],
+)
+def test_compute_precision_is_int8_for_every_quantized_file(file, precision, expected):
+    assert compute_precision(file, "fp32.onnx", precision) == expected
+
+
+@pytest.mark.unit
+def test_silicon_columns_are_the_mac_rate_over_the_peak_of_the_rows_precision():
+    row = {"file": "static_int8.onnx", "precision": "f32", "per_image_ms": 0.5}
+    columns = silicon_columns(row, "fp32.onnx", 200_000_000, {"f32": 100.0, "int8": 800.0})
+    assert columns == {"computes_in": "int8", "gmac_per_s": 400.0, "peak_gmac_per_s": 800.0, "of_peak": 0.5}
+    bf16 = silicon_columns(row | {"file": "fp32.onnx", "precision": "bf16"}, "fp32.onnx", 200_000_000, {"f32": 1.0})
+    assert bf16["computes_in"] == "bf16" and bf16["peak_gmac_per_s"] is None and bf16["of_peak"] is None
+
+
+@pytest.fixture(scope="module")
+def openvino():
+    return pytest.importorskip("openvino", reason="optional backend: pip install -r requirements-openvino.txt")
+
+
+def runtime_precisions(compiled, layer_type: str) -> set[str]:
+    return {
+        op.get_rt_info()["runtimePrecision"].astype(str)
+        for op in compiled.get_runtime_model().get_ops()
+        if op.get_rt_info()["layerType"].astype(str) == layer_type
+    }
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(("int8", "expected"), [(False, {"f32"}), (True, {"u8"})])
+def test_the_peak_gemm_runs_in_the_precision_it_is_the_peak_of(openvino, int8, expected):
+    from mnv3.silicon import _gemm
+
+    compiled = openvino.Core().compile_model(_gemm(64, 128, 128, int8=int8), "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+    assert runtime_precisions(compiled, "FullyConnected") == expected
+
+
+@pytest.mark.integration
+def test_gemm_peaks_measures_each_precision_the_cpu_runs(openvino):
+    from mnv3.openvino_backend import bf16_supported
+    from mnv3.silicon import gemm_peaks
+
+    peaks = gemm_peaks(threads=2)
+    assert set(peaks) == {"f32", "int8"} | ({"bf16"} if bf16_supported() else set())
+    assert all(rate > 0 for rate in peaks.values())
+
+
+@pytest.mark.integration
+def test_openvino_layer_summary_splits_the_time_by_layer_and_kernel(openvino, fp32_model_path, held_out, tmp_path):
+    from mnv3.profiling import openvino_layer_summary
+    from mnv3.silicon import _gemm
+
+    fp32 = openvino_layer_summary(fp32_model_path, held_out[:2], runs=2, threads=1, precision="f32")
+    assert sum(row["share_pct"] for row in fp32) == pytest.approx(100, abs=0.5)
+    assert [row["ms_per_run"] for row in fp32] == sorted((row["ms_per_run"] for row in fp32), reverse=True)
+    layer_types = {row["layer_type"] for row in fp32}
+    assert {"Convolution", "GroupConvolution"} <= layer_types  # pointwise and depthwise convs
+    assert not any("I8" in row["kernel"] for row in fp32)
+    openvino.save_model(_gemm(64, 128, 128, int8=True), tmp_path / "gemm.xml")
+    x = np.random.default_rng(0).uniform(0, 1, (64, 128)).astype(np.float32)
+    int8 = openvino_layer_summary(tmp_path / "gemm.xml", x, runs=2, threads=1, precision="f32")
+    [product] = [row for row in int8 if row["layer_type"].startswith("FullyConnected")]
+    assert "I8" in product["kernel"] and product["calls_per_run"] == 1
