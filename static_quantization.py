@@ -209,6 +209,7 @@ def choose_engine(args, fp32_path, calibration, bench: Bench, profile_runs: int)
     print(f"agreement guard: {entry['agreement_guard']}")
     print(silicon_summary(next(row for row in rows if row["chosen"]), bench.batch_size))
     profiled = profile_openvino(rows, args.artifacts_dir, bench, profile_runs)
+    (args.results_dir / OPENVINO_PROFILE_CSV).unlink(missing_ok=True)  # an earlier run's, with OpenVINO
     if profiled:
         row, layers = profiled
         write_csv(args.results_dir / OPENVINO_PROFILE_CSV, layers)

@@ -44,6 +44,17 @@ def bf16_supported(core: ov.Core | None = None) -> bool:
     return "BF16" in (core or ov.Core()).get_property(DEVICE, "OPTIMIZATION_CAPABILITIES")
 
 
+def latency_config(threads: int, precision: str) -> dict:
+    """The CPU plugin's settings for one call at a time on one stream of `threads` threads, computing what is
+    not quantized in `precision` (f32 or bf16)."""
+    return {
+        "INFERENCE_NUM_THREADS": threads,
+        "NUM_STREAMS": 1,
+        "PERFORMANCE_HINT": "LATENCY",
+        "INFERENCE_PRECISION_HINT": precision,
+    }
+
+
 class OpenVINOSession:
     """The file compiled for the CPU at static batch sizes (see the module docstring): batch 1, and the
     powers of two up to MICRO_BATCH for the parts of larger batches (none when `max_batch_size` is 1).
@@ -59,12 +70,7 @@ class OpenVINOSession:
             precision = "bf16" if bf16_supported(core) else "f32"
         model = core.read_model(str(path))
         self.precision = precision
-        latency = {
-            "INFERENCE_NUM_THREADS": threads,
-            "NUM_STREAMS": 1,
-            "PERFORMANCE_HINT": "LATENCY",
-            "INFERENCE_PRECISION_HINT": precision,
-        }
+        latency = latency_config(threads, precision)
         parts = latency | {"NUM_STREAMS": streams, "PERFORMANCE_HINT": "THROUGHPUT"} if streams > 1 else latency
         # Two infer requests a stream: one is fed while the other runs, so a stream never waits for Python.
         jobs = 2 * streams

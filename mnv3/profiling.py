@@ -30,16 +30,7 @@ def op_type_summary(trace_path, runs: int) -> list[dict]:
             op_type = event["args"]["op_name"]
             micros[op_type] += event["dur"]
             calls[op_type] += 1
-    total = sum(micros.values())
-    return [
-        {
-            "op_type": op_type,
-            "share_pct": round(100 * us / total, 2),
-            "ms_per_run": round(us / runs / 1000, 3),
-            "calls_per_run": calls[op_type] // runs,
-        }
-        for op_type, us in sorted(micros.items(), key=lambda item: -item[1])
-    ]
+    return _shares(micros, calls, runs, ("op_type",))
 
 
 def openvino_layer_summary(model_path, batch, runs: int, threads: int, precision: str) -> list[dict]:
@@ -49,17 +40,11 @@ def openvino_layer_summary(model_path, batch, runs: int, threads: int, precision
     or not run report no time and are left out."""
     import openvino as ov
 
-    from mnv3.openvino_backend import DEVICE, at_batch
+    from mnv3.openvino_backend import DEVICE, at_batch, latency_config
 
     core = ov.Core()
     model = at_batch(core.read_model(str(model_path)), len(batch))
-    config = {
-        "PERF_COUNT": True,
-        "INFERENCE_NUM_THREADS": threads,
-        "NUM_STREAMS": 1,
-        "PERFORMANCE_HINT": "LATENCY",
-        "INFERENCE_PRECISION_HINT": precision,
-    }
+    config = latency_config(threads, precision) | {"PERF_COUNT": True}
     request = core.compile_model(model, DEVICE, config).create_infer_request()
     request.infer({0: batch})  # the first run allocates; not counted
     micros: defaultdict[tuple[str, str], float] = defaultdict(float)
@@ -70,14 +55,18 @@ def openvino_layer_summary(model_path, batch, runs: int, threads: int, precision
             if layer.real_time.total_seconds() > 0:
                 micros[layer.node_type, layer.exec_type] += layer.real_time.total_seconds() * 1e6
                 calls[layer.node_type, layer.exec_type] += 1
-    total = sum(micros.values())
+    return _shares(micros, calls, runs, ("layer_type", "kernel"))
+
+
+def _shares(micros: dict, calls: dict, runs: int, key_columns: tuple[str, ...]) -> list[dict]:
+    """One row per key (named by `key_columns`): its share of all the time, ms and calls per run; largest first."""
+    total = sum(micros.values()) or 1.0  # every time 0: every share is 0
     return [
         {
-            "layer_type": layer_type,
-            "kernel": kernel,
+            **dict(zip(key_columns, key if isinstance(key, tuple) else (key,), strict=True)),
             "share_pct": round(100 * us / total, 2),
             "ms_per_run": round(us / runs / 1000, 3),
-            "calls_per_run": calls[layer_type, kernel] // runs,
+            "calls_per_run": calls[key] // runs,
         }
-        for (layer_type, kernel), us in sorted(micros.items(), key=lambda item: -item[1])
+        for key, us in sorted(micros.items(), key=lambda item: -item[1])
     ]

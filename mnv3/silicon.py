@@ -32,26 +32,35 @@ def count_macs(onnx_path: Path) -> int:
     from onnx import shape_inference
 
     model = onnx.load(str(onnx_path))
+    weights = {init.name for init in model.graph.initializer}  # older exports list them as inputs too
     for graph_input in model.graph.input:
-        batch = graph_input.type.tensor_type.shape.dim[0]
-        batch.ClearField("dim_param")
-        batch.dim_value = 1
+        dims = graph_input.type.tensor_type.shape.dim
+        if graph_input.name not in weights and dims:
+            dims[0].ClearField("dim_param")
+            dims[0].dim_value = 1
     graph = shape_inference.infer_shapes(model).graph
     shapes = {init.name: list(init.dims) for init in graph.initializer}
     for value in [*graph.input, *graph.value_info, *graph.output]:
         shapes[value.name] = [dim.dim_value for dim in value.type.tensor_type.shape.dim]
+
+    def shape(node, name: str) -> list[int]:
+        # A dim shape inference could not resolve reads 0: counting it would undercount in silence.
+        if not shapes.get(name) or min(shapes[name]) <= 0:
+            raise ValueError(f"{onnx_path}: the shape of {name!r} ({node.op_type} {node.name!r}) is not known")
+        return shapes[name]
+
     macs = 0
     for node in graph.node:
         if node.op_type == "Conv":
             # Every output element sums over its group's input channels times the kernel window.
-            macs += int(np.prod(shapes[node.output[0]])) * int(np.prod(shapes[node.input[1]][1:]))
+            macs += int(np.prod(shape(node, node.output[0]))) * int(np.prod(shape(node, node.input[1])[1:]))
         elif node.op_type in ("Gemm", "MatMul"):
             trans_a = any(a.name == "transA" and a.i for a in node.attribute)
-            a_shape = shapes[node.input[0]]
+            a_shape = shape(node, node.input[0])
             inner = a_shape[-2] if trans_a else a_shape[-1]
-            macs += int(np.prod(shapes[node.output[0]])) * inner
+            macs += int(np.prod(shape(node, node.output[0]))) * inner
     if not macs:
-        raise ValueError(f"{onnx_path}: no Conv, Gemm or MatMul with known shapes: not a float ONNX model")
+        raise ValueError(f"{onnx_path}: no Conv, Gemm or MatMul: not a float ONNX model")
     return macs
 
 
@@ -69,7 +78,7 @@ def gemm_peaks(threads: int, precisions: Iterable[str] = PEAK_PRECISIONS) -> dic
     try:
         import openvino as ov
 
-        from mnv3.openvino_backend import DEVICE, bf16_supported
+        from mnv3.openvino_backend import DEVICE, bf16_supported, latency_config
     except ModuleNotFoundError as exc:
         if exc.name != "openvino":
             raise
@@ -79,16 +88,11 @@ def gemm_peaks(threads: int, precisions: Iterable[str] = PEAK_PRECISIONS) -> dic
     for precision in precisions:
         if precision == "bf16" and not bf16_supported(core):
             continue
-        config = {
-            "INFERENCE_NUM_THREADS": threads,
-            "NUM_STREAMS": 1,
-            "PERFORMANCE_HINT": "LATENCY",
-            "INFERENCE_PRECISION_HINT": "bf16" if precision == "bf16" else "f32",
-        }
+        config = latency_config(threads, "bf16" if precision == "bf16" else "f32")
         rates = []
         for m, k, n in GEMM_SHAPES:
             request = core.compile_model(
-                _gemm(m, k, n, int8=precision == "int8"), DEVICE, config
+                gemm_model(m, k, n, int8=precision == "int8"), DEVICE, config
             ).create_infer_request()
             x = np.random.default_rng(0).uniform(0, 1, (m, k)).astype(np.float32)
             request.infer({0: x})  # first call allocates
@@ -108,7 +112,7 @@ def _best_seconds(request, x: np.ndarray) -> float:
     return best
 
 
-def _gemm(m: int, k: int, n: int, int8: bool):
+def gemm_model(m: int, k: int, n: int, int8: bool):
     """An OpenVINO model multiplying an (m, k) input by a constant (k, n) weight; with `int8`, both sides
     through FakeQuantize (u8 activations, symmetric i8 weights), which the CPU plugin runs as an INT8 product,
     as it does a quantized convolution."""

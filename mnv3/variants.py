@@ -515,8 +515,9 @@ def engine_rows(fp32_path: Path, runners: dict[EngineVariant, Callable], bench: 
 
 def profile_openvino(rows: list[dict], artifacts_dir: Path, bench: Bench, runs: int) -> tuple[dict, list[dict]] | None:
     """OpenVINO's per-layer time split (profiling.openvino_layer_summary) of the chosen row if OpenVINO runs it,
-    else of the fastest OpenVINO row per image: one part of a batch (MICRO_BATCH images) on one stream's
-    threads, as the server runs a batch's parts. None when no row is OpenVINO."""
+    else of the fastest OpenVINO row per image: one part of a benchmark batch (MICRO_BATCH images, or the
+    batch size if smaller) alone on one stream's threads; a batch of 1 on every thread, as the server runs
+    it. None when no row is OpenVINO."""
     openvino_rows = [row for row in rows if row["engine"] == "openvino"]
     if not openvino_rows:
         return None
@@ -525,8 +526,9 @@ def profile_openvino(rows: list[dict], artifacts_dir: Path, bench: Bench, runs: 
 
     row = next((row for row in openvino_rows if row.get("chosen")), None)
     row = row or min(openvino_rows, key=lambda row: float(row["per_image_ms"]))
-    threads = max(bench.threads // row["streams"], 1)
-    batch = np.ascontiguousarray(bench.held_out[np.arange(MICRO_BATCH) % len(bench.held_out)])
+    size = min(MICRO_BATCH, bench.batch_size)
+    threads = bench.threads if size == 1 else max(bench.threads // row["streams"], 1)
+    batch = np.ascontiguousarray(bench.held_out[np.arange(size) % len(bench.held_out)])
     summary = openvino_layer_summary(Path(artifacts_dir) / row["file"], batch, runs, threads, row["precision"])
-    columns = {"variant": row["variant"], "batch_size": MICRO_BATCH, "threads": threads}
+    columns = {"variant": row["variant"], "batch_size": size, "threads": threads}
     return row, [columns | layer for layer in summary]
