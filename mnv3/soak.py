@@ -80,7 +80,7 @@ def soak(args) -> tuple[list[dict], bool]:
                 f"{rows[-1]['cache_hits']} hits / {rows[-1]['cache_misses']} misses, "
                 f"{rows[-1]['errors']} errors, {rejected} rejected, p99 {rows[-1]['p99_ms']} ms"
             )
-    growth = rows[-1]["rss_mib"] / start_rss - 1
+    growth = rows[-1]["rss_growth_pct"] / 100  # the CSV's figure, not one recomputed from the rounded RSS
     errors = sum(row["errors"] for row in rows)
     passed = growth < args.max_growth and errors == 0
     environment = cli.environment_row(model, provenance) | settings | {"distinct_images": args.distinct}
