@@ -97,8 +97,19 @@ class ServerConfig:
     deadline_ms: float = _option(
         10_000.0, "per request from arrival; past it: 504, and unrun work is dropped", minimum=1
     )
-    intra_op_threads: int = _option(DEFAULT_INTRA_OP_THREADS, "onnxruntime threads within an operator", minimum=1)
+    intra_op_threads: int = _option(
+        DEFAULT_INTRA_OP_THREADS,
+        "threads within an operator: every onnxruntime call, and OpenVINO's for a single image",
+        minimum=1,
+    )
     inter_op_threads: int = _option(DEFAULT_INTER_OP_THREADS, "onnxruntime threads across operators", minimum=1)
+    batch_threads: int = _option(
+        0,
+        "OpenVINO threads for a batch of more than one image (a single image gets --intra-op-threads); "
+        "0: half of --intra-op-threads, at least 1, as under load the other cores decode the next images. "
+        "onnxruntime runs every call on --intra-op-threads",
+        minimum=0,
+    )
     # Off by default: spinning intra-op threads steal the cores that decoding needs, so under many
     # concurrent clients a server with spinning on answers fewer requests per second, not more.
     ort_spinning: int = _option(
@@ -158,6 +169,11 @@ class ServerConfig:
 
     def backend_of(self, spec: ModelSpec) -> str:
         return spec.backend or self.backend
+
+    @property
+    def threads_per_batch(self) -> int:
+        """OpenVINO's threads for a batch of more than one image (--batch-threads, or its default)."""
+        return self.batch_threads or max(1, self.intra_op_threads // 2)
 
     @property
     def images_per_request(self) -> int:

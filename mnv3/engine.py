@@ -82,10 +82,13 @@ class Engine:
         max_batch_size: int = 1,
         allow_spinning: bool = True,
         precision: str = "auto",
+        batch_threads: int | None = None,
     ) -> "Engine":
         """Open, validate and name a model, or raise ModelLoadError saying what is wrong.
 
-        `precision` is OpenVINO's inference precision (auto, f32 or bf16); backend auto takes the chosen one."""
+        `precision` is OpenVINO's inference precision (auto, f32 or bf16); backend auto takes the chosen one.
+        `batch_threads`: OpenVINO's threads for batches of more than one (default `intra_op_threads`);
+        onnxruntime runs every call on `intra_op_threads`."""
         if backend not in BACKEND_CHOICES:
             raise ModelLoadError(f"unknown backend {backend!r}; available: {', '.join(BACKEND_CHOICES)}")
         path = Path(path)
@@ -106,6 +109,7 @@ class Engine:
                 allow_spinning,
                 precision,
                 choice.streams,
+                batch_threads,
             )
         except ModelLoadError:
             raise
@@ -173,10 +177,11 @@ def open_session(
     allow_spinning: bool = True,
     precision: str = "auto",
     streams: int = 1,
+    batch_threads: int | None = None,
 ):
     """The runtime session `Engine` wraps (one of BACKENDS): what the server, stage 2's engine choice and the
-    in-process limit all run, so what stage 2 timed is what is served. `precision` and `streams` are
-    OpenVINO's (see OpenVINOSession)."""
+    in-process limit all run, so what stage 2 timed is what is served. `precision`, `streams` and
+    `batch_threads` are OpenVINO's (see OpenVINOSession)."""
     if backend == "onnxruntime":
         return make_session(path, intra_op_threads, inter_op_threads, allow_spinning=allow_spinning)
     try:
@@ -185,8 +190,10 @@ def open_session(
         raise ModelLoadError(OPENVINO_MISSING) from None
     from mnv3.openvino_backend import OpenVINOSession
 
-    # OpenVINO has no inter-op pool to size: one stream, `intra_op_threads` threads within it.
-    return OpenVINOSession(path, intra_op_threads, precision, max_batch_size=max_batch_size, streams=streams)
+    # OpenVINO has no inter-op pool to size: `intra_op_threads` threads for a batch of one.
+    return OpenVINOSession(
+        path, intra_op_threads, precision, max_batch_size=max_batch_size, streams=streams, batch_threads=batch_threads
+    )
 
 
 def rss_bytes() -> int | None:

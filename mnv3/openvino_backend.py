@@ -15,9 +15,12 @@ a batch of 32 spills. So the compiled models are one per power of two up to MICR
 `max_batch_size`), each compiled and run once at load, so no request pays for a compile or a first
 allocation.
 
-Streams: with `streams` > 1 the part models are compiled for that many CPU streams (the threads split
-between them), and the parts of a batch run at once, each on an infer request of its own: fewer threads
-per convolution synchronise less. The batch-1 model keeps one stream with every thread.
+Threads and streams: the batch-1 model runs on `threads` threads, one stream. The part models run on
+`batch_threads` threads (default: `threads`); with `streams` > 1 they are compiled for that many CPU
+streams (at most one a thread, the threads split between them), and the parts of a batch run at once,
+each on an infer request of its own: fewer threads per convolution synchronise less. A server gives its
+batches fewer threads than the machine has: under load the next images are decoded while a batch runs,
+and a batch that takes every core takes them from the decoding, in bursts.
 """
 
 import threading
@@ -61,7 +64,13 @@ class OpenVINOSession:
     A file whose batch axis is fixed is compiled at that size alone. Calls take turns."""
 
     def __init__(
-        self, path, threads: int, precision: str = "auto", max_batch_size: int | None = None, streams: int = 1
+        self,
+        path,
+        threads: int,
+        precision: str = "auto",
+        max_batch_size: int | None = None,
+        streams: int = 1,
+        batch_threads: int | None = None,
     ):
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
@@ -70,8 +79,11 @@ class OpenVINOSession:
             precision = "bf16" if bf16_supported(core) else "f32"
         model = core.read_model(str(path))
         self.precision = precision
-        latency = latency_config(threads, precision)
-        parts = latency | {"NUM_STREAMS": streams, "PERFORMANCE_HINT": "THROUGHPUT"} if streams > 1 else latency
+        self.batch_threads = batch_threads or threads
+        streams = min(streams, self.batch_threads)
+        parts = latency_config(self.batch_threads, precision)
+        if streams > 1:
+            parts |= {"NUM_STREAMS": streams, "PERFORMANCE_HINT": "THROUGHPUT"}
         # Two infer requests a stream: one is fed while the other runs, so a stream never waits for Python.
         jobs = 2 * streams
         self._inputs = [_port(p) for p in model.inputs]
@@ -80,6 +92,7 @@ class OpenVINOSession:
         self._alone: ov.InferRequest | None = None
         self._parts: dict[int, ov.AsyncInferQueue] = {}
         if shape.rank.is_static and shape.rank.get_length() > 0 and shape[0].is_dynamic:
+            latency = latency_config(threads, precision)
             self._alone = core.compile_model(at_batch(model, 1), DEVICE, latency).create_infer_request()
             largest = min(MICRO_BATCH, max_batch_size or MICRO_BATCH)
             sizes = [1 << k for k in range(largest.bit_length()) if max_batch_size != 1]

@@ -51,6 +51,7 @@ def load_engine(config: ServerConfig, spec: ModelSpec | None = None) -> Engine:
         config.inter_op_threads,
         config.max_batch_size,
         allow_spinning=bool(config.ort_spinning),
+        batch_threads=config.threads_per_batch,
     )
 
 
@@ -161,7 +162,11 @@ class ModelInfo(BaseModel):
         description="what every upload goes through before this model (from the manifest beside it): "
         "shorter side to resize, centre crop, (x/255 - mean)/std; jpeg_draft: large JPEGs decoded at reduced scale"
     )
-    threads: dict[str, int]
+    threads: dict[str, int] = Field(
+        description="intra_op: a single image's inference (and every onnxruntime call); inter_op: onnxruntime's "
+        "pool across operators; batch: what a batch of more than one image runs on (OpenVINO: --batch-threads); "
+        "preprocess: the decoding threads"
+    )
     ort_spinning: bool = Field(description="whether idle onnxruntime threads busy-wait")
     batching: dict[str, int | float]
     cache: dict[str, int]
@@ -231,6 +236,8 @@ def describe(served: ServedModel) -> ModelInfo:
         threads={
             "intra_op": config.intra_op_threads,
             "inter_op": config.inter_op_threads,
+            # what a batch of more than one image runs on
+            "batch": config.threads_per_batch if engine.backend == "openvino" else config.intra_op_threads,
             "preprocess": config.preprocess_threads,
         },
         ort_spinning=bool(config.ort_spinning),

@@ -203,20 +203,34 @@ def test_the_guard_refuses_a_degraded_variant_with_real_weights_only(measured_ro
 
 @pytest.mark.parametrize("file_name", [FP32_ONNX, STATIC_INT8_ONNX])
 def test_openvino_parts_of_a_batch_compute_each_photo_as_alone(models_dir, held_out, openvino_installed, file_name):
-    """Every way a batch is cut (1..9 photos: parts of 4, 2 and 1 on one or two streams) gives each photo the
-    logits it gets alone, and in its own row."""
+    """Every way a batch is cut (1..9 photos: parts of 4, 2 and 1 on one or two streams, or on one thread as
+    a server runs them) gives each photo the logits it gets alone, and in its own row."""
     from mnv3.engine import open_session
 
     sessions = [
         open_session(models_dir / file_name, "openvino", 2, max_batch_size=8, precision="f32", streams=n)
         for n in (1, 2)
-    ]
+    ] + [open_session(models_dir / file_name, "openvino", 2, max_batch_size=8, precision="f32", batch_threads=1)]
     alone = np.concatenate([sessions[0].run(None, {"input": photo[None]})[0] for photo in held_out[:9]])
     for session in sessions:
         for size in range(1, 10):
             np.testing.assert_allclose(
                 session.run(None, {"input": held_out[:size]})[0], alone[:size], rtol=1e-4, atol=1e-5
             )
+
+
+def test_batch_threads_run_the_parts_and_leave_a_single_image_every_thread(models_dir, openvino_installed):
+    from mnv3.openvino_backend import OpenVINOSession
+
+    def threads_and_streams(request):
+        compiled = request.get_compiled_model()
+        return compiled.get_property("INFERENCE_NUM_THREADS"), compiled.get_property("NUM_STREAMS")
+
+    for streams, batch_threads, parts in [(2, None, (2, 2)), (2, 1, (1, 1)), (1, 1, (1, 1)), (2, 2, (2, 2))]:
+        session = OpenVINOSession(models_dir / STATIC_INT8_ONNX, 2, "f32", 8, streams, batch_threads)
+        assert threads_and_streams(session._alone) == (2, 1)
+        assert {threads_and_streams(queue[0]) for queue in session._parts.values()} == {parts}
+        assert session.batch_threads == parts[0]
 
 
 def test_a_batch_is_cut_into_the_compiled_sizes(openvino_installed):

@@ -77,6 +77,7 @@ def test_server_serves_with_the_openvino_backend(fp32_model_path, engines):
             time.sleep(0.01)
         info = client.get("/model").json()
         assert info["backend"] == "openvino" and info["providers"] == ov_engine.providers
+        assert (info["threads"]["intra_op"], info["threads"]["batch"]) == (2, 1)  # --batch-threads' default
         assert info["providers"][0].startswith("OpenVINO:CPU:")
         responses = list(
             pool.map(lambda data: client.post("/predict", files={"file": ("a.jpg", data, "image/jpeg")}), photos)

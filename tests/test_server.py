@@ -117,7 +117,8 @@ def test_operational_endpoints(client, fp32_model_path):
     assert info["file"] == "fp32.onnx" and info["variant"] == "fp32"
     assert info["input_shape"][1:] == [3, 224, 224] and info["providers"] == ["CPUExecutionProvider"]
     assert info["batching"]["max_batch_size"] == 8 and info["cache"]["size"] == 64
-    assert info["threads"] == {"intra_op": 2, "inter_op": 1, "preprocess": 2}
+    # onnxruntime runs a batch on the intra-op threads too (--batch-threads is OpenVINO's)
+    assert info["threads"] == {"intra_op": 2, "inter_op": 1, "batch": 2, "preprocess": 2}
     assert info["ort_spinning"] is False
     # torchvision's preprocessing: the fixture's manifest records none, so the engine takes the default
     assert info["preprocessing"] == {
