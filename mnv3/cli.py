@@ -234,6 +234,12 @@ def add_load_test_args(
         help="server's ORT inter-op threads (default %(default)s)",
     )
     parser.add_argument(
+        "--batch-threads",
+        type=positive_int,
+        help="server's OpenVINO threads for a batch of more than one image (default: server's, half of "
+        "--intra-op-threads)",
+    )
+    parser.add_argument(
         "--preprocess-threads", type=positive_int, help="server's decode/preprocess threads (default: server's)"
     )
     parser.add_argument(
@@ -260,6 +266,7 @@ def server_options(args, **overrides) -> dict:
     return {
         "intra_op_threads": args.intra_op_threads,
         "inter_op_threads": args.inter_op_threads,
+        "batch_threads": args.batch_threads,
         "preprocess_threads": args.preprocess_threads,
         "deadline_ms": args.deadline_ms,
     } | overrides

@@ -33,6 +33,9 @@ def test_load_tests_take_the_servers_defaults():
         ServerConfig.intra_op_threads,
         ServerConfig.inter_op_threads,
     )
+    # Unset, the server decides (ServerProcess passes no flag for None)
+    assert cli.server_options(args)["batch_threads"] is None
+    assert cli.server_options(parse(batching_loadtest, "--batch-threads", "2"))["batch_threads"] == 2
 
 
 @pytest.mark.parametrize("error", [MissingArtifact("x.onnx not found: run stage 1"), cli.UsageError("lower --x")])
