@@ -76,11 +76,14 @@ def test_count_macs_refuses_a_graph_without_products(tmp_path):
 
 
 @pytest.mark.integration
-def test_count_macs_of_the_export_equals_torchvisions_own_figure(fp32_model_path):
-    from torchvision.models import MobileNet_V3_Large_Weights
+@pytest.mark.parametrize("arch", ["large", "small"])
+def test_count_macs_of_the_export_equals_torchvisions_own_figure(arch, request):
+    from torchvision.models import MobileNet_V3_Large_Weights, MobileNet_V3_Small_Weights
 
+    path = request.getfixturevalue({"large": "fp32_model_path", "small": "fp32_small_model_path"}[arch])
+    weights = {"large": MobileNet_V3_Large_Weights, "small": MobileNet_V3_Small_Weights}[arch]
     # torchvision's model card lists the network's multiply-accumulates (as "GFLOPS") to three places.
-    assert round(count_macs(fp32_model_path) / 1e9, 3) == MobileNet_V3_Large_Weights.IMAGENET1K_V1.meta["_ops"]
+    assert round(count_macs(path) / 1e9, 3) == weights.IMAGENET1K_V1.meta["_ops"]
 
 
 @pytest.mark.unit
