@@ -225,7 +225,7 @@ def add_load_test_args(
         "--intra-op-threads",
         type=positive_int,
         default=ServerConfig.intra_op_threads,
-        help="server's ORT intra-op threads (default %(default)s)",
+        help="server's intra-op threads: every onnxruntime call, OpenVINO's single images (default %(default)s)",
     )
     parser.add_argument(
         "--inter-op-threads",

@@ -180,8 +180,9 @@ def open_session(
     batch_threads: int | None = None,
 ):
     """The runtime session `Engine` wraps (one of BACKENDS): what the server, stage 2's engine choice and the
-    in-process limit all run, so what stage 2 timed is what is served. `precision`, `streams` and
-    `batch_threads` are OpenVINO's (see OpenVINOSession)."""
+    in-process limit all run, so what stage 2 timed is what is served, but for the threads a server gives
+    OpenVINO's batches (`batch_threads`; stage 2 and the limit time the engine with every thread they are
+    given). `precision`, `streams` and `batch_threads` are OpenVINO's (see OpenVINOSession)."""
     if backend == "onnxruntime":
         return make_session(path, intra_op_threads, inter_op_threads, allow_spinning=allow_spinning)
     try:

@@ -23,11 +23,14 @@ batches fewer threads than the machine has: under load the next images are decod
 and a batch that takes every core takes them from the decoding, in bursts.
 """
 
+import logging
 import threading
 from typing import NamedTuple
 
 import numpy as np
 import openvino as ov
+
+log = logging.getLogger(__name__)
 
 PRECISIONS = ("auto", "f32", "bf16")
 # The largest part a batch is cut into: at and around this size, parts ran fastest per image (see above).
@@ -80,7 +83,16 @@ class OpenVINOSession:
         model = core.read_model(str(path))
         self.precision = precision
         self.batch_threads = batch_threads or threads
-        streams = min(streams, self.batch_threads)
+        if streams > self.batch_threads:
+            log.info(
+                "%s: %d streams asked for, batches run on %d thread(s): %d stream(s)",
+                path,
+                streams,
+                self.batch_threads,
+                self.batch_threads,
+            )
+            streams = self.batch_threads
+        latency = latency_config(threads, precision)  # a single image: every thread, one stream
         parts = latency_config(self.batch_threads, precision)
         if streams > 1:
             parts |= {"NUM_STREAMS": streams, "PERFORMANCE_HINT": "THROUGHPUT"}
@@ -92,7 +104,6 @@ class OpenVINOSession:
         self._alone: ov.InferRequest | None = None
         self._parts: dict[int, ov.AsyncInferQueue] = {}
         if shape.rank.is_static and shape.rank.get_length() > 0 and shape[0].is_dynamic:
-            latency = latency_config(threads, precision)
             self._alone = core.compile_model(at_batch(model, 1), DEVICE, latency).create_infer_request()
             largest = min(MICRO_BATCH, max_batch_size or MICRO_BATCH)
             sizes = [1 << k for k in range(largest.bit_length()) if max_batch_size != 1]
@@ -100,7 +111,9 @@ class OpenVINOSession:
             sizes = [shape[0].get_length() if shape.rank.is_static and shape.rank.get_length() > 0 else 1]
         self._output_rows: list[tuple[tuple, np.dtype]] = []  # each output's row shape and type (static here)
         for size in sizes:
-            compiled = core.compile_model(at_batch(model, size) if self._alone else model, DEVICE, parts)
+            # A file fixed at one image is the single-image path: every thread, as the batch-1 model.
+            config = parts if self._alone or size > 1 else latency
+            compiled = core.compile_model(at_batch(model, size) if self._alone else model, DEVICE, config)
             queue = ov.AsyncInferQueue(compiled, jobs)
             queue.set_callback(self._copy_out)
             self._parts[size] = queue

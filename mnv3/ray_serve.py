@@ -87,6 +87,14 @@ class ImageAffinityRouter(RequestRouter):
         return [ranked[:1], ranked[1:]]
 
 
+def sized_to(config: ServerConfig, cpus: int) -> ServerConfig:
+    """`config` with its threads sized to the CPUs Ray reserved for a replica (ray_actor_options num_cpus), so N
+    replicas on a machine do not each spread over all of its cores: inference and preprocessing on `cpus`,
+    OpenVINO's batches on --batch-threads if it fits (else `cpus`; unset, its default, half of them)."""
+    batch_threads = min(config.batch_threads, cpus)  # 0 stays 0: the default
+    return replace(config, intra_op_threads=cpus, preprocess_threads=cpus, batch_threads=batch_threads)
+
+
 @serve.deployment(
     ray_actor_options={"num_cpus": 1},
     max_ongoing_requests=DEFAULT_MAX_ONGOING_REQUESTS,
@@ -102,10 +110,8 @@ class MobileNetV3:
         self.config = config
 
     def __serve_build_asgi_app__(self):
-        # ORT and preprocessing threads sized to the CPUs Ray reserved for this replica (ray_actor_options
-        # num_cpus), so N replicas on a machine do not each spread over all of its cores.
         cpus = max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
-        app = server.create_app(replace(self.config, intra_op_threads=cpus, preprocess_threads=cpus))
+        app = server.create_app(sized_to(self.config, cpus))
         app.add_middleware(ReplicaHeader, replica_id=serve.get_replica_context().replica_id.unique_id)
         return app
 

@@ -460,7 +460,8 @@ def engine_variants(int8_file: str, openvino_files: list[str], threads: int) -> 
 
 def engine_runner(variant: EngineVariant, artifacts_dir: Path, threads: int, batch_size: int) -> Callable:
     """The variant as the server opens it by default (engine.open_session; onnxruntime's idle threads
-    sleep, ServerConfig.ort_spinning), compiled for batch 1 and `batch_size`."""
+    sleep, ServerConfig.ort_spinning), compiled for batch 1 and `batch_size`, but with all `threads` for
+    batches too: the engine alone, where a server gives OpenVINO's batches --batch-threads."""
     session = open_session(
         Path(artifacts_dir) / variant.file,
         variant.engine,

@@ -233,6 +233,21 @@ def test_batch_threads_run_the_parts_and_leave_a_single_image_every_thread(model
         assert session.batch_threads == parts[0]
 
 
+def test_a_file_fixed_at_one_image_keeps_every_thread(models_dir, openvino_installed, tmp_path):
+    import onnx
+
+    from mnv3.openvino_backend import OpenVINOSession
+
+    model = onnx.load(str(models_dir / FP32_ONNX))
+    batch = model.graph.input[0].type.tensor_type.shape.dim[0]
+    batch.ClearField("dim_param")
+    batch.dim_value = 1
+    onnx.save(model, str(tmp_path / "fixed1.onnx"))
+    session = OpenVINOSession(tmp_path / "fixed1.onnx", 2, "f32", 1, streams=2, batch_threads=1)
+    [queue] = session._parts.values()
+    assert queue[0].get_compiled_model().get_property("INFERENCE_NUM_THREADS") == 2
+
+
 def test_a_batch_is_cut_into_the_compiled_sizes(openvino_installed):
     from mnv3.openvino_backend import split_batch
 

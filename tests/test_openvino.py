@@ -78,6 +78,7 @@ def test_server_serves_with_the_openvino_backend(fp32_model_path, engines):
         info = client.get("/model").json()
         assert info["backend"] == "openvino" and info["providers"] == ov_engine.providers
         assert (info["threads"]["intra_op"], info["threads"]["batch"]) == (2, 1)  # --batch-threads' default
+        assert client.app.state.serving.engine.session.batch_threads == 1
         assert info["providers"][0].startswith("OpenVINO:CPU:")
         responses = list(
             pool.map(lambda data: client.post("/predict", files={"file": ("a.jpg", data, "image/jpeg")}), photos)
@@ -92,6 +93,12 @@ def test_server_serves_with_the_openvino_backend(fp32_model_path, engines):
         shown = [p["class_id"] for p in body["predictions"]]  # the top 5 only
         np.testing.assert_allclose([p["probability"] for p in body["predictions"]], ref[shown], rtol=tolerance)
         assert shown[0] == ref.argmax() or not clear_lead(ref, tolerance)
+
+
+def test_without_batches_model_says_a_request_runs_on_every_thread(fp32_model_path, openvino_installed):
+    config = ServerConfig(model=fp32_model_path, backend="openvino", max_batch_size=1)
+    with TestClient(create_app(config)) as client:
+        assert client.get("/model").json()["threads"]["batch"] == config.intra_op_threads
 
 
 def test_missing_openvino_is_a_clear_load_error(fp32_model_path, monkeypatch):

@@ -162,3 +162,9 @@ def test_build_app_reads_the_key_file_once_and_the_replicas_app_is_protected(
         assert keyed.status_code == 200 and len(keyed.json()["predictions"]) == 5
         assert client.get("/metrics", headers={"Authorization": f"Bearer {key}"}).status_code == 403
         assert client.get("/healthz").status_code == 200
+
+
+@pytest.mark.parametrize(("batch_threads", "cpus", "expected"), [(0, 1, 1), (0, 4, 2), (4, 1, 1), (2, 4, 2)])
+def test_a_replica_sizes_every_thread_count_to_its_cpus(batch_threads, cpus, expected):
+    sized = ray_serve.sized_to(ServerConfig(model="a.onnx", intra_op_threads=8, batch_threads=batch_threads), cpus)
+    assert (sized.intra_op_threads, sized.preprocess_threads, sized.threads_per_batch) == (cpus, cpus, expected)
