@@ -138,7 +138,7 @@ class BatchingResult:
         ceiling = 1000 * cores / (server + client)  # NaN where the server's CPU is not exported
         return (
             f"CPU per image: the server {server:.2f} ms + the load client {client:.2f} ms, the limit "
-            f"{1000 * self.limit.cpu_seconds / self.limit.images:.2f} ms; with all {cores} cores busy the server "
+            f"{self.limit.cpu_ms_per_image:.2f} ms; with all {cores} cores busy the server "
             f"could answer at most {ceiling:.0f} req/s, {loadtest.ratio(ceiling, self.limit.images_per_s)} of the limit"
         )
 

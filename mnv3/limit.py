@@ -45,12 +45,16 @@ class LimitResult:
     def images_per_s(self) -> float:
         return self.images / self.seconds
 
+    @property
+    def cpu_ms_per_image(self) -> float:
+        return 1000 * self.cpu_seconds / self.images
+
     def as_row(self) -> dict:
         return asdict(self) | {
             "seconds": round(self.seconds, 3),
             "cpu_seconds": round(self.cpu_seconds, 3),
             "images_per_s": round(self.images_per_s, 2),
-            "cpu_ms_per_image": round(1000 * self.cpu_seconds / self.images, 3),
+            "cpu_ms_per_image": round(self.cpu_ms_per_image, 3),
         }
 
 

@@ -23,11 +23,11 @@ def profile_model(model_path, batch, runs: int, threads: int, trace_path) -> Pat
 
 def op_type_summary(trace_path, runs: int) -> list[dict]:
     """Kernel time per op type, largest share first. Session set-up and fences are not counted."""
-    micros: defaultdict[str, float] = defaultdict(float)
-    calls: defaultdict[str, int] = defaultdict(int)
+    micros: defaultdict[tuple[str], float] = defaultdict(float)
+    calls: defaultdict[tuple[str], int] = defaultdict(int)
     for event in json.loads(Path(trace_path).read_text()):
         if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
-            op_type = event["args"]["op_name"]
+            op_type = (event["args"]["op_name"],)
             micros[op_type] += event["dur"]
             calls[op_type] += 1
     return _shares(micros, calls, runs, ("op_type",))
@@ -59,11 +59,12 @@ def openvino_layer_summary(model_path, batch, runs: int, threads: int, precision
 
 
 def _shares(micros: dict, calls: dict, runs: int, key_columns: tuple[str, ...]) -> list[dict]:
-    """One row per key (named by `key_columns`): its share of all the time, ms and calls per run; largest first."""
+    """One row per key (a tuple, named by `key_columns`): its share of all the time, ms and calls per run;
+    largest first."""
     total = sum(micros.values()) or 1.0  # every time 0: every share is 0
     return [
         {
-            **dict(zip(key_columns, key if isinstance(key, tuple) else (key,), strict=True)),
+            **dict(zip(key_columns, key, strict=True)),
             "share_pct": round(100 * us / total, 2),
             "ms_per_run": round(us / runs / 1000, 3),
             "calls_per_run": calls[key] // runs,
