@@ -118,6 +118,8 @@ class OpenVINOSession:
             queue.set_callback(self._copy_out)
             self._parts[size] = queue
             self._output_rows = [(tuple(o.get_shape())[1:], o.get_element_type().to_dtype()) for o in compiled.outputs]
+        if not any(size > 1 for size in sizes):  # nothing but single images: they run on every thread
+            self.batch_threads = threads
         self._out: list[np.ndarray] = []  # the outputs of the call in progress, filled in part by part
         self._lock = threading.Lock()  # one call at a time: parts write into that call's outputs
         self._warm_up()

@@ -236,10 +236,8 @@ def describe(served: ServedModel) -> ModelInfo:
         threads={
             "intra_op": config.intra_op_threads,
             "inter_op": config.inter_op_threads,
-            # what a batch of more than one image runs on
-            "batch": config.threads_per_batch
-            if engine.backend == "openvino" and config.max_batch_size > 1
-            else config.intra_op_threads,
+            # what a batch of more than one image runs on: the session knows (onnxruntime has one pool)
+            "batch": getattr(engine.session, "batch_threads", config.intra_op_threads),
             "preprocess": config.preprocess_threads,
         },
         ort_spinning=bool(config.ort_spinning),

@@ -246,6 +246,7 @@ def test_a_file_fixed_at_one_image_keeps_every_thread(models_dir, openvino_insta
     session = OpenVINOSession(tmp_path / "fixed1.onnx", 2, "f32", 1, streams=2, batch_threads=1)
     [queue] = session._parts.values()
     assert queue[0].get_compiled_model().get_property("INFERENCE_NUM_THREADS") == 2
+    assert session.batch_threads == 2  # what /model reports
 
 
 def test_a_batch_is_cut_into_the_compiled_sizes(openvino_installed):
