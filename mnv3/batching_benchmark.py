@@ -131,7 +131,8 @@ class BatchingResult:
 
     def cpu_summary(self) -> str:
         """Where the gap to the limit goes: the CPU the server and the load client spent per request (on the
-        same cores) against the limit's per image, and the most the server could answer with every core busy."""
+        same cores) against the limit's per image, the most the server could answer with every core busy,
+        and how busy the cores were (the server's rate is about that ceiling times the busy share)."""
         cpu = self.headline.cpu_row()
         server, client = cpu["server_cpu_ms_per_request"], cpu["client_cpu_ms_per_request"]
         cores = os.cpu_count() or 1  # as the environment columns record it
@@ -139,7 +140,8 @@ class BatchingResult:
         return (
             f"CPU per image: the server {server:.2f} ms + the load client {client:.2f} ms, the limit "
             f"{self.limit.cpu_ms_per_image:.2f} ms; with all {cores} cores busy the server "
-            f"could answer at most {ceiling:.0f} req/s, {loadtest.ratio(ceiling, self.limit.images_per_s)} of the limit"
+            f"could answer at most {ceiling:.0f} req/s, {loadtest.ratio(ceiling, self.limit.images_per_s)} of the "
+            f"limit; in the run the cores were {cpu['machine_cpu_busy']:.0%} busy"
         )
 
     def summary(self) -> str:

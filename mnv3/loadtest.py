@@ -27,6 +27,7 @@ from typing import IO
 from urllib.parse import urlencode
 
 import numpy as np
+import psutil
 import requests
 import urllib3
 from prometheus_client.parser import text_string_to_metric_families
@@ -239,6 +240,9 @@ class LoadResult:
     dropped: int = 0  # open loop: not sent, because the client fell too far behind its schedule
     metrics: dict = field(default_factory=dict)  # the server's /metrics for this run alone, if read
     client_cpu_s: float | None = None  # CPU the sending process spent during the run, if measured
+    # Share of every core's time the machine spent busy during the run (server, client and anything else
+    # on it), if measured: below 1, the cores had time the server did not use.
+    machine_cpu_busy: float | None = None
 
     @property
     def rps(self) -> float:
@@ -292,7 +296,7 @@ class LoadResult:
         return {
             f"{who}_cpu_ms_per_request": _round(1000 * cpu_s / self.ok) if cpu_s is not None and self.ok else nan
             for who, cpu_s in spent.items()
-        }
+        } | {"machine_cpu_busy": nan if self.machine_cpu_busy is None else round(self.machine_cpu_busy, 3)}
 
     def summary(self) -> str:
         p = self.latency
@@ -449,12 +453,29 @@ def warm_up(base_url: str, bodies: list, concurrency: int, client=PredictClient)
 
 def run_with_metrics(base_url: str, run, client=PredictClient) -> LoadResult:
     """`run(send)` with a fresh `client(base_url)` (default: POST /predict); its result carries the server's
-    metrics for just that run, and the CPU this (sending) process spent on it."""
+    metrics for just that run, the CPU this (sending) process spent on it, and how busy the machine's
+    cores were."""
     before, client_cpu_before = read_metrics(base_url), time.process_time()
+    machine_before = psutil.cpu_times()
     with client(base_url) as send:
         result = run(send)
+    machine_busy = busy_share(machine_before, psutil.cpu_times())
     client_cpu_s = time.process_time() - client_cpu_before
-    return replace(result, metrics=metrics_delta(before, read_metrics(base_url)), client_cpu_s=client_cpu_s)
+    return replace(
+        result,
+        metrics=metrics_delta(before, read_metrics(base_url)),
+        client_cpu_s=client_cpu_s,
+        machine_cpu_busy=machine_busy,
+    )
+
+
+def busy_share(before, after) -> float | None:
+    """The share of every core's time spent busy between two `psutil.cpu_times()` readings: all but idle
+    and (where the system reports it) I/O wait. None if no time passed."""
+    elapsed = {name: getattr(after, name) - getattr(before, name) for name in before._fields}
+    total = sum(elapsed.values()) - elapsed.get("guest", 0.0) - elapsed.get("guest_nice", 0.0)  # already in user
+    waiting = elapsed["idle"] + elapsed.get("iowait", 0.0)
+    return (total - waiting) / total if total > 0 else None
 
 
 def server_settings(base_url: str, api_key: str | None = None) -> dict:

@@ -1,5 +1,7 @@
+import os
 import threading
 import time
+from collections import namedtuple
 
 import numpy as np
 import pytest
@@ -11,6 +13,7 @@ from mnv3.loadtest import (
     ServerProcess,
     ServerStartError,
     batch_size_histogram,
+    busy_share,
     free_port,
     metrics_delta,
     metrics_row,
@@ -18,6 +21,7 @@ from mnv3.loadtest import (
     poisson_schedule,
     run_closed_loop,
     run_open_loop,
+    run_with_metrics,
 )
 from mnv3.photos import load_images
 
@@ -66,6 +70,19 @@ def test_metrics_delta_isolates_one_run():
     )
     after = parse_metrics(one_more_batch_of_8)
     assert batch_size_histogram(metrics_delta(before, after)) == {"1": 0, "2": 0, "4": 0, "8": 1, "+Inf": 0}
+
+
+def test_busy_share_counts_all_but_idle_and_io_wait_and_guest_time_once():
+    fields = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal", "guest", "guest_nice")
+    times = namedtuple("scputimes", fields)
+    before = times(*[10.0] * len(fields))
+    # 4 s of user time, 1 of which ran a guest (Linux counts it in user too), 1 s system, 2 s idle, 1 s I/O wait
+    after = before._replace(user=14.0, guest=11.0, system=11.0, idle=12.0, iowait=11.0)
+    assert busy_share(before, after) == pytest.approx(5 / 8)
+    assert busy_share(before, before) is None  # no time passed: no share, not a division by zero
+    # where the system reports neither I/O wait nor guest time (macOS: user, nice, system, idle)
+    plain = namedtuple("scputimes", ("user", "nice", "system", "idle"))
+    assert busy_share(plain(1.0, 0.0, 1.0, 1.0), plain(2.0, 0.0, 2.0, 4.0)) == pytest.approx(2 / 5)
 
 
 def test_poisson_schedule_has_the_target_rate():
@@ -136,6 +153,21 @@ def test_server_process_serves_and_stops(fp32_model_path):
     assert 1 <= result.server["mean_batch_size"] <= 4 and result.server["mean_inference_ms"] > 0
     with pytest.raises(requests.ConnectionError):
         requests.get(url + "/readyz", timeout=2)
+
+
+def test_a_measured_run_has_the_cpu_of_server_client_and_machine(fp32_model_path):
+    bodies = load_images(16)
+    cores = os.cpu_count() or 1
+    with ServerProcess(fp32_model_path, cache_size=0) as url:
+        start = time.perf_counter()
+        result = run_with_metrics(url, lambda send: run_closed_loop(send, bodies, concurrency=8, count=320))
+        window = time.perf_counter() - start
+    row = result.as_row()
+    assert (result.ok, result.errors) == (320, {})
+    spent_s = [row[f"{who}_cpu_ms_per_request"] * result.ok / 1000 for who in ("server", "client")]
+    assert all(0 < s <= cores * window for s in spent_s), spent_s
+    # the cores were busy at least while these two processes ran on them (anything else only adds to it)
+    assert sum(spent_s) / (cores * window) - 0.03 <= row["machine_cpu_busy"] <= 1
 
 
 def test_predict_client_reports_a_refused_connection_as_a_status():

@@ -146,6 +146,7 @@ def test_stage5_batching_sweep_open_loop_and_limit(fp32_model_path, other_model_
         for who in ("server", "client"):
             cpu_s = float(row[f"{who}_cpu_ms_per_request"]) * int(row["ok"]) / 1000
             assert 0 < cpu_s <= cores * (float(row["seconds"]) + 1.0), (who, row)
+        assert 0 < float(row["machine_cpu_busy"]) <= 1, row  # its lower bound: tests/test_loadtest.py
     for row in [*grid, confirmed]:
         assert_rate(row["images_per_s"], row["images"], row["seconds"])
         assert 0 < float(row["cpu_seconds"]) <= cores * float(row["seconds"]) + 0.05
