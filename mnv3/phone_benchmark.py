@@ -5,11 +5,12 @@ A phone photo costs far more to decode than the model costs to run, so this meas
 distinct photos (`mnv3.photos.phone_photos`):
   1. decoding in process, full vs JPEG draft (`mnv3.preprocess.decode_image`): both decode + preprocess
      every photo in turns, over several rounds, and the ratio is taken per round, so the machine's
-     drift cancels; and how far the draft's preprocessed tensors and the served model's logits are from
-     the full decode's (max/mean |difference|, top-1/top-5 agreement, SQNR). When the served model is a
-     quantized variant of an FP32 model beside it, the FP32 model's logits are compared too, with the
-     served model's own agreement with FP32 as the yardstick: a random-init stand-in amplifies any
-     perturbation of its input, and INT8 rounding amplifies it further;
+     drift cancels; and how far the draft's preprocessed tensors and the served engine's logits are from
+     the full decode's (max/mean |difference|, top-1/top-5 agreement, SQNR). The served engine is what
+     `--backend auto` serves for the model, as the servers below do (file, runtime, precision). When it is
+     anything but the FP32 file beside the model on onnxruntime, that reference's logits are compared too,
+     with the served engine's own agreement with it as the yardstick: a random-init stand-in amplifies any
+     perturbation of its input, and INT8 or bf16 rounding amplifies it further;
   2. the batching server under phone uploads at one concurrency, with draft decoding on and then off:
      req/s, and each request's round trip split into decode + preprocess, queue and inference (what the
      server reported for that request), reading the upload inside the endpoint, and HTTP (the rest).
@@ -25,10 +26,12 @@ import numpy as np
 from mnv3 import loadtest
 from mnv3.accuracy import agreement, array_batches, predict
 from mnv3.artifacts import FP32_ONNX, model_preprocessing
+from mnv3.backend_choice import Choice, explicit, resolve_auto
+from mnv3.engine import open_session
 from mnv3.loadtest import LoadResult, metrics_row
 from mnv3.photos import PHONE_PHOTO_QUALITY, PHONE_PHOTO_SIZE
 from mnv3.preprocess import DEFAULT_PREPROCESSING, Preprocessing, decode_and_preprocess, decode_image
-from mnv3.runtime import make_session, ort_runner
+from mnv3.runtime import ort_runner
 
 FULL, DRAFT = "full", "draft"
 BATCH_SIZE = 8  # for the logits comparison only
@@ -52,8 +55,9 @@ class DecodeComparison:
     draft_size: tuple[int, int]  # of the first photo, as decoded (after EXIF orientation)
     seconds: dict[str, list[float]]  # per image, per round, FULL and DRAFT
     tensor_diff: np.ndarray  # |draft - full| over every preprocessed value
-    logits: dict  # agreement(full logits, draft logits) of the served model
-    reference_logits: dict  # the same for the FP32 reference, and the served model vs it on full decodes
+    served_variant: str  # the engine whose logits were compared (stage 2's name for it)
+    logits: dict  # agreement(full logits, draft logits) of the served engine
+    reference_logits: dict  # the same for the FP32 reference, and the served engine vs it on full decodes
     preprocessing: Preprocessing  # the served model's, which both decodes went through
 
     @property
@@ -83,6 +87,7 @@ class DecodeComparison:
                 "pixel_mean_abs_diff_levels": round(float(grey_levels.mean()), 3),
                 "pixel_p99_abs_diff_levels": round(float(np.percentile(grey_levels, 99)), 2),
             }
+            | {"served_variant": self.served_variant}
             | {f"draft_vs_full_{name}": value for name, value in self.logits.items()}
             | self.reference_logits
         )
@@ -96,7 +101,7 @@ class DecodeComparison:
             f"median of {row['decode_rounds']} rounds in turns)\n"
             f"draft vs full decode: preprocessed tensor max |diff| {row['tensor_max_abs_diff']} "
             f"({row['pixel_max_abs_diff_levels']} grey levels), mean {row['tensor_mean_abs_diff']} "
-            f"({row['pixel_mean_abs_diff_levels']}); served model's top-1 agreement "
+            f"({row['pixel_mean_abs_diff_levels']}); the served engine's ({self.served_variant}) top-1 agreement "
             f"{self.logits['top1_agreement']}, top-5 {self.logits['top5_agreement']}, "
             f"logits SQNR {self.logits['sqnr_db']} dB"
             + (
@@ -123,10 +128,15 @@ def decode_seconds(bodies: list[bytes], rounds: int, preprocessing: Preprocessin
 
 
 def compare_decodes(
-    model, bodies: list[bytes], rounds: int, reference=None, preprocessing: Preprocessing = DEFAULT_PREPROCESSING
+    served: Choice,
+    bodies: list[bytes],
+    rounds: int,
+    reference: Choice | None = None,
+    preprocessing: Preprocessing = DEFAULT_PREPROCESSING,
 ) -> DecodeComparison:
-    """Draft vs full decode of `bodies` with `model`'s `preprocessing`: cost (in turns), preprocessed tensors,
-    and `model`'s logits (and those of `reference`, the FP32 model `model` was quantized from, if given)."""
+    """Draft vs full decode of `bodies` with the served model's `preprocessing`: cost (in turns), preprocessed
+    tensors, and the `served` engine's logits (and those of `reference`, the FP32 model on onnxruntime, if
+    given)."""
     tensors = {
         name: np.stack(
             [decode_and_preprocess(body, jpeg_draft=name == DRAFT, preprocessing=preprocessing) for body in bodies]
@@ -134,18 +144,21 @@ def compare_decodes(
         for name in (FULL, DRAFT)
     }
 
-    def logits(path) -> dict[str, np.ndarray]:
-        run = ort_runner(make_session(path))
+    def logits(engine: Choice) -> dict[str, np.ndarray]:
+        session = open_session(
+            engine.path, engine.backend, max_batch_size=BATCH_SIZE, precision=engine.precision, streams=engine.streams
+        )
+        run = ort_runner(session)  # OpenVINO's session answers the same calls
         return {name: predict(run, array_batches(batch, BATCH_SIZE)) for name, batch in tensors.items()}
 
-    served = logits(model)
+    served_logits = logits(served)
     reference_logits = {}
     if reference is not None:
         fp32 = logits(reference)
         reference_logits = (
-            {"reference_model": Path(reference).name}
+            {"reference_variant": reference.variant}
             | {f"fp32_draft_vs_full_{k}": v for k, v in agreement(fp32[FULL], fp32[DRAFT]).items()}
-            | {f"served_vs_fp32_{k}": v for k, v in agreement(fp32[FULL], served[FULL]).items()}
+            | {f"served_vs_fp32_{k}": v for k, v in agreement(fp32[FULL], served_logits[FULL]).items()}
         )
     sizes = [len(body) for body in bodies]
     return DecodeComparison(
@@ -154,7 +167,8 @@ def compare_decodes(
         draft_size=decode_image(bodies[0], jpeg_draft=True, resize_size=preprocessing.resize).size,
         seconds=decode_seconds(bodies, rounds, preprocessing),
         tensor_diff=np.abs(tensors[DRAFT] - tensors[FULL]),
-        logits=agreement(served[FULL], served[DRAFT]),
+        served_variant=served.variant,
+        logits=agreement(served_logits[FULL], served_logits[DRAFT]),
         reference_logits=reference_logits,
         preprocessing=preprocessing,
     )
@@ -221,13 +235,15 @@ class PhoneResult:
 
 def run_phone_benchmark(model: Path, bodies: list[bytes], plan: PhonePlan) -> PhoneResult:
     """The decode comparison in process, then the batching server with draft decoding on, then off.
-    The FP32 model beside `model` (stage 1's, when `model` is one of its INT8 variants) is the reference."""
-    reference = model.parent / FP32_ONNX
+    The decode comparison runs what those servers serve for `model` (`--backend auto`), and the FP32 model
+    beside `model` on onnxruntime as the reference, unless that is what is served."""
+    served = resolve_auto(model)
+    reference = explicit(model.parent / FP32_ONNX, "onnxruntime")
     decode = compare_decodes(
-        model,
+        served,
         bodies,
         plan.decode_rounds,
-        reference if reference.exists() and reference.resolve() != model.resolve() else None,
+        reference if reference.path.is_file() and reference.variant != served.variant else None,
         model_preprocessing(model.parent),
     )
     print(decode.summary())

@@ -8,6 +8,7 @@ import pytest
 from PIL import Image
 
 from conftest import post_file, serving_client
+from mnv3.backend_choice import explicit
 from mnv3.config import parse_args
 from mnv3.engine import Engine
 from mnv3.phone_benchmark import compare_decodes
@@ -161,7 +162,8 @@ def test_the_server_decodes_as_its_jpeg_draft_setting_says(fp32_model_path, orie
 @pytest.mark.slow
 def test_decode_comparison_measures_the_draft_against_the_full_decode(fp32_model_path, oriented):
     bodies = [oriented[1], oriented[6]]
-    comparison = compare_decodes(fp32_model_path, bodies, rounds=1, reference=fp32_model_path)
+    on_onnxruntime = explicit(fp32_model_path, "onnxruntime")
+    comparison = compare_decodes(on_onnxruntime, bodies, rounds=1, reference=on_onnxruntime)
     row = comparison.as_row()
     assert (row["photos"], row["decode_rounds"], row["draft_decoded_size"]) == (2, 1, f"{WIDTH // 4}x{HEIGHT // 4}")
     assert 0 < row["tensor_mean_abs_diff"] <= row["tensor_max_abs_diff"] <= DRAFT_MAX_ABS_DIFF
@@ -177,10 +179,23 @@ def test_decode_comparison_measures_the_draft_against_the_full_decode(fp32_model
 
 
 @pytest.mark.slow
+def test_decode_comparison_runs_the_served_engine_beside_fp32_on_onnxruntime(fp32_model_path, oriented):
+    pytest.importorskip("openvino", reason="optional backend: pip install -r requirements-openvino.txt")
+    served = explicit(fp32_model_path, "openvino", "f32")
+    comparison = compare_decodes(served, [oriented[1]], rounds=1, reference=explicit(fp32_model_path, "onnxruntime"))
+    row = comparison.as_row()
+    assert (row["served_variant"], row["reference_variant"]) == ("openvino_fp32_f32", "onnxruntime_fp32")
+    # The same network in two runtimes: close, but not the bit-identical logits one runtime gives twice.
+    assert 60 < row["served_vs_fp32_sqnr_db"] < float("inf") and row["served_vs_fp32_top1_agreement"] == 1.0
+
+
+@pytest.mark.slow
 def test_decode_comparison_uses_the_served_models_preprocessing(fp32_model_path, oriented):
     # A model trained with a larger resize needs a larger draft: a quarter-size decode no longer keeps twice it.
     preprocessing = Preprocessing(resize=400, crop=224, std=(0.5, 0.5, 0.5))
-    comparison = compare_decodes(fp32_model_path, [oriented[1]], rounds=1, preprocessing=preprocessing)
+    comparison = compare_decodes(
+        explicit(fp32_model_path, "onnxruntime"), [oriented[1]], rounds=1, preprocessing=preprocessing
+    )
     row = comparison.as_row()
     assert row["draft_decoded_size"] == f"{WIDTH // 2}x{HEIGHT // 2}"
     # Grey levels are the tensor difference scaled back with this model's std, not ImageNet's.

@@ -193,7 +193,8 @@ def test_stage5_phone_photo_rows(fp32_model_path, tmp_path):
     assert decode["draft_decoded_size"] in ("1008x756", "756x1008")
     assert 0 < float(decode["tensor_mean_abs_diff"]) <= float(decode["tensor_max_abs_diff"])
     assert 0 < float(decode["pixel_mean_abs_diff_levels"]) <= float(decode["pixel_max_abs_diff_levels"])
-    assert "reference_model" not in decode  # the served model is FP32 itself: no second comparison
+    # no engine choice beside this model: auto serves it on onnxruntime, which is the reference itself
+    assert decode["served_variant"] == "onnxruntime_fp32" and "reference_variant" not in decode
     assert [(r["configuration"], r["jpeg_draft"]) for r in uploads] == [("phone_upload", "1"), ("phone_upload", "0")]
     for row in uploads:
         assert row["load_image_size"] == "4032x3024" and row["server_cache_size"] == "0"
