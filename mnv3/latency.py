@@ -9,6 +9,10 @@ import numpy as np
 
 WARMUP_CALLS = 10
 TIMED_CALLS = 100
+# settle(): the process counts as idle when its threads use under a fifth of a core over 10 ms.
+SETTLE_WINDOW_S = 0.01
+SETTLE_IDLE_SHARE = 0.2
+SETTLE_MAX_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -42,14 +46,30 @@ class LatencyStats:
         }
 
 
+def settle(window_s: float = SETTLE_WINDOW_S, max_s: float = SETTLE_MAX_S) -> bool:
+    """Wait until this process's threads are idle: CPU time over a `window_s` sleep under SETTLE_IDLE_SHARE of
+    one core. True once they are; False if they were still busy after `max_s`.
+
+    Why: onnxruntime's intra-op threads spin for tens of milliseconds after a call (its default), taking a
+    core from whatever runs next in the process, so a model timed right after an onnxruntime session
+    measured markedly slower than after a pause. Every model's turn starts on idle cores."""
+    deadline = time.perf_counter() + max_s
+    while time.perf_counter() < deadline:
+        cpu = time.process_time()
+        time.sleep(window_s)
+        if time.process_time() - cpu < SETTLE_IDLE_SHARE * window_s:
+            return True
+    return False
+
+
 def interleaved_benchmark(runners: dict, images: np.ndarray, batch_size: int, timing: Timing, rounds: int = 5) -> dict:
     """Batch-1 latency stats and per-image ms at `batch_size` for each `run(batch) -> logits` in `runners`,
     measured in turns so that machine-load drift hits all alike (ratios between them are the result;
     `images` is a preprocessed (N, 3, H, W) array, and the batch cycles through it if N < batch_size).
 
     The timed calls are split into `rounds`; each round visits every model (in a rotated order) for its
-    share of batch-1 and batch calls, after one untimed call of each kind so the previous model's
-    spinning ORT threads have wound down.
+    share of batch-1 and batch calls. Before a model's turn the process waits until the previous model's
+    threads are idle (`settle`), then makes one untimed call of each kind.
     """
     single = images[:1]
     batch = np.ascontiguousarray(images[np.arange(batch_size) % len(images)])
@@ -65,6 +85,7 @@ def interleaved_benchmark(runners: dict, images: np.ndarray, batch_size: int, ti
     for round_index in range(rounds):
         for name in order[round_index % len(order) :] + order[: round_index % len(order)]:
             run = runners[name]
+            settle()
             for inputs, seconds, iters in (
                 (single, singles[name], timing.iters),
                 (batch, batches[name], timing.batch_iters),
