@@ -290,7 +290,8 @@ class LoadResult:
 
     def cpu_row(self) -> dict:
         """CPU per answered request: the server's (its process_cpu_seconds_total over the run) and the load
-        client's, which on a shared machine takes cores the server would otherwise have. NaN if not measured."""
+        client's, which on a shared machine takes cores the server would otherwise have; and the share of the
+        machine's cores busy during the run (`machine_cpu_busy`). NaN where not measured."""
         spent = {"server": self.metrics.get(("process_cpu_seconds_total", "")), "client": self.client_cpu_s}
         nan = float("nan")
         return {
