@@ -44,6 +44,7 @@ from mnv3.variants import (
     ENGINE_TABLE_COLUMNS,
     Bench,
     build_openvino_int8,
+    candidates,
     compare_recipes,
     compare_variants,
     engine_rows,
@@ -192,12 +193,13 @@ def choose_engine(args, fp32_path, calibration, bench: Bench, profile_runs: int)
         variant: engine_runner(variant, args.artifacts_dir, args.threads, args.batch_size) for variant in variants
     }
     rows = engine_rows(fp32_path, runners, bench)
-    chosen, refused = choose(rows, args.min_agreement, guard_applies=bench.weights != STAND_IN_PROVENANCE)
+    served = candidates(rows)
+    chosen, refused = choose(served, args.min_agreement, guard_applies=bench.weights != STAND_IN_PROVENANCE)
     entry = manifest_entry(
         chosen,
         refused,
         STATIC_INT8_ONNX,
-        len(rows),
+        len(served),
         bench.weights,
         args.min_agreement,
         report.cpu_info() | {"threads": args.threads, "versions": report.library_versions()},

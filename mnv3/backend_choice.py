@@ -106,8 +106,9 @@ def speed(row: dict) -> float:
 def choose(rows: list[dict], min_agreement: float, guard_applies: bool) -> tuple[dict, dict[str, str]]:
     """(the fastest row by `speed`, {variant: why it was passed over} for each faster one).
 
-    Each row is a variant timed in turns with ONNX FP32, with its top-1 agreement with FP32 (FP32's own
-    row has none and always qualifies). With `guard_applies`, a variant below `min_agreement` is refused."""
+    Each row is a way to serve timed in turns with ONNX FP32, with its top-1 agreement with FP32 (onnxruntime
+    on the FP32 file has none and always qualifies). With `guard_applies`, a variant below `min_agreement` is
+    refused."""
     refused = {}
     for row in sorted(rows, key=speed):
         agreement = row.get("top1_agreement")

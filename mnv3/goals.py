@@ -60,7 +60,7 @@ def _fastest(results_dir: Path, key: str) -> tuple[str, float | None]:
     ratios |= {
         row["variant"]: value(row, f"{key}_vs_onnx_fp32")
         for row in _rows(results_dir, ENGINES_CSV)
-        if row["variant"] != "onnxruntime_fp32"
+        if row["variant"] != "onnx_fp32"
     }
     ratios = {name: ratio for name, ratio in ratios.items() if ratio is not None}
     return min(ratios.items(), key=lambda item: item[1], default=("-", None))
