@@ -2,8 +2,10 @@
 models side by side in one server.
 
 `/v2` vs `/predict`: one batching server (cache off), the same distinct photos at the same concurrency
-through each path, taken in turns (predict, v2, predict, v2, ...) with a fresh client per turn, so
-drift on a shared machine lands on both paths alike. A path's throughput is its answers over the
+through each path, taken in turns with a fresh client per turn, the order mirrored from one pair of
+turns to the next (predict, v2, v2, predict, ...), so drift on a shared machine lands on both paths
+alike: a machine slowing steadily through the run would otherwise slow every turn of the path that
+always goes second. A path's throughput is its answers over the
 seconds of its turns. The `/v2` client sends what Triton's HTTP client sends for one encoded photo
 (`V2Client`, `v2_request`); every request body is built before the timed loops, as /predict's
 uploads are encoded before theirs, so client-side encoding is not charged to the server.
@@ -180,9 +182,14 @@ def run_v2_vs_predict(
         turns = [
             (path, turn, closed_loop(url, bodies, concurrency, per_turn, f"{path} turn {turn}", client))
             for turn in range(1, TURNS + 1)
-            for path, (client, bodies) in paths.items()
+            for path, (client, bodies) in turn_order(paths, turn)
         ]
     return V2VsPredictResult(concurrency, turns, settings)
+
+
+def turn_order(paths: dict, turn: int) -> list:
+    """`paths`' items in the order of `turn` (from 1): as given in odd turns, reversed in even ones."""
+    return list(paths.items())[:: 1 if turn % 2 else -1]
 
 
 # ---------------------------------------------------------------------------------------- side by side
