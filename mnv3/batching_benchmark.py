@@ -3,13 +3,16 @@ the in-process limit the batching server is held to.
 
 Both servers run with the cache off, so every request is decoded and classified. The headline is the
 two servers at the same concurrency, measured minutes apart on the same machine; the batching server
-is also swept over concurrencies and driven open loop. The limit is measured while no server runs, so
-it has the machine to itself: for the engine the servers run (`--backend auto`), and for onnxruntime on
-the FP32 and INT8 files beside it, so what the chosen engine gains shows end to end. The served engine's
-limit brackets the batching server: its configurations are tried and the fastest confirmed before that
-server starts, and confirmed again after it stops; the limit is both confirmations pooled, so a drift in
-the machine's speed during the run (a shared VM's is large) moves the limit as it moves the server.
-Every limit decodes as the servers said they do (their jpeg_draft setting, from GET /model).
+is also swept over concurrencies and driven open loop. The limit is measured while no server answers
+requests, so it has the machine's cores to itself: for the engine the servers run (`--backend auto`), and
+for onnxruntime on the FP32 and INT8 files beside it, so what the chosen engine gains shows end to end.
+
+The served engine's limit brackets the batching server's headline run: its configurations are tried
+before that server starts, and the fastest is measured right before the headline run and right after
+it, the server up but idle (its CPU meanwhile is recorded); the limit is both turns pooled. So a drift
+in the machine's speed (a shared VM's is large, even over a minute) moves the limit as it moves the
+server, and the two turns show how far it moved. Every limit decodes as the servers said they do (their
+jpeg_draft setting, from GET /model).
 """
 
 import os
@@ -19,7 +22,7 @@ from pathlib import Path
 from mnv3 import loadtest, plots
 from mnv3.artifacts import BATCH_SIZE_HISTOGRAM_PNG, FP32_ONNX, LATENCY_PNG, THROUGHPUT_PNG
 from mnv3.backend_choice import Choice, explicit, resolve_auto
-from mnv3.limit import LimitResult, measure_again, pooled, run_limit
+from mnv3.limit import LimitResult, fastest, measure_again, pooled, run_limit, try_configurations
 from mnv3.loadtest import LoadResult
 
 MIN_SWEEP_REQUESTS = 32  # even at concurrency 1, enough requests for a median
@@ -74,14 +77,15 @@ class BatchingResult:
     points: dict[int, LoadResult]  # the batching server, closed loop, per concurrency
     batching_settings: dict
     open_loop: LoadResult
-    limit_turns: tuple[LimitResult, LimitResult]  # the served engine's fastest configuration, measured again
-    # before the batching server started and after it stopped
+    limit_turns: tuple[LimitResult, LimitResult]  # the served engine's fastest configuration, measured right
+    # before and right after the headline run, the batching server idle
+    server_cpu_s_during_limit_turns: float  # what that idle server spent meanwhile (its /metrics)
     grid: list[LimitResult]  # every configuration tried
     other_limits: dict[str, tuple[LimitResult, list[LimitResult]]]  # (limit, grid) of each other engine
 
     @property
     def limit(self) -> LimitResult:
-        """The served engine's limit: both of its confirmations, pooled."""
+        """The served engine's limit: both of its turns, pooled."""
         return pooled(*self.limit_turns)
 
     @property
@@ -125,8 +129,9 @@ class BatchingResult:
     def turn_columns(self) -> dict:
         before, after = self.limit_turns
         return {
-            "images_per_s_before_servers": round(before.images_per_s, 2),
-            "images_per_s_after_servers": round(after.images_per_s, 2),
+            "images_per_s_before_headline": round(before.images_per_s, 2),
+            "images_per_s_after_headline": round(after.images_per_s, 2),
+            "server_cpu_s_during_limit_turns": round(self.server_cpu_s_during_limit_turns, 3),
         }
 
     def cpu_summary(self) -> str:
@@ -153,8 +158,9 @@ class BatchingResult:
                 f"in-process limit of the served engine {limit.engine}: {limit.images_per_s:.1f} images/s (batch "
                 f"{limit.batch_size}, intra-op {limit.intra_op_threads}, decode threads {limit.decode_threads}; the "
                 f"fastest of {len(self.grid)} configurations, measured again over {limit.images} images: "
-                f"{self.limit_turns[0].images_per_s:.1f} before the batching server, "
-                f"{self.limit_turns[1].images_per_s:.1f} after it); the server reaches {self.of_limit} of it",
+                f"{self.limit_turns[0].images_per_s:.1f} right before the headline run, "
+                f"{self.limit_turns[1].images_per_s:.1f} right after it, the idle server meanwhile using "
+                f"{self.server_cpu_s_during_limit_turns:.2f} s of CPU); the server reaches {self.of_limit} of it",
                 self.cpu_summary(),
                 *[
                     f"in-process limit of {name}: {other.images_per_s:.1f} images/s (the served engine's is "
@@ -183,8 +189,9 @@ def closed_loop(
 
 
 def run_batching_benchmark(model: Path, bodies: list[bytes], plan: BatchingPlan) -> BatchingResult:
-    """The unbatched server; the served engine's limit; the batching server (sweep, then open loop); the
-    served engine's limit again; the other engines' limits. No limit runs while a server does."""
+    """The unbatched server; the served engine's limit configurations; the batching server: the sweep, the
+    headline run between two turns of the served engine's limit, then open loop; the other engines'
+    limits. No limit runs while a server answers requests."""
     unbatched = plan.server_options | {"cache_size": 0, "max_batch_size": 1}
     with loadtest.ServerProcess(model, plan.start_timeout_s, **unbatched) as url:
         loadtest.warm_up(url, bodies, plan.concurrency)
@@ -206,12 +213,31 @@ def run_batching_benchmark(model: Path, bodies: list[bytes], plan: BatchingPlan)
         )
 
     (served_name, served), *others = limit_engines(model).items()
-    limit_before, served_grid = limit_of(served_name, served)
+    served_grid = try_configurations(
+        served_name,
+        served,
+        limit_bodies,
+        jpeg_draft,
+        plan.limit_batch_sizes,
+        plan.limit_thread_splits,
+        desc=f"in-process limit, {served_name}",
+    )
 
     with loadtest.ServerProcess(model, plan.start_timeout_s, **plan.batching_options) as url:
         batching_settings = loadtest.server_settings(url)
         loadtest.warm_up(url, bodies, plan.concurrency)
-        points = {c: closed_loop(url, bodies, c, plan.requests_at(c), BATCHING) for c in plan.concurrencies}
+
+        def limit_turn(configuration: LimitResult) -> tuple[LimitResult, float]:
+            """The configuration measured again, and the CPU seconds the idle server spent meanwhile."""
+            server_cpu_s = read_process_cpu_s(url)
+            turn = measure_again(configuration, served, limit_bodies, plan.limit_confirm_passes)
+            return turn, read_process_cpu_s(url) - server_cpu_s
+
+        sweep = [c for c in plan.concurrencies if c != plan.concurrency]
+        points = {c: closed_loop(url, bodies, c, plan.requests_at(c), BATCHING) for c in sweep}
+        limit_before, idle_before = limit_turn(fastest(served_grid))
+        points[plan.concurrency] = closed_loop(url, bodies, plan.concurrency, plan.requests, BATCHING)
+        limit_after, idle_after = limit_turn(limit_before)
         rate = plan.open_loop_fraction * points[plan.concurrency].rps
         open_loop = loadtest.run_with_metrics(
             url,
@@ -221,19 +247,24 @@ def run_batching_benchmark(model: Path, bodies: list[bytes], plan: BatchingPlan)
         )
         print(f"batching, open loop: {open_loop.summary()}")
 
-    limit_after = measure_again(limit_before, served, limit_bodies, plan.limit_confirm_passes)
     other_limits = {name: limit_of(name, engine) for name, engine in others}
     return BatchingResult(
         plan,
         baseline,
         baseline_settings,
-        points,
+        dict(sorted(points.items())),
         batching_settings,
         open_loop,
         (limit_before, limit_after),
+        idle_before + idle_after,
         served_grid,
         other_limits,
     )
+
+
+def read_process_cpu_s(url: str) -> float:
+    """The server process's CPU seconds so far (the standard process_cpu_seconds_total of its /metrics)."""
+    return loadtest.read_metrics(url)[("process_cpu_seconds_total", "")]
 
 
 def limit_engines(model: Path) -> dict[str, Choice]:

@@ -66,15 +66,15 @@ def _fastest(results_dir: Path, key: str) -> tuple[str, float | None]:
     return min(ratios.items(), key=lambda item: item[1], default=("-", None))
 
 
-# How far the served engine's in-process limit may move between its two confirmations (before and after the
-# batching server, see batching_benchmark) for the server-to-limit ratio to mean anything.
+# How far the served engine's in-process limit may move between its two turns (right before and right after
+# the batching server's headline run, see batching_benchmark) for the server-to-limit ratio to mean anything.
 LIMIT_DRIFT_TOLERANCE = 1.15
 
 
 def limit_drift(serving: list[dict]) -> str | None:
     """Why the server-to-limit ratio cannot be trusted, or None: the limit moved too much while the server ran."""
     served = _find(serving, configuration="in_process_limit_confirmed", served="True")
-    before, after = value(served, "images_per_s_before_servers"), value(served, "images_per_s_after_servers")
+    before, after = value(served, "images_per_s_before_headline"), value(served, "images_per_s_after_headline")
     if before is None or after is None or max(before, after) <= LIMIT_DRIFT_TOLERANCE * min(before, after):
         return None
     return (

@@ -124,14 +124,31 @@ def run_limit(
     them is partly the luckiest; the limit is that configuration measured again, `confirm_passes` times
     longer, which is an unbiased figure for it. Every run decodes as a server with `jpeg_draft` does: pass
     the setting of the server the limit is compared with."""
-    grid = []
+    grid = try_configurations(engine, served, bodies, jpeg_draft, batch_sizes, thread_splits, desc)
+    return measure_again(fastest(grid), served, bodies, confirm_passes), grid
+
+
+def try_configurations(
+    engine: str,
+    served: Choice,
+    bodies: list[bytes],
+    jpeg_draft: bool,
+    batch_sizes=BATCH_SIZES,
+    thread_splits=THREAD_SPLITS,
+    desc: str | None = "in-process limit",
+) -> list[LimitResult]:
+    """Every batch size x thread split, one short pass each (see `run_limit`)."""
     configurations = [(b, t, d) for t, d in thread_splits for b in batch_sizes]
-    for batch_size, intra_op_threads, decode_threads in tqdm(
-        configurations, desc=desc, leave=False, disable=desc is None
-    ):
-        grid.append(measure_limit(engine, served, bodies, jpeg_draft, batch_size, intra_op_threads, decode_threads))
-    best = max(grid, key=lambda r: r.images_per_s)
-    return measure_again(best, served, bodies, confirm_passes), grid
+    return [
+        measure_limit(engine, served, bodies, jpeg_draft, batch_size, intra_op_threads, decode_threads)
+        for batch_size, intra_op_threads, decode_threads in tqdm(
+            configurations, desc=desc, leave=False, disable=desc is None
+        )
+    ]
+
+
+def fastest(grid: list[LimitResult]) -> LimitResult:
+    return max(grid, key=lambda r: r.images_per_s)
 
 
 def measure_again(limit: LimitResult, served: Choice, bodies: list[bytes], passes: int) -> LimitResult:

@@ -138,8 +138,8 @@ def test_a_server_to_limit_ratio_is_not_called_met_when_the_limit_moved_while_th
                 "speedup_vs_no_batching": "",
                 "server_to_limit_ratio": "",
                 "served": "True",
-                "images_per_s_before_servers": before,
-                "images_per_s_after_servers": after,
+                "images_per_s_before_headline": before,
+                "images_per_s_after_headline": after,
             },
         ],
     )

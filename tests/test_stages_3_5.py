@@ -158,9 +158,11 @@ def test_stage5_batching_sweep_open_loop_and_limit(fp32_model_path, other_model_
     assert [confirmed[k] for k in ("batch_size", "intra_op_threads", "decode_threads")] == [
         fastest[k] for k in ("batch_size", "intra_op_threads", "decode_threads")
     ]
-    # the served limit pools a confirmation before the batching server and one after: its rate lies between them
-    turns = [float(confirmed[f"images_per_s_{when}_servers"]) for when in ("before", "after")]
+    # the served limit pools a turn right before the headline run and one right after: its rate lies between them
+    turns = [float(confirmed[f"images_per_s_{when}_headline"]) for when in ("before", "after")]
     assert min(turns) - 0.01 <= float(confirmed["images_per_s"]) <= max(turns) + 0.01
+    # the batching server was up but idle meanwhile: next to nothing of the limit turns' CPU time
+    assert 0 <= float(confirmed["server_cpu_s_during_limit_turns"]) < 0.1 * float(confirmed["cpu_seconds"])
     assert int(confirmed["images"]) == 2 * QUICK.limit_confirm_passes * QUICK.limit_images
     assert float(headline["server_to_limit_ratio"]) == pytest.approx(
         float(headline["req_per_s"]) / float(confirmed["images_per_s"]), abs=0.006
@@ -173,8 +175,8 @@ def test_stage5_batching_sweep_open_loop_and_limit(fp32_model_path, other_model_
     assert [(r["configuration"], r["turn"]) for r in v2_rows] == [
         ("predict", "1"),
         ("v2_binary", "1"),
-        ("predict", "2"),
         ("v2_binary", "2"),
+        ("predict", "2"),
         ("predict", "all"),
         ("v2_binary", "all"),
     ]
