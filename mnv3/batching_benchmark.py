@@ -10,7 +10,7 @@ for onnxruntime on the FP32 and INT8 files beside it, so what the chosen engine 
 The served engine's limit brackets the batching server's headline run: its configurations are tried
 before that server starts, and the fastest is measured right before the headline run and right after
 it, the server up but idle (its CPU meanwhile is recorded); the limit is both turns pooled. So a drift
-in the machine's speed (a shared VM's is large, even over a minute) moves the limit as it moves the
+in the machine's speed (a shared VM's is large, at times within seconds) moves the limit as it moves the
 server, and the two turns show how far it moved. Every limit decodes as the servers said they do (their
 jpeg_draft setting, from GET /model).
 """
