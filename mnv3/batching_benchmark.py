@@ -198,30 +198,22 @@ def run_batching_benchmark(model: Path, bodies: list[bytes], plan: BatchingPlan)
         baseline_settings = loadtest.server_settings(url)
         baseline = closed_loop(url, bodies, plan.concurrency, plan.requests, NO_BATCHING)
 
-    limit_bodies, jpeg_draft = bodies[: plan.limit_images], baseline_settings["server_jpeg_draft"]
+    limit_bodies = bodies[: plan.limit_images]
+    # Every limit's grid: the same photos, decoded as the servers said they do, over the plan's configurations.
+    grid_settings = {
+        "bodies": limit_bodies,
+        "jpeg_draft": baseline_settings["server_jpeg_draft"],
+        "batch_sizes": plan.limit_batch_sizes,
+        "thread_splits": plan.limit_thread_splits,
+    }
 
     def limit_of(name: str, engine: Choice) -> tuple[LimitResult, list[LimitResult]]:
         return run_limit(
-            name,
-            engine,
-            limit_bodies,
-            jpeg_draft,
-            plan.limit_batch_sizes,
-            plan.limit_thread_splits,
-            plan.limit_confirm_passes,
-            desc=f"in-process limit, {name}",
+            name, engine, **grid_settings, confirm_passes=plan.limit_confirm_passes, desc=f"in-process limit, {name}"
         )
 
     (served_name, served), *others = limit_engines(model).items()
-    served_grid = try_configurations(
-        served_name,
-        served,
-        limit_bodies,
-        jpeg_draft,
-        plan.limit_batch_sizes,
-        plan.limit_thread_splits,
-        desc=f"in-process limit, {served_name}",
-    )
+    served_grid = try_configurations(served_name, served, **grid_settings, desc=f"in-process limit, {served_name}")
 
     with loadtest.ServerProcess(model, plan.start_timeout_s, **plan.batching_options) as url:
         batching_settings = loadtest.server_settings(url)
