@@ -1,13 +1,15 @@
 """Stage 5: dynamic batching under load, against the unbatched baseline and the in-process limit.
 
-In one run, with the result cache off so every request is a miss:
-  1. the stage-3 server (no batching) at `--concurrency` (the seed: 250), closed loop;
-  2. the in-process limit of the engine the servers run (mnv3/limit.py): the same decode + preprocess +
-     inference with no server, over a grid of batch sizes and thread splits; the fastest is measured
-     again, longer, now and once more after step 4, and the two are pooled as the limit;
-  3. the batching server (a `--batch-window-ms` window, at most `--max-batch-size` per ORT run,
-     explicit ORT threads) over a concurrency sweep that includes `--concurrency`, reading the
-     batch-size histogram and time breakdown from /metrics after each point;
+In one run, with the result cache off so every request is a miss, and both servers up at once (each
+idle while the other is measured):
+  1. the in-process limit of the engine the servers run (mnv3/limit.py): the same decode + preprocess +
+     inference with no server, over a grid of batch sizes and thread splits;
+  2. the batching server (a `--batch-window-ms` window, at most `--max-batch-size` per ORT run, explicit
+     ORT threads) over a concurrency sweep, reading the batch-size histogram and time breakdown from
+     /metrics after each point;
+  3. the headline, at `--concurrency` (the seed: 250), closed loop: the stage-3 server (no batching) and the
+     batching server in two rounds of turns, mirrored (unbatched, batching, batching, unbatched), with the
+     fastest limit configuration measured again before each round and after the last, all three pooled;
   4. the batching server open loop: Poisson arrivals at `--open-loop-fraction` of its measured
      throughput, latency from each request's scheduled send time; then the limits of onnxruntime on
      the FP32 and INT8 files, for comparison;

@@ -1,22 +1,29 @@
 """Stage 5's measurement: the unbatched and the batching server under the same load in one run, and
 the in-process limit the batching server is held to.
 
-Both servers run with the cache off, so every request is decoded and classified. The headline is the
-two servers at the same concurrency, measured minutes apart on the same machine; the batching server
-is also swept over concurrencies and driven open loop. The limit is measured while no server answers
-requests, so it has the machine's cores to itself: for the engine the servers run (`--backend auto`), and
-for onnxruntime on the FP32 and INT8 files beside it, so what the chosen engine gains shows end to end.
+Both servers run with the cache off, so every request is decoded and classified, and both are up at
+once, each idle while the other is measured (the CPU it spends meanwhile is recorded). The headline is the
+two servers at the same concurrency in turns, in mirrored order (unbatched, batching, batching,
+unbatched), with a turn of the served engine's in-process limit before each round and after the last:
 
-The served engine's limit brackets the batching server's headline run: its configurations are tried
-before that server starts, and the fastest is measured right before the headline run and right after
-it, the server up but idle (its CPU meanwhile is recorded); the limit is both turns pooled. So a drift
-in the machine's speed (a shared VM's is large, at times within seconds) moves the limit as it moves the
-server, and the two turns show how far it moved. Every limit decodes as the servers said they do (their
-jpeg_draft setting, from GET /model).
+    limit  unbatched  batching  limit  batching  unbatched  limit
+
+So the three figures compared (the unbatched server, the batching server and the limit, each its turns
+pooled) are centred on the same moment of the run, and a steady drift in the machine's speed (a shared
+VM's is large, at times within seconds) lands on all three alike. Each round's own ratios show how far
+the machine moved: `python -m mnv3.goals` gives no verdict on a ratio whose rounds differ too much.
+
+The limit is the same decode + preprocess + inference with no server (mnv3/limit.py), measured while no
+server answers requests, so it has the machine's cores to itself: for the engine the servers run
+(`--backend auto`; its configurations are tried before the sweep, and the fastest is the one measured in
+turns), and for onnxruntime on the FP32 and INT8 files beside it, so what the chosen engine gains shows end
+to end. The batching server is also swept over concurrencies and driven open loop. Every limit decodes as
+the servers said they do (their jpeg_draft setting, from GET /model).
 """
 
 import os
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 
 from mnv3 import loadtest, plots
@@ -26,6 +33,7 @@ from mnv3.limit import LimitResult, fastest, measure_again, pooled, run_limit, t
 from mnv3.loadtest import LoadResult
 
 MIN_SWEEP_REQUESTS = 32  # even at concurrency 1, enough requests for a median
+HEADLINE_TURNS = 2  # per server: both are measured in the headline's first half and again in its second
 NO_BATCHING, BATCHING = "no_batching", "batching"
 
 
@@ -72,25 +80,41 @@ class BatchingPlan:
 @dataclass(frozen=True)
 class BatchingResult:
     plan: BatchingPlan
-    baseline: LoadResult  # the unbatched server at plan.concurrency
-    baseline_settings: dict  # what that server said it ran with (GET /model)
-    points: dict[int, LoadResult]  # the batching server, closed loop, per concurrency
+    headline_turns: list[tuple[str, int, LoadResult]]  # (NO_BATCHING or BATCHING, turn from 1, its run at
+    # plan.concurrency), in the order taken
+    other_server_cpu_s: list[float]  # per headline turn: what the other, idle server spent meanwhile
+    baseline_settings: dict  # what the unbatched server said it ran with (GET /model)
+    sweep: dict[int, LoadResult]  # the batching server, closed loop, at the other concurrencies
     batching_settings: dict
     open_loop: LoadResult
-    limit_turns: tuple[LimitResult, LimitResult]  # the served engine's fastest configuration, measured right
-    # before and right after the headline run, the batching server idle
-    server_cpu_s_during_limit_turns: float  # what that idle server spent meanwhile (its /metrics)
+    limit_turns: list[LimitResult]  # the served engine's fastest configuration, measured before each round of
+    # headline turns and after the last, both servers idle
+    server_cpu_s_during_limit_turns: float  # what the idle servers spent meanwhile (their /metrics)
     grid: list[LimitResult]  # every configuration tried
     other_limits: dict[str, tuple[LimitResult, list[LimitResult]]]  # (limit, grid) of each other engine
 
+    def turns_of(self, configuration: str) -> list[LoadResult]:
+        return [result for name, _, result in self.headline_turns if name == configuration]
+
     @property
-    def limit(self) -> LimitResult:
-        """The served engine's limit: both of its turns, pooled."""
-        return pooled(*self.limit_turns)
+    def baseline(self) -> LoadResult:
+        """The unbatched server at plan.concurrency: its turns, pooled."""
+        return LoadResult.pooled(*self.turns_of(NO_BATCHING))
 
     @property
     def headline(self) -> LoadResult:
-        return self.points[self.plan.concurrency]
+        """The batching server at plan.concurrency: its turns, pooled."""
+        return LoadResult.pooled(*self.turns_of(BATCHING))
+
+    @property
+    def points(self) -> dict[int, LoadResult]:
+        """The batching server, closed loop, per concurrency (the headline's turns pooled)."""
+        return dict(sorted((self.sweep | {self.plan.concurrency: self.headline}).items()))
+
+    @property
+    def limit(self) -> LimitResult:
+        """The served engine's limit: all of its turns, pooled."""
+        return pooled(*self.limit_turns)
 
     @property
     def speedup(self) -> float:
@@ -100,39 +124,61 @@ class BatchingResult:
     def of_limit(self) -> float:
         return loadtest.ratio(self.headline.rps, self.limit.images_per_s)
 
+    def round_ratios(self) -> list[dict]:
+        """Per round of headline turns: the batching server's req/s over the unbatched server's in that round,
+        and over the limit's turns on either side of it. Apart, they show how far a ratio moved in the run."""
+        rounds = zip(self.turns_of(BATCHING), self.turns_of(NO_BATCHING), pairwise(self.limit_turns), strict=True)
+        return [
+            {
+                "speedup_vs_no_batching": loadtest.ratio(batching.rps, unbatched.rps),
+                "server_to_limit_ratio": loadtest.ratio(batching.rps, pooled(*limits).images_per_s),
+            }
+            for batching, unbatched, limits in rounds
+        ]
+
     @property
     def histogram(self) -> dict[str, int]:
         return loadtest.batch_size_histogram(self.headline.metrics)
 
     def rows(self, environment: dict) -> list[dict]:
-        """The CSV rows: the unbatched server, the sweep (the headline row carries the ratios), the open
-        loop, every limit configuration and the confirmed limit; each ends with `environment`."""
+        """The CSV rows: each headline turn (a batching turn carries its round's ratios), the unbatched
+        server's turns pooled, the sweep (the headline concurrency's row is its turns pooled and carries the
+        ratios), the open loop, every limit configuration, the served engine's limit turns and each confirmed
+        limit; each ends with `environment`."""
+        settings = {NO_BATCHING: self.baseline_settings, BATCHING: self.batching_settings}
+        round_ratios = iter(self.round_ratios())
+        rows = [
+            {"configuration": name, "turn": turn}
+            | result.as_row()
+            | settings[name]
+            | {"other_server_cpu_s": round(other_cpu_s, 3)}
+            | (next(round_ratios) if name == BATCHING else {})
+            for (name, turn, result), other_cpu_s in zip(self.headline_turns, self.other_server_cpu_s, strict=True)
+        ]
         ratios = {"speedup_vs_no_batching": self.speedup, "server_to_limit_ratio": self.of_limit}
-        rows = [{"configuration": NO_BATCHING} | self.baseline.as_row() | self.baseline_settings]
+        rows.append({"configuration": NO_BATCHING, "turn": "all"} | self.baseline.as_row() | self.baseline_settings)
         rows += [
             {"configuration": BATCHING}
+            | ({"turn": "all"} | ratios if concurrency == self.plan.concurrency else {})
             | result.as_row()
             | self.batching_settings
-            | (ratios if concurrency == self.plan.concurrency else {})
-            for concurrency, result in sorted(self.points.items())
+            for concurrency, result in self.points.items()
         ]
         rows.append({"configuration": BATCHING} | self.open_loop.as_row() | self.batching_settings)
-        limits = [(self.limit, self.grid, {"served": True} | self.turn_columns())]
-        limits += [(limit, grid, {"served": False}) for limit, grid in self.other_limits.values()]
-        for limit, grid, columns in limits:
+        limit_turns = [
+            {"configuration": "in_process_limit_turn", "mode": "in_process", "turn": turn, "served": True} | r.as_row()
+            for turn, r in enumerate(self.limit_turns, 1)
+        ]
+        idle_cpu_s = round(self.server_cpu_s_during_limit_turns, 3)
+        limits = [(self.limit, self.grid, limit_turns, {"served": True, "server_cpu_s_during_limit_turns": idle_cpu_s})]
+        limits += [(limit, grid, [], {"served": False}) for limit, grid in self.other_limits.values()]
+        for limit, grid, turns, columns in limits:
             rows += [{"configuration": "in_process_limit", "mode": "in_process"} | r.as_row() for r in grid]
+            rows += turns
             rows.append(
                 {"configuration": "in_process_limit_confirmed", "mode": "in_process"} | limit.as_row() | columns
             )
         return [row | environment for row in rows]
-
-    def turn_columns(self) -> dict:
-        before, after = self.limit_turns
-        return {
-            "images_per_s_before_headline": round(before.images_per_s, 2),
-            "images_per_s_after_headline": round(after.images_per_s, 2),
-            "server_cpu_s_during_limit_turns": round(self.server_cpu_s_during_limit_turns, 3),
-        }
 
     def cpu_summary(self) -> str:
         """Where the gap to the limit goes: the CPU the server and the load client spent per request (on the
@@ -151,16 +197,25 @@ class BatchingResult:
 
     def summary(self) -> str:
         c, limit = self.plan.concurrency, self.limit
+        per_round = self.round_ratios()
+
+        def rates(name: str) -> str:
+            return " / ".join(f"{r.rps:.1f}" for r in self.turns_of(name))
+
         return "\n".join(
             [
-                f"\nat concurrency {c}: {self.baseline.rps:.1f} req/s without batching -> "
-                f"{self.headline.rps:.1f} req/s with batching ({self.speedup}x)",
+                f"\nat concurrency {c}, in {len(per_round)} rounds of turns "
+                f"({', '.join(f'{name} {turn}' for name, turn, _ in self.headline_turns)}): "
+                f"{self.baseline.rps:.1f} req/s without batching ({rates(NO_BATCHING)}) -> "
+                f"{self.headline.rps:.1f} req/s with batching ({rates(BATCHING)}): {self.speedup}x "
+                f"(per round {' / '.join(str(r['speedup_vs_no_batching']) for r in per_round)}); the idle server "
+                f"used at most {max(self.other_server_cpu_s):.2f} s of CPU in a turn of the other",
                 f"in-process limit of the served engine {limit.engine}: {limit.images_per_s:.1f} images/s (batch "
                 f"{limit.batch_size}, intra-op {limit.intra_op_threads}, decode threads {limit.decode_threads}; the "
-                f"fastest of {len(self.grid)} configurations, measured again over {limit.images} images: "
-                f"{self.limit_turns[0].images_per_s:.1f} right before the headline run, "
-                f"{self.limit_turns[1].images_per_s:.1f} right after it, the idle server meanwhile using "
-                f"{self.server_cpu_s_during_limit_turns:.2f} s of CPU); the server reaches {self.of_limit} of it",
+                f"fastest of {len(self.grid)} configurations, measured again before each round and after the last: "
+                f"{' / '.join(f'{r.images_per_s:.1f}' for r in self.limit_turns)}, the idle servers meanwhile using "
+                f"{self.server_cpu_s_during_limit_turns:.2f} s of CPU); the server reaches {self.of_limit} of it "
+                f"(per round {' / '.join(str(r['server_to_limit_ratio']) for r in per_round)})",
                 self.cpu_summary(),
                 *[
                     f"in-process limit of {name}: {other.images_per_s:.1f} images/s (the served engine's is "
@@ -188,67 +243,91 @@ def closed_loop(
     return result
 
 
+def turn_order(items: dict, turn: int) -> list:
+    """`items`' items in the order of `turn` (from 1): as given in odd turns, reversed in even ones, so that a
+    steady drift of the machine's speed lands on all of them alike over an even number of turns."""
+    return list(items.items())[:: 1 if turn % 2 else -1]
+
+
 def run_batching_benchmark(model: Path, bodies: list[bytes], plan: BatchingPlan) -> BatchingResult:
-    """The unbatched server; the served engine's limit configurations; the batching server: the sweep, the
-    headline run between two turns of the served engine's limit, then open loop; the other engines'
-    limits. No limit runs while a server answers requests."""
+    """Both servers up at once, each idle while the other or the limit is measured: the served engine's limit
+    configurations; the batching server's sweep; the headline: HEADLINE_TURNS rounds at plan.concurrency,
+    the unbatched and the batching server in mirrored order, a turn of the served engine's limit before each
+    round and after the last; the batching server open loop. Then, the servers stopped, the other engines' limits."""
     unbatched = plan.server_options | {"cache_size": 0, "max_batch_size": 1}
-    with loadtest.ServerProcess(model, plan.start_timeout_s, **unbatched) as url:
-        loadtest.warm_up(url, bodies, plan.concurrency)
-        baseline_settings = loadtest.server_settings(url)
-        baseline = closed_loop(url, bodies, plan.concurrency, plan.requests, NO_BATCHING)
+    with (
+        loadtest.ServerProcess(model, plan.start_timeout_s, **unbatched) as unbatched_url,
+        loadtest.ServerProcess(model, plan.start_timeout_s, **plan.batching_options) as batching_url,
+    ):
+        servers = {NO_BATCHING: unbatched_url, BATCHING: batching_url}
+        baseline_settings, batching_settings = (loadtest.server_settings(url) for url in servers.values())
+        limit_bodies = bodies[: plan.limit_images]
+        # Every limit's grid: the same photos, decoded as the servers said they do, over the plan's configurations.
+        grid_settings = {
+            "bodies": limit_bodies,
+            "jpeg_draft": baseline_settings["server_jpeg_draft"],
+            "batch_sizes": plan.limit_batch_sizes,
+            "thread_splits": plan.limit_thread_splits,
+        }
+        (served_name, served), *others = limit_engines(model).items()
+        served_grid = try_configurations(served_name, served, **grid_settings, desc=f"in-process limit, {served_name}")
 
-    limit_bodies = bodies[: plan.limit_images]
-    # Every limit's grid: the same photos, decoded as the servers said they do, over the plan's configurations.
-    grid_settings = {
-        "bodies": limit_bodies,
-        "jpeg_draft": baseline_settings["server_jpeg_draft"],
-        "batch_sizes": plan.limit_batch_sizes,
-        "thread_splits": plan.limit_thread_splits,
-    }
-
-    def limit_of(name: str, engine: Choice) -> tuple[LimitResult, list[LimitResult]]:
-        return run_limit(
-            name, engine, **grid_settings, confirm_passes=plan.limit_confirm_passes, desc=f"in-process limit, {name}"
-        )
-
-    (served_name, served), *others = limit_engines(model).items()
-    served_grid = try_configurations(served_name, served, **grid_settings, desc=f"in-process limit, {served_name}")
-
-    with loadtest.ServerProcess(model, plan.start_timeout_s, **plan.batching_options) as url:
-        batching_settings = loadtest.server_settings(url)
-        loadtest.warm_up(url, bodies, plan.concurrency)
+        def servers_cpu_s() -> float:
+            return sum(read_process_cpu_s(url) for url in servers.values())
 
         def limit_turn(configuration: LimitResult) -> tuple[LimitResult, float]:
-            """The configuration measured again, and the CPU seconds the idle server spent meanwhile."""
-            server_cpu_s = read_process_cpu_s(url)
+            """The configuration measured again, and the CPU seconds the idle servers spent meanwhile."""
+            cpu_s = servers_cpu_s()
             turn = measure_again(configuration, served, limit_bodies, plan.limit_confirm_passes)
-            return turn, read_process_cpu_s(url) - server_cpu_s
+            return turn, servers_cpu_s() - cpu_s
 
-        sweep = [c for c in plan.concurrencies if c != plan.concurrency]
-        points = {c: closed_loop(url, bodies, c, plan.requests_at(c), BATCHING) for c in sweep}
-        limit_before, idle_before = limit_turn(fastest(served_grid))
-        points[plan.concurrency] = closed_loop(url, bodies, plan.concurrency, plan.requests, BATCHING)
-        limit_after, idle_after = limit_turn(limit_before)
-        rate = plan.open_loop_fraction * points[plan.concurrency].rps
+        def headline_turn(name: str, turn: int) -> tuple[tuple[str, int, LoadResult], float]:
+            """One server's turn at plan.concurrency, and the CPU seconds the other, idle, spent meanwhile."""
+            [other_url] = [url for other, url in servers.items() if other != name]
+            cpu_s = read_process_cpu_s(other_url)
+            result = closed_loop(servers[name], bodies, plan.concurrency, plan.requests, f"{name} turn {turn}")
+            return (name, turn, result), read_process_cpu_s(other_url) - cpu_s
+
+        loadtest.warm_up(batching_url, bodies, plan.concurrency)
+        sweep = {
+            c: closed_loop(batching_url, bodies, c, plan.requests_at(c), BATCHING)
+            for c in plan.concurrencies
+            if c != plan.concurrency
+        }
+        for url in servers.values():  # both start the headline warm, whatever ran on them before
+            loadtest.warm_up(url, bodies, plan.concurrency)
+        configuration = fastest(served_grid)
+        limits, turns = [limit_turn(configuration)], []
+        for turn in range(1, HEADLINE_TURNS + 1):
+            turns += [headline_turn(name, turn) for name, _ in turn_order(servers, turn)]
+            limits.append(limit_turn(configuration))
+        headline_turns = [run for run, _ in turns]
+        batching_turns = [result for name, _, result in headline_turns if name == BATCHING]
+        rate = plan.open_loop_fraction * LoadResult.pooled(*batching_turns).rps
         open_loop = loadtest.run_with_metrics(
-            url,
+            batching_url,
             lambda send: loadtest.run_open_loop(
                 send, bodies, rate, plan.open_loop_seconds, max_in_flight=plan.concurrency, desc="open loop"
             ),
         )
         print(f"batching, open loop: {open_loop.summary()}")
 
-    other_limits = {name: limit_of(name, engine) for name, engine in others}
+    other_limits = {
+        name: run_limit(
+            name, engine, **grid_settings, confirm_passes=plan.limit_confirm_passes, desc=f"in-process limit, {name}"
+        )
+        for name, engine in others
+    }
     return BatchingResult(
         plan,
-        baseline,
+        headline_turns,
+        [cpu_s for _, cpu_s in turns],
         baseline_settings,
-        dict(sorted(points.items())),
+        sweep,
         batching_settings,
         open_loop,
-        (limit_before, limit_after),
-        idle_before + idle_after,
+        [limit for limit, _ in limits],
+        sum(cpu_s for _, cpu_s in limits),
         served_grid,
         other_limits,
     )

@@ -243,10 +243,40 @@ class LoadResult:
     # Share of every core's time the machine spent busy during the run (server, client and anything else
     # on it), if measured: below 1, the cores had time the server did not use.
     machine_cpu_busy: float | None = None
+    latencies_s: tuple[float, ...] = field(default=(), repr=False)  # every answer's, so that runs can be pooled
 
     @property
     def rps(self) -> float:
         return self.ok / self.seconds if self.seconds > 0 else 0.0
+
+    @classmethod
+    def pooled(cls, first: "LoadResult", *more: "LoadResult") -> "LoadResult":
+        """Closed-loop runs of one configuration (turns) as one: requests, errors, seconds, the server's metrics
+        and the client's CPU added up, so its req/s is the answers over the turns' seconds; latency percentiles
+        over every answer; the server's per-request means weighted by answers; the cores' busy share by seconds."""
+        runs = (first, *more)
+        ok = sum(r.ok for r in runs)
+        answers = [latency for r in runs for latency in r.latencies_s]
+        errors, metrics = _added([r.errors for r in runs]), _added([r.metrics for r in runs])
+        seconds = sum(r.seconds for r in runs)
+        server = {
+            key: _weighted_mean([(r.server[key], r.ok) for r in runs]) for key in first.server if key != "cache_hits"
+        } | {"cache_hits": sum(r.server.get("cache_hits", 0) for r in runs)}
+        client_cpu = [r.client_cpu_s for r in runs]
+        busy = [(r.machine_cpu_busy, r.seconds) for r in runs]
+        return replace(
+            first,
+            sent=sum(r.sent for r in runs),
+            ok=ok,
+            errors=errors,
+            seconds=seconds,
+            latency=LatencyStats.from_seconds(answers) if answers else None,
+            server=server,
+            metrics=metrics,
+            client_cpu_s=None if None in client_cpu else sum(client_cpu),  # type: ignore[arg-type]
+            machine_cpu_busy=None if any(b is None for b, _ in busy) else _weighted_mean(busy),
+            latencies_s=tuple(answers),
+        )
 
     @classmethod
     def from_samples(cls, mode, concurrency, samples, seconds, **extra) -> "LoadResult":
@@ -267,6 +297,7 @@ class LoadResult:
             latency,
             server,
             dropped=dropped,
+            latencies_s=tuple(latency for latency, _ in ok),
             **extra,
         )
 
@@ -315,6 +346,22 @@ class LoadResult:
 def _mean(values):
     values = [v for v in values if v is not None]
     return float(np.mean(values)) if values else float("nan")
+
+
+def _added(counts: list[dict]) -> dict:
+    """{key: the sum of its values} over dicts of counts."""
+    total: defaultdict = defaultdict(int)
+    for count in counts:
+        for key, value in count.items():
+            total[key] += value
+    return dict(total)
+
+
+def _weighted_mean(pairs) -> float:
+    """The mean of values (NaN: not measured) given as (value, weight) pairs, over the measured ones."""
+    pairs = [(value, weight) for value, weight in pairs if not np.isnan(value) and weight > 0]
+    total = sum(weight for _, weight in pairs)
+    return sum(value * weight for value, weight in pairs) / total if total else float("nan")
 
 
 def ratio(numerator: float, denominator: float) -> float:

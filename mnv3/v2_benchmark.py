@@ -25,7 +25,7 @@ from pathlib import Path
 
 from mnv3 import loadtest
 from mnv3.artifacts import FP32_ONNX, MissingArtifact, require
-from mnv3.batching_benchmark import closed_loop
+from mnv3.batching_benchmark import closed_loop, turn_order
 from mnv3.cli import UsageError, static_int8_model
 from mnv3.config import ModelSpec
 from mnv3.loadtest import REQUEST_TIMEOUT_S, LoadResult, PredictClient
@@ -108,19 +108,12 @@ class V2VsPredictResult:
     turns: list[tuple[str, int, LoadResult]]  # (path, turn from 1, its closed-loop run), in the order taken
     settings: dict  # what the server said it ran with (GET /model)
 
-    def total(self, path: str) -> tuple[int, int, int, float]:
-        """(sent, answered, errors, seconds) over the path's turns."""
-        runs = [result for name, _, result in self.turns if name == path]
-        return (
-            sum(r.sent for r in runs),
-            sum(r.ok for r in runs),
-            sum(sum(r.errors.values()) for r in runs),
-            sum(r.seconds for r in runs),
-        )
+    def total(self, path: str) -> LoadResult:
+        """The path's turns, pooled."""
+        return LoadResult.pooled(*[result for name, _, result in self.turns if name == path])
 
     def rps(self, path: str) -> float:
-        _, ok, _, seconds = self.total(path)
-        return ok / seconds if seconds else 0.0
+        return self.total(path).rps
 
     @property
     def ratio(self) -> float:
@@ -132,23 +125,13 @@ class V2VsPredictResult:
         rows = [
             {"configuration": path, "turn": turn} | result.as_row() | self.settings for path, turn, result in self.turns
         ]
-        for path in (PREDICT, V2_BINARY):
-            sent, ok, errors, seconds = self.total(path)
-            rows.append(
-                {
-                    "configuration": path,
-                    "turn": "all",
-                    "mode": "closed",
-                    "concurrency": self.concurrency,
-                    "sent": sent,
-                    "ok": ok,
-                    "errors": errors,
-                    "seconds": round(seconds, 3),
-                    "req_per_s": round(self.rps(path), 2),
-                }
-                | self.settings
-                | ({"v2_to_predict_ratio": self.ratio} if path == V2_BINARY else {})
-            )
+        rows += [
+            {"configuration": path, "turn": "all"}
+            | self.total(path).as_row()
+            | self.settings
+            | ({"v2_to_predict_ratio": self.ratio} if path == V2_BINARY else {})
+            for path in (PREDICT, V2_BINARY)
+        ]
         return [row | environment for row in rows]
 
     def summary(self) -> str:
@@ -185,11 +168,6 @@ def run_v2_vs_predict(
             for path, (client, bodies) in turn_order(paths, turn)
         ]
     return V2VsPredictResult(concurrency, turns, settings)
-
-
-def turn_order(paths: dict, turn: int) -> list:
-    """`paths`' items in the order of `turn` (from 1): as given in odd turns, reversed in even ones."""
-    return list(paths.items())[:: 1 if turn % 2 else -1]
 
 
 # ---------------------------------------------------------------------------------------- side by side

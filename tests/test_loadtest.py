@@ -2,6 +2,7 @@ import os
 import threading
 import time
 from collections import namedtuple
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -9,6 +10,7 @@ import requests
 
 from mnv3.batching_benchmark import bucket_labels
 from mnv3.loadtest import (
+    LoadResult,
     PredictClient,
     ServerProcess,
     ServerStartError,
@@ -115,6 +117,28 @@ def test_closed_loop_counts_and_errors_by_status():
     # req/s counts answers, not sends; the one-at-a-time server makes the run at least 9 x 1 ms long
     assert result.rps == pytest.approx(6 / result.seconds) and result.seconds >= 9 * 0.001
     assert result.server["mean_inference_ms"] == 2.0 and result.server["cache_hits"] == 0
+
+
+def test_pooled_turns_are_one_run_of_all_their_requests():
+    fast, fast_calls = fake_server(0.001, statuses=("200", "503"))
+    slow, _ = fake_server(0.004)
+    turns = [
+        replace(run_closed_loop(fast, [b"a"], 2, count=8), metrics={("m", ""): 3.0}, client_cpu_s=0.1),
+        replace(run_closed_loop(slow, [b"b"], 2, count=4), metrics={("m", ""): 1.0}, client_cpu_s=0.2),
+    ]
+    turns[0] = replace(turns[0], server=turns[0].server | {"mean_inference_ms": 6.0}, machine_cpu_busy=0.5)
+    turns[1] = replace(turns[1], machine_cpu_busy=1.0)
+    pooled = LoadResult.pooled(*turns)
+    assert (pooled.sent, pooled.ok, pooled.errors) == (12, 8, {"503": 4})
+    assert pooled.seconds == pytest.approx(turns[0].seconds + turns[1].seconds)
+    assert pooled.rps == pytest.approx(8 / pooled.seconds)  # the answers over the turns' seconds, not a mean of rates
+    every_answer = sorted(turns[0].latencies_s + turns[1].latencies_s)
+    assert pooled.latency.calls == 8 and pooled.latency.p50_ms == pytest.approx(1000 * np.median(every_answer))
+    assert pooled.server["mean_inference_ms"] == pytest.approx((4 * 6.0 + 4 * 2.0) / 8)  # weighted by answers
+    assert pooled.metrics == {("m", ""): 4.0} and pooled.client_cpu_s == pytest.approx(0.3)
+    busy = (0.5 * turns[0].seconds + 1.0 * turns[1].seconds) / pooled.seconds
+    assert pooled.machine_cpu_busy == pytest.approx(busy)
+    assert LoadResult.pooled(turns[0], replace(turns[1], client_cpu_s=None)).client_cpu_s is None
 
 
 def test_open_loop_latency_counts_from_the_scheduled_send_time():

@@ -120,16 +120,38 @@ def test_stage5_batching_sweep_open_loop_and_limit(fp32_model_path, other_model_
     by_kind = {}
     for row in rows:
         by_kind.setdefault((row["configuration"], row["mode"]), []).append(row)
-    [baseline] = by_kind[("no_batching", "closed")]
-    batched = by_kind[("batching", "closed")]
+    # the headline: both servers at concurrency 8 in two rounds of turns, mirrored, then each pooled
+    turns = [r for r in rows if r["turn"] not in ("", "all")]
+    assert [(r["configuration"], r["turn"], r["mode"]) for r in turns] == [
+        ("no_batching", "1", "closed"),
+        ("batching", "1", "closed"),
+        ("batching", "2", "closed"),
+        ("no_batching", "2", "closed"),
+        ("in_process_limit_turn", "1", "in_process"),
+        ("in_process_limit_turn", "2", "in_process"),
+        ("in_process_limit_turn", "3", "in_process"),
+    ]
+    server_turns, limit_turns = turns[:4], turns[4:]
+    [baseline] = [r for r in by_kind[("no_batching", "closed")] if r["turn"] == "all"]
+    batched = [r for r in by_kind[("batching", "closed")] if r not in server_turns]
     [open_loop] = by_kind[("batching", "open")]
     assert sorted(int(r["concurrency"]) for r in batched) == [1, 8]
-    for row in [baseline, *batched]:
+    for row in [baseline, *batched, *server_turns]:
         assert int(row["errors"]) == 0
         assert_closed_loop_throughput(row)
     assert_server_batched_every_answer(baseline, max_batch_size=1)
     assert all(r["server_max_batch_size"] == "32" and r["server_batch_window_ms"] == "20.0" for r in batched)
     headline = next(r for r in batched if r["concurrency"] == "8")
+    assert headline["turn"] == "all"
+    for pooled, name in ((baseline, "no_batching"), (headline, "batching")):  # its turns, pooled
+        mine = [r for r in server_turns if r["configuration"] == name]
+        for column in ("sent", "ok", "metrics_batches"):
+            assert int(pooled[column]) == sum(int(r[column]) for r in mine)
+        assert float(pooled["seconds"]) == pytest.approx(sum(float(r["seconds"]) for r in mine), abs=0.002)
+    # the other server sat idle through each turn: next to nothing of the turn's CPU
+    for row in server_turns:
+        busy_cpu_s = float(row["server_cpu_ms_per_request"]) * int(row["ok"]) / 1000
+        assert 0 <= float(row["other_server_cpu_s"]) < 0.1 * busy_cpu_s, row
     assert float(headline["speedup_vs_no_batching"]) == pytest.approx(
         float(headline["req_per_s"]) / float(baseline["req_per_s"]), abs=0.01
     )
@@ -142,12 +164,12 @@ def test_stage5_batching_sweep_open_loop_and_limit(fp32_model_path, other_model_
     [confirmed] = by_kind[("in_process_limit_confirmed", "in_process")]
     assert {r["server_jpeg_draft"] for r in [baseline, *batched]} == {"False"}
     cores = len(os.sched_getaffinity(0))
-    for row in [baseline, *batched]:  # CPU seconds spent, within what the machine's cores could spend in the run
+    for row in [baseline, *batched, *server_turns]:  # CPU seconds spent, within what the cores could spend in the run
         for who in ("server", "client"):
             cpu_s = float(row[f"{who}_cpu_ms_per_request"]) * int(row["ok"]) / 1000
             assert 0 < cpu_s <= cores * (float(row["seconds"]) + 1.0), (who, row)
         assert 0 < float(row["machine_cpu_busy"]) <= 1, row  # its lower bound: tests/test_loadtest.py
-    for row in [*grid, confirmed]:
+    for row in [*grid, *limit_turns, confirmed]:
         assert_rate(row["images_per_s"], row["images"], row["seconds"])
         assert 0 < float(row["cpu_seconds"]) <= cores * float(row["seconds"]) + 0.05
         assert float(row["cpu_ms_per_image"]) == pytest.approx(
@@ -155,18 +177,31 @@ def test_stage5_batching_sweep_open_loop_and_limit(fp32_model_path, other_model_
         )
         assert row["jpeg_draft"] == headline["server_jpeg_draft"]  # it decoded as the server it is compared with
     fastest = max(grid, key=lambda r: float(r["images_per_s"]))  # the configuration measured again
-    assert [confirmed[k] for k in ("batch_size", "intra_op_threads", "decode_threads")] == [
-        fastest[k] for k in ("batch_size", "intra_op_threads", "decode_threads")
-    ]
-    # the served limit pools a turn right before the headline run and one right after: its rate lies between them
-    turns = [float(confirmed[f"images_per_s_{when}_headline"]) for when in ("before", "after")]
-    assert min(turns) - 0.01 <= float(confirmed["images_per_s"]) <= max(turns) + 0.01
-    # the batching server was up but idle meanwhile: next to nothing of the limit turns' CPU time
+    configuration = ("batch_size", "intra_op_threads", "decode_threads")
+    for row in [*limit_turns, confirmed]:
+        assert [row[k] for k in configuration] == [fastest[k] for k in configuration]
+    # the served limit pools its three turns (before each round of the headline and after the last)
+    assert int(confirmed["images"]) == sum(int(r["images"]) for r in limit_turns)
+    assert int(confirmed["images"]) == 3 * QUICK.limit_confirm_passes * QUICK.limit_images
+    rates = [float(r["images_per_s"]) for r in limit_turns]
+    assert min(rates) - 0.01 <= float(confirmed["images_per_s"]) <= max(rates) + 0.01
+    # both servers were up but idle meanwhile: next to nothing of the limit turns' CPU time
     assert 0 <= float(confirmed["server_cpu_s_during_limit_turns"]) < 0.1 * float(confirmed["cpu_seconds"])
-    assert int(confirmed["images"]) == 2 * QUICK.limit_confirm_passes * QUICK.limit_images
     assert float(headline["server_to_limit_ratio"]) == pytest.approx(
         float(headline["req_per_s"]) / float(confirmed["images_per_s"]), abs=0.006
     )
+    # each round's own ratios: its batching turn against its unbatched turn and the limit turns either side
+    for batching, unbatched, limits in (
+        (server_turns[1], server_turns[0], limit_turns[:2]),
+        (server_turns[2], server_turns[3], limit_turns[1:]),
+    ):
+        assert float(batching["speedup_vs_no_batching"]) == pytest.approx(
+            float(batching["req_per_s"]) / float(unbatched["req_per_s"]), abs=0.01
+        )
+        limit_rate = sum(int(r["images"]) for r in limits) / sum(float(r["seconds"]) for r in limits)
+        assert float(batching["server_to_limit_ratio"]) == pytest.approx(
+            float(batching["req_per_s"]) / limit_rate, abs=0.01
+        )
     for png in (THROUGHPUT_PNG, LATENCY_PNG, BATCH_SIZE_HISTOGRAM_PNG):
         with Image.open(tmp_path / png) as image:
             assert image.format == "PNG" and min(image.size) > 100
@@ -184,7 +219,7 @@ def test_stage5_batching_sweep_open_loop_and_limit(fp32_model_path, other_model_
     assert [r["served_model"] for r in side_by_side] == ["fp32", "other", "all"]
     for row in v2_rows + side_by_side:
         assert int(row["errors"]) == 0 and row["ok"] == row["sent"] and int(row["concurrency"]) == 8
-    assert v2_rows[-1]["sent"] == side_by_side[-1]["sent"] == headline["sent"]
+    assert v2_rows[-1]["sent"] == side_by_side[-1]["sent"] == server_turns[0]["sent"]  # as many as a headline turn
 
 
 def test_stage5_phone_photo_rows(fp32_model_path, tmp_path):
