@@ -2,6 +2,7 @@
 jpeg_draft setting, not a default of its own."""
 
 import io
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -59,7 +60,7 @@ def test_the_limit_decodes_with_the_jpeg_draft_setting_it_is_given(sessions, tmp
     assert not np.array_equal(decoded[False], decoded[True])  # large enough for the setting to matter
 
     # No manifest beside the model: the limit preprocesses as torchvision does, as decode_and_preprocess above.
-    confirmed, grid = limit.run_limit(
+    confirmed, grid, finalists = limit.run_limit(
         "recording",
         explicit(tmp_path / "model.onnx", "onnxruntime"),
         [body],
@@ -71,7 +72,38 @@ def test_the_limit_decodes_with_the_jpeg_draft_setting_it_is_given(sessions, tmp
     )
 
     batches = [batch for session in sessions for batch in session.batches]
-    assert len(batches) == 4  # the one configuration's warm-up and pass, then the confirming warm-up and pass
+    # the one configuration's warm-up and pass, the run-off's warm-up and passes, the confirming warm-up and pass
+    assert len(batches) == 2 + (1 + limit.FINAL_ROUNDS) + 2
     for batch in batches:
         np.testing.assert_array_equal(batch, decoded[jpeg_draft][None])
-    assert [result.jpeg_draft for result in [*grid, confirmed]] == [jpeg_draft, jpeg_draft]
+    assert [result.jpeg_draft for result in [*grid, *finalists, confirmed]] == [jpeg_draft] * 3
+
+
+def test_the_limit_configuration_is_chosen_in_turns_not_by_one_lucky_pass(monkeypatch, tmp_path):
+    """The grid's one-pass winner (batch 1 here) is slower than the runner-up when both are measured again."""
+    ran = []
+
+    class TimedSession(RecordingSession):
+        def __init__(self, batch_size):
+            super().__init__()
+            self.batch_size = batch_size
+
+        def run(self, output_names, feeds):
+            ran.append(self.batch_size)
+            time.sleep(0.004 if self.batch_size == 1 else 0.001)
+            return super().run(output_names, feeds)
+
+    monkeypatch.setattr(limit, "open_session", lambda *args, max_batch_size, **kwargs: TimedSession(max_batch_size))
+    one_pass = {1: 0.001, 2: 0.01, 4: 1.0}  # seconds for the grid's pass of each batch size: batch 1 was lucky
+    grid = [limit.LimitResult("e", b, 1, 1, False, 4, seconds, 0.0) for b, seconds in one_pass.items()]
+    buffer = io.BytesIO()
+    Image.new("RGB", (32, 32), "gray").save(buffer, format="JPEG")
+    served = explicit(tmp_path / "model.onnx", "onnxruntime")
+
+    finalists = limit.run_off(grid, served, [buffer.getvalue()] * 4, finalists=2, rounds=4)
+
+    assert [r.batch_size for r in finalists] == [1, 2]  # the grid's two fastest
+    assert all(r.images == 4 * 4 for r in finalists)
+    assert limit.fastest(finalists).batch_size == 2  # batch 1 lost in turns
+    # after both warm-ups, the passes in mirrored turns: 1 2, 2 1, 1 2, 2 1 (a pass is 4 batches of 1 or 2 of 2)
+    assert ran[2:] == [1] * 4 + [2] * 4 + [1] * 8 + [2] * 4 + [1] * 4
