@@ -66,17 +66,19 @@ def _fastest(results_dir: Path, key: str) -> tuple[str, float | None]:
     return min(ratios.items(), key=lambda item: item[1], default=("-", None))
 
 
-# How far apart a stage-5 ratio may come out in the headline's rounds of turns (see batching_benchmark) for
-# the ratio over all of them to mean anything: further, the machine's speed moved too much within the run.
+# How far apart a stage-5 ratio may come out in its rounds of turns (the headline's, see batching_benchmark;
+# /v2 vs /predict's, see v2_benchmark) for the ratio over all of them to mean anything: further, the machine's
+# speed moved too much within the run.
 ROUND_SPREAD_TOLERANCE = 1.15
 
 
-def round_spread(serving: list[dict], key: str) -> str | None:
-    """Why stage 5's ratio `key` cannot be trusted, or None: its rounds of turns gave too different values."""
+def round_spread(rows: list[dict], configuration: str, key: str) -> str | None:
+    """Why stage 5's ratio `key` cannot be trusted, or None: the rows of `configuration`'s rounds of turns
+    gave too different values."""
     rounds = [
         ratio
-        for row in serving
-        if row.get("configuration") == "batching" and row.get("turn") not in (None, "", "all")
+        for row in rows
+        if row.get("configuration") == configuration and row.get("turn") not in (None, "", "all")
         if (ratio := value(row, key)) is not None
     ]
     if len(rounds) < 2 or max(rounds) <= ROUND_SPREAD_TOLERANCE * min(rounds):
@@ -97,7 +99,8 @@ def measured_goals(results_dir=RESULTS_DIR) -> list[dict]:
     fastest_b1, fastest_batch = _fastest(results_dir, "mean_ms"), _fastest(results_dir, "per_image_ms")
     serving = _rows(results_dir, BATCHING_CSV)
     headline = _find(serving, configuration="batching", turn="all")
-    v2 = next((row for row in _rows(results_dir, V2_VS_PREDICT_CSV) if row.get("v2_to_predict_ratio")), None)
+    v2_rows = _rows(results_dir, V2_VS_PREDICT_CSV)
+    v2 = _find(v2_rows, configuration="v2_binary", turn="all")
     caching = _rows(results_dir, CACHING_CSV)
     hit = _find(caching, run="sequential", phase="hit")
 
@@ -129,10 +132,13 @@ def measured_goals(results_dir=RESULTS_DIR) -> list[dict]:
         ("cache miss p50 / hit p50", ">=", 10, value(hit, "hit_speedup_p50"), 4),
     ]
     unreliable = {
-        "batched server req/s / unbatched, same concurrency": round_spread(serving, "speedup_vs_no_batching"),
-        "batched server req/s / in-process limit of the engine it serves": round_spread(
-            serving, "server_to_limit_ratio"
+        "batched server req/s / unbatched, same concurrency": round_spread(
+            serving, "batching", "speedup_vs_no_batching"
         ),
+        "batched server req/s / in-process limit of the engine it serves": round_spread(
+            serving, "batching", "server_to_limit_ratio"
+        ),
+        "/v2 binary req/s / /predict, same server, in turns": round_spread(v2_rows, "v2_binary", "v2_to_predict_ratio"),
     }
     rows = []
     for goal, comparison, target, measured, stage in goals:

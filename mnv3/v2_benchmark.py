@@ -120,10 +120,25 @@ class V2VsPredictResult:
         """/v2's throughput over /predict's: the goal is within 5%."""
         return round(self.rps(V2_BINARY) / self.rps(PREDICT), 3) if self.rps(PREDICT) else float("nan")
 
+    def turn_ratios(self) -> list[float]:
+        """/v2's req/s over /predict's in each pair of turns (the same turn number): apart, they show how far
+        the ratio moved in the run."""
+        rates = {(path, turn): result.rps for path, turn, result in self.turns}
+        return [
+            round(rates[V2_BINARY, turn] / rates[PREDICT, turn], 3) if rates[PREDICT, turn] else float("nan")
+            for turn in range(1, TURNS + 1)
+        ]
+
     def rows(self, environment: dict) -> list[dict]:
-        """A row per turn, then one per path over all its turns (the /v2 one carries the ratio)."""
+        """A row per turn (a /v2 turn carries its pair's ratio), then one per path over all its turns (the /v2
+        one carries the ratio)."""
+        pair_ratio = dict(enumerate(self.turn_ratios(), 1))
         rows = [
-            {"configuration": path, "turn": turn} | result.as_row() | self.settings for path, turn, result in self.turns
+            {"configuration": path, "turn": turn}
+            | result.as_row()
+            | self.settings
+            | ({"v2_to_predict_ratio": pair_ratio[turn]} if path == V2_BINARY else {})
+            for path, turn, result in self.turns
         ]
         rows += [
             {"configuration": path, "turn": "all"}
@@ -137,7 +152,8 @@ class V2VsPredictResult:
     def summary(self) -> str:
         return (
             f"at concurrency {self.concurrency}, in {TURNS} turns each: /predict {self.rps(PREDICT):.1f} req/s, "
-            f"/v2 binary {self.rps(V2_BINARY):.1f} req/s: /v2 / /predict = {self.ratio} (goal >= 0.95)"
+            f"/v2 binary {self.rps(V2_BINARY):.1f} req/s: /v2 / /predict = {self.ratio} (goal >= 0.95; per pair of "
+            f"turns {' / '.join(map(str, self.turn_ratios()))})"
         )
 
 
@@ -145,13 +161,12 @@ def run_v2_vs_predict(
     model: Path,
     photos: list[bytes],
     concurrency: int,
-    requests_per_path: int,
+    requests_per_turn: int,
     server_options: dict,
     start_timeout_s: float,
 ) -> V2VsPredictResult:
-    """`requests_per_path` closed-loop requests through each path, in TURNS turns each, on one server."""
+    """TURNS closed-loop runs of `requests_per_turn` through each path, taken in turns, on one server."""
     v2_requests = [v2_request(photo) for photo in photos]  # before any timed loop, like `photos` themselves
-    per_turn = -(-requests_per_path // TURNS)
     with loadtest.ServerProcess(model, start_timeout_s, **server_options) as url:
         settings = loadtest.server_settings(url)
         # The name /v2/models/{name} takes: the server names a model given as a plain path as the config does.
@@ -163,7 +178,7 @@ def run_v2_vs_predict(
         for client, bodies in paths.values():
             loadtest.warm_up(url, bodies, concurrency, client)
         turns = [
-            (path, turn, closed_loop(url, bodies, concurrency, per_turn, f"{path} turn {turn}", client))
+            (path, turn, closed_loop(url, bodies, concurrency, requests_per_turn, f"{path} turn {turn}", client))
             for turn in range(1, TURNS + 1)
             for path, (client, bodies) in turn_order(paths, turn)
         ]

@@ -125,26 +125,58 @@ def test_fastest_variant_is_ranked_by_same_run_ratios_across_stage_1_and_the_rec
     assert goals["fastest variant per image at batch N (static INT8 r) / ONNX FP32"] == 0.7
 
 
+BATCHING_GOALS = ("05_batching_loadtest.csv", "batching", {"speedup_vs_no_batching": 1.2, "server_to_limit_ratio": 1.2})
+V2_GOAL = ("05_v2_vs_predict.csv", "v2_binary", {"v2_to_predict_ratio": 1.0})
+
+
 @pytest.mark.parametrize(
-    ("goal", "key", "rounds", "trusted"),
+    ("goal", "key", "where", "rounds", "trusted"),
     [
-        ("batched server req/s / in-process limit of the engine it serves", "server_to_limit_ratio", (1.2, 0.9), False),
-        ("batched server req/s / in-process limit of the engine it serves", "server_to_limit_ratio", (1.0, 0.9), True),
-        ("batched server req/s / unbatched, same concurrency", "speedup_vs_no_batching", (0.95, 1.3), False),
-        ("batched server req/s / unbatched, same concurrency", "speedup_vs_no_batching", (1.05, 1.1), True),
+        (
+            "batched server req/s / in-process limit of the engine it serves",
+            "server_to_limit_ratio",
+            BATCHING_GOALS,
+            (1.2, 0.9),
+            False,
+        ),
+        (
+            "batched server req/s / in-process limit of the engine it serves",
+            "server_to_limit_ratio",
+            BATCHING_GOALS,
+            (1.0, 0.9),
+            True,
+        ),
+        (
+            "batched server req/s / unbatched, same concurrency",
+            "speedup_vs_no_batching",
+            BATCHING_GOALS,
+            (0.95, 1.3),
+            False,
+        ),
+        (
+            "batched server req/s / unbatched, same concurrency",
+            "speedup_vs_no_batching",
+            BATCHING_GOALS,
+            (1.05, 1.1),
+            True,
+        ),
+        ("/v2 binary req/s / /predict, same server, in turns", "v2_to_predict_ratio", V2_GOAL, (0.85, 1.05), False),
+        ("/v2 binary req/s / /predict, same server, in turns", "v2_to_predict_ratio", V2_GOAL, (0.97, 1.02), True),
     ],
 )
-def test_a_stage_5_ratio_is_not_called_met_when_its_rounds_of_turns_disagree(tmp_path, goal, key, rounds, trusted):
+def test_a_stage_5_ratio_is_not_called_met_when_its_rounds_of_turns_disagree(
+    tmp_path, goal, key, where, rounds, trusted
+):
+    csv_name, configuration, other_ratios = where
     turns = [
-        {"configuration": "batching", "turn": str(turn), "speedup_vs_no_batching": 1.2, "server_to_limit_ratio": 1.2}
-        | {key: ratio}
+        {"configuration": configuration, "turn": str(turn)} | other_ratios | {key: ratio}
         for turn, ratio in enumerate(rounds, 1)
     ]
-    pooled = {"configuration": "batching", "turn": "all", "speedup_vs_no_batching": 1.04, "server_to_limit_ratio": 1.01}
-    limit = {"configuration": "in_process_limit_confirmed", "turn": "", "speedup_vs_no_batching": ""}
-    write_csv(tmp_path / "05_batching_loadtest.csv", [*turns, pooled, limit])
+    pooled = {"configuration": configuration, "turn": "all"} | other_ratios | {key: 1.01}
+    other = {"configuration": "something else", "turn": ""} | {name: "" for name in other_ratios}
+    write_csv(tmp_path / csv_name, [*turns, pooled, other])
     row = {row["goal"]: row for row in measured_goals(tmp_path)}[goal]
-    assert row["measured"] == pooled[key]  # the turns pooled, not a round's
+    assert row["measured"] == 1.01  # the turns pooled, not a round's
     if trusted:
         assert row["met"] == "yes"
     else:

@@ -80,8 +80,8 @@ def test_v2_client_answers_as_predict_does(fp32_model_path, photos):
 
 
 def test_v2_vs_predict_rows_alternate_paths_and_answer_every_request(fp32_model_path, photos):
-    requests_per_path = 12
-    result = run_v2_vs_predict(fp32_model_path, photos, CONCURRENCY, requests_per_path, SERVER, WAIT_S)
+    requests_per_turn = 6
+    result = run_v2_vs_predict(fp32_model_path, photos, CONCURRENCY, requests_per_turn, SERVER, WAIT_S)
     # mirrored from one pair of turns to the next, so a steady drift does not favour either path
     assert [(path, turn) for path, turn, _ in result.turns] == [
         (PREDICT, 1),
@@ -92,7 +92,7 @@ def test_v2_vs_predict_rows_alternate_paths_and_answer_every_request(fp32_model_
     rows = result.rows({"model": fp32_model_path.name})
     per_turn, totals = rows[:-2], rows[-2:]
     for row in per_turn:
-        assert (row["sent"], row["ok"], row["errors"]) == (requests_per_path // TURNS, requests_per_path // TURNS, 0)
+        assert (row["sent"], row["ok"], row["errors"]) == (requests_per_turn, requests_per_turn, 0)
         assert row["concurrency"] == CONCURRENCY and row["server_cache_size"] == 0
         # the server's metrics for the turn: every image went through exactly one batch, by either path
         batches = row["metrics_batches"]
@@ -102,13 +102,20 @@ def test_v2_vs_predict_rows_alternate_paths_and_answer_every_request(fp32_model_
     for row in totals:
         turns = [r for r in per_turn if r["configuration"] == row["configuration"]]
         assert row["turn"] == "all" and len(turns) == TURNS
-        assert row["sent"] == row["ok"] == requests_per_path and row["errors"] == 0
+        assert row["sent"] == row["ok"] == TURNS * requests_per_turn and row["errors"] == 0
         assert row["seconds"] == pytest.approx(sum(r["seconds"] for r in turns), abs=0.002)
         assert_rate(row["req_per_s"], row["ok"], row["seconds"])
     predict, v2 = totals
     assert (predict["configuration"], v2["configuration"]) == (PREDICT, V2_BINARY)
     assert v2["v2_to_predict_ratio"] == pytest.approx(v2["req_per_s"] / predict["req_per_s"], rel=2e-3)
     assert "v2_to_predict_ratio" not in predict
+    # each pair of turns (the same turn number) has its own ratio, on its /v2 row
+    for turn in range(1, TURNS + 1):
+        pair = {row["configuration"]: row for row in per_turn if row["turn"] == turn}
+        assert pair[V2_BINARY]["v2_to_predict_ratio"] == pytest.approx(
+            pair[V2_BINARY]["req_per_s"] / pair[PREDICT]["req_per_s"], rel=2e-3
+        )
+        assert "v2_to_predict_ratio" not in pair[PREDICT]
 
 
 def test_side_by_side_sends_every_photo_to_both_and_counts_agreement(
