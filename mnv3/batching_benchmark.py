@@ -11,7 +11,8 @@ unbatched), with a turn of the served engine's in-process limit before each roun
 So the three figures compared (the unbatched server, the batching server and the limit, each its turns
 pooled) are centred on the same moment of the run, and a steady drift in the machine's speed (a shared
 VM's is large, at times within seconds) lands on all three alike. Each round's own ratios show how far
-the machine moved: `python -m mnv3.goals` gives no verdict on a ratio whose rounds differ too much.
+the machine moved: `python -m mnv3.goals` gives no verdict on a goal whose rounds differ too much and
+disagree on it.
 
 The limit is the same decode + preprocess + inference with no server (mnv3/limit.py), measured while no
 server answers requests, so it has the machine's cores to itself: for the engine the servers run

@@ -129,44 +129,26 @@ BATCHING_GOALS = ("05_batching_loadtest.csv", "batching", {"speedup_vs_no_batchi
 V2_GOAL = ("05_v2_vs_predict.csv", "v2_binary", {"v2_to_predict_ratio": 1.0})
 
 
+LIMIT_GOAL = "batched server req/s / in-process limit of the engine it serves"
+BATCHING_GOAL = "batched server req/s / unbatched, same concurrency"
+V2_GOAL_NAME = "/v2 binary req/s / /predict, same server, in turns"
+
+
 @pytest.mark.parametrize(
-    ("goal", "key", "where", "rounds", "trusted"),
+    ("goal", "key", "where", "rounds", "met"),
     [
-        (
-            "batched server req/s / in-process limit of the engine it serves",
-            "server_to_limit_ratio",
-            BATCHING_GOALS,
-            (1.2, 0.9),
-            False,
-        ),
-        (
-            "batched server req/s / in-process limit of the engine it serves",
-            "server_to_limit_ratio",
-            BATCHING_GOALS,
-            (1.0, 0.9),
-            True,
-        ),
-        (
-            "batched server req/s / unbatched, same concurrency",
-            "speedup_vs_no_batching",
-            BATCHING_GOALS,
-            (0.95, 1.3),
-            False,
-        ),
-        (
-            "batched server req/s / unbatched, same concurrency",
-            "speedup_vs_no_batching",
-            BATCHING_GOALS,
-            (1.05, 1.1),
-            True,
-        ),
-        ("/v2 binary req/s / /predict, same server, in turns", "v2_to_predict_ratio", V2_GOAL, (0.85, 1.05), False),
-        ("/v2 binary req/s / /predict, same server, in turns", "v2_to_predict_ratio", V2_GOAL, (0.97, 1.02), True),
+        # rounds far apart, one meeting the goal (>= 0.9) and one not: no verdict
+        (LIMIT_GOAL, "server_to_limit_ratio", BATCHING_GOALS, (1.2, 0.85), None),
+        # close together: the pooled figure decides, though one round alone would not meet it
+        (LIMIT_GOAL, "server_to_limit_ratio", BATCHING_GOALS, (0.95, 0.88), "yes"),
+        (BATCHING_GOAL, "speedup_vs_no_batching", BATCHING_GOALS, (0.95, 1.3), None),
+        # far apart, but every round meets the goal (>= 1.0): the verdict stands
+        (BATCHING_GOAL, "speedup_vs_no_batching", BATCHING_GOALS, (1.37, 1.14), "yes"),
+        (V2_GOAL_NAME, "v2_to_predict_ratio", V2_GOAL, (0.85, 1.05), None),
+        (V2_GOAL_NAME, "v2_to_predict_ratio", V2_GOAL, (0.97, 1.02), "yes"),
     ],
 )
-def test_a_stage_5_ratio_is_not_called_met_when_its_rounds_of_turns_disagree(
-    tmp_path, goal, key, where, rounds, trusted
-):
+def test_a_stage_5_ratio_gets_no_verdict_when_its_rounds_of_turns_disagree(tmp_path, goal, key, where, rounds, met):
     csv_name, configuration, other_ratios = where
     turns = [
         {"configuration": configuration, "turn": str(turn)} | other_ratios | {key: ratio}
@@ -177,7 +159,7 @@ def test_a_stage_5_ratio_is_not_called_met_when_its_rounds_of_turns_disagree(
     write_csv(tmp_path / csv_name, [*turns, pooled, other])
     row = {row["goal"]: row for row in measured_goals(tmp_path)}[goal]
     assert row["measured"] == 1.01  # the turns pooled, not a round's
-    if trusted:
-        assert row["met"] == "yes"
+    if met:
+        assert row["met"] == met
     else:
         assert row["met"].startswith(f"unreliable: the rounds of turns gave {rounds[0]:g} and {rounds[1]:g}")
