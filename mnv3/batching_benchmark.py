@@ -31,6 +31,7 @@ from pathlib import Path
 from mnv3 import loadtest, plots
 from mnv3.artifacts import BATCH_SIZE_HISTOGRAM_PNG, FP32_ONNX, LATENCY_PNG, THROUGHPUT_PNG
 from mnv3.backend_choice import Choice, explicit, resolve_auto
+from mnv3.latency import turn_order
 from mnv3.limit import LimitResult, fastest, measure_again, pooled, run_limit, run_off, try_configurations
 from mnv3.loadtest import LoadResult
 
@@ -262,12 +263,6 @@ def closed_loop(
     return result
 
 
-def turn_order(items: dict, turn: int) -> list:
-    """`items`' items in the order of `turn` (from 1): as given in odd turns, reversed in even ones, so that a
-    steady drift of the machine's speed lands on all of them alike over an even number of turns."""
-    return list(items.items())[:: 1 if turn % 2 else -1]
-
-
 def run_batching_benchmark(model: Path, bodies: list[bytes], plan: BatchingPlan) -> BatchingResult:
     """Both servers up at once, each idle while the other or the limit is measured: the served engine's limit
     configurations; the batching server's sweep; the headline: HEADLINE_TURNS rounds at plan.concurrency,
@@ -319,7 +314,7 @@ def run_batching_benchmark(model: Path, bodies: list[bytes], plan: BatchingPlan)
         configuration = fastest(finalists)
         limits, turns = [limit_turn(configuration)], []
         for turn in range(1, HEADLINE_TURNS + 1):
-            turns += [headline_turn(name, turn) for name, _ in turn_order(servers, turn)]
+            turns += [headline_turn(name, turn) for name in turn_order(list(servers), turn)]
             limits.append(limit_turn(configuration))
         headline_turns = [run for run, _ in turns]
         batching_turns = [result for name, _, result in headline_turns if name == BATCHING]

@@ -3,7 +3,9 @@ variant in turns, so that machine-load drift hits all variants alike and the rat
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -13,6 +15,7 @@ TIMED_CALLS = 100
 SETTLE_WINDOW_S = 0.01
 SETTLE_IDLE_SHARE = 0.2
 SETTLE_MAX_S = 1.0
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,12 @@ def settle(window_s: float = SETTLE_WINDOW_S, max_s: float = SETTLE_MAX_S) -> bo
         if time.process_time() - cpu < SETTLE_IDLE_SHARE * window_s:
             return True
     return False
+
+
+def turn_order(items: Sequence[T], turn: int) -> list[T]:
+    """`items` in the order of `turn` (from 1): as given in odd turns, reversed in even ones, so that a steady
+    drift of the machine's speed lands on all of them alike over an even number of turns."""
+    return list(items)[:: 1 if turn % 2 else -1]
 
 
 def interleaved_benchmark(runners: dict, images: np.ndarray, batch_size: int, timing: Timing, rounds: int = 5) -> dict:

@@ -23,6 +23,7 @@ from tqdm import tqdm
 from mnv3.artifacts import model_preprocessing
 from mnv3.backend_choice import Choice
 from mnv3.engine import open_session
+from mnv3.latency import turn_order
 from mnv3.preprocess import Preprocessing, decode_and_preprocess
 from mnv3.runtime import DEFAULT_INTER_OP_THREADS
 
@@ -186,9 +187,8 @@ def run_off(
             )
             for r in chosen
         ]
-        for turn in range(rounds):
-            order = range(len(chosen)) if turn % 2 == 0 else reversed(range(len(chosen)))
-            for i in order:
+        for turn in range(1, rounds + 1):
+            for i in turn_order(range(len(chosen)), turn):
                 runs[i].append(classifiers[i](bodies))
     return [
         replace(

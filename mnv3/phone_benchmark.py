@@ -28,6 +28,7 @@ from mnv3.accuracy import agreement, array_batches, predict
 from mnv3.artifacts import FP32_ONNX, model_preprocessing
 from mnv3.backend_choice import Choice, explicit, resolve_auto
 from mnv3.engine import open_session
+from mnv3.latency import turn_order
 from mnv3.loadtest import LoadResult, metrics_row
 from mnv3.photos import PHONE_PHOTO_QUALITY, PHONE_PHOTO_SIZE
 from mnv3.preprocess import DEFAULT_PREPROCESSING, Preprocessing, decode_and_preprocess, decode_image
@@ -117,9 +118,8 @@ class DecodeComparison:
 def decode_seconds(bodies: list[bytes], rounds: int, preprocessing: Preprocessing) -> dict[str, list[float]]:
     """Seconds per image of decode + preprocess, full and draft, in turns (alternating which goes first)."""
     seconds: dict[str, list[float]] = {FULL: [], DRAFT: []}
-    for round_index in range(rounds):
-        order = (FULL, DRAFT) if round_index % 2 == 0 else (DRAFT, FULL)
-        for name in order:
+    for turn in range(1, rounds + 1):
+        for name in turn_order((FULL, DRAFT), turn):
             start = time.perf_counter()
             for body in bodies:
                 decode_and_preprocess(body, jpeg_draft=name == DRAFT, preprocessing=preprocessing)

@@ -25,9 +25,10 @@ from pathlib import Path
 
 from mnv3 import loadtest
 from mnv3.artifacts import FP32_ONNX, MissingArtifact, require
-from mnv3.batching_benchmark import closed_loop, turn_order
+from mnv3.batching_benchmark import closed_loop
 from mnv3.cli import UsageError, static_int8_model
 from mnv3.config import ModelSpec
+from mnv3.latency import turn_order
 from mnv3.loadtest import REQUEST_TIMEOUT_S, LoadResult, PredictClient
 from mnv3.v2_protocol import HEADER_LENGTH, IMAGE_INPUT, PROBABILITIES_OUTPUT
 
@@ -180,7 +181,7 @@ def run_v2_vs_predict(
         turns = [
             (path, turn, closed_loop(url, bodies, concurrency, requests_per_turn, f"{path} turn {turn}", client))
             for turn in range(1, TURNS + 1)
-            for path, (client, bodies) in turn_order(paths, turn)
+            for path, (client, bodies) in turn_order(list(paths.items()), turn)
         ]
     return V2VsPredictResult(concurrency, turns, settings)
 
