@@ -32,7 +32,7 @@ from mnv3 import loadtest, plots
 from mnv3.artifacts import BATCH_SIZE_HISTOGRAM_PNG, FP32_ONNX, LATENCY_PNG, THROUGHPUT_PNG
 from mnv3.backend_choice import Choice, explicit, resolve_auto
 from mnv3.latency import turn_order
-from mnv3.limit import LimitResult, fastest, measure_again, pooled, run_limit, run_off, try_configurations
+from mnv3.limit import LimitResult, fastest, measure_again, pooled, run_limit, try_configurations
 from mnv3.loadtest import LoadResult
 
 MIN_SWEEP_REQUESTS = 32  # even at concurrency 1, enough requests for a median
@@ -284,8 +284,9 @@ def run_batching_benchmark(model: Path, bodies: list[bytes], plan: BatchingPlan)
             "thread_splits": plan.limit_thread_splits,
         }
         (served_name, served), *others = limit_engines(model).items()
-        served_grid = try_configurations(served_name, served, **grid_settings, desc=f"in-process limit, {served_name}")
-        finalists = run_off(served_grid, served, limit_bodies)
+        served_grid, finalists = try_configurations(
+            served_name, served, **grid_settings, desc=f"in-process limit, {served_name}"
+        )
 
         def servers_cpu_s() -> float:
             return sum(read_process_cpu_s(url) for url in servers.values())

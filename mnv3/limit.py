@@ -145,8 +145,7 @@ def run_limit(
     limit is the finalists' fastest measured once more, `confirm_passes` times longer, which is an unbiased
     figure for it. Every run decodes as a server with `jpeg_draft` does: pass the setting of the server the
     limit is compared with."""
-    grid = try_configurations(engine, served, bodies, jpeg_draft, batch_sizes, thread_splits, desc)
-    finalists = run_off(grid, served, bodies)
+    grid, finalists = try_configurations(engine, served, bodies, jpeg_draft, batch_sizes, thread_splits, desc)
     return measure_again(fastest(finalists), served, bodies, confirm_passes), grid, finalists
 
 
@@ -158,15 +157,17 @@ def try_configurations(
     batch_sizes=BATCH_SIZES,
     thread_splits=THREAD_SPLITS,
     desc: str | None = "in-process limit",
-) -> list[LimitResult]:
-    """Every batch size x thread split, one short pass each (see `run_limit`)."""
+) -> tuple[list[LimitResult], list[LimitResult]]:
+    """(every batch size x thread split, one short pass each; the fastest few of those measured again in
+    turns, `run_off`): the configurations `run_limit` chooses from."""
     configurations = [(b, t, d) for t, d in thread_splits for b in batch_sizes]
-    return [
+    grid = [
         measure_limit(engine, served, bodies, jpeg_draft, batch_size, intra_op_threads, decode_threads)
         for batch_size, intra_op_threads, decode_threads in tqdm(
             configurations, desc=desc, leave=False, disable=desc is None
         )
     ]
+    return grid, run_off(grid, served, bodies)
 
 
 def run_off(
