@@ -33,13 +33,16 @@ def quantize_nncf_int8(fp32_path, out_path, calibration_images: np.ndarray, grap
     from nncf.quantization.advanced_parameters import AdvancedQuantizationParameters
     from nncf.quantization.range_estimator import RangeEstimatorParametersSet
 
-    core = ov.Core()
     with tempfile.TemporaryDirectory() as tmp:
         if graph_rewrites:
             rewritten = Path(tmp) / "rewritten.onnx"
             onnx.save(apply_graph_rewrites(onnx.load(str(fp32_path)), graph_rewrites), str(rewritten))
             fp32_path = rewritten
-        model = core.read_model(str(fp32_path))
+        # convert_model, not read_model: it folds the ONNX frontend's shape arithmetic (ShapeOf, Concat,
+        # Reshape around every grouped convolution's weights) into constants. On the unfolded graph NNCF
+        # quantized the depthwise weights ahead of that Reshape, where the CPU plugin folds them back to
+        # f32, and left HardSwish between quantizers, so neither ran as INT8 kernels nor fused.
+        model = ov.convert_model(str(fp32_path))
     # One image a calibration sample, as NNCF expects; its statistics are per tensor across all of them.
     dataset = nncf.Dataset([image[None] for image in calibration_images])
     quantized = nncf.quantize(
