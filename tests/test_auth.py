@@ -247,8 +247,8 @@ def test_no_key_material_in_bodies_or_logs(client, clock, caplog):
     assert any(record.name == "mnv3.auth" for record in caplog.records)  # refusals are logged, by key name
     assert "key client" in caplog.text
     secrets = [*KEYS, digest.hexdigest(), hashlib.sha256(INFER_KEY.encode()).hexdigest()]
-    # the client's own log (httpx) prints the URL with the key in it: which is why such URLs are refused
-    server_log = [record.getMessage() for record in caplog.records if record.name != "httpx"]
+    # the test client's own log (httpx2) prints the URL with the key in it: which is why such URLs are refused
+    server_log = [record.getMessage() for record in caplog.records if record.name != "httpx2"]
     for text in [*(r.text for r in responses), *(str(r.headers) for r in responses), *server_log]:
         assert not any(secret in text for secret in secrets)
 
