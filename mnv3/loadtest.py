@@ -364,8 +364,8 @@ def _weighted_mean(pairs) -> float:
     return sum(value * weight for value, weight in pairs) / total if total else float("nan")
 
 
-def ratio(numerator: float, denominator: float) -> float:
-    return round(numerator / denominator, 2) if denominator else float("nan")
+def ratio(numerator: float, denominator: float, digits: int = 2) -> float:
+    return round(numerator / denominator, digits) if denominator else float("nan")
 
 
 def _round(value):

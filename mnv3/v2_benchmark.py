@@ -119,16 +119,13 @@ class V2VsPredictResult:
     @property
     def ratio(self) -> float:
         """/v2's throughput over /predict's: the goal is within 5%."""
-        return round(self.rps(V2_BINARY) / self.rps(PREDICT), 3) if self.rps(PREDICT) else float("nan")
+        return loadtest.ratio(self.rps(V2_BINARY), self.rps(PREDICT), digits=3)
 
     def turn_ratios(self) -> list[float]:
         """/v2's req/s over /predict's in each pair of turns (the same turn number): apart, they show how far
         the ratio moved in the run."""
         rates = {(path, turn): result.rps for path, turn, result in self.turns}
-        return [
-            round(rates[V2_BINARY, turn] / rates[PREDICT, turn], 3) if rates[PREDICT, turn] else float("nan")
-            for turn in range(1, TURNS + 1)
-        ]
+        return [loadtest.ratio(rates[V2_BINARY, turn], rates[PREDICT, turn], digits=3) for turn in range(1, TURNS + 1)]
 
     def rows(self, environment: dict) -> list[dict]:
         """A row per turn (a /v2 turn carries its pair's ratio), then one per path over all its turns (the /v2
