@@ -125,27 +125,30 @@ def test_fastest_variant_is_ranked_by_same_run_ratios_across_stage_1_and_the_rec
     assert goals["fastest variant per image at batch N (static INT8 r) / ONNX FP32"] == 0.7
 
 
-BATCHING_GOALS = ("05_batching_loadtest.csv", "batching", {"speedup_vs_no_batching": 1.2, "server_to_limit_ratio": 1.2})
-V2_GOAL = ("05_v2_vs_predict.csv", "v2_binary", {"v2_to_predict_ratio": 1.0})
-
-
 LIMIT_GOAL = "batched server req/s / in-process limit of the engine it serves"
 BATCHING_GOAL = "batched server req/s / unbatched, same concurrency"
-V2_GOAL_NAME = "/v2 binary req/s / /predict, same server, in turns"
+V2_GOAL = "/v2 binary req/s / /predict, same server, in turns"
+# Where each stage-5 ratio's turn rows are: the CSV, their configuration, and the ratios those rows carry.
+BATCHING_TURN_ROWS = (
+    "05_batching_loadtest.csv",
+    "batching",
+    {"speedup_vs_no_batching": 1.2, "server_to_limit_ratio": 1.2},
+)
+V2_TURN_ROWS = ("05_v2_vs_predict.csv", "v2_binary", {"v2_to_predict_ratio": 1.0})
 
 
 @pytest.mark.parametrize(
     ("goal", "key", "where", "rounds", "met"),
     [
         # rounds far apart, one meeting the goal (>= 0.9) and one not: no verdict
-        (LIMIT_GOAL, "server_to_limit_ratio", BATCHING_GOALS, (1.2, 0.85), None),
+        (LIMIT_GOAL, "server_to_limit_ratio", BATCHING_TURN_ROWS, (1.2, 0.85), None),
         # close together: the pooled figure decides, though one round alone would not meet it
-        (LIMIT_GOAL, "server_to_limit_ratio", BATCHING_GOALS, (0.95, 0.88), "yes"),
-        (BATCHING_GOAL, "speedup_vs_no_batching", BATCHING_GOALS, (0.95, 1.3), None),
+        (LIMIT_GOAL, "server_to_limit_ratio", BATCHING_TURN_ROWS, (0.95, 0.88), "yes"),
+        (BATCHING_GOAL, "speedup_vs_no_batching", BATCHING_TURN_ROWS, (0.95, 1.3), None),
         # far apart, but every round meets the goal (>= 1.0): the verdict stands
-        (BATCHING_GOAL, "speedup_vs_no_batching", BATCHING_GOALS, (1.37, 1.14), "yes"),
-        (V2_GOAL_NAME, "v2_to_predict_ratio", V2_GOAL, (0.85, 1.05), None),
-        (V2_GOAL_NAME, "v2_to_predict_ratio", V2_GOAL, (0.97, 1.02), "yes"),
+        (BATCHING_GOAL, "speedup_vs_no_batching", BATCHING_TURN_ROWS, (1.37, 1.14), "yes"),
+        (V2_GOAL, "v2_to_predict_ratio", V2_TURN_ROWS, (0.85, 1.05), None),
+        (V2_GOAL, "v2_to_predict_ratio", V2_TURN_ROWS, (0.97, 1.02), "yes"),
     ],
 )
 def test_a_stage_5_ratio_gets_no_verdict_when_its_rounds_of_turns_disagree(tmp_path, goal, key, where, rounds, met):

@@ -130,9 +130,10 @@ def test_nncf_int8_runs_every_convolution_as_int8(fp32_model_path, openvino_inst
 
     calibration = np.stack([preprocess(decode_image(data)) for data in load_images(8, seed=11)])
     path = quantize_nncf_int8(fp32_model_path, tmp_path / "int8.xml", calibration, graph_rewrites)
-    model = ov.Core().read_model(str(path))
+    core = ov.Core()
+    model = core.read_model(str(path))
     model.reshape({0: [1, 3, 224, 224]})
-    request = ov.Core().compile_model(model, "CPU", {"PERF_COUNT": True}).create_infer_request()
+    request = core.compile_model(model, "CPU", {"PERF_COUNT": True}).create_infer_request()
     request.infer({0: calibration[:1]})
     kernels = {
         (layer.node_type, layer.exec_type)
