@@ -97,7 +97,7 @@ FULL = Defaults(
     cluster_repeats=16,
 )
 QUICK = Defaults(
-    timing=Timing(warmup=3, iters=10, batch_warmup=1, batch_iters=3),
+    timing=Timing(warmup=3, iters=10, batch_warmup=1, batch_iters=3, turn_warmup_s=0.01),
     batch_size=8,
     held_out_images=16,
     bn_recalibration_images=16,

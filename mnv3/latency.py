@@ -11,6 +11,8 @@ import numpy as np
 
 WARMUP_CALLS = 10
 TIMED_CALLS = 100
+# Untimed calls at the start of every turn, for at least this long: see interleaved_benchmark.
+TURN_WARMUP_S = 0.05
 # settle(): the process counts as idle when its threads use under a fifth of a core over 10 ms.
 SETTLE_WINDOW_S = 0.01
 SETTLE_IDLE_SHARE = 0.2
@@ -20,12 +22,14 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class Timing:
-    """How many calls a benchmark makes. Batched calls are fewer: each one is `batch_size` images."""
+    """How many calls a benchmark makes. Batched calls are fewer: each one is `batch_size` images.
+    `turn_warmup_s`: how long each turn of interleaved_benchmark calls a model untimed before timing it."""
 
     warmup: int = WARMUP_CALLS
     iters: int = TIMED_CALLS
     batch_warmup: int = 2
     batch_iters: int = 10
+    turn_warmup_s: float = TURN_WARMUP_S
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,14 @@ def turn_order(items: Sequence[T], turn: int) -> list[T]:
     return list(items)[:: 1 if turn % 2 else -1]
 
 
+def warm_up_turn(run, inputs, seconds: float) -> None:
+    """Call `run(inputs)` untimed until `seconds` have passed, at least once."""
+    end = time.perf_counter() + seconds
+    run(inputs)
+    while time.perf_counter() < end:
+        run(inputs)
+
+
 def interleaved_benchmark(runners: dict, images: np.ndarray, batch_size: int, timing: Timing, rounds: int = 5) -> dict:
     """Batch-1 latency stats and per-image ms at `batch_size` for each `run(batch) -> logits` in `runners`,
     measured in turns so that machine-load drift hits all alike (ratios between them are the result;
@@ -78,7 +90,13 @@ def interleaved_benchmark(runners: dict, images: np.ndarray, batch_size: int, ti
 
     The timed calls are split into `rounds`; each round visits every model (in a rotated order) for its
     share of batch-1 and batch calls. Before a model's turn the process waits until the previous model's
-    threads are idle (`settle`), then makes one untimed call of each kind.
+    threads are idle (`settle`); then, for each kind of call, the model runs untimed for `timing.turn_warmup_s`
+    (at least one call) before its timed calls.
+
+    Why a warm-up by time, not one call: after the settle's idle gap (and the previous model's turn) a
+    model's caches are cold, and on a shared VM its first calls run markedly slower, by an amount that
+    differs between engines (OpenVINO's INT8 more than onnxruntime's FP32). A turn of a dozen batch-1
+    calls after a single untimed one then times the recovery, not the steady state the warm-up is for.
     """
     single = images[:1]
     batch = np.ascontiguousarray(images[np.arange(batch_size) % len(images)])
@@ -99,7 +117,7 @@ def interleaved_benchmark(runners: dict, images: np.ndarray, batch_size: int, ti
                 (single, singles[name], timing.iters),
                 (batch, batches[name], timing.batch_iters),
             ):
-                run(inputs)
+                warm_up_turn(run, inputs, timing.turn_warmup_s)
                 for _ in range(math.ceil(iters / rounds)):
                     start = time.perf_counter()
                     run(inputs)

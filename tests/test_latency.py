@@ -2,6 +2,7 @@
 
 import threading
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -53,3 +54,26 @@ def test_every_turn_of_the_interleaved_benchmark_starts_settled(monkeypatch):
     # between two settles, calls of one model only: no model's turn runs on the previous one's threads
     for start, end in zip(turns, turns[1:] + [len(timed)], strict=True):
         assert len(set(timed[start + 1 : end])) == 1
+
+
+def test_each_turn_times_the_steady_state_not_the_recovery_from_the_settle(monkeypatch):
+    """A model whose first calls after an idle gap are slow (cold caches) is timed at its steady speed: every
+    turn calls it untimed for turn_warmup_s first. With one untimed call a turn, the slow calls were timed."""
+    slow_calls, slow_s = 4, 0.01
+    calls_since_settle = [0]
+    monkeypatch.setattr(latency, "settle", lambda: calls_since_settle.__setitem__(0, 0))
+
+    def cold_after_settle(batch):
+        calls_since_settle[0] += 1
+        if calls_since_settle[0] <= slow_calls:
+            time.sleep(slow_s)
+        return np.zeros((len(batch), 2))
+
+    images = np.zeros((4, 3, 8, 8), dtype=np.float32)
+    timing = Timing(warmup=1, iters=8, batch_warmup=1, batch_iters=4)
+    one_call = interleaved_benchmark({"a": cold_after_settle}, images, 4, replace(timing, turn_warmup_s=0), rounds=2)
+    by_time = interleaved_benchmark(
+        {"a": cold_after_settle}, images, 4, replace(timing, turn_warmup_s=slow_calls * slow_s * 2), rounds=2
+    )
+    assert one_call["a"]["mean_ms"] > 1000 * slow_s / 2  # 3 of every 4 timed calls were slow
+    assert by_time["a"]["mean_ms"] < 1000 * slow_s / 10
