@@ -94,7 +94,7 @@ def interleaved_benchmark(runners: dict, images: np.ndarray, batch_size: int, ti
     (at least one call) before its timed calls.
 
     Why a warm-up by time, not one call: after the settle's idle gap (and the previous model's turn) a
-    model's caches are cold, and on a shared VM its first calls run markedly slower, by an amount that
+    model's first calls run markedly slower on a shared VM (cold caches, most likely), by an amount that
     differs between engines (OpenVINO's INT8 more than onnxruntime's FP32). A turn of a dozen batch-1
     calls after a single untimed one then times the recovery, not the steady state the warm-up is for.
     """
