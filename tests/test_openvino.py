@@ -124,21 +124,16 @@ def test_nncf_int8_runs_every_convolution_as_int8(fp32_model_path, openvino_inst
     """Built from the ONNX frontend's unfolded graph, NNCF quantized the depthwise weights ahead of the shape
     arithmetic the CPU plugin folds them through, back to f32: those convolutions ran in f32, with reorders."""
     pytest.importorskip("nncf", reason="optional: pip install -r requirements-openvino.txt")
-    import openvino as ov
-
     from mnv3.openvino_int8 import quantize_nncf_int8
+    from mnv3.profiling import openvino_layer_summary
 
     calibration = np.stack([preprocess(decode_image(data)) for data in load_images(8, seed=11)])
     path = quantize_nncf_int8(fp32_model_path, tmp_path / "int8.xml", calibration, graph_rewrites)
-    core = ov.Core()
-    model = core.read_model(str(path))
-    model.reshape({0: [1, 3, 224, 224]})
-    request = core.compile_model(model, "CPU", {"PERF_COUNT": True}).create_infer_request()
-    request.infer({0: calibration[:1]})
+    layers = openvino_layer_summary(path, calibration[:1], runs=3, threads=1, precision="f32")
     kernels = {
-        (layer.node_type, layer.exec_type)
-        for layer in request.profiling_info
-        if layer.node_type in ("Convolution", "GroupConvolution") and layer.status == layer.Status.EXECUTED
+        (layer["layer_type"], layer["kernel"])
+        for layer in layers
+        if layer["layer_type"] in ("Convolution", "GroupConvolution")
     }
     assert {node_type for node_type, _ in kernels} == {"Convolution", "GroupConvolution"}
     assert all(kernel.lower().endswith(("i8", "u8")) for _, kernel in kernels), sorted(kernels)
