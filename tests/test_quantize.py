@@ -10,6 +10,7 @@ import onnxruntime as ort
 import pytest
 from PIL import Image
 
+from mnv3 import quantize
 from mnv3.accuracy import UnreadableLabels, agreement, load_labels, sqnr_db, true_accuracy
 from mnv3.graph_rewrites import GRAPH_REWRITES
 from mnv3.photos import fill_calibration_dir, held_out_images
@@ -112,6 +113,42 @@ def test_static_int8_kernels_match_simulated_quantization(static_model, held_out
     integer = ort_runner(make_session(static_model))
     batch = held_out[:8]
     assert sqnr_db(simulated(batch), integer(batch)) >= 20.0
+
+
+def optimized_op_types(path, tmp_path) -> list[str]:
+    """The nodes ORT runs for the file, after its graph optimizations (its QDQ fusions among them)."""
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / f"{Path(path).stem}.optimized.onnx")
+    options.log_severity_level = 3  # its warning that the saved graph is specific to this CPU
+    ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return sorted(node.op_type for node in onnx.load(options.optimized_model_filepath).graph.node)
+
+
+def test_static_int8_drops_zero_points_and_computes_the_same(
+    fp32_model_path, calibration_array, calibration_cache, static_model, held_out, tmp_path, monkeypatch
+):
+    """The shipped file keeps no all-zero zero point of a bias or a Conv weight; against the same recipe with
+    ORT's zero points kept: smaller, the same nodes after ORT's fusions, bit for bit the same logits."""
+    monkeypatch.setattr(quantize, "drop_zero_points", lambda model: model)
+    kept = quantize_static_int8(
+        fp32_model_path, tmp_path / "kept.onnx", calibration_array, RECIPES[DEFAULT_RECIPE], cache_dir=calibration_cache
+    )
+    model = onnx.load(str(static_model))
+    constants = {tensor.name: tensor for tensor in model.graph.initializer}
+    read_by = {name: node.op_type for node in model.graph.node for name in node.input}
+    zero_points = {  # of a dequantized constant: what reads it -> its zero points' types
+        node.input[2]: (read_by[node.output[0]], constants[node.input[2]].data_type)
+        for node in model.graph.node
+        if node.op_type == "DequantizeLinear" and node.input[0] in constants and len(node.input) == 3
+    }
+    assert ("Gemm", onnx.TensorProto.INT8) in zero_points.values()  # the classifier's weights keep theirs, for QGemm
+    assert not any(reader == "Conv" or kind == onnx.TensorProto.INT32 for reader, kind in zero_points.values())
+    # every bias channel's int32 zero and every Conv weight channel's int8 zero: some 100 kB on Large
+    assert static_model.stat().st_size < kept.stat().st_size - 50_000
+    assert optimized_op_types(static_model, tmp_path) == optimized_op_types(kept, tmp_path)
+    assert "QGemm" in optimized_op_types(static_model, tmp_path)  # the zero points QGemm needs stayed
+    batch = held_out[:8]
+    np.testing.assert_array_equal(ort_runner(make_session(static_model))(batch), ort_runner(make_session(kept))(batch))
 
 
 # Measured on the fixture (32 calibration / 32 held-out photos): top-1 agreement 0.50 (per-tensor) to
