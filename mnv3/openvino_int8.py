@@ -3,8 +3,11 @@
 The result is an OpenVINO IR file (.xml, weights in the .bin beside it) that only the openvino backend
 serves. NNCF places its quantizers where the CPU plugin has INT8 kernels, which onnxruntime's QDQ
 placement does not; the project's exact FP32 graph rewrites (mnv3/graph_rewrites.py) can be applied
-first. The logits layer stays in floating point: it is a small share of the work and the one layer whose
-error lands on the logits unfiltered. Activation ranges are the calibration set's true min/max, as the
+first. By default the logits layer stays in floating point: the one layer whose error lands on the logits
+unfiltered. `quantize_logits` quantizes it too, for speed at batch 1, where it is the slowest single layer
+left in floating point (its 1.28 M weights are read from memory for one image's 1.28 M multiply-adds);
+whether its logits stay close enough is for stage 2's agreement columns and, with real weights, its
+guard to say. Activation ranges are the calibration set's true min/max, as the
 project's static recipes calibrate (MinMax): NNCF's default averages per-sample ranges, which clips the
 outliers that a network amplifies layer by layer, as the random-init stand-in does. Needs `nncf`
 (requirements-openvino.txt).
@@ -25,9 +28,15 @@ def logits_layer(model) -> str:
     return [op for op in model.get_ordered_ops() if op.get_type_name() == "MatMul"][-1].get_friendly_name()
 
 
-def quantize_nncf_int8(fp32_path, out_path, calibration_images: np.ndarray, graph_rewrites: Sequence[str] = ()) -> Path:
+def quantize_nncf_int8(
+    fp32_path,
+    out_path,
+    calibration_images: np.ndarray,
+    graph_rewrites: Sequence[str] = (),
+    quantize_logits: bool = False,
+) -> Path:
     """INT8 OpenVINO IR at `out_path` (.xml) from the ONNX FP32 model, calibrated on `calibration_images`
-    (a preprocess_photos array), after `graph_rewrites` if any."""
+    (a preprocess_photos array), after `graph_rewrites` if any; the logits layer too with `quantize_logits`."""
     import nncf
     import openvino as ov
     from nncf.quantization.advanced_parameters import AdvancedQuantizationParameters
@@ -49,7 +58,7 @@ def quantize_nncf_int8(fp32_path, out_path, calibration_images: np.ndarray, grap
         model,
         dataset,
         subset_size=len(calibration_images),
-        ignored_scope=nncf.IgnoredScope(names=[logits_layer(model)]),
+        ignored_scope=nncf.IgnoredScope(names=[] if quantize_logits else [logits_layer(model)]),
         advanced_parameters=AdvancedQuantizationParameters(
             activations_range_estimator_params=RangeEstimatorParametersSet.MINMAX
         ),

@@ -394,12 +394,28 @@ class EngineVariant:
 # onnxruntime on the FP32 file as the server opens it: the candidate that runs everywhere. The engine table's
 # ratios are against ONNX FP32 as stage 1 times it (onnxruntime's defaults), not against this row.
 FP32_VARIANT = EngineVariant("onnxruntime_fp32", "onnxruntime", FP32_ONNX)
-# NNCF INT8 IR files stage 2 builds, and the exact FP32 rewrites each starts from: none, and the shipped
-# recipe's except pad16 (padding depthwise channels feeds onnxruntime's kernel; OpenVINO would only do more work).
+
+
+@dataclass(frozen=True)
+class OpenVINOInt8Build:
+    """How stage 2 builds an NNCF INT8 IR file: the exact FP32 rewrites it starts from, and whether the logits
+    layer is quantized too (mnv3.openvino_int8)."""
+
+    graph_rewrites: tuple[str, ...] = ()
+    quantize_logits: bool = False
+
+
+# The shipped recipe's rewrites except pad16 (padding depthwise channels feeds onnxruntime's kernel; OpenVINO
+# would only do more work).
+_OPENVINO_REWRITES = tuple(name for name in RECIPES[DEFAULT_RECIPE].graph_rewrites if name != "pad16")
+# NNCF INT8 IR files stage 2 builds: from the graph as exported, from the rewritten graph, and from the rewritten
+# graph with the logits layer in INT8 too.
 OPENVINO_INT8_BUILDS = {
-    "nncf_int8.xml": (),
-    "nncf_rewritten_int8.xml": tuple(name for name in RECIPES[DEFAULT_RECIPE].graph_rewrites if name != "pad16"),
+    "nncf_int8.xml": OpenVINOInt8Build(),
+    "nncf_rewritten_int8.xml": OpenVINOInt8Build(_OPENVINO_REWRITES),
+    "nncf_rewritten_full_int8.xml": OpenVINOInt8Build(_OPENVINO_REWRITES, quantize_logits=True),
 }
+
 ENGINE_TABLE_COLUMNS = (
     "variant",
     "engine",
@@ -433,9 +449,10 @@ def build_openvino_int8(
         print(f"{exc.name}: not installed, NNCF INT8 variants SKIPPED (pip install -r requirements-openvino.txt)")
         return []
     images = preprocess_photos(calibration, preprocessing)
-    for file, rewrites in OPENVINO_INT8_BUILDS.items():
-        print(f"building {file} with NNCF" + (f" after {'+'.join(rewrites)}" if rewrites else ""))
-        quantize_nncf_int8(fp32_path, Path(artifacts_dir) / file, images, rewrites)
+    for file, build in OPENVINO_INT8_BUILDS.items():
+        rewrites = f" after {'+'.join(build.graph_rewrites)}" if build.graph_rewrites else ""
+        print(f"building {file} with NNCF{rewrites}" + (", logits layer in INT8 too" if build.quantize_logits else ""))
+        quantize_nncf_int8(fp32_path, Path(artifacts_dir) / file, images, build.graph_rewrites, build.quantize_logits)
     return list(OPENVINO_INT8_BUILDS)
 
 

@@ -119,21 +119,43 @@ def test_onnxruntime_serving_never_imports_openvino(fp32_model_path):
     assert result.stdout.strip().endswith("openvino imported: False")
 
 
-@pytest.mark.parametrize("graph_rewrites", [(), ("hardswish_to_clip", "fold6", "hardsigmoid_to_clip")])
-def test_nncf_int8_runs_every_convolution_as_int8(fp32_model_path, openvino_installed, tmp_path, graph_rewrites):
-    """Built from the ONNX frontend's unfolded graph, NNCF quantized the depthwise weights ahead of the shape
-    arithmetic the CPU plugin folds them through, back to f32: those convolutions ran in f32, with reorders."""
+def nncf_kernels(fp32_model_path, out_path, graph_rewrites=(), quantize_logits=False) -> set[tuple[str, str]]:
+    """(layer type, kernel) of every layer an NNCF INT8 build of the fixture runs at batch 1 on 1 thread."""
     pytest.importorskip("nncf", reason="optional: pip install -r requirements-openvino.txt")
     from mnv3.openvino_int8 import quantize_nncf_int8
     from mnv3.profiling import openvino_layer_summary
 
     calibration = np.stack([preprocess(decode_image(data)) for data in load_images(8, seed=11)])
-    path = quantize_nncf_int8(fp32_model_path, tmp_path / "int8.xml", calibration, graph_rewrites)
+    path = quantize_nncf_int8(fp32_model_path, out_path, calibration, graph_rewrites, quantize_logits)
     layers = openvino_layer_summary(path, calibration[:1], runs=3, threads=1, precision="f32")
+    return {(layer["layer_type"], layer["kernel"]) for layer in layers}
+
+
+def is_int8(kernel: str) -> bool:
+    return kernel.lower().endswith(("i8", "u8"))
+
+
+@pytest.mark.parametrize("graph_rewrites", [(), ("hardswish_to_clip", "fold6", "hardsigmoid_to_clip")])
+def test_nncf_int8_runs_every_convolution_as_int8(fp32_model_path, openvino_installed, tmp_path, graph_rewrites):
+    """Built from the ONNX frontend's unfolded graph, NNCF quantized the depthwise weights ahead of the shape
+    arithmetic the CPU plugin folds them through, back to f32: those convolutions ran in f32, with reorders."""
     kernels = {
-        (layer["layer_type"], layer["kernel"])
-        for layer in layers
-        if layer["layer_type"] in ("Convolution", "GroupConvolution")
+        (layer_type, kernel)
+        for layer_type, kernel in nncf_kernels(fp32_model_path, tmp_path / "int8.xml", graph_rewrites)
+        if layer_type in ("Convolution", "GroupConvolution")
     }
-    assert {node_type for node_type, _ in kernels} == {"Convolution", "GroupConvolution"}
-    assert all(kernel.lower().endswith(("i8", "u8")) for _, kernel in kernels), sorted(kernels)
+    assert {layer_type for layer_type, _ in kernels} == {"Convolution", "GroupConvolution"}
+    assert all(is_int8(kernel) for _, kernel in kernels), sorted(kernels)
+
+
+def test_nncf_int8_keeps_the_logits_layer_in_floating_point_unless_asked(fp32_model_path, openvino_installed, tmp_path):
+    """The classifier's two layers: by default the first runs INT8 and the logits layer floating point; with
+    quantize_logits (stage 2's nncf_rewritten_full_int8.xml) both run INT8."""
+
+    def classifier_kernels(quantize_logits: bool) -> list[str]:
+        kernels = nncf_kernels(fp32_model_path, tmp_path / f"{quantize_logits}.xml", quantize_logits=quantize_logits)
+        return sorted(kernel for layer_type, kernel in kernels if layer_type.startswith("FullyConnected"))
+
+    default, full = classifier_kernels(False), classifier_kernels(True)
+    assert sorted(map(is_int8, default)) == [False, True], default
+    assert full and all(map(is_int8, full)), full
