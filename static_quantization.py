@@ -8,13 +8,15 @@ measures several recipes against ONNX FP32 in the same run (results/02_recipes.c
 Then chooses the engine that serves: every installed engine x precision (onnxruntime; OpenVINO in f32
 and bf16 on FP32, on the static INT8 file and on NNCF's INT8 builds) timed in turns with ONNX FP32
 (results/02_engines.csv). The fastest that agrees with FP32 (--min-agreement, with real weights) goes
-into the manifest, and the server's default `--backend auto` serves it (mnv3/backend_choice.py).
+into the manifest, and the server's default `--backend auto` serves it (mnv3/backend_choice.py). If that
+is OpenVINO, the part size its batches are cut into is measured too (results/02_part_sizes.csv).
 """
 
 import argparse
 import json
 import shutil
 import sys
+from pathlib import Path
 
 from mnv3 import cli, report
 from mnv3.accuracy import UnreadableLabels, load_labels
@@ -27,6 +29,7 @@ from mnv3.artifacts import (
     MODEL_VARIANTS_CSV,
     MODEL_VARIANTS_PNG,
     OPENVINO_PROFILE_CSV,
+    PART_SIZES_CSV,
     RECIPES_CSV,
     STATIC_CSV,
     STATIC_INT8_ONNX,
@@ -42,7 +45,9 @@ from mnv3.quantize import DEFAULT_RECIPE, RECIPES, calibration_photos, quantize_
 from mnv3.report import markdown_table, read_csv, write_csv, write_summary
 from mnv3.variants import (
     ENGINE_TABLE_COLUMNS,
+    PART_SIZE_TABLE_COLUMNS,
     Bench,
+    EngineVariant,
     build_openvino_int8,
     candidates,
     compare_recipes,
@@ -51,6 +56,7 @@ from mnv3.variants import (
     engine_runner,
     engine_variants,
     measure_static,
+    part_size_rows,
     profile_openvino,
     ratio_table_rows,
     recipe_path,
@@ -207,10 +213,16 @@ def choose_engine(args, fp32_path, calibration, bench: Bench, profile_runs: int)
     rows = [row | {"chosen": row is chosen} for row in rows]
     write_csv(args.results_dir / ENGINES_CSV, rows)
     print(markdown_table([{key: row.get(key, "") for key in ENGINE_TABLE_COLUMNS} for row in rows]))
+    (args.results_dir / PART_SIZES_CSV).unlink(missing_ok=True)  # an earlier run's, when OpenVINO was chosen
+    if chosen["engine"] == "openvino":
+        part_size, why = choose_part_size(
+            fp32_path, next(v for v in variants if v.name == chosen["variant"]), bench, args.results_dir
+        )
+        entry |= part_size | {"reason": f"{entry['reason']}; {why}"}
     print(f"--backend auto will serve {entry['variant']}: {entry['reason']}")
     print(f"agreement guard: {entry['agreement_guard']}")
     print(silicon_summary(next(row for row in rows if row["chosen"]), bench.batch_size))
-    profiled = profile_openvino(rows, args.artifacts_dir, bench, profile_runs)
+    profiled = profile_openvino(rows, args.artifacts_dir, bench, profile_runs, entry.get("part_size"))
     (args.results_dir / OPENVINO_PROFILE_CSV).unlink(missing_ok=True)  # an earlier run's, with OpenVINO
     if profiled:
         row, layers = profiled
@@ -222,6 +234,27 @@ def choose_engine(args, fp32_path, calibration, bench: Bench, profile_runs: int)
         )
     update_manifest(args.artifacts_dir, **{MANIFEST_KEY: entry})
     return entry
+
+
+def choose_part_size(fp32_path, variant: EngineVariant, bench: Bench, results_dir: Path) -> tuple[dict, str]:
+    """Time the chosen OpenVINO variant's batches in parts of each size (variants.part_size_rows), write
+    results/02_part_sizes.csv, and return the manifest keys for the fastest per image (its part size and
+    same-run ratio) and why, for the choice's reason."""
+    print(f"timing {variant.name}'s batches of {bench.batch_size} in parts of each size, in turns with ONNX FP32")
+    rows = part_size_rows(fp32_path, variant, bench)
+    best = min(rows[1:], key=lambda row: row["per_image_ms_vs_onnx_fp32"])
+    rows = [row | {"chosen": row is best} for row in rows]
+    write_csv(results_dir / PART_SIZES_CSV, rows)
+    print(markdown_table([{key: row.get(key, "") for key in PART_SIZE_TABLE_COLUMNS} for row in rows]))
+    sizes = ", ".join(str(row["part_size"]) for row in rows[1:])
+    keys = {
+        "part_size": best["part_size"],
+        "part_size_per_image_ms_vs_onnx_fp32": best["per_image_ms_vs_onnx_fp32"],
+    }
+    return keys, (
+        f"batches in parts of {best['part_size']} images, the fastest per image of part sizes {sizes} timed in "
+        f"turns with ONNX FP32 ({best['per_image_ms_vs_onnx_fp32']}x FP32's time at batch {bench.batch_size})"
+    )
 
 
 def silicon_summary(row: dict, batch_size: int) -> str:

@@ -34,7 +34,8 @@ SPEED_COLUMNS = ("mean_ms_vs_onnx_fp32", "per_image_ms_vs_onnx_fp32")
 
 @dataclass(frozen=True)
 class Choice:
-    """What serves: the file, its engine and OpenVINO precision and streams; what was asked for, and why this."""
+    """What serves: the file, its engine and OpenVINO precision, streams and part size for batches (None: the
+    backend's default); what was asked for, and why this."""
 
     path: Path
     backend: str
@@ -45,6 +46,7 @@ class Choice:
     manifest_entry: dict | None = None
     streams: int = 1
     unservable: bool = False  # a measured choice applies but cannot be served here: worth a warning
+    part_size: int | None = None
 
     @property
     def variant(self) -> str:
@@ -89,7 +91,17 @@ def resolve_auto(model: Path) -> Choice:
     chosen = model.parent / entry["file"]
     if not chosen.is_file():
         return fallback(f"stage 2 chose {entry['variant']}, but its file {chosen} is missing", True)
-    return Choice(chosen, entry["engine"], entry["precision"], AUTO, entry["reason"], False, entry, entry["streams"])
+    return Choice(
+        chosen,
+        entry["engine"],
+        entry["precision"],
+        AUTO,
+        entry["reason"],
+        False,
+        entry,
+        entry["streams"],
+        part_size=entry.get("part_size"),
+    )
 
 
 def variant_name(engine: str, file: str, precision: str, streams: int = 1) -> str:

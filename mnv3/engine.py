@@ -110,6 +110,7 @@ class Engine:
                 precision,
                 choice.streams,
                 batch_threads,
+                choice.part_size,
             )
         except ModelLoadError:
             raise
@@ -178,11 +179,13 @@ def open_session(
     precision: str = "auto",
     streams: int = 1,
     batch_threads: int | None = None,
+    part_size: int | None = None,
 ):
     """The runtime session `Engine` wraps (one of BACKENDS): what the server, stage 2's engine choice and the
     in-process limit all run, so what stage 2 timed is what is served, but for the threads a server gives
     OpenVINO's batches (`batch_threads`; stage 2 and the limit time the engine with every thread they are
-    given). `precision`, `streams` and `batch_threads` are OpenVINO's (see OpenVINOSession)."""
+    given). `precision`, `streams`, `batch_threads` and `part_size` (None: its default) are OpenVINO's (see
+    OpenVINOSession)."""
     if backend == "onnxruntime":
         return make_session(path, intra_op_threads, inter_op_threads, allow_spinning=allow_spinning)
     try:
@@ -192,8 +195,15 @@ def open_session(
     from mnv3.openvino_backend import OpenVINOSession
 
     # OpenVINO has no inter-op pool to size: `intra_op_threads` threads for a batch of one.
+    parts = {"part_size": part_size} if part_size else {}
     return OpenVINOSession(
-        path, intra_op_threads, precision, max_batch_size=max_batch_size, streams=streams, batch_threads=batch_threads
+        path,
+        intra_op_threads,
+        precision,
+        max_batch_size=max_batch_size,
+        streams=streams,
+        batch_threads=batch_threads,
+        **parts,
     )
 
 

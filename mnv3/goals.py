@@ -15,6 +15,7 @@ from mnv3.artifacts import (
     ENGINES_CSV,
     GOALS_CSV,
     MODEL_VARIANTS_CSV,
+    PART_SIZES_CSV,
     RECIPES_CSV,
     RESULTS_DIR,
     STAGE_SCRIPTS,
@@ -45,8 +46,8 @@ def value(row, key):
 
 def _fastest(results_dir: Path, key: str) -> tuple[str, float | None]:
     """(variant, its `key` / ONNX FP32's), over every variant timed in the same run as ONNX FP32:
-    stage 1's rows against stage 1's FP32, stage 2's recipes and engine variants against the FP32 they took
-    turns with."""
+    stage 1's rows against stage 1's FP32, stage 2's recipes, engine variants and the chosen one's part sizes
+    against the FP32 they took turns with."""
     baseline = _rows(results_dir, BASELINE_CSV)
     fp32 = _find(baseline, variant="onnx_fp32")
     ratios = {
@@ -60,6 +61,11 @@ def _fastest(results_dir: Path, key: str) -> tuple[str, float | None]:
     ratios |= {
         row["variant"]: value(row, f"{key}_vs_onnx_fp32")
         for row in _rows(results_dir, ENGINES_CSV)
+        if row["variant"] != "onnx_fp32"
+    }
+    ratios |= {
+        f"{row['variant']} in parts of {row['part_size']}": value(row, f"{key}_vs_onnx_fp32")
+        for row in _rows(results_dir, PART_SIZES_CSV)
         if row["variant"] != "onnx_fp32"
     }
     ratios = {name: ratio for name, ratio in ratios.items() if ratio is not None}

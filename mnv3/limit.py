@@ -98,6 +98,7 @@ def limit_runner(
         allow_spinning=False,
         precision=served.precision,
         streams=served.streams,
+        part_size=served.part_size,
     )
     preprocessing = model_preprocessing(served.path.parent)  # as the server serving this file does
     with ThreadPoolExecutor(max_workers=decode_threads) as pool:

@@ -8,12 +8,15 @@ stage 1 import this module: onnxruntime stays the one hard dependency.
 Batch sizes: every model is compiled for a static shape; a dynamic batch axis is not, as OpenVINO's CPU
 plugin runs a dynamic shape noticeably slower than a static one, most of all for INT8 files. A batch of
 exactly one runs on a model compiled for batch 1 with every thread (the latency path: what every request
-runs at under light load). A larger batch is cut into parts of at most MICRO_BATCH images, each part a
-power of two (13 = 4 + 4 + 4 + 1), and each part runs on a model compiled for its size. Small parts are
-faster per image than the whole batch at once: a few images' activations stay in a core's cache, which
-a batch of 32 spills. So the compiled models are one per power of two up to MICRO_BATCH (and up to
-`max_batch_size`), each compiled and run once at load, so no request pays for a compile or a first
-allocation.
+runs at under light load). A larger batch is cut into parts of at most `part_size` images, each part a
+power of two (13 = 4 + 4 + 4 + 1), and each part runs on a model compiled for its size. Which part size is
+fastest per image depends on the CPU: on an AVX-512 CPU without AMX small parts were faster than the whole
+batch at once (a few images' activations stay in a core's cache, which a batch of 32 spills); on a Xeon
+with AMX larger parts were, its matrix unit doing more per call. So stage 2 measures the part size for the
+engine it chooses (DEFAULT_PART_SIZE without that), and the compiled models are one per power of two up to
+`part_size` (and up to `max_batch_size`), each compiled and run once at load, so no request pays for a
+compile or a first allocation. With several streams no part is larger than the batch's share of a stream
+(a batch of 16 on 2 streams runs as 8 + 8, not as one part of 16 that leaves a stream idle).
 
 Threads and streams: the batch-1 model runs on `threads` threads, one stream. The part models run on
 `batch_threads` threads (default: `threads`); with `streams` > 1 they are compiled for that many CPU
@@ -24,6 +27,7 @@ and a batch that takes every core takes them from the decoding, in bursts.
 """
 
 import logging
+import math
 import threading
 from typing import NamedTuple
 
@@ -33,8 +37,8 @@ import openvino as ov
 log = logging.getLogger(__name__)
 
 PRECISIONS = ("auto", "f32", "bf16")
-# The largest part a batch is cut into: at and around this size, parts ran fastest per image (see above).
-MICRO_BATCH = 4
+# The largest part a batch is cut into unless stage 2 measured another for this CPU (see above).
+DEFAULT_PART_SIZE = 4
 DEVICE = "CPU"
 
 
@@ -63,7 +67,7 @@ def latency_config(threads: int, precision: str) -> dict:
 
 class OpenVINOSession:
     """The file compiled for the CPU at static batch sizes (see the module docstring): batch 1, and the
-    powers of two up to MICRO_BATCH for the parts of larger batches (none when `max_batch_size` is 1).
+    powers of two up to `part_size` for the parts of larger batches (none when `max_batch_size` is 1).
     A file whose batch axis is fixed is compiled at that size alone. Calls take turns."""
 
     def __init__(
@@ -74,6 +78,7 @@ class OpenVINOSession:
         max_batch_size: int | None = None,
         streams: int = 1,
         batch_threads: int | None = None,
+        part_size: int = DEFAULT_PART_SIZE,
     ):
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
@@ -105,7 +110,7 @@ class OpenVINOSession:
         self._parts: dict[int, ov.AsyncInferQueue] = {}
         if shape.rank.is_static and shape.rank.get_length() > 0 and shape[0].is_dynamic:
             self._alone = core.compile_model(at_batch(model, 1), DEVICE, latency).create_infer_request()
-            largest = min(MICRO_BATCH, max_batch_size or MICRO_BATCH)
+            largest = min(part_size, max_batch_size or part_size)
             sizes = [1 << k for k in range(largest.bit_length()) if max_batch_size != 1]
         else:
             sizes = [shape[0].get_length() if shape.rank.is_static and shape.rank.get_length() > 0 else 1]
@@ -120,6 +125,7 @@ class OpenVINOSession:
             self._output_rows = [(tuple(o.get_shape())[1:], o.get_element_type().to_dtype()) for o in compiled.outputs]
         if not any(size > 1 for size in sizes):  # nothing but single images: they run on every thread
             self.batch_threads = threads
+        self.streams = streams
         self._out: list[np.ndarray] = []  # the outputs of the call in progress, filled in part by part
         self._lock = threading.Lock()  # one call at a time: parts write into that call's outputs
         self._warm_up()
@@ -136,7 +142,7 @@ class OpenVINOSession:
                 return [self._alone.get_output_tensor(i).data.copy() for i in range(len(self._outputs))]
             if not self._parts:
                 raise ValueError(f"compiled for batch 1 only (max_batch_size=1), got a batch of {len(batch)}")
-            sizes = split_batch(len(batch), self._parts)
+            sizes = split_batch(len(batch), self._parts, self.streams)
             self._out = [np.empty((len(batch), *shape), dtype) for shape, dtype in self._output_rows]
             offset = 0
             for size in sizes:
@@ -171,10 +177,13 @@ class OpenVINOSession:
         return [f"OpenVINO:{DEVICE}:{self.precision}"]
 
 
-def split_batch(rows: int, sizes) -> list[int]:
-    """`rows` as parts of the compiled `sizes`, largest first (13 with 1, 2, 4: 4, 4, 4, 1)."""
+def split_batch(rows: int, sizes, streams: int = 1) -> list[int]:
+    """`rows` as parts of the compiled `sizes`, largest first (13 with 1, 2, 4: 4, 4, 4, 1), none larger than a
+    stream's share of the rows where a smaller size exists (16 with 1, 2, 4, 8, 16 on 2 streams: 8, 8)."""
+    share = math.ceil(rows / streams)
+    fitting = [size for size in sizes if size <= share]
     parts = []
-    for size in sorted(sizes, reverse=True):
+    for size in sorted(fitting or sizes, reverse=True):
         parts += [size] * (rows // size)
         rows %= size
     if rows:

@@ -146,7 +146,12 @@ def compare_decodes(
 
     def logits(engine: Choice) -> dict[str, np.ndarray]:
         session = open_session(
-            engine.path, engine.backend, max_batch_size=BATCH_SIZE, precision=engine.precision, streams=engine.streams
+            engine.path,
+            engine.backend,
+            max_batch_size=BATCH_SIZE,
+            precision=engine.precision,
+            streams=engine.streams,
+            part_size=engine.part_size,
         )
         run = ort_runner(session)  # OpenVINO's session answers the same calls
         return {name: predict(run, array_batches(batch, BATCH_SIZE)) for name, batch in tensors.items()}

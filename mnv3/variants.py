@@ -381,14 +381,15 @@ def compare_variants(rows: list[dict]) -> list[dict]:
 @dataclass(frozen=True)
 class EngineVariant:
     """One way to serve the model: a file beside the models, the engine that runs it (engine.BACKENDS),
-    OpenVINO's inference precision for what is not quantized (f32 or bf16; onnxruntime has none) and its
-    streams for batches (OpenVINOSession)."""
+    OpenVINO's inference precision for what is not quantized (f32 or bf16; onnxruntime has none), its
+    streams for batches and the part size batches are cut into (OpenVINOSession; None: its default)."""
 
     name: str
     engine: str
     file: str
     precision: str = "auto"
     streams: int = 1
+    part_size: int | None = None
 
 
 # onnxruntime on the FP32 file as the server opens it: the candidate that runs everywhere. The engine table's
@@ -489,6 +490,7 @@ def engine_runner(variant: EngineVariant, artifacts_dir: Path, threads: int, bat
         allow_spinning=False,
         precision=variant.precision,
         streams=variant.streams,
+        part_size=variant.part_size,
     )
     return ort_runner(session)
 
@@ -543,25 +545,78 @@ def engine_rows(fp32_path: Path, runners: dict[EngineVariant, Callable], bench: 
     return [row | silicon_columns(row, FP32_ONNX, macs, peaks) for row in rows]
 
 
+PART_SIZE_TABLE_COLUMNS = (
+    "variant",
+    "part_size",
+    "per_image_ms",
+    "per_image_ms_vs_onnx_fp32",
+    "per_image_p50_ms_vs_onnx_fp32",
+    "top1_agreement",
+    "sqnr_db",
+    "chosen",
+)
+# The part sizes stage 2 times the chosen OpenVINO variant's batches in (OpenVINOSession), those that fit a
+# stream's share of a benchmark batch.
+PART_SIZES = (2, 4, 8, 16, 32)
+
+
+def part_size_rows(fp32_path: Path, variant: EngineVariant, bench: Bench) -> list[dict]:
+    """The OpenVINO `variant` with its batches cut into parts of each PART_SIZES size up to a stream's share of
+    a benchmark batch, and ONNX FP32 (the first row), timed in turns in one run (COMPARISON_ROUNDS rounds):
+    each a row with its same-run ratios and agreement. Only the per-image time at batch N can differ; a batch
+    of one never runs in parts."""
+    largest = max(bench.batch_size // variant.streams, 1)
+    sized = {size: replace(variant, part_size=size) for size in PART_SIZES if size <= largest}
+    artifacts_dir = Path(fp32_path).parent
+    measured = measure_runners(
+        fp32_path,
+        {
+            f"parts of {size}": (
+                engine_runner(sized_variant, artifacts_dir, bench.threads, bench.batch_size),
+                model_size_mb(artifacts_dir / variant.file),
+            )
+            for size, sized_variant in sized.items()
+        },
+        bench,
+        rounds=COMPARISON_ROUNDS,
+    )
+    fp32 = measured.pop(FP32).latency
+    reference = {"variant": FP32, "part_size": "", **fp32, **same_run_ratios(fp32, fp32)}
+    return [reference] + [
+        {
+            "variant": variant.name,
+            "part_size": size,
+            **measured[f"parts of {size}"].latency,
+            **same_run_ratios(measured[f"parts of {size}"].latency, fp32),
+            **measured[f"parts of {size}"].scores,
+            "threads": bench.threads,
+            **bench.provenance(),
+        }
+        for size in sized
+    ]
+
+
 def candidates(rows: list[dict]) -> list[dict]:
     """engine_rows' rows but the reference: the ways to serve the model that stage 2 chooses from."""
     return [row for row in rows if row["variant"] != FP32]
 
 
-def profile_openvino(rows: list[dict], artifacts_dir: Path, bench: Bench, runs: int) -> tuple[dict, list[dict]] | None:
+def profile_openvino(
+    rows: list[dict], artifacts_dir: Path, bench: Bench, runs: int, part_size: int | None = None
+) -> tuple[dict, list[dict]] | None:
     """OpenVINO's per-layer time split (profiling.openvino_layer_summary) of the chosen row if OpenVINO runs it,
-    else of the fastest OpenVINO row per image: one part of a benchmark batch (MICRO_BATCH images, or the
-    batch size if smaller) alone on one stream's threads; a batch of 1 on every thread, as the server runs
-    it. None when no row is OpenVINO."""
+    else of the fastest OpenVINO row per image: one part of a benchmark batch (`part_size`, the chosen row's
+    measured one, else OpenVINOSession's default; the batch size if smaller) alone on one stream's threads;
+    a batch of 1 on every thread, as the server runs it. None when no row is OpenVINO."""
     openvino_rows = [row for row in rows if row["engine"] == "openvino"]
     if not openvino_rows:
         return None
-    from mnv3.openvino_backend import MICRO_BATCH
+    from mnv3.openvino_backend import DEFAULT_PART_SIZE
     from mnv3.profiling import openvino_layer_summary
 
     row = next((row for row in openvino_rows if row.get("chosen")), None)
     row = row or min(openvino_rows, key=lambda row: float(row["per_image_ms"]))
-    size = min(MICRO_BATCH, bench.batch_size)
+    size = min(part_size if row.get("chosen") and part_size else DEFAULT_PART_SIZE, bench.batch_size)
     threads = bench.threads if size == 1 else max(bench.threads // row["streams"], 1)
     batch = np.ascontiguousarray(bench.held_out[np.arange(size) % len(bench.held_out)])
     summary = openvino_layer_summary(Path(artifacts_dir) / row["file"], batch, runs, threads, row["precision"])

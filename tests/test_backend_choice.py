@@ -61,13 +61,15 @@ def models_dir(fp32_model_dir, calibration, tmp_path_factory):
     return directory
 
 
-def entry_for(engine: str, file: str, precision: str = "f32", for_model: str = STATIC_INT8_ONNX) -> dict:
+def entry_for(
+    engine: str, file: str, precision: str = "f32", for_model: str = STATIC_INT8_ONNX, streams: int = 1
+) -> dict:
     row = {
         "variant": f"{engine}_{file}",
         "engine": engine,
         "file": file,
         "precision": precision,
-        "streams": 1,
+        "streams": streams,
         "mean_ms_vs_onnx_fp32": 0.5,
         "per_image_ms_vs_onnx_fp32": 0.4,
         "batch_size": 32,
@@ -88,6 +90,20 @@ def test_auto_serves_the_manifest_choice_and_explicit_backend_wins(models_dir, o
         STATIC_INT8_ONNX,
         "--backend onnxruntime given",
     )
+
+
+def test_auto_cuts_batches_into_the_part_size_stage_2_measured(models_dir, openvino_installed):
+    """A part size in the choice compiles the parts up to it (and the server's batches run in them); a choice
+    without one (stage 2 before part sizes were measured) keeps the backend's default."""
+    from mnv3.openvino_backend import DEFAULT_PART_SIZE
+
+    entry = entry_for("openvino", FP32_ONNX, "f32", streams=2)
+    update_manifest(models_dir, **{MANIFEST_KEY: entry | {"part_size": 8}})
+    engine = Engine.load(models_dir / STATIC_INT8_ONNX, "auto", max_batch_size=16)
+    assert sorted(engine.session._parts) == [1, 2, 4, 8] and engine.choice.describe()["part_size"] == 8
+    update_manifest(models_dir, **{MANIFEST_KEY: entry})
+    default = Engine.load(models_dir / STATIC_INT8_ONNX, "auto", max_batch_size=16)
+    assert max(default.session._parts) == DEFAULT_PART_SIZE and default.choice.part_size is None
 
 
 def test_auto_falls_back_to_onnxruntime_with_the_reason(models_dir, tmp_path, monkeypatch, caplog):
@@ -235,14 +251,15 @@ def test_the_guard_refuses_a_degraded_variant_with_real_weights_only(measured_ro
 
 @pytest.mark.parametrize("file_name", [FP32_ONNX, STATIC_INT8_ONNX])
 def test_openvino_parts_of_a_batch_compute_each_photo_as_alone(models_dir, held_out, openvino_installed, file_name):
-    """Every way a batch is cut (1..9 photos: parts of 4, 2 and 1 on one or two streams, or on one thread as
-    a server runs them) gives each photo the logits it gets alone, and in its own row."""
+    """Every way a batch is cut (1..9 photos: parts of 4, 2 and 1 on one or two streams, parts of up to 8, or
+    on one thread as a server runs them) gives each photo the logits it gets alone, and in its own row."""
     from mnv3.engine import open_session
 
-    sessions = [
-        open_session(models_dir / file_name, "openvino", 2, max_batch_size=8, precision="f32", streams=n)
-        for n in (1, 2)
-    ] + [open_session(models_dir / file_name, "openvino", 2, max_batch_size=8, precision="f32", batch_threads=1)]
+    def session(**options):
+        return open_session(models_dir / file_name, "openvino", 2, max_batch_size=8, precision="f32", **options)
+
+    sessions = [session(streams=1), session(streams=2), session(batch_threads=1), session(streams=2, part_size=8)]
+    assert sorted(sessions[-1]._parts) == [1, 2, 4, 8]
     alone = np.concatenate([sessions[0].run(None, {"input": photo[None]})[0] for photo in held_out[:9]])
     for session in sessions:
         for size in range(1, 10):
@@ -288,5 +305,11 @@ def test_a_batch_is_cut_into_the_compiled_sizes(openvino_installed):
     assert split_batch(32, [1, 2, 4]) == [4] * 8
     assert split_batch(7, [4, 2, 1]) == [4, 2, 1]
     assert split_batch(6, [3]) == [3, 3]  # a file with a fixed batch axis of 3
+    # on several streams no part is larger than a stream's share, so no stream idles while another works
+    assert split_batch(16, [1, 2, 4, 8, 16]) == [16]
+    assert split_batch(16, [1, 2, 4, 8, 16], streams=2) == [8, 8]
+    assert split_batch(32, [1, 2, 4, 8, 16], streams=2) == [16, 16]
+    assert split_batch(5, [1, 2, 4], streams=2) == [2, 2, 1]
+    assert split_batch(6, [3], streams=4) == [3, 3]
     with pytest.raises(ValueError, match="cannot be cut into the compiled sizes"):
         split_batch(5, [3])

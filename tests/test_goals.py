@@ -124,6 +124,18 @@ def test_fastest_variant_is_ranked_by_same_run_ratios_across_stage_1_and_the_rec
     assert goals["fastest variant batch 1 (openvino_fp32) / ONNX FP32"] == 0.75
     assert goals["fastest variant per image at batch N (static INT8 r) / ONNX FP32"] == 0.7
 
+    # stage 2's part sizes of the chosen OpenVINO variant are offered variants too (the server runs the chosen)
+    write_csv(
+        tmp_path / "02_part_sizes.csv",
+        [
+            {"variant": "onnx_fp32", "part_size": "", "mean_ms_vs_onnx_fp32": 1.0, "per_image_ms_vs_onnx_fp32": 1.0},
+            {"variant": "ov", "part_size": 4, "mean_ms_vs_onnx_fp32": 0.8, "per_image_ms_vs_onnx_fp32": 0.69},
+            {"variant": "ov", "part_size": 16, "mean_ms_vs_onnx_fp32": 0.8, "per_image_ms_vs_onnx_fp32": 0.6},
+        ],
+    )
+    goals = {row["goal"]: row["measured"] for row in measured_goals(tmp_path)}
+    assert goals["fastest variant per image at batch N (ov in parts of 16) / ONNX FP32"] == 0.6
+
 
 LIMIT_GOAL = "batched server req/s / in-process limit of the engine it serves"
 BATCHING_GOAL = "batched server req/s / unbatched, same concurrency"

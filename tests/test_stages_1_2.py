@@ -15,6 +15,7 @@ import static_quantization
 from mnv3.quantize import DEFAULT_RECIPE, RECIPES
 from mnv3.report import read_csv
 from mnv3.silicon import count_macs
+from mnv3.variants import PART_SIZES
 
 pytestmark = pytest.mark.e2e
 
@@ -219,6 +220,25 @@ def test_stage_2_records_the_fastest_engine_for_auto_and_that_the_stand_in_is_no
     assert entry["mean_ms_vs_onnx_fp32"] == float(chosen["mean_ms_vs_onnx_fp32"]) and entry["batch_size"] == 8
     assert not entry["guard_applied"] and entry["agreement_guard"].startswith("not applied")
     assert entry["cpu"] and entry["threads"] == 2 and entry["weights"] == "random-init"
+
+
+def test_stage_2_measures_the_part_size_of_a_chosen_openvino_engine(stage_dirs):
+    entry = json.loads((stage_dirs["artifacts"] / "manifest.json").read_text())["engine_choice"]
+    path = stage_dirs["results"] / "02_part_sizes.csv"
+    if entry["engine"] != "openvino":  # onnxruntime runs a batch whole: nothing to measure
+        assert not path.exists() and "part_size" not in entry
+        return
+    rows = read_csv(path)
+    assert rows[0]["variant"] == "onnx_fp32" and float(rows[0]["per_image_ms_vs_onnx_fp32"]) == 1.0
+    sized = rows[1:]
+    # quick mode's batch of 8: each power of two from 2 up to a stream's share of it
+    assert [int(row["part_size"]) for row in sized] == [s for s in PART_SIZES if s <= 8 // entry["streams"]]
+    assert {row["variant"] for row in sized} == {entry["variant"]}
+    [chosen] = [row for row in sized if row["chosen"] == "True"]
+    assert float(chosen["per_image_ms_vs_onnx_fp32"]) == min(float(row["per_image_ms_vs_onnx_fp32"]) for row in sized)
+    assert entry["part_size"] == int(chosen["part_size"])
+    assert entry["part_size_per_image_ms_vs_onnx_fp32"] == float(chosen["per_image_ms_vs_onnx_fp32"])
+    assert f"batches in parts of {entry['part_size']} images" in entry["reason"]
 
 
 def test_stage_2_says_how_far_each_engine_is_from_the_measured_peak(stage_dirs):
