@@ -407,8 +407,11 @@ class OpenVINOInt8Build:
 
 
 # The shipped recipe's rewrites except pad16 (padding depthwise channels feeds onnxruntime's kernel; OpenVINO
-# would only do more work).
-_OPENVINO_REWRITES = tuple(name for name in RECIPES[DEFAULT_RECIPE].graph_rewrites if name != "pad16")
+# would only do more work), and the global pools as AveragePool (OpenVINO's pooling kernel, not a ReduceMean).
+_OPENVINO_REWRITES = (
+    *(name for name in RECIPES[DEFAULT_RECIPE].graph_rewrites if name != "pad16"),
+    "global_pool_to_avgpool",
+)
 # NNCF INT8 IR files stage 2 builds: from the graph as exported, from the rewritten graph, and from the rewritten
 # graph with the logits layer in INT8 too.
 OPENVINO_INT8_BUILDS = {

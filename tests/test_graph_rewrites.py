@@ -80,6 +80,7 @@ def test_graph_rewrites_are_exact_in_fp32_on_photos(fp32_path, held_out, referen
     assert ("HardSigmoid" in op_types(rewritten)) == ("hardsigmoid_to_clip" not in rewrites)
     if "pad16" in rewrites:
         assert all(groups % 16 == 0 for groups in depthwise_groups(rewritten))
+    assert ("GlobalAveragePool" in op_types(rewritten)) == ("global_pool_to_avgpool" not in rewrites)
     if rewrites == ("fold6",):  # nothing to fold without hardswish_to_clip's 1/6
         assert rewritten == original
     np.testing.assert_allclose(run(rewritten, held_out), reference, rtol=0, atol=1e-5)
@@ -189,6 +190,21 @@ def test_hardsigmoid_to_clip_folds_any_alpha_and_beta_into_the_conv(attributes):
     folded = apply_graph_rewrites(model, ("hardsigmoid_to_clip",))
     assert [node.op_type for node in folded.graph.node] == ["Conv", "Clip"]
     np.testing.assert_allclose(run(folded, x), run(model, x), atol=1e-6)
+
+
+def test_global_pool_to_avgpool_pools_the_whole_window_and_leaves_an_unknown_one():
+    x = np.random.default_rng(0).normal(size=(2, 3, 5, 7)).astype(np.float32)
+    model = make_model(
+        [onnx.helper.make_node("GlobalAveragePool", ["x"], ["y"])], [("x", x.shape)], [("y", [2, 3, 1, 1])], {}
+    )
+    pooled = apply_graph_rewrites(model, ("global_pool_to_avgpool",))
+    [node] = pooled.graph.node
+    assert node.op_type == "AveragePool" and list(node.attribute[0].ints) == [5, 7]
+    np.testing.assert_allclose(run(pooled, x), x.mean(axis=(2, 3), keepdims=True), atol=1e-6)
+    dynamic = make_model(
+        [onnx.helper.make_node("GlobalAveragePool", ["x"], ["y"])], [("x", [2, 3, "h", "w"])], [("y", [2, 3, 1, 1])], {}
+    )
+    assert apply_graph_rewrites(dynamic, ("global_pool_to_avgpool",)) == dynamic
 
 
 def test_hardswish_to_clip_writes_the_definition():

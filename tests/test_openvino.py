@@ -14,6 +14,7 @@ from mnv3.engine import Engine, ModelLoadError
 from mnv3.photos import held_out_images, load_images
 from mnv3.preprocess import decode_image, preprocess, preprocess_batch
 from mnv3.server import create_app
+from mnv3.variants import OPENVINO_INT8_BUILDS
 
 pytestmark = pytest.mark.e2e
 
@@ -135,7 +136,11 @@ def is_int8(kernel: str) -> bool:
     return kernel.lower().endswith(("i8", "u8"))
 
 
-@pytest.mark.parametrize("graph_rewrites", [(), ("hardswish_to_clip", "fold6", "hardsigmoid_to_clip")])
+# The rewrites stage 2's rewritten NNCF builds start from.
+OPENVINO_REWRITES = OPENVINO_INT8_BUILDS["nncf_rewritten_int8.xml"].graph_rewrites
+
+
+@pytest.mark.parametrize("graph_rewrites", [(), OPENVINO_REWRITES])
 def test_nncf_int8_runs_every_convolution_as_int8(fp32_model_path, openvino_installed, tmp_path, graph_rewrites):
     """Built from the ONNX frontend's unfolded graph, NNCF quantized the depthwise weights ahead of the shape
     arithmetic the CPU plugin folds them through, back to f32: those convolutions ran in f32, with reorders."""
@@ -146,6 +151,18 @@ def test_nncf_int8_runs_every_convolution_as_int8(fp32_model_path, openvino_inst
     }
     assert {layer_type for layer_type, _ in kernels} == {"Convolution", "GroupConvolution"}
     assert all(is_int8(kernel) for _, kernel in kernels), sorted(kernels)
+
+
+def test_nncf_int8_pools_with_the_int8_pooling_kernel_after_the_rewrite(fp32_model_path, openvino_installed, tmp_path):
+    """OpenVINO reads a GlobalAveragePool as a ReduceMean; written as an AveragePool (global_pool_to_avgpool,
+    one of the rewritten builds' rewrites) every pool runs as an INT8 AvgPool layer and no ReduceMean is left."""
+    assert "global_pool_to_avgpool" in OPENVINO_REWRITES
+    plain = nncf_kernels(fp32_model_path, tmp_path / "plain.xml")
+    pooled = nncf_kernels(fp32_model_path, tmp_path / "pooled.xml", ("global_pool_to_avgpool",))
+    assert "ReduceMean" in {layer_type for layer_type, _ in plain}
+    assert "ReduceMean" not in {layer_type for layer_type, _ in pooled}
+    pools = [kernel for layer_type, kernel in pooled if layer_type == "AvgPool"]
+    assert pools and all(map(is_int8, pools)), sorted(pooled)
 
 
 def test_nncf_int8_keeps_the_logits_layer_in_floating_point_unless_asked(fp32_model_path, openvino_installed, tmp_path):
