@@ -195,7 +195,6 @@ def open_session(
     from mnv3.openvino_backend import OpenVINOSession
 
     # OpenVINO has no inter-op pool to size: `intra_op_threads` threads for a batch of one.
-    parts = {"part_size": part_size} if part_size else {}
     return OpenVINOSession(
         path,
         intra_op_threads,
@@ -203,7 +202,7 @@ def open_session(
         max_batch_size=max_batch_size,
         streams=streams,
         batch_threads=batch_threads,
-        **parts,
+        part_size=part_size,
     )
 
 

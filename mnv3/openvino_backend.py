@@ -78,7 +78,7 @@ class OpenVINOSession:
         max_batch_size: int | None = None,
         streams: int = 1,
         batch_threads: int | None = None,
-        part_size: int = DEFAULT_PART_SIZE,
+        part_size: int | None = None,
     ):
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
@@ -110,6 +110,7 @@ class OpenVINOSession:
         self._parts: dict[int, ov.AsyncInferQueue] = {}
         if shape.rank.is_static and shape.rank.get_length() > 0 and shape[0].is_dynamic:
             self._alone = core.compile_model(at_batch(model, 1), DEVICE, latency).create_infer_request()
+            part_size = part_size or DEFAULT_PART_SIZE  # None: stage 2 measured none for this file
             largest = min(part_size, max_batch_size or part_size)
             sizes = [1 << k for k in range(largest.bit_length()) if max_batch_size != 1]
         else:

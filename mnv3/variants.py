@@ -585,17 +585,18 @@ def part_size_rows(fp32_path: Path, variant: EngineVariant, bench: Bench) -> lis
     )
     fp32 = measured.pop(FP32).latency
     reference = {"variant": FP32, "part_size": "", **fp32, **same_run_ratios(fp32, fp32)}
+    results = {size: measured[f"parts of {size}"] for size in sized}
     return [reference] + [
         {
             "variant": variant.name,
             "part_size": size,
-            **measured[f"parts of {size}"].latency,
-            **same_run_ratios(measured[f"parts of {size}"].latency, fp32),
-            **measured[f"parts of {size}"].scores,
+            **result.latency,
+            **same_run_ratios(result.latency, fp32),
+            **result.scores,
             "threads": bench.threads,
             **bench.provenance(),
         }
-        for size in sized
+        for size, result in results.items()
     ]
 
 
@@ -608,8 +609,9 @@ def profile_openvino(
     rows: list[dict], artifacts_dir: Path, bench: Bench, runs: int, part_size: int | None = None
 ) -> tuple[dict, list[dict]] | None:
     """OpenVINO's per-layer time split (profiling.openvino_layer_summary) of the chosen row if OpenVINO runs it,
-    else of the fastest OpenVINO row per image: one part of a benchmark batch (`part_size`, the chosen row's
-    measured one, else OpenVINOSession's default; the batch size if smaller) alone on one stream's threads;
+    else of the fastest OpenVINO row per image: one part of a benchmark batch (`part_size`, measured for the
+    chosen row when OpenVINO runs it, else OpenVINOSession's default; the batch size if smaller) alone on one
+    stream's threads;
     a batch of 1 on every thread, as the server runs it. None when no row is OpenVINO."""
     openvino_rows = [row for row in rows if row["engine"] == "openvino"]
     if not openvino_rows:
@@ -619,7 +621,7 @@ def profile_openvino(
 
     row = next((row for row in openvino_rows if row.get("chosen")), None)
     row = row or min(openvino_rows, key=lambda row: float(row["per_image_ms"]))
-    size = min(part_size if row.get("chosen") and part_size else DEFAULT_PART_SIZE, bench.batch_size)
+    size = min(part_size or DEFAULT_PART_SIZE, bench.batch_size)
     threads = bench.threads if size == 1 else max(bench.threads // row["streams"], 1)
     batch = np.ascontiguousarray(bench.held_out[np.arange(size) % len(bench.held_out)])
     summary = openvino_layer_summary(Path(artifacts_dir) / row["file"], batch, runs, threads, row["precision"])
