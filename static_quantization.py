@@ -227,11 +227,15 @@ def choose_engine(args, fp32_path, calibration, bench: Bench, profile_runs: int)
     if profiled:
         row, layers = profiled
         write_csv(args.results_dir / OPENVINO_PROFILE_CSV, layers)
-        top = ", ".join(f"{layer['share_pct']:.0f}% {layer['layer_type']} {layer['kernel']}" for layer in layers[:4])
-        print(
-            f"OpenVINO's layer time of {row['variant']}, batch {layers[0]['batch_size']} on "
-            f"{layers[0]['threads']} thread(s): {top}"
-        )
+        for size in dict.fromkeys(layer["batch_size"] for layer in layers):
+            of_size = [layer for layer in layers if layer["batch_size"] == size]
+            top = ", ".join(
+                f"{layer['share_pct']:.0f}% {layer['layer_type']} {layer['kernel']}" for layer in of_size[:4]
+            )
+            print(
+                f"OpenVINO's layer time of {row['variant']}, batch {size} on {of_size[0]['threads']} thread(s), "
+                f"{sum(layer['ms_per_run'] for layer in of_size):.3f} ms a run: {top}"
+            )
     update_manifest(args.artifacts_dir, **{MANIFEST_KEY: entry})
     return entry
 

@@ -609,10 +609,10 @@ def profile_openvino(
     rows: list[dict], artifacts_dir: Path, bench: Bench, runs: int, part_size: int | None = None
 ) -> tuple[dict, list[dict]] | None:
     """OpenVINO's per-layer time split (profiling.openvino_layer_summary) of the chosen row if OpenVINO runs it,
-    else of the fastest OpenVINO row per image: one part of a benchmark batch (`part_size`, measured for the
-    chosen row when OpenVINO runs it, else OpenVINOSession's default; the batch size if smaller) alone on one
-    stream's threads;
-    a batch of 1 on every thread, as the server runs it. None when no row is OpenVINO."""
+    else of the fastest OpenVINO row per image, for both calls the server makes: a single image on every
+    thread, and one part of a benchmark batch (`part_size`, measured for the chosen row when OpenVINO runs it,
+    else OpenVINOSession's default; the batch size if smaller) alone on one stream's threads. Rows of the
+    single image first. None when no row is OpenVINO."""
     openvino_rows = [row for row in rows if row["engine"] == "openvino"]
     if not openvino_rows:
         return None
@@ -621,9 +621,12 @@ def profile_openvino(
 
     row = next((row for row in openvino_rows if row.get("chosen")), None)
     row = row or min(openvino_rows, key=lambda row: float(row["per_image_ms"]))
-    size = min(part_size or DEFAULT_PART_SIZE, bench.batch_size)
-    threads = bench.threads if size == 1 else max(bench.threads // row["streams"], 1)
-    batch = np.ascontiguousarray(bench.held_out[np.arange(size) % len(bench.held_out)])
-    summary = openvino_layer_summary(Path(artifacts_dir) / row["file"], batch, runs, threads, row["precision"])
-    columns = {"variant": row["variant"], "batch_size": size, "threads": threads}
-    return row, [columns | layer for layer in summary]
+    part = min(part_size or DEFAULT_PART_SIZE, bench.batch_size)
+    # Batch 1 is timed on every thread (the single-image path); a part on its stream's share of them.
+    calls = {1: bench.threads} | ({part: max(bench.threads // row["streams"], 1)} if part > 1 else {})
+    layers = []
+    for size, threads in calls.items():
+        batch = np.ascontiguousarray(bench.held_out[np.arange(size) % len(bench.held_out)])
+        summary = openvino_layer_summary(Path(artifacts_dir) / row["file"], batch, runs, threads, row["precision"])
+        layers += [{"variant": row["variant"], "batch_size": size, "threads": threads} | layer for layer in summary]
+    return row, layers
