@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mnv3.thread_cpu import INFERENCE_THREADS
+
 
 class QueueFull(Exception):
     """More requests are queued than the limit allows; retry later."""
@@ -75,7 +77,7 @@ class DynamicBatcher:
         self._stopping = False
         self._batch: list[_Pending] = []  # being collected or run
         self.dropped = 0  # requests skipped before inference because nobody waited for them any more
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mnv3-inference")
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=INFERENCE_THREADS)
 
     @property
     def depth(self) -> int:

@@ -34,6 +34,7 @@ from mnv3.backend_choice import Choice, explicit, resolve_auto
 from mnv3.latency import turn_order
 from mnv3.limit import LimitResult, fastest, measure_again, pooled, run_limit, try_configurations
 from mnv3.loadtest import LoadResult
+from mnv3.thread_cpu import ROLES
 
 MIN_SWEEP_REQUESTS = 32  # even at concurrency 1, enough requests for a median
 HEADLINE_TURNS = 2  # per server: both are measured in the headline's first half and again in its second
@@ -201,16 +202,22 @@ class BatchingResult:
     def cpu_summary(self) -> str:
         """Where the gap to the limit goes: the CPU the server and the load client spent per request (on the
         same cores) against the limit's per image, the most the server could answer with every core busy,
-        and how busy the cores were (the server's rate is about that ceiling times the busy share)."""
+        and how busy the cores were (the server's rate is about that ceiling times the busy share); then the
+        server's CPU by what its threads did beside the limit's decoding and the rest."""
         cpu = self.headline.cpu_row()
         server, client = cpu["server_cpu_ms_per_request"], cpu["client_cpu_ms_per_request"]
         cores = os.cpu_count() or 1  # as the environment columns record it
         ceiling = 1000 * cores / (server + client)  # NaN where the server's CPU is not exported
+        limit = self.limit
+        limit_rest = limit.cpu_ms_per_image - limit.preprocess_cpu_ms_per_image
+        by_role = ", ".join(f"{role} {cpu[f'server_{role}_cpu_ms_per_request']:.2f}" for role in ROLES)
         return (
             f"CPU per image: the server {server:.2f} ms + the load client {client:.2f} ms, the limit "
-            f"{self.limit.cpu_ms_per_image:.2f} ms; with all {cores} cores busy the server "
-            f"could answer at most {ceiling:.0f} req/s, {loadtest.ratio(ceiling, self.limit.images_per_s)} of the "
-            f"limit; in the run the cores were {cpu['machine_cpu_busy']:.0%} busy"
+            f"{limit.cpu_ms_per_image:.2f} ms; with all {cores} cores busy the server "
+            f"could answer at most {ceiling:.0f} req/s, {loadtest.ratio(ceiling, limit.images_per_s)} of the "
+            f"limit; in the run the cores were {cpu['machine_cpu_busy']:.0%} busy\n"
+            f"the server's CPU per image by thread ({by_role} ms) against the limit's (preprocess "
+            f"{limit.preprocess_cpu_ms_per_image:.2f}, the rest {limit_rest:.2f} ms)"
         )
 
     def summary(self) -> str:

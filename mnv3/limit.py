@@ -26,6 +26,7 @@ from mnv3.engine import open_session
 from mnv3.latency import turn_order
 from mnv3.preprocess import Preprocessing, decode_and_preprocess
 from mnv3.runtime import DEFAULT_INTER_OP_THREADS
+from mnv3.thread_cpu import PREPROCESS, PREPROCESS_THREADS, cpu_seconds_by_role
 
 BATCH_SIZES = (1, 8, 16, 32, 64)
 # (ORT intra-op threads, decode threads): on 2 cores, each side gets one core, or shares both.
@@ -33,6 +34,7 @@ THREAD_SPLITS = ((1, 1), (2, 1), (1, 2), (2, 2))
 CONFIRM_PASSES = 4
 FINALISTS = 3  # the grid's fastest configurations, measured again in turns to choose the limit's
 FINAL_ROUNDS = 4  # passes each in those turns
+Run = tuple[float, float, float]  # one pass: seconds, CPU seconds, of which the decode threads'
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,7 @@ class LimitResult:
     images: int
     seconds: float
     cpu_seconds: float  # the process's CPU time over those seconds, every thread (engine, decoding) included
+    preprocess_cpu_seconds: float  # of which the decode threads' (mnv3.thread_cpu's preprocess role)
 
     @property
     def images_per_s(self) -> float:
@@ -54,40 +57,47 @@ class LimitResult:
     def cpu_ms_per_image(self) -> float:
         return 1000 * self.cpu_seconds / self.images
 
+    @property
+    def preprocess_cpu_ms_per_image(self) -> float:
+        return 1000 * self.preprocess_cpu_seconds / self.images
+
     def as_row(self) -> dict:
         return asdict(self) | {
             "seconds": round(self.seconds, 3),
             "cpu_seconds": round(self.cpu_seconds, 3),
             "images_per_s": round(self.images_per_s, 2),
+            "preprocess_cpu_seconds": round(self.preprocess_cpu_seconds, 3),
             "cpu_ms_per_image": round(self.cpu_ms_per_image, 3),
+            "preprocess_cpu_ms_per_image": round(self.preprocess_cpu_ms_per_image, 3),
         }
 
 
 def classify_all(
     session, pool, bodies: list[bytes], batch_size: int, preprocessing: Preprocessing, jpeg_draft: bool
-) -> tuple[float, float]:
-    """(seconds, CPU seconds of this process) to classify every body in batches, decoding batch k+1 while
-    batch k runs."""
+) -> Run:
+    """(seconds, CPU seconds of this process, of which the decode threads') to classify every body in batches,
+    decoding batch k+1 while batch k runs. `pool`'s threads are named as mnv3.thread_cpu's preprocess ones."""
     input_name = session.get_inputs()[0].name
     batches = [bodies[i : i + batch_size] for i in range(0, len(bodies), batch_size)]
     decode = partial(decode_and_preprocess, jpeg_draft=jpeg_draft, preprocessing=preprocessing)
-    start, cpu_start = time.perf_counter(), time.process_time()
+    start, cpu_start = time.perf_counter(), cpu_seconds_by_role()
     pending = [pool.submit(decode, body) for body in batches[0]]
     for k in range(len(batches)):
         arrays = [future.result() for future in pending]
         if k + 1 < len(batches):
             pending = [pool.submit(decode, body) for body in batches[k + 1]]
         session.run(None, {input_name: np.stack(arrays)})
-    return time.perf_counter() - start, time.process_time() - cpu_start
+    seconds, cpu = time.perf_counter() - start, cpu_seconds_by_role()
+    return seconds, sum(cpu.values()) - sum(cpu_start.values()), cpu[PREPROCESS] - cpu_start[PREPROCESS]
 
 
 @contextmanager
 def limit_runner(
     served: Choice, jpeg_draft: bool, batch_size: int, intra_op_threads: int, decode_threads: int, warm_up: list[bytes]
-) -> Iterator[Callable[[list[bytes]], tuple[float, float]]]:
-    """`classify(bodies) -> (seconds, CPU seconds)` for one configuration: the engine opened as the server opens
-    it, a pool of `decode_threads`, decoding as a server with `jpeg_draft` (its --jpeg-draft) does; `warm_up`
-    classified once, untimed (the engine allocates for its batch size)."""
+) -> Iterator[Callable[[list[bytes]], Run]]:
+    """`classify(bodies) -> (seconds, CPU seconds, of which decoding's)` for one configuration: the engine
+    opened as the server opens it, a pool of `decode_threads`, decoding as a server with `jpeg_draft` (its
+    --jpeg-draft) does; `warm_up` classified once, untimed (the engine allocates for its batch size)."""
     # No spinning, as the server runs by default: decoding shares the cores with ORT here too.
     session = open_session(
         served.path,
@@ -101,9 +111,9 @@ def limit_runner(
         part_size=served.part_size,
     )
     preprocessing = model_preprocessing(served.path.parent)  # as the server serving this file does
-    with ThreadPoolExecutor(max_workers=decode_threads) as pool:
+    with ThreadPoolExecutor(max_workers=decode_threads, thread_name_prefix=PREPROCESS_THREADS) as pool:
 
-        def classify(bodies: list[bytes]) -> tuple[float, float]:
+        def classify(bodies: list[bytes]) -> Run:
             return classify_all(session, pool, bodies, batch_size, preprocessing, jpeg_draft)
 
         classify(warm_up)
@@ -125,9 +135,17 @@ def measure_limit(
     configuration = (served, jpeg_draft, batch_size, intra_op_threads, decode_threads, bodies[:batch_size])
     with limit_runner(*configuration) as classify:
         runs = [classify(bodies) for _ in range(passes)]
-    seconds, cpu_seconds = (sum(column) for column in zip(*runs, strict=True))
+    seconds, cpu_seconds, preprocess_cpu_seconds = (sum(column) for column in zip(*runs, strict=True))
     return LimitResult(
-        engine, batch_size, intra_op_threads, decode_threads, jpeg_draft, passes * len(bodies), seconds, cpu_seconds
+        engine,
+        batch_size,
+        intra_op_threads,
+        decode_threads,
+        jpeg_draft,
+        passes * len(bodies),
+        seconds,
+        cpu_seconds,
+        preprocess_cpu_seconds,
     )
 
 
@@ -179,7 +197,7 @@ def run_off(
     the machine's speed lands on all alike; each its passes pooled. A configuration that won the grid by one
     lucky pass has to win again here to be chosen."""
     chosen = sorted(grid, key=lambda r: r.images_per_s, reverse=True)[:finalists]
-    runs: list[list[tuple[float, float]]] = [[] for _ in chosen]
+    runs: list[list[Run]] = [[] for _ in chosen]
     with ExitStack() as stack:
         classifiers = [
             stack.enter_context(
@@ -196,8 +214,9 @@ def run_off(
         replace(
             r,
             images=rounds * len(bodies),
-            seconds=sum(seconds for seconds, _ in passes),
-            cpu_seconds=sum(cpu for _, cpu in passes),
+            seconds=sum(seconds for seconds, _, _ in passes),
+            cpu_seconds=sum(cpu for _, cpu, _ in passes),
+            preprocess_cpu_seconds=sum(preprocess_cpu for _, _, preprocess_cpu in passes),
         )
         for r, passes in zip(chosen, runs, strict=True)
     ]
@@ -229,4 +248,5 @@ def pooled(first: LimitResult, *more: LimitResult) -> LimitResult:
         images=sum(r.images for r in runs),
         seconds=sum(r.seconds for r in runs),
         cpu_seconds=sum(r.cpu_seconds for r in runs),
+        preprocess_cpu_seconds=sum(r.preprocess_cpu_seconds for r in runs),
     )

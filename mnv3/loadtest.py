@@ -34,6 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
 from mnv3.latency import LatencyStats
+from mnv3.thread_cpu import ROLES
 
 START_TIMEOUT_S = 120  # loading + warming an ORT session on a busy 2-core machine can take a while
 STOP_TIMEOUT_S = 15
@@ -320,10 +321,13 @@ class LoadResult:
         return row | latency | server | (metrics_row(self.metrics) if self.metrics else {}) | self.cpu_row()
 
     def cpu_row(self) -> dict:
-        """CPU per answered request: the server's (its process_cpu_seconds_total over the run) and the load
-        client's, which on a shared machine takes cores the server would otherwise have; and the share of the
-        machine's cores busy during the run (`machine_cpu_busy`). NaN where not measured."""
-        spent = {"server": self.metrics.get(("process_cpu_seconds_total", "")), "client": self.client_cpu_s}
+        """CPU per answered request: the server's (its process_cpu_seconds_total over the run), split by what
+        its threads did (`server_<role>_cpu_ms_per_request`, mnv3.thread_cpu's roles), and the load client's,
+        which on a shared machine takes cores the server would otherwise have; and the share of the machine's
+        cores busy during the run (`machine_cpu_busy`). NaN where not measured."""
+        spent = {"server": self.metrics.get(("process_cpu_seconds_total", ""))}
+        spent |= {f"server_{role}": self.metrics.get(("mnv3_thread_cpu_seconds_total", role)) for role in ROLES}
+        spent |= {"client": self.client_cpu_s}
         nan = float("nan")
         return {
             f"{who}_cpu_ms_per_request": _round(1000 * cpu_s / self.ok) if cpu_s is not None and self.ok else nan
@@ -444,11 +448,12 @@ def run_open_loop(
 
 
 def parse_metrics(text: str) -> dict[tuple[str, str], float]:
-    """Prometheus text -> {(sample name, le bound or ""): value}, summed over any other labels."""
+    """Prometheus text -> {(sample name, le bound, or `threads` role, or ""): value}, summed over any other
+    labels (a histogram's buckets by bound, the thread CPU series by role, every other series in one)."""
     values: defaultdict[tuple[str, str], float] = defaultdict(float)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            values[(sample.name, sample.labels.get("le", ""))] += sample.value
+            values[(sample.name, sample.labels.get("le", sample.labels.get("threads", "")))] += sample.value
     return dict(values)
 
 

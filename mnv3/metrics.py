@@ -9,6 +9,10 @@ rejection reason of `mnv3.errors` is exported, as 0, before its first rejection.
 A server of several models labels every per-model series with `model` (its name); a server of one
 model exports the same names without that label, exactly as before models could be several.
 `for_model(name)` hands a model the series it observes.
+
+`mnv3_thread_cpu_seconds_total{threads=...}` splits the process's CPU seconds by what its threads do
+(`mnv3.thread_cpu`: the event loop, decoding, the calls into the engine, the engine's own threads), read
+at scrape time: what a load test divides by its requests to see where a request's CPU goes.
 """
 
 from collections.abc import Callable
@@ -20,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from mnv3.batcher import DynamicBatcher
 from mnv3.cache import ResultCache
 from mnv3.errors import REJECTION_REASONS, error_entry
+from mnv3.thread_cpu import cpu_seconds_by_role
 
 
 @dataclass(frozen=True)
@@ -34,7 +39,8 @@ class ModelMetrics:
 
 
 class Metrics:
-    def __init__(self, model_names: list[str], in_flight: Callable[[], int]):
+    def __init__(self, model_names: list[str], in_flight: Callable[[], int], thread_roles: dict[int, str]):
+        """`thread_roles`: threads no name gives a role to (mnv3.thread_cpu), e.g. the event loop's."""
         self.registry = CollectorRegistry()  # per app, so tests can build several
         registry = self.registry
         # The standard process_* series (CPU seconds, resident memory, open files), where the OS has /proc:
@@ -64,6 +70,7 @@ class Metrics:
             self.rejections.labels(reason)  # exported as 0 before the first rejection
         self._live = _LiveCounts(self.labelled, in_flight)
         registry.register(self._live)
+        registry.register(_ThreadCpu(thread_roles))
 
     def for_model(self, name: str, cache: ResultCache, batcher: DynamicBatcher) -> ModelMetrics:
         """The series model `name` observes; its cache's and batcher's counts are exported from now on."""
@@ -117,3 +124,22 @@ class _LiveCounts:
                 family.add_metric([model], read(cache, batcher))
             yield family
         yield GaugeMetricFamily("mnv3_in_flight", "requests admitted and not yet answered", value=self.in_flight())
+
+
+class _ThreadCpu:
+    """The process's CPU seconds by thread role, read at scrape time."""
+
+    def __init__(self, thread_roles: dict[int, str]):
+        self.thread_roles = thread_roles
+
+    def collect(self):
+        family = CounterMetricFamily(
+            "mnv3_thread_cpu_seconds",
+            "CPU seconds of this process's threads by what they do: event_loop (HTTP, cache hits), preprocess "
+            "(decode), inference (the calls into the engine), engine_and_other (the engine's own threads, "
+            "threads that exited); they add up to process_cpu_seconds_total",
+            labels=["threads"],
+        )
+        for role, seconds in cpu_seconds_by_role(self.thread_roles).items():
+            family.add_metric([role], seconds)
+        yield family

@@ -35,6 +35,7 @@ from mnv3.engine import Engine, InferenceError, Prediction, rss_bytes
 from mnv3.errors import Busy, UnknownModel
 from mnv3.metrics import Metrics
 from mnv3.preprocess import decode_and_preprocess
+from mnv3.thread_cpu import EVENT_LOOP, PREPROCESS_THREADS
 
 log = logging.getLogger(__name__)
 
@@ -156,13 +157,18 @@ class Serving:
     """Everything one app serves with; built at start-up and handed to endpoints by `Depends(serving)`."""
 
     def __init__(self, config: ServerConfig, engines: list[Engine]):
-        """`engines`: one per `config.models`, in that order."""
+        """`engines`: one per `config.models`, in that order. Built on the event loop's thread (the app's
+        lifespan), which the metrics then count as the event loop's."""
         self.config = config
-        self.preprocess_pool = ThreadPoolExecutor(config.preprocess_threads, thread_name_prefix="mnv3-preprocess")
+        self.preprocess_pool = ThreadPoolExecutor(config.preprocess_threads, thread_name_prefix=PREPROCESS_THREADS)
         self.inference_lock = threading.Lock()
         self.in_flight = 0  # admitted requests, from arrival to response
         specs = config.models
-        self.metrics = Metrics([spec.name for spec in specs], in_flight=lambda: self.in_flight)
+        self.metrics = Metrics(
+            [spec.name for spec in specs],
+            in_flight=lambda: self.in_flight,
+            thread_roles={threading.get_ident(): EVENT_LOOP},
+        )
         self.models = {
             spec.name: ServedModel(
                 spec, engine.backend, engine, i == 0, config, self.preprocess_pool, self.inference_lock, self.metrics

@@ -79,6 +79,16 @@ def test_the_limit_decodes_with_the_jpeg_draft_setting_it_is_given(sessions, tmp
     assert [result.jpeg_draft for result in [*grid, *finalists, confirmed]] == [jpeg_draft] * 3
 
 
+def test_the_limit_says_how_much_of_its_cpu_went_to_decoding(sessions, tmp_path):
+    """The decode threads' CPU, apart: the engine here does nothing, so decoding is nearly all of it."""
+    result = limit.measure_limit(
+        "recording", explicit(tmp_path / "model.onnx", "onnxruntime"), [large_jpeg()] * 8, False, 4, 1, 2, passes=2
+    )
+    assert 0.5 * result.cpu_seconds < result.preprocess_cpu_seconds <= result.cpu_seconds
+    row = result.as_row()
+    assert row["preprocess_cpu_ms_per_image"] == pytest.approx(1000 * result.preprocess_cpu_seconds / 16, abs=0.001)
+
+
 def test_the_limit_configuration_is_chosen_in_turns_not_by_one_lucky_pass(monkeypatch, tmp_path):
     """The grid's one-pass winner (batch 1 here) is slower than the runner-up when both are measured again."""
     ran = []
@@ -95,7 +105,7 @@ def test_the_limit_configuration_is_chosen_in_turns_not_by_one_lucky_pass(monkey
 
     monkeypatch.setattr(limit, "open_session", lambda *args, max_batch_size, **kwargs: TimedSession(max_batch_size))
     one_pass = {1: 0.001, 2: 0.01, 4: 1.0}  # seconds for the grid's pass of each batch size: batch 1 was lucky
-    grid = [limit.LimitResult("e", b, 1, 1, False, 4, seconds, 0.0) for b, seconds in one_pass.items()]
+    grid = [limit.LimitResult("e", b, 1, 1, False, 4, seconds, 0.0, 0.0) for b, seconds in one_pass.items()]
     buffer = io.BytesIO()
     Image.new("RGB", (32, 32), "gray").save(buffer, format="JPEG")
     served = explicit(tmp_path / "model.onnx", "onnxruntime")

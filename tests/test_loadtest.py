@@ -26,6 +26,7 @@ from mnv3.loadtest import (
     run_with_metrics,
 )
 from mnv3.photos import load_images
+from mnv3.thread_cpu import EVENT_LOOP, INFERENCE, PREPROCESS, ROLES
 
 pytestmark = pytest.mark.integration
 
@@ -52,6 +53,17 @@ mnv3_cache_hits_total{model="b"} 4.0
 # TYPE mnv3_cache_misses_total counter
 mnv3_cache_misses_total 20.0
 """
+
+
+def test_metrics_parsing_keeps_the_thread_cpu_roles_apart():
+    text = SAMPLE_METRICS + (
+        "# HELP mnv3_thread_cpu_seconds_total CPU by role\n# TYPE mnv3_thread_cpu_seconds_total counter\n"
+        'mnv3_thread_cpu_seconds_total{threads="preprocess"} 2.0\n'
+        'mnv3_thread_cpu_seconds_total{threads="event_loop"} 0.5\n'
+    )
+    metrics = parse_metrics(text)
+    assert metrics[("mnv3_thread_cpu_seconds_total", "preprocess")] == 2.0
+    assert metrics[("mnv3_thread_cpu_seconds_total", "event_loop")] == 0.5
 
 
 def test_metrics_parsing_gives_histogram_breakdown_and_counters():
@@ -190,6 +202,10 @@ def test_a_measured_run_has_the_cpu_of_server_client_and_machine(fp32_model_path
     assert (result.ok, result.errors) == (320, {})
     spent_s = [row[f"{who}_cpu_ms_per_request"] * result.ok / 1000 for who in ("server", "client")]
     assert all(0 < s <= cores * window for s in spent_s), spent_s
+    # the server's CPU by what its threads did adds up to it (process_cpu_seconds_total counts 10 ms ticks)
+    by_role = {role: row[f"server_{role}_cpu_ms_per_request"] for role in ROLES}
+    assert all(by_role[role] > 0 for role in (EVENT_LOOP, PREPROCESS, INFERENCE)), by_role
+    assert sum(by_role.values()) == pytest.approx(row["server_cpu_ms_per_request"], abs=1000 * 0.05 / result.ok)
     # the cores were busy at least while these two processes ran on them (anything else only adds to it)
     assert sum(spent_s) / (cores * window) - 0.03 <= row["machine_cpu_busy"] <= 1
 

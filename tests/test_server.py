@@ -14,8 +14,10 @@ from conftest import WAIT_S, Gate, post_file, post_raw, serving_client, wait_unt
 from mnv3.artifacts import CLASS_NAMES_JSON
 from mnv3.config import parse_args
 from mnv3.engine import Engine
+from mnv3.loadtest import parse_metrics
 from mnv3.photos import load_images
 from mnv3.preprocess import decode_image, preprocess
+from mnv3.thread_cpu import EVENT_LOOP, INFERENCE, PREPROCESS, ROLES
 
 pytestmark = pytest.mark.integration
 
@@ -155,6 +157,36 @@ def test_operational_endpoints(client, fp32_model_path):
     predict_doc = client.get("/openapi.json").json()["paths"]["/predict"]["post"]
     assert {"200", "400", "408", "413", "415", "500", "503", "504"} <= set(predict_doc["responses"])
     assert {"multipart/form-data", "image/*"} <= set(predict_doc["requestBody"]["content"])
+
+
+def test_metrics_split_the_server_cpu_by_what_its_threads_do(fp32_model_path, images):
+    """Misses decode on the preprocess threads and run on the inference thread; hits do neither, only the
+    event loop's HTTP work: the split says so, and it adds up to the process's CPU time."""
+
+    def cpu(client) -> dict[str, float]:
+        return {
+            role: value
+            for (name, role), value in parse_metrics(client.get("/metrics").text).items()
+            if name == "mnv3_thread_cpu_seconds_total"
+        }
+
+    with serving_client(fp32_model_path) as client:
+        before = cpu(client)
+        for image in images:  # misses
+            assert post_file(client, image).json()["cache_hit"] is False
+        misses = cpu(client)
+        for _ in range(5):  # hits
+            for image in images:
+                assert post_file(client, image).json()["cache_hit"] is True
+        hits = cpu(client)
+        process_s = parse_metrics(client.get("/metrics").text)[("process_cpu_seconds_total", "")]
+
+    assert set(before) == set(ROLES)
+    assert all(misses[role] > before[role] for role in (EVENT_LOOP, PREPROCESS, INFERENCE))
+    assert hits[PREPROCESS] == misses[PREPROCESS] and hits[INFERENCE] == misses[INFERENCE]
+    assert hits[EVENT_LOOP] > misses[EVENT_LOOP]
+    # process_cpu_seconds_total counts in the OS's clock ticks (10 ms), read a moment later
+    assert sum(hits.values()) == pytest.approx(process_s, abs=0.05)
 
 
 def test_full_queue_gives_503_with_retry_after(fp32_model_path, images):

@@ -33,6 +33,7 @@ from mnv3.artifacts import (
 from mnv3.cli import QUICK, serving_model
 from mnv3.phone_benchmark import TIME_PARTS
 from mnv3.report import read_csv
+from mnv3.thread_cpu import ENGINE_AND_OTHER, INFERENCE, PREPROCESS, ROLES
 
 pytestmark = pytest.mark.e2e
 
@@ -171,6 +172,11 @@ def test_stage5_batching_sweep_open_loop_and_limit(fp32_model_path, other_model_
             cpu_s = float(row[f"{who}_cpu_ms_per_request"]) * int(row["ok"]) / 1000
             assert 0 < cpu_s <= cores * (float(row["seconds"]) + 1.0), (who, row)
         assert 0 < float(row["machine_cpu_busy"]) <= 1, row  # its lower bound: tests/test_loadtest.py
+        # where the server's went: decoding and inference took some, and the roles add up to it
+        by_role = {role: float(row[f"server_{role}_cpu_ms_per_request"]) for role in ROLES}
+        assert by_role[PREPROCESS] > 0 and by_role[INFERENCE] + by_role[ENGINE_AND_OTHER] > 0, row
+        server_ms = float(row["server_cpu_ms_per_request"])
+        assert sum(by_role.values()) == pytest.approx(server_ms, abs=1000 * 0.05 / int(row["ok"]) + 0.002), row
     for row in [*grid, *finalists, *limit_turns, confirmed]:
         assert_rate(row["images_per_s"], row["images"], row["seconds"])
         assert 0 < float(row["cpu_seconds"]) <= cores * float(row["seconds"]) + 0.05
@@ -178,6 +184,7 @@ def test_stage5_batching_sweep_open_loop_and_limit(fp32_model_path, other_model_
             1000 * float(row["cpu_seconds"]) / int(row["images"]), rel=0.01, abs=0.002
         )
         assert row["jpeg_draft"] == headline["server_jpeg_draft"]  # it decoded as the server it is compared with
+        assert 0 < float(row["preprocess_cpu_seconds"]) < float(row["cpu_seconds"])
     # one engine here (FP32 on onnxruntime): the grid's fastest measured again in turns, the fastest of those
     # measured around the headline
     configuration = ("batch_size", "intra_op_threads", "decode_threads")
