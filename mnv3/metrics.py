@@ -70,13 +70,18 @@ class Metrics:
             self.rejections.labels(reason)  # exported as 0 before the first rejection
         self._live = _LiveCounts(self.labelled, in_flight)
         registry.register(self._live)
-        registry.register(_ThreadCpu(thread_roles))
+        self.thread_roles = thread_roles
+        registry.register(_ThreadCpu(self.thread_cpu_seconds))
 
     def for_model(self, name: str, cache: ResultCache, batcher: DynamicBatcher) -> ModelMetrics:
         """The series model `name` observes; its cache's and batcher's counts are exported from now on."""
         self._live.models[name] = (cache, batcher)
         histograms = (self.request_latency, self.queue_wait, self.preprocess, self.inference, self.batch_size)
         return ModelMetrics(*(h.labels(name) if self.labelled else h for h in histograms))
+
+    def thread_cpu_seconds(self) -> dict[str, float]:
+        """The process's CPU seconds so far by thread role (mnv3.thread_cpu), this app's event loop included."""
+        return cpu_seconds_by_role(self.thread_roles)
 
     def count_rejection(self, exc: Exception) -> None:
         _, reason, _ = error_entry(exc)
@@ -129,8 +134,8 @@ class _LiveCounts:
 class _ThreadCpu:
     """The process's CPU seconds by thread role, read at scrape time."""
 
-    def __init__(self, thread_roles: dict[int, str]):
-        self.thread_roles = thread_roles
+    def __init__(self, read: Callable[[], dict[str, float]]):
+        self.read = read
 
     def collect(self):
         family = CounterMetricFamily(
@@ -140,6 +145,6 @@ class _ThreadCpu:
             "threads that exited); they add up to process_cpu_seconds_total",
             labels=["threads"],
         )
-        for role, seconds in cpu_seconds_by_role(self.thread_roles).items():
+        for role, seconds in self.read().items():
             family.add_metric([role], seconds)
         yield family

@@ -1,13 +1,14 @@
 """GET /stats: the server's recent behaviour as small JSON (requests/s, latency quantiles, batch sizes,
-cache hit rate, queue depth, in flight), for the page's live panel and for `curl`. Server-wide: with
-several models, every figure is over all of them; `models` adds each model's requests, latency, cache
-hit rate and queue depth.
+cache hit rate, queue depth, in flight, the cores its threads kept busy by what they do), for the page's
+live panel and for `curl`. Server-wide: with several models, every figure is over all of them; `models`
+adds each model's requests, latency, cache hit rate and queue depth.
 
 It adds no work to the /predict hot path: it reads only what the server already counts, the
-prometheus_client Histograms and Counters in `Metrics` and the live counts the caches, the batchers
-(every model's, summed) and `Serving` keep. Windowed figures come from differences of cumulative
-readings: each call reads the cumulative histogram buckets, keeps that reading in a small ring (at
-most one per `spacing_s`), and subtracts the newest kept reading that is at least `window_s` old.
+prometheus_client Histograms and Counters in `Metrics`, the live counts the caches, the batchers
+(every model's, summed) and `Serving` keep, and the threads' own CPU clocks (mnv3.thread_cpu).
+Windowed figures come from differences of cumulative readings: each call reads the cumulative
+histogram buckets and CPU seconds, keeps that reading in a small ring (at most one per `spacing_s`),
+and subtracts the newest kept reading that is at least `window_s` old.
 Nothing runs between calls, so nobody watching costs nothing.
 
 How exact it is:
@@ -117,12 +118,14 @@ class Reading:
     at: float
     histograms: dict[str, HistogramReading]
     counters: dict[str, float]
+    cpu_seconds: dict[str, float]  # the process's, by thread role (mnv3.thread_cpu)
 
     def __sub__(self, earlier: "Reading") -> "Reading":
         return Reading(
             self.at - earlier.at,
             {name: h - earlier.histograms[name] for name, h in self.histograms.items()},
             {name: v - earlier.counters.get(name, 0.0) for name, v in self.counters.items()},
+            {role: v - earlier.cpu_seconds.get(role, 0.0) for role, v in self.cpu_seconds.items()},
         )
 
 
@@ -212,6 +215,12 @@ class StatsResponse(BaseModel):
     rejected: dict[str, int] = Field(description="requests refused in the window, by reason")
     queue_depth: int = Field(description="now: requests waiting for inference, all models")
     in_flight: int = Field(description="now: requests admitted and not yet answered")
+    cpu_cores: dict[str, float] = Field(
+        description="cores the server's threads kept busy in the window, by what they do (CPU seconds / "
+        "window_s): event_loop (HTTP, uploads, cache hits, answers), preprocess (decoding), inference (the "
+        "calls into the engine), engine_and_other (the engine's own worker threads, threads that exited); "
+        "their sum is the whole process's"
+    )
     models: dict[str, ModelStats] = Field(description="the same, model by model, by name (the default first)")
 
 
@@ -249,7 +258,7 @@ class LiveStats:
             counters |= {f"cache_hits/{name}": m.cache.hits, f"cache_misses/{name}": m.cache.misses}
         rejections = read_counter(metrics.rejections, "reason")
         counters |= {f"rejected_{reason}": value for reason, value in rejections.items()}
-        return Reading(self.clock(), histograms, counters)
+        return Reading(self.clock(), histograms, counters, metrics.thread_cpu_seconds())
 
     def report(self) -> StatsResponse:
         window = self.ring.window(self.read())
@@ -285,6 +294,7 @@ class LiveStats:
             rejected={name.removeprefix("rejected_"): int(v) for name, v in c.items() if name.startswith("rejected_")},
             queue_depth=sum(m.batcher.depth for m in self.serving.models.values()),
             in_flight=self.serving.in_flight,
+            cpu_cores={role: _per_second(seconds, window.at) for role, seconds in window.cpu_seconds.items()},
             models={
                 name: ModelStats(
                     requests=int(h[f"request_latency/{name}"].count),

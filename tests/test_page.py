@@ -210,6 +210,16 @@ def test_the_live_panel_follows_the_server(browser, fp32_model_path, photos, tmp
         assert page.locator("#per-model").is_hidden()  # one model: its figures are the server's, shown above
         counts = [int(n) for n in page.locator("#batch-sizes .count").all_inner_texts()]
         assert counts == [b["inferences"] for b in stats["batch_size"]["buckets"][:4]] and sum(counts) > 0
+        # where the CPU went: a row per kind of thread of the next GET /stats the page reads, as it says
+        with page.expect_response(lambda response: response.url.endswith("/stats")) as answer:
+            pass
+        cores = answer.value.json()["cpu_cores"]
+        assert set(cores) == {"event_loop", "preprocess", "inference", "engine_and_other"}
+        page.wait_for_function(
+            "cores => Object.entries(cores).every(([role, n]) => "
+            "document.getElementById(`cpu-${role}`).textContent === n.toFixed(2))",
+            arg=cores,
+        )
 
 
 def test_the_window_label_says_why_it_is_not_a_minute(page):
@@ -259,7 +269,10 @@ def test_compare_mode_shows_every_model_side_by_side_and_their_top1_agreement(
     page.locator("#file-input").set_input_files(paths)
 
     cards = page.locator("#photos .photo")
-    cards.nth(len(paths) - 1).locator(".agreement-line").wait_for()
+    # Every card, not the last: the page uploads several photos at once, so they can finish in any order.
+    page.wait_for_function(
+        "n => document.querySelectorAll('#photos .photo .agreement-line').length === n", arg=len(paths)
+    )
     same_top1 = 0
     for card in cards.all():
         data = photos[1:][paths.index(tmp_path / card.locator("figcaption").inner_text().split(" · ")[0])]

@@ -1,6 +1,7 @@
 """GET /stats's windowed math: histogram quantiles as Prometheus estimates them, bucket differences, the
 ring of readings, and the endpoint against a real server."""
 
+import os
 import time
 from types import SimpleNamespace
 
@@ -12,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from mnv3.photos import load_images
 from mnv3.server import ServerConfig, create_app
 from mnv3.stats import HISTOGRAMS, HistogramReading, LiveStats, read_histogram
+from mnv3.thread_cpu import ENGINE_AND_OTHER, EVENT_LOOP, INFERENCE, PREPROCESS, ROLES
 
 pytestmark = pytest.mark.integration
 
@@ -91,8 +93,10 @@ def fake_serving():
     for name in HISTOGRAMS:
         buckets = (1, 2, 4, 8, 16, 32, 64, 128) if name == "batch_size" else Histogram.DEFAULT_BUCKETS
         setattr(metrics, name, Histogram(name, name, buckets=buckets, registry=registry))
+    cpu_seconds = dict.fromkeys(ROLES, 0.0)  # the process's so far, by thread role: tests advance it
+    metrics.thread_cpu_seconds = lambda: dict(cpu_seconds)
     model = SimpleNamespace(cache=FakeCache(), batcher=SimpleNamespace(depth=3), metrics=metrics)  # one model
-    return SimpleNamespace(metrics=metrics, models={"only": model}, in_flight=5)
+    return SimpleNamespace(metrics=metrics, models={"only": model}, in_flight=5, cpu_seconds=cpu_seconds)
 
 
 def request(serving, latency_s, batch=None, hit=False):
@@ -110,10 +114,13 @@ def test_the_window_covers_the_last_minute_only():
     live = LiveStats(serving, window_s=60, spacing_s=1, clock=clock)
     for _ in range(30):  # 30 slow requests, then a minute of polling and 10 fast ones
         request(serving, 2.0, batch=8)
+    serving.cpu_seconds[PREPROCESS] += 50.0  # busy decoding before the window
     clock.now += 1
     live.report()
     for second in range(70):
         clock.now += 1
+        serving.cpu_seconds[PREPROCESS] += 0.5  # half a core decoding, a tenth on HTTP, every second
+        serving.cpu_seconds[EVENT_LOOP] += 0.1
         if second >= 60:
             request(serving, 0.02, batch=1, hit=second % 2 == 0)
         stats = live.report()
@@ -130,6 +137,7 @@ def test_the_window_covers_the_last_minute_only():
     ]
     assert stats.batch_size.buckets[-1].largest is None
     assert (stats.queue_depth, stats.in_flight, stats.cache.entries) == (3, 5, 7)
+    assert stats.cpu_cores == pytest.approx({EVENT_LOOP: 0.1, PREPROCESS: 0.5, INFERENCE: 0, ENGINE_AND_OTHER: 0})
     only = stats.models["only"]  # a server of one model: its figures are the server's
     assert (only.requests, only.cache_hit_rate, only.queue_depth) == (10, 0.5, 3)
     assert only.latency == stats.latency and only.requests_per_s == stats.requests_per_s
@@ -184,6 +192,10 @@ def test_stats_endpoint_counts_what_the_server_did(fp32_model_path):
     assert (stats["cache"]["hits"], stats["cache"]["misses"]) == (1, 4)
     assert stats["batch_size"]["images"] == 3 and stats["rejected"]["bad_input"] == 1
     assert stats["latency"]["p50_ms"] > 0 and stats["queue_depth"] == 0 and stats["in_flight"] == 0
+    # three images decoded and inferred: each kind of thread was busy, none more than the machine's cores
+    cores = stats["cpu_cores"]
+    assert set(cores) == set(ROLES) and all(cores[role] > 0 for role in (EVENT_LOOP, PREPROCESS, INFERENCE))
+    assert sum(cores.values()) <= len(os.sched_getaffinity(0)) + 0.05
 
 
 def test_with_two_models_the_stats_are_over_both(fp32_model_path, other_model_path):

@@ -343,6 +343,7 @@ function renderStats(stats) {
   $("stage-queue").textContent = formatMs(stats.stages.queue.mean_ms);
   $("stage-preprocess").textContent = formatMs(stats.stages.preprocess.mean_ms);
   $("stage-inference").textContent = formatMs(stats.stages.inference.mean_ms);
+  for (const [role, cores] of Object.entries(stats.cpu_cores)) $(`cpu-${role}`).textContent = cores.toFixed(2);
   renderBatchSizes(stats.batch_size);
   renderPerModel(stats.models);
   const rejected = Object.entries(stats.rejected).filter(([, count]) => count > 0);
