@@ -37,8 +37,8 @@ def cpu_seconds_by_role(roles: dict[int, str] | None = None) -> dict[str, float]
             if thread.ident is None:  # not started
                 continue
             role = roles.get(thread.ident) or _role_by_name(thread.name)
-            if role is None:
-                continue
+            if role is None:  # only threads with a role are read: the pools' threads live as long as their
+                continue  # pool, and reading an exited thread's clock is what pthread_getcpuclockid warns of
             try:
                 seconds[role] += time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
             except OSError:  # it exited after enumerate(): its seconds stay in the process's total
