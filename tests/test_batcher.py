@@ -245,3 +245,22 @@ def test_dropped_counts_work_skipped_for_expired_and_cancelled_requests():
         assert engine.computed == [1, 4] and batcher.dropped == 2
 
     run(scenario)
+
+
+def test_the_next_batch_runs_while_the_event_loop_is_busy():
+    # The inference thread takes its next batch straight from the queue: a busy event loop (hundreds of
+    # connections under load) must not leave the model idle between calls.
+    async def scenario(make):
+        engine = FakeEngine()
+        batcher = make(engine, max_batch_size=1, window_ms=0)
+        first = await held(engine, batcher, 1)
+        second = asyncio.create_task(batcher.submit(item(2)))
+        await asyncio.sleep(0)  # queued behind the held call
+        engine.entered.clear()
+        engine.release.set()
+        # The loop is blocked from here on: only the inference thread can start the second call.
+        assert engine.entered.wait(BLOCK_TIMEOUT_S)
+        assert engine.batches == [[1], [2]]
+        assert [float((await t).row[0]) for t in (first, second)] == [10, 20]
+
+    run(scenario)
