@@ -2,6 +2,7 @@
 
 import asyncio
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -262,5 +263,57 @@ def test_the_next_batch_runs_while_the_event_loop_is_busy():
         assert engine.entered.wait(BLOCK_TIMEOUT_S)
         assert engine.batches == [[1], [2]]
         assert [float((await t).row[0]) for t in (first, second)] == [10, 20]
+
+    run(scenario)
+
+
+class SlowEngine(FakeEngine):
+    """FakeEngine whose calls take `seconds`, so requests queue up behind them."""
+
+    def __init__(self, seconds: float, poison: float | None = None):
+        super().__init__(poison)
+        self.seconds = seconds
+
+    def __call__(self, batch: np.ndarray) -> np.ndarray:
+        time.sleep(self.seconds)
+        return super().__call__(batch)
+
+
+def test_every_request_settles_under_racing_deadlines_cancels_and_failures():
+    # The inference thread and the event loop share the queue: with requests expiring, being
+    # abandoned and failing while batches run, every request must still end exactly one way with its
+    # own row, every queued one be either computed or counted as dropped, and stop() find nothing left.
+    rng = np.random.default_rng(0)
+    count = 600
+
+    async def scenario(make):
+        engine = SlowEngine(0.002, poison=-1)
+        batcher = make(engine, max_batch_size=8, window_ms=2, queue_limit=count)
+        loop = asyncio.get_running_loop()
+
+        async def submit(request_id: float, short_deadline: bool):
+            return await batcher.submit(item(request_id), loop.time() + (0.01 if short_deadline else 30.0))
+
+        async def request(i: int):
+            task = asyncio.create_task(submit(-1 if rng.random() < 0.05 else i, rng.random() < 0.3))
+            if rng.random() < 0.2:
+                await asyncio.sleep(float(rng.random()) / 100)
+                task.cancel()
+            try:
+                result = await task
+            except asyncio.CancelledError:
+                return "cancelled"
+            except DeadlineExceeded:
+                return "deadline"
+            except RuntimeError:
+                return "failed"
+            assert float(result.row[0]) == 10 * i  # its own row, never another request's
+            return "answered"
+
+        outcomes = await asyncio.gather(*(request(i) for i in range(count)))
+        await batcher.stop(drain_s=BLOCK_TIMEOUT_S)
+        assert set(outcomes) == {"answered", "cancelled", "deadline", "failed"}  # every path was taken
+        assert batcher.dropped > 0 and batcher.depth == 0
+        assert len(engine.computed) + batcher.dropped == count  # each request computed or dropped, once
 
     run(scenario)
