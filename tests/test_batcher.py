@@ -116,7 +116,7 @@ def test_expired_request_raises_and_is_not_computed():
             await batcher.submit(item(2), deadline=loop.time() + 0.05)
         engine.release.set()
         await first
-        await batcher.submit(item(3))  # the worker has passed request 2 by the time 3 is answered
+        await batcher.submit(item(3))  # the inference thread has passed request 2 by the time 3 is answered
         assert engine.computed == [1, 3]
         with pytest.raises(DeadlineExceeded):
             await batcher.submit(item(4), deadline=loop.time() - 1)
@@ -167,7 +167,7 @@ def test_engine_error_fails_only_its_batch():
         )
         assert [type(o) for o in outcomes[:2]] == [RuntimeError, RuntimeError]
         assert float(outcomes[2].row[0]) == 20
-        assert float((await batcher.submit(item(3))).row[0]) == 30  # the worker survived
+        assert float((await batcher.submit(item(3))).row[0]) == 30  # the inference thread survived
 
     run(scenario)
 
@@ -183,7 +183,7 @@ def test_window_closes_early_when_nothing_else_is_incoming_and_waits_while_somet
         incoming["count"] = 1  # a second request is being decoded: the first waits for it
         first = asyncio.create_task(batcher.submit(item(2)))
         await asyncio.sleep(0.05)
-        assert not first.done() and batcher.depth == 0  # taken by the worker, held open by the window
+        assert not first.done() and batcher.depth == 0  # taken by the inference thread, held open by the window
         incoming["count"] = 0
         second = await batcher.submit(item(3))
         assert second.batch_size == 2 and (await first).batch_size == 2
@@ -222,7 +222,7 @@ def test_stop_answers_what_it_could_not_drain_with_shutting_down():
         with pytest.raises(ShuttingDown):
             await queued
         with pytest.raises(ShuttingDown):
-            await first  # taken by the worker, but its batch never finished
+            await first  # taken by the inference thread, but its batch never finished
         engine.release.set()
 
     run(scenario)

@@ -94,7 +94,7 @@ def test_a_follower_still_gets_its_answer_when_the_identical_leader_disconnects(
         follower = pool.submit(post, url, images[1])  # the same bytes: it waits for the leader's result
         wait_until(lambda: serving.in_flight == 3, "the follower to wait")
         leader.close()
-        # The follower leads now: its own entry queues behind the leader's, which the worker will skip.
+        # The follower leads now: its own entry queues behind the leader's, which the inference thread will skip.
         wait_until(lambda: serving.in_flight == 2 and serving.batcher.depth == 2, "the follower to take over")
 
         gate.release.set()
@@ -117,7 +117,7 @@ def test_disconnected_clients_work_is_dropped_and_nothing_leaks(fp32_model_path,
 
         gate.release.set()
         assert running.result().status_code == 200
-        wait_until(lambda: serving.batcher.depth == 0, "the worker to pass the abandoned requests")
+        wait_until(lambda: serving.batcher.depth == 0, "the inference thread to pass the abandoned requests")
         assert post(url, images[6]).status_code == 200
         assert gate.batch_sizes == [1, 1], "the abandoned requests were never computed"
         assert serving.batcher.dropped == 5 and serving.in_flight == 0

@@ -273,12 +273,12 @@ def test_deadline_and_full_queue_answer_504_and_503_in_the_protocols_shape(fp32_
         assert gate.entered.wait(WAIT_S)
         late = infer(photos[1:2])
         assert late.status_code == 504 and "deadline" in late.json()["error"]
-        refused = infer(photos[2:5])  # the late one's entry still holds a place until the worker skips it
+        refused = infer(photos[2:5])  # the late one's entry still holds a place until the inference thread skips it
         assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
         assert "queue full" in refused.json()["error"]
         gate.release.set()
         assert held.result().status_code == 504  # held past its deadline too
-        wait_until(lambda: client.app.state.serving.batcher.depth == 0, "the worker to skip the abandoned entries")
+        wait_until(lambda: client.app.state.serving.batcher.depth == 0, "the batcher to skip the abandoned entries")
         assert infer(photos[5:6]).status_code == 200
         metrics = client.get("/metrics").text
         assert 'mnv3_rejections_total{reason="deadline"} 2.0' in metrics
