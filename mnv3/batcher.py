@@ -169,14 +169,12 @@ class DynamicBatcher:
             batch, dropped = self._collect()
             if dropped:  # so that stop() knows these are settled
                 self._answer(loop, self._settled, dropped)
-            if batch:
+            if batch is None or batch:  # an empty one: every request taken was dropped
                 return batch
-            if batch is None:
-                return None
 
     def _collect(self) -> tuple[list[_Pending] | None, int]:
         """Block for a first request, then gather more until the batch is full or its window closes.
-        Returns the wanted ones and how many were dropped; (None, 0) once stopping with nothing queued."""
+        Returns the wanted ones and how many were dropped; None for the batch once stopping with nothing queued."""
         batch: list[_Pending] = []
         with self._changed:
             dropped = 0
@@ -191,7 +189,7 @@ class DynamicBatcher:
                 if not batch:
                     if self._stopping:
                         self.dropped += dropped
-                        return (None if not dropped else []), dropped
+                        return None, dropped
                     self._changed.wait()
                     continue
                 remaining = self.window_s - (time.perf_counter() - batch[0].queued_at)
