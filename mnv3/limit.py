@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, replace
 from functools import partial
+from typing import NamedTuple
 
 import numpy as np
 from tqdm import tqdm
@@ -34,7 +35,18 @@ THREAD_SPLITS = ((1, 1), (2, 1), (1, 2), (2, 2))
 CONFIRM_PASSES = 4
 FINALISTS = 3  # the grid's fastest configurations, measured again in turns to choose the limit's
 FINAL_ROUNDS = 4  # passes each in those turns
-Run = tuple[float, float, float]  # one pass: seconds, CPU seconds, of which the decode threads'
+
+
+class Run(NamedTuple):
+    """One pass through the bodies, or several added up; named as LimitResult's fields."""
+
+    seconds: float
+    cpu_seconds: float  # the process's, every thread
+    preprocess_cpu_seconds: float  # of which the decode threads'
+
+    @classmethod
+    def summed(cls, runs: list["Run"]) -> "Run":
+        return cls(*(sum(column) for column in zip(*runs, strict=True)))
 
 
 @dataclass(frozen=True)
@@ -88,7 +100,7 @@ def classify_all(
             pending = [pool.submit(decode, body) for body in batches[k + 1]]
         session.run(None, {input_name: np.stack(arrays)})
     seconds, cpu = time.perf_counter() - start, cpu_seconds_by_role()
-    return seconds, sum(cpu.values()) - sum(cpu_start.values()), cpu[PREPROCESS] - cpu_start[PREPROCESS]
+    return Run(seconds, sum(cpu.values()) - sum(cpu_start.values()), cpu[PREPROCESS] - cpu_start[PREPROCESS])
 
 
 @contextmanager
@@ -135,17 +147,8 @@ def measure_limit(
     configuration = (served, jpeg_draft, batch_size, intra_op_threads, decode_threads, bodies[:batch_size])
     with limit_runner(*configuration) as classify:
         runs = [classify(bodies) for _ in range(passes)]
-    seconds, cpu_seconds, preprocess_cpu_seconds = (sum(column) for column in zip(*runs, strict=True))
     return LimitResult(
-        engine,
-        batch_size,
-        intra_op_threads,
-        decode_threads,
-        jpeg_draft,
-        passes * len(bodies),
-        seconds,
-        cpu_seconds,
-        preprocess_cpu_seconds,
+        engine, batch_size, intra_op_threads, decode_threads, jpeg_draft, passes * len(bodies), *Run.summed(runs)
     )
 
 
@@ -214,9 +217,7 @@ def run_off(
         replace(
             r,
             images=rounds * len(bodies),
-            seconds=sum(seconds for seconds, _, _ in passes),
-            cpu_seconds=sum(cpu for _, cpu, _ in passes),
-            preprocess_cpu_seconds=sum(preprocess_cpu for _, _, preprocess_cpu in passes),
+            **Run.summed(passes)._asdict(),
         )
         for r, passes in zip(chosen, runs, strict=True)
     ]
