@@ -2,10 +2,10 @@
 
 `cpu_seconds_by_role(roles)` reads every live Python thread's own CPU clock, from any thread, at any time,
 and sums them by role: a thread listed in `roles` (by `threading.get_ident()`) has the role given there,
-one named with a prefix of THREAD_PREFIXES has that prefix's role (the server's and the in-process
-limit's thread pools are named so), and everything else, the engine's own worker threads (OpenVINO's
-streams, onnxruntime's intra-op pool), which are not Python threads, and threads that have exited,
-is ENGINE_AND_OTHER: the process's CPU time less what the roles add up to.
+one named with a prefix of THREAD_PREFIXES has that prefix's role (the decode pools of the server and the
+in-process limit, and the batchers' inference threads, are named so), and everything else, the engine's
+own worker threads (OpenVINO's streams, onnxruntime's intra-op pool), which are not Python threads, and
+threads that have exited, is ENGINE_AND_OTHER: the process's CPU time less what the roles add up to.
 
 Guarantees: the roles add up to the process's CPU time (`time.process_time()`) read at the same moment;
 a role's seconds only grow while its threads live (ENGINE_AND_OTHER also gets a thread's seconds when it
@@ -21,7 +21,7 @@ PREPROCESS = "preprocess"  # decode + preprocess
 INFERENCE = "inference"  # the calls into the engine; onnxruntime computes on the calling thread too
 ENGINE_AND_OTHER = "engine_and_other"
 ROLES = (EVENT_LOOP, PREPROCESS, INFERENCE, ENGINE_AND_OTHER)
-# Thread-name prefixes (ThreadPoolExecutor's thread_name_prefix) and the role of a thread so named.
+# Thread-name prefixes (a pool's thread_name_prefix, a thread's name) and the role of a thread so named.
 PREPROCESS_THREADS = "mnv3-preprocess"
 INFERENCE_THREADS = "mnv3-inference"
 THREAD_PREFIXES = {PREPROCESS_THREADS: PREPROCESS, INFERENCE_THREADS: INFERENCE}
@@ -37,8 +37,8 @@ def cpu_seconds_by_role(roles: dict[int, str] | None = None) -> dict[str, float]
             if thread.ident is None:  # not started
                 continue
             role = roles.get(thread.ident) or _role_by_name(thread.name)
-            if role is None:  # only threads with a role are read: the pools' threads live as long as their
-                continue  # pool, and reading an exited thread's clock is what pthread_getcpuclockid warns of
+            if role is None:  # only threads with a role are read: they live as long as their pool or batcher,
+                continue  # and reading an exited thread's clock is what pthread_getcpuclockid warns of
             try:
                 seconds[role] += time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
             except OSError:  # it exited after enumerate(): its seconds stay in the process's total
