@@ -109,7 +109,7 @@ async def predict(
     started = time.perf_counter()
     deadline = asyncio.get_running_loop().time() + s.config.deadline_ms / 1000
     try:
-        with s.admit():
+        with s.admit(request):
             data = await read_upload(request, s.config.max_upload_bytes, s.config.body_timeout_s)
             # Only the computation watches for a disconnect: a cache hit is answered before a watcher
             # task would even start, and a follower's wait on an identical request costs nothing.

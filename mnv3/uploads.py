@@ -42,9 +42,15 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join([chunk async for chunk in _bounded(request.stream(), limit)])
 
 
-def _check_declared_length(request: Request, limit: int) -> None:
+def declared_length(request: Request) -> int | None:
+    """The body's length as its Content-Length says, None without one (chunked) or with a malformed one."""
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
+    return int(declared) if declared.isdigit() else None
+
+
+def _check_declared_length(request: Request, limit: int) -> None:
+    declared = declared_length(request)
+    if declared is not None and declared > limit:
         raise BodyTooLarge(f"body of {declared} bytes is over the limit of {limit}")
 
 
