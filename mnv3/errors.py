@@ -57,7 +57,7 @@ class Busy(QueueFull):
 
 
 # exception -> (HTTP status, mnv3_rejections_total reason or None, what it means for the API docs)
-ERRORS = {
+ERRORS: dict[type[Exception], tuple[int, str | None, str]] = {
     BadUpload: (400, "bad_input", "no multipart field 'file', or a malformed multipart body"),
     InvalidImage: (400, "bad_input", "empty body, not an image, or a corrupt/truncated image"),
     SlowUpload: (408, "slow_upload", "the body did not arrive within --body-timeout-s"),
