@@ -1,35 +1,44 @@
 """Load testing the mnv3 server: start and stop it, drive it closed- or open-loop, read its /metrics.
 
-Closed loop is the seed's method: N requests through a thread pool of `concurrency` workers, each
-worker sending its next request as soon as its last one returns. It measures
-throughput at a fixed concurrency, but a slow server also slows the senders down, so the latency it
-reports is optimistic (coordinated omission). The open loop fixes every send time in advance (Poisson
-arrivals) and measures each latency from the request's scheduled send time, so a stalled server shows
-up as latency instead of as a politely reduced load.
+Closed loop is the seed's method: N requests from `concurrency` senders, each sending its next request
+as soon as its last one returns. It measures throughput at a fixed concurrency, but a slow server also
+slows the senders down, so the latency it reports is optimistic (coordinated omission). The open loop
+fixes every send time in advance (Poisson arrivals) and measures each latency from the request's
+scheduled send time, so a stalled server shows up as latency instead of as a politely reduced load.
 
 Against a server started with --api-keys, every client here sends the key in MNV3_API_KEY (or the one
 given) as `Authorization: Bearer`; an environment variable, not a flag, so the key stays out of `ps`
 and shell history. A server started here inherits the environment, so MNV3_API_KEYS (its key file)
 and MNV3_API_KEY together run any stage against a protected server.
+
+The senders are coroutines on one event loop with aiohttp, not a thread each (the seed's thread pool):
+on a machine the client shares with the server, every millisecond of CPU the client spends is taken from
+the server under test, and hundreds of threads cost the client (and the cores) far more a request than
+coroutines do.
+A `send` is a coroutine function, `await send(body) -> (status, JSON or None)`; the load functions here
+are plain blocking calls that run their senders on `client_loop()`.
 """
 
+import asyncio
 import os
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter, defaultdict
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from collections.abc import Awaitable
 from dataclasses import dataclass, field, replace
-from typing import IO
+from typing import IO, TypeVar
 from urllib.parse import urlencode
 
+import aiohttp
 import numpy as np
 import psutil
 import requests
-import urllib3
+import uvloop
 from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
@@ -40,7 +49,7 @@ START_TIMEOUT_S = 120  # loading + warming an ORT session on a busy 2-core machi
 STOP_TIMEOUT_S = 15
 REQUEST_TIMEOUT_S = 60
 READY_POLL_S = 0.1
-MAX_CONNECTIONS = 1024  # kept-alive client connections: more than any load here has threads
+MAX_CONNECTIONS = 1024  # kept-alive client connections: more than any load here has senders
 OUTPUT_TAIL_LINES = 20
 API_KEY_ENV = "MNV3_API_KEY"
 SERVER_FIELDS = ("batch_size", "queue_ms", "preprocess_ms", "inference_ms")
@@ -182,46 +191,89 @@ class ServerProcess:
         return "\n".join(self._log.read().decode(errors="replace").splitlines()[-lines:])
 
 
-class PredictClient:
-    """`send(body) -> (status, json or None)` for POST /predict over keep-alive connections, one per
-    sending thread (the pool keeps up to MAX_CONNECTIONS). Use one client per run: closing it closes
-    the connections that run opened.
+_T = TypeVar("_T")
+_client_loop: asyncio.AbstractEventLoop | None = None
+_client_loop_lock = threading.Lock()
 
-    urllib3 directly, not `requests` (which the seed used, and which sits on urllib3): requests' own
-    layers cost a large share of a cache hit's round trip, client time that the round trip and, on
-    cores shared with the server, the server's throughput would otherwise be charged with.
+
+def client_loop() -> asyncio.AbstractEventLoop:
+    """The event loop every client here runs on: uvloop, in a daemon thread of its own, started on first use.
+    One loop for the process, not one a run: a client's kept-alive connections outlive a run (a warm-up, then
+    the timed run on the same connections), and the callers stay plain blocking code."""
+    global _client_loop
+    with _client_loop_lock:
+        if _client_loop is None:
+            _client_loop = uvloop.new_event_loop()
+            threading.Thread(target=_client_loop.run_forever, name="mnv3-load-client", daemon=True).start()
+        return _client_loop
+
+
+def on_client_loop(awaitable: Awaitable[_T]) -> _T:
+    """Run `awaitable` on `client_loop()` and wait for its result (from any thread but that loop's own)."""
+
+    async def wrapped() -> _T:
+        return await awaitable
+
+    return asyncio.run_coroutine_threadsafe(wrapped(), client_loop()).result()
+
+
+class PredictClient:
+    """`await send(body) -> (status, JSON or None)` for POST /predict on `client_loop()`, over kept-alive
+    connections (up to MAX_CONNECTIONS); `send.request(body)` is the same call, blocking, for code that is
+    not a coroutine. Status is the HTTP status or the client exception's name; JSON only with a 200. Use one
+    client for a run: closing it closes the connections that run opened.
+
+    aiohttp, and the multipart body encoded by it for every request, as any client would upload a photo;
+    not `requests` (which the seed used): its own layers cost a large share of a cache hit's round trip.
     """
 
     def __init__(
         self, base_url: str, timeout_s: float = REQUEST_TIMEOUT_S, model: str | None = None, api_key: str | None = None
     ):
-        self._pool = urllib3.connection_from_url(base_url, maxsize=MAX_CONNECTIONS)
         self.timeout_s = timeout_s
         self.headers = auth_headers(api_key)
         # ?model= picks one of a server's models; without it, the server's default model answers.
         self._path = "/predict" if model is None else f"/predict?{urlencode({'model': model})}"
+        self._session = on_client_loop(self._open(base_url))
 
-    def __call__(self, body: bytes) -> tuple[str, dict | None]:
-        return self.post(self._path, fields={"file": ("image.jpg", body, "image/jpeg")})
+    async def _open(self, base_url: str) -> aiohttp.ClientSession:
+        # created on the loop that will use it, as aiohttp requires
+        return aiohttp.ClientSession(
+            base_url,
+            connector=aiohttp.TCPConnector(limit=MAX_CONNECTIONS),
+            timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+        )
 
-    def post(self, path: str, **request) -> tuple[str, dict | None]:
-        """POST `path` with urllib3's request keywords (fields=, or body= and headers=): (status, JSON or None)."""
+    async def __call__(self, body: bytes) -> tuple[str, dict | None]:
+        return await self.post(self._path, data=photo_form(body))
+
+    def request(self, *args) -> tuple[str, dict | None]:
+        """One request (the arguments `send` takes), from plain blocking code."""
+        return on_client_loop(self(*args))
+
+    async def post(self, path: str, **request) -> tuple[str, dict | None]:
+        """POST `path` with aiohttp's request keywords (data=, headers=): (status, JSON or None)."""
+        headers = self.headers | request.pop("headers", {})
         try:
-            headers = self.headers | request.pop("headers", {})
-            response = self._pool.request(
-                "POST", path, headers=headers, timeout=self.timeout_s, retries=False, **request
-            )
-        except urllib3.exceptions.HTTPError as exc:
+            async with self._session.post(path, headers=headers, **request) as response:
+                if response.status != 200:
+                    return str(response.status), None
+                return "200", await response.json()
+        except (aiohttp.ClientError, TimeoutError) as exc:
             return type(exc).__name__, None
-        if response.status != 200:
-            return str(response.status), None
-        return "200", response.json()
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc_info):
-        self._pool.close()
+        on_client_loop(self._session.close())
+
+
+def photo_form(body: bytes) -> aiohttp.FormData:
+    """The multipart form an upload of `body` as a JPEG photo sends: field `file`, as the page and curl do."""
+    form = aiohttp.FormData()
+    form.add_field("file", body, filename="image.jpg", content_type="image/jpeg")
+    return form
 
 
 # ---------------------------------------------------------------------------------------- the load
@@ -379,21 +431,26 @@ def _round(value):
 def run_closed_loop(
     send, bodies: list, concurrency: int, count: int | None = None, desc: str | None = None
 ) -> LoadResult:
-    """`count` requests (default: one per body, cycling) through `concurrency` threads, as fast as answered."""
+    """`count` requests (default: one per body, cycling; the i-th sends body i) from `concurrency` senders,
+    each sending its next as soon as its last is answered."""
     count = len(bodies) if count is None else count
 
-    def timed(body):
-        start = time.perf_counter()
-        status, payload = send(body)
-        return status, time.perf_counter() - start, payload
+    async def load() -> tuple[list, float]:
+        numbers, samples = iter(range(count)), []
+        with tqdm(total=count, desc=desc, leave=False, disable=desc is None) as progress:
 
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        start = time.perf_counter()
-        futures = [pool.submit(timed, bodies[i % len(bodies)]) for i in range(count)]
-        samples = [
-            f.result() for f in tqdm(as_completed(futures), total=count, desc=desc, leave=False, disable=desc is None)
-        ]
-        seconds = time.perf_counter() - start
+            async def sender():
+                for i in numbers:  # shared: each request is taken by whichever sender is free first
+                    start = time.perf_counter()
+                    status, payload = await send(bodies[i % len(bodies)])
+                    samples.append((status, time.perf_counter() - start, payload))
+                    progress.update()
+
+            start = time.perf_counter()
+            await asyncio.gather(*(sender() for _ in range(concurrency)))
+            return samples, time.perf_counter() - start
+
+    samples, seconds = on_client_loop(load())
     return LoadResult.from_samples("closed", concurrency, samples, seconds)
 
 
@@ -416,7 +473,7 @@ def run_open_loop(
 ) -> LoadResult:
     """Poisson arrivals at `rate`/s for `seconds`; each latency counts from the scheduled send time.
 
-    A request waits for a free thread when `max_in_flight` are outstanding (that wait is part of its
+    A request waits for a free slot when `max_in_flight` are outstanding (that wait is part of its
     latency); one that could not start within `max_lateness_s` of its scheduled time is dropped and
     counted, which keeps an overloaded run bounded in time.
     """
@@ -425,22 +482,26 @@ def run_open_loop(
     max_requests = max_requests or int(rate * seconds * 2) + 10
     schedule = poisson_schedule(rate, seconds, max_requests, seed)
 
-    def timed(body, scheduled):
-        if time.perf_counter() - scheduled > max_lateness_s:
-            return "dropped", None, None
-        status, payload = send(body)
-        return status, time.perf_counter() - scheduled, payload
+    async def load() -> tuple[list, float]:
+        slots = asyncio.Semaphore(max_in_flight)
 
-    with ThreadPoolExecutor(max_workers=max_in_flight) as pool:
-        start = time.perf_counter()
-        futures = []
+        async def timed(body, scheduled):
+            async with slots:
+                if time.perf_counter() - scheduled > max_lateness_s:
+                    return "dropped", None, None
+                status, payload = await send(body)
+                return status, time.perf_counter() - scheduled, payload
+
+        start, requests = time.perf_counter(), []
         for i, offset in enumerate(tqdm(schedule, desc=desc, leave=False, disable=desc is None)):
             delay = start + offset - time.perf_counter()
             if delay > 0:
-                time.sleep(delay)
-            futures.append(pool.submit(timed, bodies[i % len(bodies)], start + offset))
-        samples = [f.result() for f in futures]
-        elapsed = time.perf_counter() - start
+                await asyncio.sleep(delay)
+            requests.append(asyncio.create_task(timed(bodies[i % len(bodies)], start + offset)))
+        samples = await asyncio.gather(*requests)
+        return samples, time.perf_counter() - start
+
+    samples, elapsed = on_client_loop(load())
     return LoadResult.from_samples("open", max_in_flight, samples, elapsed, target_rps=rate)
 
 

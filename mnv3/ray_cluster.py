@@ -19,6 +19,7 @@ and the dashboard listen on 127.0.0.1.
 """
 
 import argparse
+import asyncio
 import hashlib
 import json
 import os
@@ -32,7 +33,6 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -369,30 +369,22 @@ class RecordingClient(loadtest.PredictClient):
 
     def __init__(self, base_url: str, timeout_s: float):
         super().__init__(base_url, timeout_s)
-        self.samples: list[Sample] = []
-        self._lock = threading.Lock()
+        self.samples: list[Sample] = []  # appended on the client loop only
 
-    def __call__(self, body: bytes) -> tuple[str, dict | None]:
+    async def __call__(self, body: bytes) -> tuple[str, dict | None]:
         start = time.monotonic()
         try:
-            response = self._pool.request(
-                "POST",
-                "/predict",
-                fields={"file": ("image.jpg", body, "image/jpeg")},
-                timeout=self.timeout_s,
-                retries=False,
-            )
-            status, replica = str(response.status), response.headers.get(REPLICA_HEADER)
-            retried = RETRIED_HEADER in response.headers
-            try:
-                payload = response.json()
-            except ValueError:
-                payload = None
-        except Exception as exc:  # urllib3 errors: reset, timeout, refused; recorded, never raised
+            async with self._session.post("/predict", data=loadtest.photo_form(body)) as response:
+                status, replica = str(response.status), response.headers.get(REPLICA_HEADER)
+                retried = RETRIED_HEADER in response.headers
+                try:
+                    payload = await response.json(content_type=None)
+                except ValueError:
+                    payload = None
+        except Exception as exc:  # aiohttp errors: reset, timeout, refused; recorded, never raised
             status, payload, replica, retried = type(exc).__name__, None, None, False
         sample = Sample(start, time.monotonic(), status, payload, hashlib.sha256(body).hexdigest(), replica, retried)
-        with self._lock:
-            self.samples.append(sample)
+        self.samples.append(sample)
         return status, payload if status == "200" else None
 
 
@@ -508,21 +500,22 @@ def summarize_loss(
 
 
 def closed_loop_until(send, bodies: list[bytes], concurrency: int, done) -> None:
-    """`concurrency` clients, each sending its next body as soon as its last one returned, until `done()`.
+    """`concurrency` senders, each sending its next body as soon as its last one returned, until `done()`.
 
     mnv3.loadtest.run_closed_loop sends a fixed count; a loss run must instead go on until the cluster has
     recovered, however long that takes on the machine at hand.
     """
 
-    def client(offset: int):
+    async def sender(offset: int):
         i = offset
         while not done():
-            send(bodies[i % len(bodies)])
+            await send(bodies[i % len(bodies)])
             i += concurrency
 
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        for future in [pool.submit(client, offset) for offset in range(concurrency)]:
-            future.result()
+    async def load():
+        await asyncio.gather(*(sender(offset) for offset in range(concurrency)))
+
+    loadtest.on_client_loop(load())
 
 
 def run_loss(

@@ -74,17 +74,17 @@ def v2_request(photo: bytes, top_k: int = TOP_K) -> V2Request:
 
 
 class V2Client(PredictClient):
-    """`send(V2Request) -> (status, JSON or None)` for POST /v2/models/{model}/infer: PredictClient's
+    """`await send(V2Request) -> (status, JSON or None)` for POST /v2/models/{model}/infer: PredictClient's
     connections and answer, the Open Inference Protocol's request."""
 
     def __init__(self, base_url: str, model: str, timeout_s: float = REQUEST_TIMEOUT_S):
         super().__init__(base_url, timeout_s)
         self._path = f"/v2/models/{model}/infer"
 
-    def __call__(self, request: V2Request) -> tuple[str, dict | None]:  # type: ignore[override]
-        return self.post(
+    async def __call__(self, request: V2Request) -> tuple[str, dict | None]:  # type: ignore[override]
+        return await self.post(
             self._path,
-            body=request.body,
+            data=request.body,
             headers={"Content-Type": "application/octet-stream", HEADER_LENGTH: str(request.header_length)},
         )
 
@@ -187,7 +187,7 @@ def run_v2_vs_predict(
 
 
 class MixedTraffic:
-    """`send((model, photo index, photo))`: POST /predict?model=..., keeping every answer and each
+    """`await send((model, photo index, photo))`: POST /predict?model=..., keeping every answer and each
     model's (status, latency, answer) samples. One per run; closing it closes its clients."""
 
     def __init__(self, base_url: str, models: tuple[str, ...]):
@@ -195,10 +195,10 @@ class MixedTraffic:
         self.samples: dict[str, list] = {model: [] for model in models}
         self.answers: dict[tuple[str, int], dict | None] = {}
 
-    def __call__(self, item: tuple[str, int, bytes]) -> tuple[str, dict | None]:
+    async def __call__(self, item: tuple[str, int, bytes]) -> tuple[str, dict | None]:
         model, index, photo = item
         start = time.perf_counter()
-        status, answer = self.clients[model](photo)
+        status, answer = await self.clients[model](photo)
         self.samples[model].append((status, time.perf_counter() - start, answer))
         self.answers[(model, index)] = answer
         return status, answer

@@ -140,10 +140,10 @@ def test_the_load_test_client_sends_the_key_from_the_environment(protected, monk
     photo = load_images(1, seed=5)[0]
     monkeypatch.delenv(API_KEY_ENV, raising=False)
     with PredictClient(url) as send:
-        assert send(photo) == ("401", None)
+        assert send.request(photo) == ("401", None)
     monkeypatch.setenv(API_KEY_ENV, INFER_KEY)
     with PredictClient(url) as send:
-        status, body = send(photo)
+        status, body = send.request(photo)
     assert status == "200" and len(body["predictions"]) == 5
     with pytest.raises(requests.HTTPError, match="403"):  # /model needs admin
         server_settings(url)

@@ -199,7 +199,7 @@ def test_server_answers_with_the_users_labels_as_the_model_does_on_the_users_pre
         ServerProcess(user_run["artifacts"] / model, top_k=10, backend="onnxruntime") as url,
         PredictClient(url) as client,
     ):
-        answers = [client(jpeg) for jpeg in user_run["jpegs"]]
+        answers = [client.request(jpeg) for jpeg in user_run["jpegs"]]
         served_preprocessing = requests.get(url + "/model", timeout=10).json()["preprocessing"]
     assert served_preprocessing == PREPROCESSING.record() | {"jpeg_draft": True}  # the manifest's, not ImageNet's
     assert [status for status, _ in answers] == ["200"] * len(answers)

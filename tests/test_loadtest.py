@@ -1,5 +1,5 @@
+import asyncio
 import os
-import threading
 import time
 from collections import namedtuple
 from dataclasses import replace
@@ -108,13 +108,13 @@ def test_poisson_schedule_has_the_target_rate():
 
 def fake_server(service_s: float, statuses=("200",)):
     """A `send` that takes `service_s` and answers one request at a time, like a one-worker server."""
-    lock, calls = threading.Lock(), []
+    lock, calls = asyncio.Lock(), []
 
-    def send(body):
-        with lock:
+    async def send(body):
+        async with lock:
             calls.append(body)
             status = statuses[(len(calls) - 1) % len(statuses)]
-            time.sleep(service_s)
+            await asyncio.sleep(service_s)
         return status, {"batch_size": 1, "queue_ms": 0.0, "preprocess_ms": 1.0, "inference_ms": 2.0, "cache_hit": False}
 
     return send, calls
@@ -212,8 +212,8 @@ def test_a_measured_run_has_the_cpu_of_server_client_and_machine(fp32_model_path
 
 def test_predict_client_reports_a_refused_connection_as_a_status():
     with PredictClient(f"http://127.0.0.1:{free_port()}") as send:  # nothing listens there
-        status, payload = send(b"x")
-    assert (status, payload) == ("NewConnectionError", None)
+        status, payload = send.request(b"x")
+    assert (status, payload) == ("ClientConnectorError", None)
 
 
 def test_server_process_reports_why_the_server_failed(tmp_path):

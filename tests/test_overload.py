@@ -157,8 +157,8 @@ def test_twice_the_sustainable_rate_sheds_load_and_answers_every_accepted_reques
     answers = []
 
     def send_and_keep(send):
-        def send_one(body):
-            status, payload = send(body)
+        async def send_one(body):
+            status, payload = await send(body)
             if payload is not None:
                 answers.append((body, payload))
             return status, payload

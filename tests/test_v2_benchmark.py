@@ -62,7 +62,7 @@ def test_v2_request_is_tritonclients_and_the_servers_codec_reads_it(photos):
 def test_v2_client_answers_as_predict_does(fp32_model_path, photos):
     with ServerProcess(fp32_model_path, **SERVER) as url, V2Client(url, "fp32") as send:
         for photo in photos[:4]:
-            status, answer = send(v2_request(photo))
+            status, answer = send.request(v2_request(photo))
             assert status == "200" and answer["model_name"] == "fp32"
             top = requests.post(
                 url + "/predict", files={"file": ("p.jpg", photo, "image/jpeg")}, timeout=WAIT_S
@@ -71,7 +71,7 @@ def test_v2_client_answers_as_predict_does(fp32_model_path, photos):
             probabilities = [float(text.split(":")[0]) for text in answer["outputs"][0]["data"]]
             np.testing.assert_allclose(probabilities, [p["probability"] for p in top], atol=PROBABILITY_TOLERANCE)
         with V2Client(url, "no_such_model") as unknown:
-            assert unknown(v2_request(photos[0])) == ("404", None)
+            assert unknown.request(v2_request(photos[0])) == ("404", None)
         # what a request header says about its length is checked: the client must send the right one
         wrong = requests.post(
             url + "/v2/models/fp32/infer", data=v2_request(photos[0]).body, headers={HEADER_LENGTH: "5"}, timeout=WAIT_S
