@@ -209,12 +209,18 @@ def client_loop() -> asyncio.AbstractEventLoop:
 
 
 def on_client_loop(awaitable: Awaitable[_T]) -> _T:
-    """Run `awaitable` on `client_loop()` and wait for its result (from any thread but that loop's own)."""
+    """Run `awaitable` on `client_loop()` and wait for its result (from any thread but that loop's own). If the
+    wait ends otherwise (Ctrl-C), the awaitable is cancelled: a load's senders stop with the caller."""
 
     async def wrapped() -> _T:
         return await awaitable
 
-    return asyncio.run_coroutine_threadsafe(wrapped(), client_loop()).result()
+    running = asyncio.run_coroutine_threadsafe(wrapped(), client_loop())
+    try:
+        return running.result()
+    except BaseException:
+        running.cancel()
+        raise
 
 
 class PredictClient:

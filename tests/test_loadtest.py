@@ -1,5 +1,7 @@
 import asyncio
 import os
+import signal
+import threading
 import time
 from collections import namedtuple
 from dataclasses import replace
@@ -19,6 +21,7 @@ from mnv3.loadtest import (
     free_port,
     metrics_delta,
     metrics_row,
+    on_client_loop,
     parse_metrics,
     poisson_schedule,
     run_closed_loop,
@@ -151,6 +154,23 @@ def test_pooled_turns_are_one_run_of_all_their_requests():
     busy = (0.5 * turns[0].seconds + 1.0 * turns[1].seconds) / pooled.seconds
     assert pooled.machine_cpu_busy == pytest.approx(busy)
     assert LoadResult.pooled(turns[0], replace(turns[1], client_cpu_s=None)).client_cpu_s is None
+
+
+def test_interrupting_a_load_cancels_its_senders():
+    # Ctrl-C reaches the thread that waits for the load; the senders run on the client loop's own thread.
+    cancelled = threading.Event()
+
+    async def sender():
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    threading.Timer(0.2, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
+    with pytest.raises(KeyboardInterrupt):
+        on_client_loop(sender())
+    assert cancelled.wait(5), "the sender kept running after the interrupt"
 
 
 def test_open_loop_latency_counts_from_the_scheduled_send_time():
