@@ -223,7 +223,11 @@ class Serving:
             declared = declared_length(request)
             raise Busy(
                 f"server busy: {self.in_flight} requests in flight (limit {self.config.max_in_flight})",
-                keep_connection=declared is not None and declared <= self.config.max_upload_bytes,
+                # A client that asked `Expect: 100-continue` may never send the body it was not invited to
+                # send: its next request would be read as that body, so it must reconnect.
+                keep_connection=declared is not None
+                and declared <= self.config.max_upload_bytes
+                and "expect" not in request.headers,
             )
         self.in_flight += 1  # only ever changed on the event loop, so no lock
         try:

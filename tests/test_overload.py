@@ -52,11 +52,11 @@ def live_server(model_path, **settings):
         thread.join(WAIT_S)
 
 
-def open_socket(url: str, content_length: int, body: bytes) -> socket.socket:
+def open_socket(url: str, content_length: int, body: bytes, headers: str = "") -> socket.socket:
     port = int(url.rsplit(":", 1)[1])
     sock = socket.create_connection(("127.0.0.1", port), timeout=WAIT_S)
     sock.sendall(
-        f"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\n"
+        f"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\n{headers}"
         f"Content-Length: {content_length}\r\n\r\n".encode()
         + body
     )
@@ -103,6 +103,10 @@ def test_a_refused_upload_of_a_size_the_server_takes_keeps_its_connection(fp32_m
             refused.sendall(photo[half:] + b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
             answer = refused.recv(65536)
         assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b'{"status":"ok"}'), answer
+        # but a client waiting to be invited to send its body may never send it: that connection closes
+        with open_socket(url, len(photo), b"", headers="Expect: 100-continue\r\n") as waiting:
+            response = waiting.recv(65536)
+        assert response.startswith(b"HTTP/1.1 503") and b"connection: close" in response.lower()
         gate.release.set()
         assert running.result().status_code == 200
         assert serving.in_flight == 0
