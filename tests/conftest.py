@@ -167,6 +167,12 @@ class Gate:
         self.release.wait(WAIT_S)
         return self.real(batch)
 
+    def hold(self, pool, send, *args):
+        """`pool.submit(send, *args)`, returned once that request's inference call is inside the gate."""
+        held = pool.submit(send, *args)
+        assert self.entered.wait(WAIT_S), "the held request never reached the engine"
+        return held
+
 
 TIERS = ("unit", "integration", "e2e")
 

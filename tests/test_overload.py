@@ -69,8 +69,7 @@ def test_in_flight_limit_refuses_at_arrival_without_reading_the_body(fp32_model_
         ThreadPoolExecutor(2) as pool,
     ):
         gate = Gate(serving.engine)
-        running = pool.submit(post, url, images[0])
-        gate.entered.wait(WAIT_S)
+        running = gate.hold(pool, post, url, images[0])
         queued = pool.submit(post, url, images[1])
         wait_until(lambda: serving.batcher.depth == 1, "the second request to queue")
 
@@ -93,8 +92,7 @@ def test_a_refused_upload_of_a_size_the_server_takes_keeps_its_connection(fp32_m
         ThreadPoolExecutor(1) as pool,
     ):
         gate = Gate(serving.engine)
-        running = pool.submit(post, url, images[0])
-        gate.entered.wait(WAIT_S)
+        running = gate.hold(pool, post, url, images[0])
         photo = images[1]
         half = len(photo) // 2
         with open_socket(url, len(photo), photo[:half]) as refused:
@@ -115,8 +113,7 @@ def test_a_refused_upload_of_a_size_the_server_takes_keeps_its_connection(fp32_m
 def test_a_follower_still_gets_its_answer_when_the_identical_leader_disconnects(fp32_model_path, images):
     with live_server(fp32_model_path, max_batch_size=1, cache_size=8) as (url, serving), ThreadPoolExecutor(2) as pool:
         gate = Gate(serving.engine)
-        running = pool.submit(post, url, images[0])
-        gate.entered.wait(WAIT_S)
+        running = gate.hold(pool, post, url, images[0])
         leader = open_socket(url, len(images[1]), images[1])
         wait_until(lambda: serving.batcher.depth == 1, "the leader to queue")
         follower = pool.submit(post, url, images[1])  # the same bytes: it waits for the leader's result
@@ -135,8 +132,7 @@ def test_a_follower_still_gets_its_answer_when_the_identical_leader_disconnects(
 def test_disconnected_clients_work_is_dropped_and_nothing_leaks(fp32_model_path, images):
     with live_server(fp32_model_path, max_batch_size=1) as (url, serving), ThreadPoolExecutor(1) as pool:
         gate = Gate(serving.engine)
-        running = pool.submit(post, url, images[0])
-        gate.entered.wait(WAIT_S)
+        running = gate.hold(pool, post, url, images[0])
         abandoned = [open_socket(url, len(body), body) for body in images[1:6]]
         wait_until(lambda: serving.batcher.depth == 5, "five requests to queue")
         for sock in abandoned:

@@ -196,8 +196,7 @@ def test_full_queue_gives_503_with_retry_after(fp32_model_path, images):
     ):
         serving = client.app.state.serving
         gate = Gate(serving.engine)
-        running = pool.submit(post_file, client, images[0])
-        gate.entered.wait(WAIT_S)
+        running = gate.hold(pool, post_file, client, images[0])
         queued = pool.submit(post_file, client, images[1])
         wait_until(lambda: serving.batcher.depth == 1, "the second request to queue")
         refused = post_file(client, images[2])
@@ -214,8 +213,7 @@ def test_deadline_gives_504_and_drops_work_not_yet_run(fp32_model_path, images):
         ThreadPoolExecutor(2) as pool,
     ):
         gate = Gate(client.app.state.serving.engine)
-        running = pool.submit(post_file, client, images[0])
-        gate.entered.wait(WAIT_S)
+        running = gate.hold(pool, post_file, client, images[0])
         queued = pool.submit(post_file, client, images[1])
         assert running.result().status_code == queued.result().status_code == 504
         assert "deadline" in queued.result().json()["detail"]
@@ -249,8 +247,7 @@ def test_onnxruntime_error_fails_only_its_batch_and_the_server_serves_on(fp32_mo
         engine = client.app.state.serving.engine
         gate = Gate(engine)
         engine.session = FailingSession(engine.session, fail_call=2)
-        alone = pool.submit(post_file, client, images[0])  # batch 1, held open while batch 2 queues
-        gate.entered.wait(WAIT_S)
+        alone = gate.hold(pool, post_file, client, images[0])  # batch 1, held open while batch 2 queues
         together = [pool.submit(post_file, client, data) for data in images[1:3]]
         wait_until(lambda: client.app.state.serving.batcher.depth == 2, "batch 2 to queue")
         gate.release.set()

@@ -269,8 +269,7 @@ def test_deadline_and_full_queue_answer_504_and_503_in_the_protocols_shape(fp32_
         ThreadPoolExecutor(1) as pool,
     ):
         gate = Gate(client.app.state.serving.engine)
-        held = pool.submit(post_file, client, photos[0])
-        assert gate.entered.wait(WAIT_S)
+        held = gate.hold(pool, post_file, client, photos[0])
         late = infer(photos[1:2])
         assert late.status_code == 504 and "deadline" in late.json()["error"]
         refused = infer(photos[2:5])  # the late one's entry still holds a place until the inference thread skips it
