@@ -29,9 +29,9 @@ import tempfile
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Awaitable
+from collections.abc import Coroutine
 from dataclasses import dataclass, field, replace
-from typing import IO, TypeVar
+from typing import IO, Any, TypeVar
 from urllib.parse import urlencode
 
 import aiohttp
@@ -208,14 +208,10 @@ def client_loop() -> asyncio.AbstractEventLoop:
         return _client_loop
 
 
-def on_client_loop(awaitable: Awaitable[_T]) -> _T:
-    """Run `awaitable` on `client_loop()` and wait for its result (from any thread but that loop's own). If the
-    wait ends otherwise (Ctrl-C), the awaitable is cancelled: a load's senders stop with the caller."""
-
-    async def wrapped() -> _T:
-        return await awaitable
-
-    running = asyncio.run_coroutine_threadsafe(wrapped(), client_loop())
+def on_client_loop(coroutine: Coroutine[Any, Any, _T]) -> _T:
+    """Run `coroutine` on `client_loop()` and wait for its result (from any thread but that loop's own). If the
+    wait ends otherwise (Ctrl-C), the coroutine is cancelled: a load's senders stop with the caller."""
+    running = asyncio.run_coroutine_threadsafe(coroutine, client_loop())
     try:
         return running.result()
     except BaseException:
