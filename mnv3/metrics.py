@@ -18,7 +18,7 @@ at scrape time: what a load test divides by its requests to see where a request'
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
+from prometheus_client import CollectorRegistry, Counter, GCCollector, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from mnv3.batcher import DynamicBatcher
@@ -46,6 +46,9 @@ class Metrics:
         # The standard process_* series (CPU seconds, resident memory, open files), where the OS has /proc:
         # what a load test divides by its requests to see what one costs the server.
         ProcessCollector(registry=registry)
+        # python_gc_*: collections by generation, the process's (the server's settle_garbage_collector keeps
+        # young ones rare under load).
+        GCCollector(registry=registry)
         self.labelled = len(model_names) > 1
         labels = ["model"] if self.labelled else []
         self.request_latency = Histogram(

@@ -230,6 +230,17 @@ def test_a_measured_run_has_the_cpu_of_server_client_and_machine(fp32_model_path
     assert sum(spent_s) / (cores * window) - 0.03 <= row["machine_cpu_busy"] <= 1
 
 
+def test_the_server_process_rarely_collects_garbage_under_load(fp32_model_path):
+    # The collector as mnv3.server's main settles it: at Python's default thresholds this run, 32 requests in
+    # flight, set off about a hundred collections on the server's event loop.
+    bodies = load_images(32)
+    with ServerProcess(fp32_model_path, cache_size=0) as url:
+        result = run_with_metrics(url, lambda send: run_closed_loop(send, bodies, concurrency=32, count=640))
+    assert (result.ok, result.errors) == (640, {})
+    collections = result.metrics[("python_gc_collections_total", "")]  # every generation's, in the run
+    assert collections <= 10
+
+
 def test_predict_client_reports_a_refused_connection_as_a_status():
     with PredictClient(f"http://127.0.0.1:{free_port()}") as send:  # nothing listens there
         status, payload = send.request(b"x")
