@@ -139,7 +139,9 @@ class ServerConfig:
     )
     top_k: int = _option(5, "predictions per response", minimum=1)
     max_request_images: int = _option(0, "images in one /v2 infer request (400 above); 0: --max-batch-size", minimum=0)
-    log_level: str = _option("info", "logging level", choices=LOG_LEVELS)
+    log_level: str = _option(
+        "info", "logging level; info includes uvicorn's access log, a line a request", choices=LOG_LEVELS
+    )
     api_keys: str = _option(
         "",
         "key file (one 'KEY SCOPE [rate=N/s] [burst=N] [name=LABEL]' a line; python -m "
