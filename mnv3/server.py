@@ -313,7 +313,8 @@ def create_app(config: ServerConfig, *engines: Engine) -> FastAPI:
 # Python's cyclic garbage collector collects the young generation whenever allocations of container objects
 # outnumber frees by this many (700 by default). Under load every request in flight holds hundreds of them
 # (Starlette's request, tasks, the multipart parser), so at the default the event loop's thread ran young
-# collections hundreds of times a second, work the in-process limit never does.
+# collections dozens of times a second and a full one, over every object start-up left, every few seconds:
+# work the in-process limit never does.
 GC_YOUNG_THRESHOLD = 10_000
 
 
