@@ -6,16 +6,26 @@ more than `limit` bytes of a body (a Content-Length over it is refused before re
 lying one is cut off as it arrives) and never waits past `timeout_s` for them, so one slow or huge
 client cannot hold memory or an admission slot for long. Every refusal is a `BadUpload` subclass from
 `mnv3.errors`, which gives its status.
+
+A multipart body is parsed as it streams in (python-multipart's parser, which Starlette's forms use too), and
+only the 'file' part is kept, in memory: `limit` already bounds it. Starlette's form parser would spool a file
+over 1 MB (any phone photo) to a temporary file on disk, written and read back chunk by chunk through a
+thread pool, and hold every other field too, none of which an image upload needs.
 """
 
 import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from typing import TYPE_CHECKING
 
-from starlette.datastructures import UploadFile
-from starlette.formparsers import MultiPartException, MultiPartParser
+from python_multipart import MultipartParser
+from python_multipart.exceptions import FormParserError
+from python_multipart.multipart import parse_options_header
 from starlette.requests import Request
 
 from mnv3.errors import BadUpload, BodyTooLarge, SlowUpload, UnsupportedMediaType
+
+if TYPE_CHECKING:
+    from python_multipart.multipart import MultipartCallbacks
 
 
 async def read_upload(request: Request, limit: int, timeout_s: float) -> bytes:
@@ -65,18 +75,87 @@ async def _read_upload(request: Request, limit: int) -> bytes:
     if media_type.startswith("image/"):
         return await _read_body(request, limit)
     _check_declared_length(request, limit)
-    body = _bounded(request.stream(), limit)
+    _, params = parse_options_header(content_type)
+    if not params.get(b"boundary"):
+        raise BadUpload("malformed multipart body: no boundary in its content type")
+    form = _ImageForm()
+    parser = MultipartParser(params[b"boundary"], form.callbacks())
     try:
-        form = await MultiPartParser(request.headers, body, max_files=1, max_fields=16).parse()
-    except MultiPartException as exc:
-        raise BadUpload(f"malformed multipart body: {exc.message}") from exc
-    try:
-        upload = form.get("file")
-        if not isinstance(upload, UploadFile):
-            raise BadUpload(f"expected the image as multipart file field 'file'; got fields {sorted(form.keys())}")
-        return await upload.read()
-    finally:
-        await form.close()
+        async for chunk in _bounded(request.stream(), limit):
+            parser.write(chunk)
+    except FormParserError as exc:
+        raise BadUpload(f"malformed multipart body: {exc}") from exc
+    if not form.complete:
+        raise BadUpload("malformed multipart body: it ends before its closing boundary")
+    if form.file is None:
+        raise BadUpload(f"expected the image as multipart file field 'file'; got fields {sorted(form.names)}")
+    return form.file
+
+
+class _ImageForm:
+    """Callbacks for python-multipart's parser that keep the contents of the file part named 'file' and
+    refuse a body of more than one file or of more than MAX_FIELDS other fields, as a form of one image is."""
+
+    MAX_FIELDS = 16
+
+    def __init__(self) -> None:
+        self.names: list[str] = []  # of every part so far, for the error that lists them
+        self.files = 0
+        self.file: bytes | None = None
+        self.complete = False  # the closing boundary was read
+        self._header_name = self._header_value = self._disposition = b""
+        self._keeping: list[bytes] | None = None  # the 'file' part's chunks while it is read
+
+    def callbacks(self) -> "MultipartCallbacks":
+        return {
+            "on_header_field": self.on_header_field,
+            "on_header_value": self.on_header_value,
+            "on_header_end": self.on_header_end,
+            "on_headers_finished": self.on_headers_finished,
+            "on_part_data": self.on_part_data,
+            "on_part_end": self.on_part_end,
+            "on_end": self.on_end,
+        }
+
+    # A header's name and value can arrive in pieces, split across the chunks of the body.
+    def on_header_field(self, data: bytes, start: int, end: int) -> None:
+        self._header_name += data[start:end]
+
+    def on_header_value(self, data: bytes, start: int, end: int) -> None:
+        self._header_value += data[start:end]
+
+    def on_header_end(self) -> None:
+        if self._header_name.lower() == b"content-disposition":
+            self._disposition = self._header_value
+        self._header_name = self._header_value = b""
+
+    def on_headers_finished(self) -> None:
+        _, options = parse_options_header(self._disposition)
+        self._disposition = b""
+        if b"name" not in options:
+            raise BadUpload("malformed multipart body: a part's Content-Disposition has no name")
+        name = options[b"name"].decode("utf-8", "replace")
+        self.names.append(name)
+        if b"filename" in options:  # a file part, as a browser or an HTTP client sends a file
+            self.files += 1
+            if self.files > 1:
+                raise BadUpload("more than one file in the multipart body: send one image, in field 'file'")
+            if name == "file":
+                self._keeping = []
+        elif len(self.names) - self.files > self.MAX_FIELDS:
+            raise BadUpload(f"more than {self.MAX_FIELDS} fields besides 'file' in the multipart body")
+
+    def on_part_data(self, data: bytes, start: int, end: int) -> None:
+        if self._keeping is not None:
+            self._keeping.append(data[start:end])
+
+    def on_part_end(self) -> None:
+        if self._keeping is not None:
+            self.file = b"".join(self._keeping)
+            self._keeping = None
+
+    def on_end(self) -> None:
+        self.complete = True
 
 
 async def _bounded(stream: AsyncIterator[bytes], limit: int) -> AsyncGenerator[bytes, None]:

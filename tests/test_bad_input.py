@@ -9,9 +9,11 @@ animated images (first frame), EXIF-rotated photos (turned upright), odd filenam
 and JPEG scan data that libjpeg can conceal (garbage in, garbage out, as in any viewer).
 """
 
+import asyncio
 import io
 import socket
 import struct
+import tempfile
 import time
 import warnings
 import zlib
@@ -20,11 +22,13 @@ import numpy as np
 import pytest
 import requests
 from PIL import Image
+from starlette.requests import Request
 
 from conftest import WAIT_S, post_file, post_raw, serving_client, wait_until
 from mnv3.loadtest import ServerProcess
 from mnv3.photos import load_images
 from mnv3.preprocess import ACCEPTED_FORMATS, decode_image
+from mnv3.uploads import read_upload
 
 pytestmark = pytest.mark.integration
 
@@ -165,13 +169,30 @@ REFUSED = {
             "/predict", files=[("file", ("a.jpg", j, "image/jpeg")), ("file", ("b.jpg", j, "image/jpeg"))]
         ),
         400,
-        "Too many files",
+        "more than one file",
     ),
     "malformed multipart": (lambda c, j: post_raw(c, b"--x\r\n", "multipart/form-data"), 400, "multipart"),
     "multipart, wrong boundary": (
         lambda c, j: post_multipart(c, multipart([("file", b"a.jpg", j)]), "other"),
         400,
         "malformed multipart",
+    ),
+    "multipart, cut before its closing boundary": (
+        lambda c, j: post_multipart(c, multipart([("file", b"a.jpg", j)])[:-30]),
+        400,
+        "ends before its closing boundary",
+    ),
+    "multipart part without a name": (
+        lambda c, j: post_multipart(c, multipart([("file", b"a.jpg", j)]).replace(b'name="file"; ', b"")),
+        400,
+        "has no name",
+    ),
+    "too many multipart fields": (
+        lambda c, j: post_multipart(
+            c, multipart([(f"note{i}", None, b"x") for i in range(17)] + [("file", b"a.jpg", j)])
+        ),
+        400,
+        "more than 16 fields",
     ),
     "missing content type": (lambda c, j: post_raw(c, j, None), 415, "content type"),
     "wrong content type": (lambda c, j: post_raw(c, j, "text/plain"), 415, "content type"),
@@ -248,6 +269,44 @@ def test_odd_filename_and_query_string_are_ignored(client, jpeg):
     assert same_predictions(predictions(post_multipart(client, non_utf8_name)), expected)
     junk = "/predict?x=%ZZ&&=&a[]=1;drop%00table&" + "q" * 2000
     assert same_predictions(predictions(client.post(junk, files={"file": ("a.jpg", jpeg, "image/jpeg")})), expected)
+
+
+def test_text_fields_beside_the_multipart_file_are_ignored(client, jpeg):
+    expected = predictions(post_file(client, jpeg))
+    body = multipart([("note", None, b"hello"), ("file", b"a.jpg", jpeg), ("tag", None, b"x")])
+    assert same_predictions(predictions(post_multipart(client, body)), expected)
+
+
+def test_a_multipart_body_arriving_in_tiny_pieces_reads_the_same(jpeg):
+    # Every header name, header value and boundary split across the body's messages, as a slow network
+    # splits them (the TestClient would join them into one).
+    body = multipart([("note", None, b"hello"), ("file", b"a.jpg", jpeg)])
+    pieces = [body[i : i + 3] for i in range(0, len(body), 3)]
+
+    async def receive():
+        return {"type": "http.request", "body": pieces.pop(0), "more_body": bool(pieces[1:])}
+
+    assert asyncio.run(read_upload(multipart_request(receive), UPLOAD_LIMIT, WAIT_S)) == jpeg
+
+
+def test_a_phone_size_multipart_upload_is_read_in_memory_not_spooled_to_disk(monkeypatch):
+    def no_disk(*args, **kwargs):
+        raise AssertionError("the upload went to a temporary file")
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", no_disk)  # where a spooled file rolls over to disk
+    photo_bytes = bytes(range(256)) * (3_000_000 // 256)  # the size of a 12-megapixel JPEG
+    body = multipart([("file", b"phone.jpg", photo_bytes)])
+    pieces = [body[i : i + 65536] for i in range(0, len(body), 65536)]  # as uvicorn hands a body over
+
+    async def receive():
+        return {"type": "http.request", "body": pieces.pop(0), "more_body": bool(pieces)}
+
+    assert asyncio.run(read_upload(multipart_request(receive), 2 * len(body), WAIT_S)) == photo_bytes
+
+
+def multipart_request(receive) -> Request:
+    headers = [(b"content-type", b"multipart/form-data; boundary=b0undary")]
+    return Request({"type": "http", "method": "POST", "headers": headers}, receive)
 
 
 def sixteen_bit_and_eight_bit(jpeg: bytes) -> tuple[bytes, bytes]:
