@@ -79,8 +79,8 @@ async def _read_upload(request: Request, limit: int) -> bytes:
     if not params.get(b"boundary"):
         raise BadUpload("malformed multipart body: no boundary in its content type")
     form = _ImageForm()
-    parser = MultipartParser(params[b"boundary"], form.callbacks())
     try:
+        parser = MultipartParser(params[b"boundary"], form.callbacks())  # refuses e.g. an over-long boundary
         async for chunk in _bounded(request.stream(), limit):
             parser.write(chunk)
     except FormParserError as exc:

@@ -177,6 +177,11 @@ REFUSED = {
         400,
         "malformed multipart",
     ),
+    "multipart, boundary over 256 bytes": (
+        lambda c, j: post_multipart(c, multipart([("file", b"a.jpg", j)], "b" * 300), "b" * 300),
+        400,
+        "malformed multipart body: Boundary length 300",
+    ),
     "multipart, cut before its closing boundary": (
         lambda c, j: post_multipart(c, multipart([("file", b"a.jpg", j)])[:-30]),
         400,
