@@ -167,9 +167,14 @@ def test_interrupting_a_load_cancels_its_senders():
             cancelled.set()
             raise
 
-    threading.Timer(0.2, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
-    with pytest.raises(KeyboardInterrupt):
-        on_client_loop(sender())
+    # Python's own Ctrl-C handler: a process started as a background job (`make test &`) inherits SIGINT ignored.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Timer(0.2, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
+        with pytest.raises(KeyboardInterrupt):
+            on_client_loop(sender())
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert cancelled.wait(5), "the sender kept running after the interrupt"
 
 
