@@ -87,6 +87,11 @@ async def _read_upload(request: Request, limit: int) -> bytes:
         raise BadUpload(f"malformed multipart body: {exc}") from exc
     if not form.complete:
         raise BadUpload("malformed multipart body: it ends before its closing boundary")
+    if form.file is None and "file" in form.names:
+        raise BadUpload(
+            "multipart field 'file' came as a text field (no filename in its Content-Disposition): send the image "
+            "as a file, e.g. curl -F file=@photo.jpg"
+        )
     if form.file is None:
         raise BadUpload(f"expected the image as multipart file field 'file'; got fields {sorted(form.names)}")
     return form.file

@@ -160,9 +160,9 @@ REFUSED = {
     "pixel limit, valid image": (lambda c, j: post_file(c, encode(Image.new("L", (2100, 2000)), "PNG")), 413, "pixels"),
     "wrong multipart field": (lambda c, j: post_file(c, j, field="image"), 400, "'file'"),
     "file sent as a text field": (
-        lambda c, j: post_multipart(c, multipart([("file", None, b"not a file")])),
+        lambda c, j: post_multipart(c, multipart([("file", None, j)])),
         400,
-        "'file'",
+        "'file' came as a text field",
     ),
     "two files": (
         lambda c, j: c.post(
