@@ -286,12 +286,7 @@ def test_a_multipart_body_arriving_in_tiny_pieces_reads_the_same(jpeg):
     # Every header name, header value and boundary split across the body's messages, as a slow network
     # splits them (the TestClient would join them into one).
     body = multipart([("note", None, b"hello"), ("file", b"a.jpg", jpeg)])
-    pieces = [body[i : i + 3] for i in range(0, len(body), 3)]
-
-    async def receive():
-        return {"type": "http.request", "body": pieces.pop(0), "more_body": bool(pieces[1:])}
-
-    assert asyncio.run(read_upload(multipart_request(receive), UPLOAD_LIMIT, WAIT_S)) == jpeg
+    assert asyncio.run(read_upload(multipart_request(body, 3), UPLOAD_LIMIT, WAIT_S)) == jpeg
 
 
 def test_a_phone_size_multipart_upload_is_read_in_memory_not_spooled_to_disk(monkeypatch):
@@ -301,15 +296,18 @@ def test_a_phone_size_multipart_upload_is_read_in_memory_not_spooled_to_disk(mon
     monkeypatch.setattr(tempfile, "TemporaryFile", no_disk)  # where a spooled file rolls over to disk
     photo_bytes = bytes(range(256)) * (3_000_000 // 256)  # the size of a 12-megapixel JPEG
     body = multipart([("file", b"phone.jpg", photo_bytes)])
-    pieces = [body[i : i + 65536] for i in range(0, len(body), 65536)]  # as uvicorn hands a body over
+    request = multipart_request(body, 65536)  # the size of the pieces uvicorn hands a body over in
+    assert asyncio.run(read_upload(request, 2 * len(body), WAIT_S)) == photo_bytes
+
+
+def multipart_request(body: bytes, piece_size: int) -> Request:
+    """A request whose multipart `body` arrives as ASGI messages of `piece_size` bytes, the last one saying so."""
+    pieces = [body[i : i + piece_size] for i in range(0, len(body), piece_size)]
 
     async def receive():
-        return {"type": "http.request", "body": pieces.pop(0), "more_body": bool(pieces)}
+        piece = pieces.pop(0)
+        return {"type": "http.request", "body": piece, "more_body": bool(pieces)}
 
-    assert asyncio.run(read_upload(multipart_request(receive), 2 * len(body), WAIT_S)) == photo_bytes
-
-
-def multipart_request(receive) -> Request:
     headers = [(b"content-type", b"multipart/form-data; boundary=b0undary")]
     return Request({"type": "http", "method": "POST", "headers": headers}, receive)
 
