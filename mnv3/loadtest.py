@@ -21,6 +21,7 @@ are plain blocking calls that run their senders on `client_loop()`.
 
 import asyncio
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -51,6 +52,7 @@ REQUEST_TIMEOUT_S = 60
 READY_POLL_S = 0.1
 MAX_CONNECTIONS = 1024  # kept-alive client connections: more than any load here has senders
 OUTPUT_TAIL_LINES = 20
+FREE_PORT_LOW = 10_000  # free_port's candidates start here, above the ports services commonly listen on
 API_KEY_ENV = "MNV3_API_KEY"
 SERVER_FIELDS = ("batch_size", "queue_ms", "preprocess_ms", "inference_ms")
 TIME_HISTOGRAMS = {
@@ -79,9 +81,30 @@ class ServerStartError(RuntimeError):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A loopback port nothing is bound to, for a server about to start. Chosen below the kernel's ephemeral
+    range: a port from that range (what binding port 0 hands out) may be given to any process that binds port 0
+    before the server binds this one, and Ray starts many such processes between the two."""
+    candidates = range(FREE_PORT_LOW, ephemeral_ports()[0])
+    for port in random.sample(candidates, min(100, len(candidates))):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # in use
+                continue
+            return port
+    with socket.socket() as s:  # every one tried was taken: fall back to one the kernel picks
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for port 0 binds (Linux's default where /proc does not say)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+    except (OSError, ValueError):
+        return 32768, 60999
+    return low, high
 
 
 def wait_until_ready(base_url: str, timeout_s: float, check=lambda: None) -> bool:

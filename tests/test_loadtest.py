@@ -1,6 +1,7 @@
 import asyncio
 import os
 import signal
+import socket
 import threading
 import time
 from collections import namedtuple
@@ -18,6 +19,7 @@ from mnv3.loadtest import (
     ServerStartError,
     batch_size_histogram,
     busy_share,
+    ephemeral_ports,
     free_port,
     metrics_delta,
     metrics_row,
@@ -271,3 +273,12 @@ def test_server_process_gives_up_after_its_start_timeout(fp32_model_path):
 
 def test_batch_size_buckets_are_labelled_with_the_sizes_they_hold():
     assert bucket_labels(["1", "2", "4", "8", "+Inf"]) == ["1", "2", "3-4", "5-8", ">8"]
+
+
+def test_free_port_is_bindable_and_outside_the_range_port_0_binds_draw_from():
+    # Else a process binding port 0 between the choice and the server's bind may take it (Ray's did).
+    low, _ = ephemeral_ports()
+    port = free_port()
+    assert port < low
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
