@@ -52,7 +52,9 @@ REQUEST_TIMEOUT_S = 60
 READY_POLL_S = 0.1
 MAX_CONNECTIONS = 1024  # kept-alive client connections: more than any load here has senders
 OUTPUT_TAIL_LINES = 20
-FREE_PORT_LOW = 10_000  # free_port's candidates start here, above the ports services commonly listen on
+# free_port's candidates start here: above Ray's default worker ports (10002-19999), which `ray start` refuses
+# to share with a port it is given, and the ports services commonly listen on.
+FREE_PORT_LOW = 20_000
 API_KEY_ENV = "MNV3_API_KEY"
 SERVER_FIELDS = ("batch_size", "queue_ms", "preprocess_ms", "inference_ms")
 TIME_HISTOGRAMS = {
