@@ -19,14 +19,15 @@ server answers requests, so it has the machine's cores to itself: for the engine
 (`--backend auto`; its configurations are tried before the sweep, the fastest few again in turns, and the
 fastest of those is the one measured around the headline), and for onnxruntime on the FP32 and INT8 files
 beside it, so what the chosen engine gains shows end to end. The batching server is also swept over
-concurrencies and driven open loop. Every limit decodes as the servers said they do (their jpeg_draft
-setting, from GET /model).
+concurrencies and driven open loop. Every limit decodes as the servers said they do (their jpeg_draft and
+resize_crop_only settings, from GET /model).
 """
 
 import os
 from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
+from typing import Any
 
 from mnv3 import loadtest, plots
 from mnv3.artifacts import BATCH_SIZE_HISTOGRAM_PNG, FP32_ONNX, LATENCY_PNG, THROUGHPUT_PNG
@@ -284,9 +285,9 @@ def run_batching_benchmark(model: Path, bodies: list[bytes], plan: BatchingPlan)
         baseline_settings, batching_settings = (loadtest.server_settings(url) for url in servers.values())
         limit_bodies = bodies[: plan.limit_images]
         # Every limit's grid: the same photos, decoded as the servers said they do, over the plan's configurations.
-        grid_settings = {
+        grid_settings: dict[str, Any] = {
             "bodies": limit_bodies,
-            "jpeg_draft": baseline_settings["server_jpeg_draft"],
+            "decoding": loadtest.server_decoding(baseline_settings),
             "batch_sizes": plan.limit_batch_sizes,
             "thread_splits": plan.limit_thread_splits,
         }

@@ -1,7 +1,8 @@
 """The in-process limit: how many images/s this machine classifies with no HTTP, no queue, no JSON.
 
 The same work the server does per image (preprocess.decode_and_preprocess with the preprocessing the
-manifest beside the model records and the server's --jpeg-draft setting, then one run of the engine per
+manifest beside the model records and the server's --jpeg-draft and --resize-crop-only settings, then one run
+of the engine per
 batch), on the same JPEG bodies, in one process. Decoding the next batch runs in a thread pool while the
 engine runs the current one, as the server's preprocessing overlaps its inference. The engine is opened
 as the server opens it (engine.open_session, from a backend_choice.Choice: file, engine, precision,
@@ -25,7 +26,7 @@ from mnv3.artifacts import model_preprocessing
 from mnv3.backend_choice import Choice
 from mnv3.engine import open_session
 from mnv3.latency import turn_order
-from mnv3.preprocess import Preprocessing, decode_and_preprocess
+from mnv3.preprocess import Decoding, Preprocessing, decode_and_preprocess
 from mnv3.runtime import DEFAULT_INTER_OP_THREADS
 from mnv3.thread_cpu import PREPROCESS, PREPROCESS_THREADS, cpu_seconds_by_role
 
@@ -55,7 +56,7 @@ class LimitResult:
     batch_size: int
     intra_op_threads: int
     decode_threads: int
-    jpeg_draft: bool  # the server's setting it decoded with: large JPEGs at a reduced DCT scale, or in full
+    decoding: Decoding  # the server's settings it decoded with (--jpeg-draft, --resize-crop-only)
     images: int
     seconds: float
     cpu_seconds: float  # the process's CPU time over those seconds, every thread (engine, decoding) included
@@ -74,7 +75,10 @@ class LimitResult:
         return 1000 * self.preprocess_cpu_seconds / self.images
 
     def as_row(self) -> dict:
-        return asdict(self) | {
+        row: dict = {}
+        for name, value in asdict(self).items():  # the decoding settings as columns of their own, in its place
+            row |= value if name == "decoding" else {name: value}
+        return row | {
             "seconds": round(self.seconds, 3),
             "cpu_seconds": round(self.cpu_seconds, 3),
             "images_per_s": round(self.images_per_s, 2),
@@ -85,13 +89,13 @@ class LimitResult:
 
 
 def classify_all(
-    session, pool, bodies: list[bytes], batch_size: int, preprocessing: Preprocessing, jpeg_draft: bool
+    session, pool, bodies: list[bytes], batch_size: int, preprocessing: Preprocessing, decoding: Decoding
 ) -> Run:
     """(seconds, CPU seconds of this process, of which the decode threads') to classify every body in batches,
     decoding batch k+1 while batch k runs. `pool`'s threads are named as mnv3.thread_cpu's preprocess ones."""
     input_name = session.get_inputs()[0].name
     batches = [bodies[i : i + batch_size] for i in range(0, len(bodies), batch_size)]
-    decode = partial(decode_and_preprocess, jpeg_draft=jpeg_draft, preprocessing=preprocessing)
+    decode = partial(decode_and_preprocess, decoding=decoding, preprocessing=preprocessing)
     start, cpu_start = time.perf_counter(), cpu_seconds_by_role()
     pending = [pool.submit(decode, body) for body in batches[0]]
     for k in range(len(batches)):
@@ -105,11 +109,17 @@ def classify_all(
 
 @contextmanager
 def limit_runner(
-    served: Choice, jpeg_draft: bool, batch_size: int, intra_op_threads: int, decode_threads: int, warm_up: list[bytes]
+    served: Choice,
+    decoding: Decoding,
+    batch_size: int,
+    intra_op_threads: int,
+    decode_threads: int,
+    warm_up: list[bytes],
 ) -> Iterator[Callable[[list[bytes]], Run]]:
     """`classify(bodies) -> (seconds, CPU seconds, of which decoding's)` for one configuration: the engine
-    opened as the server opens it, a pool of `decode_threads`, decoding as a server with `jpeg_draft` (its
-    --jpeg-draft) does; `warm_up` classified once, untimed (the engine allocates for its batch size)."""
+    opened as the server opens it, a pool of `decode_threads`, decoding as a server with `decoding` (its
+    --jpeg-draft and --resize-crop-only) does; `warm_up` classified once, untimed (the engine allocates for
+    its batch size)."""
     # No spinning, as the server runs by default: decoding shares the cores with ORT here too.
     session = open_session(
         served.path,
@@ -126,7 +136,7 @@ def limit_runner(
     with ThreadPoolExecutor(max_workers=decode_threads, thread_name_prefix=PREPROCESS_THREADS) as pool:
 
         def classify(bodies: list[bytes]) -> Run:
-            return classify_all(session, pool, bodies, batch_size, preprocessing, jpeg_draft)
+            return classify_all(session, pool, bodies, batch_size, preprocessing, decoding)
 
         classify(warm_up)
         yield classify
@@ -136,19 +146,19 @@ def measure_limit(
     engine: str,
     served: Choice,
     bodies: list[bytes],
-    jpeg_draft: bool,
+    decoding: Decoding,
     batch_size: int,
     intra_op_threads: int,
     decode_threads: int,
     passes: int = 1,
 ) -> LimitResult:
     """Images/s of one configuration over `passes` runs through `bodies`, after an untimed warm-up batch,
-    decoding as a server with `jpeg_draft` (its --jpeg-draft) does."""
-    configuration = (served, jpeg_draft, batch_size, intra_op_threads, decode_threads, bodies[:batch_size])
+    decoding as a server with `decoding` does."""
+    configuration = (served, decoding, batch_size, intra_op_threads, decode_threads, bodies[:batch_size])
     with limit_runner(*configuration) as classify:
         runs = [classify(bodies) for _ in range(passes)]
     return LimitResult(
-        engine, batch_size, intra_op_threads, decode_threads, jpeg_draft, passes * len(bodies), *Run.summed(runs)
+        engine, batch_size, intra_op_threads, decode_threads, decoding, passes * len(bodies), *Run.summed(runs)
     )
 
 
@@ -156,7 +166,7 @@ def run_limit(
     engine: str,
     served: Choice,
     bodies: list[bytes],
-    jpeg_draft: bool,
+    decoding: Decoding,
     batch_sizes=BATCH_SIZES,
     thread_splits=THREAD_SPLITS,
     confirm_passes: int = CONFIRM_PASSES,
@@ -165,9 +175,9 @@ def run_limit(
     """(the limit, every configuration tried, the finalists). Each configuration is one short pass, so the
     fastest of them is partly the luckiest: the fastest few are measured again in turns (`run_off`), and the
     limit is the finalists' fastest measured once more, `confirm_passes` times longer, which is an unbiased
-    figure for it. Every run decodes as a server with `jpeg_draft` does: pass the setting of the server the
+    figure for it. Every run decodes as a server with `decoding` does: pass the settings of the server the
     limit is compared with."""
-    grid, finalists = try_configurations(engine, served, bodies, jpeg_draft, batch_sizes, thread_splits, desc)
+    grid, finalists = try_configurations(engine, served, bodies, decoding, batch_sizes, thread_splits, desc)
     return measure_again(fastest(finalists), served, bodies, confirm_passes), grid, finalists
 
 
@@ -175,7 +185,7 @@ def try_configurations(
     engine: str,
     served: Choice,
     bodies: list[bytes],
-    jpeg_draft: bool,
+    decoding: Decoding,
     batch_sizes=BATCH_SIZES,
     thread_splits=THREAD_SPLITS,
     desc: str | None = "in-process limit",
@@ -184,7 +194,7 @@ def try_configurations(
     turns, `run_off`): the configurations `run_limit` chooses from."""
     configurations = [(b, t, d) for t, d in thread_splits for b in batch_sizes]
     grid = [
-        measure_limit(engine, served, bodies, jpeg_draft, batch_size, intra_op_threads, decode_threads)
+        measure_limit(engine, served, bodies, decoding, batch_size, intra_op_threads, decode_threads)
         for batch_size, intra_op_threads, decode_threads in tqdm(
             configurations, desc=desc, leave=False, disable=desc is None
         )
@@ -205,7 +215,7 @@ def run_off(
         classifiers = [
             stack.enter_context(
                 limit_runner(
-                    served, r.jpeg_draft, r.batch_size, r.intra_op_threads, r.decode_threads, bodies[: r.batch_size]
+                    served, r.decoding, r.batch_size, r.intra_op_threads, r.decode_threads, bodies[: r.batch_size]
                 )
             )
             for r in chosen
@@ -228,12 +238,12 @@ def fastest(grid: list[LimitResult]) -> LimitResult:
 
 
 def measure_again(limit: LimitResult, served: Choice, bodies: list[bytes], passes: int) -> LimitResult:
-    """`limit`'s configuration (batch size, threads, jpeg_draft) measured anew over `passes` runs through `bodies`."""
+    """`limit`'s configuration (batch size, threads, decoding) measured anew over `passes` runs through `bodies`."""
     return measure_limit(
         limit.engine,
         served,
         bodies,
-        limit.jpeg_draft,
+        limit.decoding,
         limit.batch_size,
         limit.intra_op_threads,
         limit.decode_threads,

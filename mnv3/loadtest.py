@@ -44,6 +44,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
 from mnv3.latency import LatencyStats
+from mnv3.preprocess import DEFAULT_DECODING, Decoding
 from mnv3.thread_cpu import ROLES
 
 START_TIMEOUT_S = 120  # loading + warming an ORT session on a busy 2-core machine can take a while
@@ -633,5 +634,10 @@ def server_settings(base_url: str, api_key: str | None = None) -> dict:
         | {f"server_{name}_threads": n for name, n in info["threads"].items()}
         | {f"server_{name}": value for name, value in info["batching"].items()}
         | {"server_ort_spinning": info["ort_spinning"], "server_cache_size": info["cache"]["size"]}
-        | {"server_jpeg_draft": info["preprocessing"]["jpeg_draft"]}
+        | {f"server_{name}": info["preprocessing"][name] for name in DEFAULT_DECODING.record()}
     )
+
+
+def server_decoding(settings: dict) -> Decoding:
+    """How a server said it decodes uploads (`server_settings`' columns), for a limit to decode alike."""
+    return Decoding(**{name: settings[f"server_{name}"] for name in DEFAULT_DECODING.record()})

@@ -31,7 +31,7 @@ from mnv3.engine import open_session
 from mnv3.latency import turn_order
 from mnv3.loadtest import LoadResult, metrics_row
 from mnv3.photos import PHONE_PHOTO_QUALITY, PHONE_PHOTO_SIZE
-from mnv3.preprocess import DEFAULT_PREPROCESSING, Preprocessing, decode_and_preprocess, decode_image
+from mnv3.preprocess import DEFAULT_PREPROCESSING, Decoding, Preprocessing, decode_and_preprocess, decode_image
 from mnv3.runtime import ort_runner
 
 FULL, DRAFT = "full", "draft"
@@ -122,7 +122,7 @@ def decode_seconds(bodies: list[bytes], rounds: int, preprocessing: Preprocessin
         for name in turn_order((FULL, DRAFT), turn):
             start = time.perf_counter()
             for body in bodies:
-                decode_and_preprocess(body, jpeg_draft=name == DRAFT, preprocessing=preprocessing)
+                decode_and_preprocess(body, decoding=Decoding(jpeg_draft=name == DRAFT), preprocessing=preprocessing)
             seconds[name].append((time.perf_counter() - start) / len(bodies))
     return seconds
 
@@ -139,7 +139,10 @@ def compare_decodes(
     given)."""
     tensors = {
         name: np.stack(
-            [decode_and_preprocess(body, jpeg_draft=name == DRAFT, preprocessing=preprocessing) for body in bodies]
+            [
+                decode_and_preprocess(body, decoding=Decoding(jpeg_draft=name == DRAFT), preprocessing=preprocessing)
+                for body in bodies
+            ]
         )
         for name in (FULL, DRAFT)
     }

@@ -5,14 +5,18 @@
 first. DEFAULT_PREPROCESSING is what torchvision's MobileNetV3 ImageNet weights were trained with (256,
 224, ImageNet mean/std); a fine-tuned model's own values are set at stage 1 and travel in the manifest
 beside the model. tests/test_preprocess.py holds both to torchvision's transforms.
-`decode_image` decodes a JPEG at least four times the resize size on its shorter side at a reduced
-DCT scale unless told not to (`jpeg_draft`): close to a full decode, not equal to it; smaller JPEGs
-and every other format decode in full (tests/test_phone_photos.py holds it to both).
+Two shortcuts, each on unless told not to (`Decoding`, the server's --jpeg-draft and --resize-crop-only):
+`decode_image` decodes a JPEG at least four times the resize size on its shorter side at a reduced DCT
+scale (`jpeg_draft`): close to a full decode, not equal to it; smaller JPEGs and every other format decode
+in full (tests/test_phone_photos.py holds it to both). `resize_and_crop` resamples only the part of the
+image the centre crop keeps (`crop_only`): the same filter over the same source pixels, but Pillow
+computes its weights from that box, so a few values in a thousand land one grey level off the full resize
+then crop; with both off, preprocessing equals torchvision's (tests/test_preprocess.py holds it to both).
 """
 
 import io
 import warnings
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import cached_property
 from pathlib import Path
 
@@ -83,6 +87,23 @@ class Preprocessing:
 DEFAULT_PREPROCESSING = Preprocessing()
 
 
+@dataclass(frozen=True)
+class Decoding:
+    """The server's shortcuts from upload bytes to the model's input, each cheaper and close to, not equal
+    to, torchvision's transforms: large JPEGs decoded at a reduced DCT scale (`decode_image`), and only
+    the part of the image the centre crop keeps resized (`resize_and_crop`). EXACT_DECODING takes neither."""
+
+    jpeg_draft: bool = True
+    resize_crop_only: bool = True
+
+    def record(self) -> dict:
+        return asdict(self)
+
+
+DEFAULT_DECODING = Decoding()
+EXACT_DECODING = Decoding(jpeg_draft=False, resize_crop_only=False)
+
+
 class InvalidImage(ValueError):
     """The bytes are not an image we can classify; the message says why, for the client."""
 
@@ -91,12 +112,17 @@ class ImageTooLarge(InvalidImage):
     """A valid header announcing more pixels than we will decode (a server answers 413, not 400)."""
 
 
-def resize_and_crop(image: Image.Image, size: int = RESIZE_SIZE, crop: int = CROP_SIZE) -> Image.Image:
+def resize_and_crop(
+    image: Image.Image, size: int = RESIZE_SIZE, crop: int = CROP_SIZE, crop_only: bool = True
+) -> Image.Image:
     """Shorter side to `size`, then the centre `crop` x `crop`, as torchvision does.
 
-    For an extreme aspect ratio the full resize would be huge (1x10000 -> 256x2560000, 2 GB), so only
-    the source box that maps onto the crop is resampled: the same filter weights, but Pillow rounds
-    a few pixels 1/255 differently, so ordinary images keep the exact full-resize path.
+    With `crop_only`, only the source box that maps onto the crop is resampled: the same filter over
+    the same source pixels, for the crop's pixels alone (224x224 of a 4:3 photo's 341x256 at the
+    defaults), but Pillow computes the filter weights from the box's float coordinates, so a few
+    values in a thousand round one grey level off the full resize then crop. Without it, the full
+    resize then the crop, equal to torchvision's, unless the full resize would be huge (an extreme
+    aspect ratio: 1x10000 -> 256x2560000, 2 GB), which is resampled by box either way.
     """
     w, h = image.size
     # Same arithmetic as torchvision's _compute_resized_output_size (truncation, not rounding).
@@ -108,17 +134,20 @@ def resize_and_crop(image: Image.Image, size: int = RESIZE_SIZE, crop: int = CRO
     top, left = int(round((new_h - crop) / 2.0)), int(round((new_w - crop) / 2.0))
     if (new_w, new_h) == (w, h):
         return image.crop((left, top, left + crop, top + crop))
-    if max(new_w, new_h) <= MAX_RESIZED_SIDE:
+    if not crop_only and max(new_w, new_h) <= MAX_RESIZED_SIDE:
         return image.resize((new_w, new_h), Image.Resampling.BILINEAR).crop((left, top, left + crop, top + crop))
     sx, sy = w / new_w, h / new_h
     box = (left * sx, top * sy, (left + crop) * sx, (top + crop) * sy)
     return image.resize((crop, crop), Image.Resampling.BILINEAR, box=box)
 
 
-def preprocess(image: Image.Image, preprocessing: Preprocessing = DEFAULT_PREPROCESSING) -> np.ndarray:
-    """PIL image -> float32 array of shape (3, crop, crop), ready to stack into an NCHW batch."""
+def preprocess(
+    image: Image.Image, preprocessing: Preprocessing = DEFAULT_PREPROCESSING, resize_crop_only: bool = True
+) -> np.ndarray:
+    """PIL image -> float32 array of shape (3, crop, crop), ready to stack into an NCHW batch; resized as
+    `resize_and_crop` does with `crop_only=resize_crop_only`."""
     rgb = image if image.mode == "RGB" else image.convert("RGB")  # convert() copies even an RGB image
-    hwc = np.asarray(resize_and_crop(rgb, preprocessing.resize, preprocessing.crop))
+    hwc = np.asarray(resize_and_crop(rgb, preprocessing.resize, preprocessing.crop, resize_crop_only))
     scale, shift = preprocessing.scale_shift
     # One pass from uint8 into the result, then one in place: no float32 copy -> transpose ->
     # multiply -> add chain allocating a full-size temporary at each step.
@@ -199,17 +228,18 @@ def _to_rgb(image: Image.Image) -> Image.Image:
 def decode_and_preprocess(
     data: bytes,
     max_pixels: int = DEFAULT_MAX_PIXELS,
-    jpeg_draft: bool = True,
+    decoding: Decoding = DEFAULT_DECODING,
     preprocessing: Preprocessing = DEFAULT_PREPROCESSING,
 ) -> np.ndarray:
     """What the server does to each upload before inference (and the in-process limit, to match it)."""
-    return preprocess(decode_image(data, max_pixels, jpeg_draft, preprocessing.resize), preprocessing)
+    image = decode_image(data, max_pixels, decoding.jpeg_draft, preprocessing.resize)
+    return preprocess(image, preprocessing, decoding.resize_crop_only)
 
 
 def open_image(path, preprocessing: Preprocessing = DEFAULT_PREPROCESSING) -> Image.Image:
-    """A local image file decoded exactly as an upload for a model with `preprocessing` is (EXIF
+    """A local image file decoded exactly as an upload for a model with `preprocessing` is by default (EXIF
     orientation, 16-bit scaling, limits, draft decoding), so calibration and accuracy see the pixels the
-    server will see."""
+    server will see (`preprocess` resizes as its default does too)."""
     try:
         return decode_image(Path(path).read_bytes(), resize_size=preprocessing.resize)
     except (InvalidImage, OSError) as exc:

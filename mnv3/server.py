@@ -161,7 +161,8 @@ class ModelInfo(BaseModel):
     class_names: str = Field(description="where labels come from")
     preprocessing: dict = Field(
         description="what every upload goes through before this model (from the manifest beside it): "
-        "shorter side to resize, centre crop, (x/255 - mean)/std; jpeg_draft: large JPEGs decoded at reduced scale"
+        "shorter side to resize, centre crop, (x/255 - mean)/std; jpeg_draft: large JPEGs decoded at reduced scale; "
+        "resize_crop_only: only the part the crop keeps resized (both false: equal to torchvision's transforms)"
     )
     threads: dict[str, int] = Field(
         description="intra_op: a single image's inference (and every onnxruntime call); inter_op: onnxruntime's "
@@ -233,7 +234,7 @@ def describe(served: ServedModel) -> ModelInfo:
         class_names=f"{len(engine.class_names)} names from the file beside the model"
         if engine.class_names
         else "none found: labels are class_<id>",
-        preprocessing=engine.preprocessing.record() | {"jpeg_draft": bool(config.jpeg_draft)},
+        preprocessing=engine.preprocessing.record() | config.decoding.record(),
         threads={
             "intra_op": config.intra_op_threads,
             "inter_op": config.inter_op_threads,

@@ -110,7 +110,7 @@ class ServedModel:
                     decode_and_preprocess,
                     data,
                     self.config.max_pixels,
-                    bool(self.config.jpeg_draft),
+                    self.config.decoding,
                     self.engine.preprocessing,
                 )
         except TimeoutError:

@@ -18,7 +18,7 @@ from mnv3.config import ServerConfig
 from mnv3.engine import Engine
 from mnv3.limit import run_limit
 from mnv3.photos import load_images
-from mnv3.preprocess import DEFAULT_PREPROCESSING
+from mnv3.preprocess import DEFAULT_DECODING, DEFAULT_PREPROCESSING
 from mnv3.quantize import DEFAULT_RECIPE, RECIPES, calibration_photos, quantize_static_int8
 from mnv3.server import create_app
 from mnv3.variants import (
@@ -164,7 +164,7 @@ def test_stage5_limits_the_served_engine_and_onnxruntime_fp32_and_int8(models_di
         "openvino_static_int8_f32",
         engines["openvino_static_int8_f32"],
         load_images(4),
-        jpeg_draft=True,
+        decoding=DEFAULT_DECODING,
         batch_sizes=(1, 4),
         thread_splits=((1, 1),),
         confirm_passes=1,

@@ -1,5 +1,5 @@
 """The in-process limit decodes each body as the server it is compared with does: with that server's
-jpeg_draft setting, not a default of its own."""
+jpeg_draft and resize_crop_only settings, not defaults of its own."""
 
 import io
 import time
@@ -11,7 +11,7 @@ from PIL import Image
 
 from mnv3 import limit
 from mnv3.backend_choice import explicit
-from mnv3.preprocess import DEFAULT_PREPROCESSING, JPEG_DRAFT_MARGIN, decode_and_preprocess
+from mnv3.preprocess import DEFAULT_PREPROCESSING, EXACT_DECODING, JPEG_DRAFT_MARGIN, Decoding, decode_and_preprocess
 
 pytestmark = pytest.mark.unit
 
@@ -47,24 +47,29 @@ def sessions(monkeypatch) -> list[RecordingSession]:
 
 
 def large_jpeg() -> bytes:
-    pixels = np.random.default_rng(0).integers(0, 256, (SIDE, SIDE, 3), dtype=np.uint8)
+    # 4:3, as a photo: a square one's resize scales by a whole number, where resizing the crop alone is exact
+    pixels = np.random.default_rng(0).integers(0, 256, (SIDE, SIDE * 4 // 3, 3), dtype=np.uint8)
     buffer = io.BytesIO()
     Image.fromarray(pixels).save(buffer, format="JPEG", quality=90)
     return buffer.getvalue()
 
 
-@pytest.mark.parametrize("jpeg_draft", [False, True])
-def test_the_limit_decodes_with_the_jpeg_draft_setting_it_is_given(sessions, tmp_path, jpeg_draft):
+SETTINGS = [Decoding(jpeg_draft, crop_only) for jpeg_draft in (False, True) for crop_only in (False, True)]
+
+
+@pytest.mark.parametrize("decoding", SETTINGS, ids=lambda d: f"draft{d.jpeg_draft:d}-crop_only{d.resize_crop_only:d}")
+def test_the_limit_decodes_with_the_settings_it_is_given(sessions, tmp_path, decoding):
     body = large_jpeg()
-    decoded = {draft: decode_and_preprocess(body, jpeg_draft=draft) for draft in (False, True)}
-    assert not np.array_equal(decoded[False], decoded[True])  # large enough for the setting to matter
+    decoded = {setting: decode_and_preprocess(body, decoding=setting) for setting in SETTINGS}
+    # large enough for each setting to matter: every combination decodes it differently
+    assert len({array.tobytes() for array in decoded.values()}) == len(SETTINGS)
 
     # No manifest beside the model: the limit preprocesses as torchvision does, as decode_and_preprocess above.
     confirmed, grid, finalists = limit.run_limit(
         "recording",
         explicit(tmp_path / "model.onnx", "onnxruntime"),
         [body],
-        jpeg_draft,
+        decoding,
         batch_sizes=(1,),
         thread_splits=((1, 1),),
         confirm_passes=1,
@@ -75,14 +80,23 @@ def test_the_limit_decodes_with_the_jpeg_draft_setting_it_is_given(sessions, tmp
     # the one configuration's warm-up and pass, the run-off's warm-up and passes, the confirming warm-up and pass
     assert len(batches) == 2 + (1 + limit.FINAL_ROUNDS) + 2
     for batch in batches:
-        np.testing.assert_array_equal(batch, decoded[jpeg_draft][None])
-    assert [result.jpeg_draft for result in [*grid, *finalists, confirmed]] == [jpeg_draft] * 3
+        np.testing.assert_array_equal(batch, decoded[decoding][None])
+    assert [result.decoding for result in [*grid, *finalists, confirmed]] == [decoding] * 3
+    row = confirmed.as_row()  # the settings as columns of their own
+    assert "decoding" not in row and {name: row[name] for name in decoding.record()} == decoding.record()
 
 
 def test_the_limit_says_how_much_of_its_cpu_went_to_decoding(sessions, tmp_path):
     """The decode threads' CPU, apart: the engine here does nothing, so decoding is nearly all of it."""
     result = limit.measure_limit(
-        "recording", explicit(tmp_path / "model.onnx", "onnxruntime"), [large_jpeg()] * 8, False, 4, 1, 2, passes=2
+        "recording",
+        explicit(tmp_path / "model.onnx", "onnxruntime"),
+        [large_jpeg()] * 8,
+        EXACT_DECODING,
+        4,
+        1,
+        2,
+        passes=2,
     )
     assert 0.5 * result.cpu_seconds < result.preprocess_cpu_seconds <= result.cpu_seconds
     row = result.as_row()
@@ -105,7 +119,7 @@ def test_the_limit_configuration_is_chosen_in_turns_not_by_one_lucky_pass(monkey
 
     monkeypatch.setattr(limit, "open_session", lambda *args, max_batch_size, **kwargs: TimedSession(max_batch_size))
     one_pass = {1: 0.001, 2: 0.01, 4: 1.0}  # seconds for the grid's pass of each batch size: batch 1 was lucky
-    grid = [limit.LimitResult("e", b, 1, 1, False, 4, seconds, 0.0, 0.0) for b, seconds in one_pass.items()]
+    grid = [limit.LimitResult("e", b, 1, 1, EXACT_DECODING, 4, seconds, 0.0, 0.0) for b, seconds in one_pass.items()]
     buffer = io.BytesIO()
     Image.new("RGB", (32, 32), "gray").save(buffer, format="JPEG")
     served = explicit(tmp_path / "model.onnx", "onnxruntime")

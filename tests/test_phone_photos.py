@@ -5,11 +5,12 @@ import io
 
 import numpy as np
 import pytest
+from fastapi.testclient import TestClient
 from PIL import Image
 
-from conftest import post_file, serving_client
+from conftest import post_file, wait_until
 from mnv3.backend_choice import explicit
-from mnv3.config import parse_args
+from mnv3.config import ServerConfig, parse_args
 from mnv3.engine import Engine
 from mnv3.phone_benchmark import compare_decodes
 from mnv3.photos import (
@@ -24,12 +25,15 @@ from mnv3.photos import (
 from mnv3.preprocess import (
     JPEG_DRAFT_MARGIN,
     RESIZE_SIZE,
+    Decoding,
     ImageTooLarge,
     Preprocessing,
+    decode_and_preprocess,
     decode_image,
     jpeg_draft_reduction,
     preprocess,
 )
+from mnv3.server import create_app
 from test_preprocess import SIZES as EQUALITY_TEST_SIZES
 
 # How far a draft decode's preprocessed tensor may be from the full decode's, in normalised units (one
@@ -138,25 +142,38 @@ def test_pixel_limit_is_checked_from_the_header_before_any_draft_decode(oriented
     assert decode_image(oriented[1], max_pixels=WIDTH * HEIGHT).size == (WIDTH // 4, HEIGHT // 4)
 
 
-def test_jpeg_draft_is_a_server_setting():
-    assert parse_args(["--model", "m.onnx"], environ={}).jpeg_draft == 1
-    assert parse_args(["--model", "m.onnx"], environ={"MNV3_JPEG_DRAFT": "0"}).jpeg_draft == 0
+@pytest.mark.parametrize("name", ["jpeg_draft", "resize_crop_only"])
+def test_the_decoding_shortcuts_are_server_settings(name):
+    flag, variable = f"--{name.replace('_', '-')}", f"MNV3_{name.upper()}"
+    assert getattr(parse_args(["--model", "m.onnx"], environ={}), name) == 1
+    assert getattr(parse_args(["--model", "m.onnx"], environ={variable: "0"}), name) == 0
+    assert getattr(parse_args(["--model", "m.onnx"], environ={variable: "0"}).decoding, name) is False
     with pytest.raises(SystemExit):
-        parse_args(["--model", "m.onnx", "--jpeg-draft", "2"], environ={})
+        parse_args(["--model", "m.onnx", flag, "2"], environ={})
+
+
+SETTINGS = [Decoding(jpeg_draft, crop_only) for jpeg_draft in (False, True) for crop_only in (False, True)]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("jpeg_draft", [0, 1])
-def test_the_server_decodes_as_its_jpeg_draft_setting_says(fp32_model_path, oriented, jpeg_draft):
+@pytest.mark.parametrize("decoding", SETTINGS, ids=lambda d: f"draft{d.jpeg_draft:d}-crop_only{d.resize_crop_only:d}")
+def test_the_server_decodes_as_its_settings_say(fp32_model_path, oriented, decoding):
     body = oriented[6]
+    expected = {setting: decode_and_preprocess(body, decoding=setting) for setting in SETTINGS}
+    assert len({array.tobytes() for array in expected.values()}) == len(SETTINGS)  # the four decodes differ
     engine = Engine.load(fp32_model_path)
-    expected = {flag: engine.predict(preprocess(decode_image(body, jpeg_draft=bool(flag)))[None])[0] for flag in (0, 1)}
-    assert not np.allclose(expected[0], expected[1], rtol=1e-4, atol=0)  # the two decodes are told apart
-    with serving_client(fp32_model_path, cache_size=0, jpeg_draft=jpeg_draft) as client:
+    inputs = []  # what the engine is asked to classify, after the warm-up
+    predict = engine.predict
+    settings = {name: int(value) for name, value in decoding.record().items()}
+    with TestClient(create_app(ServerConfig(model=fp32_model_path, cache_size=0, **settings), engine)) as client:
+        wait_until(lambda: client.get("/readyz").status_code == 200, "warm-up")
+        engine.predict = lambda batch: inputs.append(batch.copy()) or predict(batch)
         response = post_file(client, body)
+        preprocessing = client.get("/model").json()["preprocessing"]
     assert response.status_code == 200
-    for prediction in response.json()["predictions"]:
-        assert prediction["probability"] == pytest.approx(float(expected[jpeg_draft][prediction["class_id"]]), rel=1e-5)
+    [batch] = inputs
+    np.testing.assert_array_equal(batch, expected[decoding][None])
+    assert {name: preprocessing[name] for name in settings} == decoding.record()
 
 
 @pytest.mark.slow

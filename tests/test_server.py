@@ -129,6 +129,7 @@ def test_operational_endpoints(client, fp32_model_path):
         "mean": [0.485, 0.456, 0.406],
         "std": [0.229, 0.224, 0.225],
         "jpeg_draft": True,
+        "resize_crop_only": True,
     }
 
     metrics = client.get("/metrics")

@@ -109,7 +109,9 @@ def test_stage4_hits_are_answered_from_the_cache_without_inference(fp32_model_pa
 
 
 def test_stage5_batching_sweep_open_loop_and_limit(fp32_model_path, other_model_path, tmp_path, monkeypatch):
-    monkeypatch.setenv("MNV3_JPEG_DRAFT", "0")  # the servers' non-default setting, which the limit must follow
+    # the servers' non-default settings, which the limit must follow
+    monkeypatch.setenv("MNV3_JPEG_DRAFT", "0")
+    monkeypatch.setenv("MNV3_RESIZE_CROP_ONLY", "0")
     rows = run_quick(
         batching_loadtest,
         BATCHING_CSV,
@@ -165,7 +167,8 @@ def test_stage5_batching_sweep_open_loop_and_limit(fp32_model_path, other_model_
     grid = by_kind[("in_process_limit", "in_process")]
     finalists = by_kind[("in_process_limit_finalist", "in_process")]
     [confirmed] = by_kind[("in_process_limit_confirmed", "in_process")]
-    assert {r["server_jpeg_draft"] for r in [baseline, *batched]} == {"False"}
+    decoding = {(r["server_jpeg_draft"], r["server_resize_crop_only"]) for r in [baseline, *batched]}
+    assert decoding == {("False", "False")}
     cores = len(os.sched_getaffinity(0))
     for row in [baseline, *batched, *server_turns]:  # CPU seconds spent, within what the cores could spend in the run
         for who in ("server", "client"):
@@ -183,7 +186,8 @@ def test_stage5_batching_sweep_open_loop_and_limit(fp32_model_path, other_model_
         assert float(row["cpu_ms_per_image"]) == pytest.approx(
             1000 * float(row["cpu_seconds"]) / int(row["images"]), rel=0.01, abs=0.002
         )
-        assert row["jpeg_draft"] == headline["server_jpeg_draft"]  # it decoded as the server it is compared with
+        # it decoded as the server it is compared with
+        assert (row["jpeg_draft"], row["resize_crop_only"]) == ("False", "False")
         assert 0 < float(row["preprocess_cpu_seconds"]) < float(row["cpu_seconds"])
     # one engine here (FP32 on onnxruntime): the grid's fastest measured again in turns, the fastest of those
     # measured around the headline
