@@ -132,7 +132,7 @@ class ServerConfig:
         choices=(0, 1),
     )
     # On by default: the resize is the costliest step of decoding an ordinary photo, and this computes only
-    # the pixels the crop keeps, moving a few preprocessed values in a thousand by one grey level (README,
+    # the pixels the crop keeps, moving about one preprocessed value in a thousand by one grey level (README,
     # "Limits and errors"). With both this and --jpeg-draft at 0, preprocessing equals torchvision's.
     resize_crop_only: int = _option(
         1,

@@ -10,7 +10,7 @@ Two shortcuts, each on unless told not to (`Decoding`, the server's --jpeg-draft
 scale (`jpeg_draft`): close to a full decode, not equal to it; smaller JPEGs and every other format decode
 in full (tests/test_phone_photos.py holds it to both). `resize_and_crop` resamples only the part of the
 image the centre crop keeps (`crop_only`): the same filter over the same source pixels, but Pillow
-computes its weights from that box, so a few values in a thousand land one grey level off the full resize
+computes its weights from that box, so about one value in a thousand lands one grey level off the full resize
 then crop; with both off, preprocessing equals torchvision's (tests/test_preprocess.py holds it to both).
 """
 
@@ -119,8 +119,8 @@ def resize_and_crop(
 
     With `crop_only`, only the source box that maps onto the crop is resampled: the same filter over
     the same source pixels, for the crop's pixels alone (224x224 of a 4:3 photo's 341x256 at the
-    defaults), but Pillow computes the filter weights from the box's float coordinates, so a few
-    values in a thousand round one grey level off the full resize then crop. Without it, the full
+    defaults), but Pillow computes the filter weights from the box's float coordinates, so about
+    one value in a thousand rounds one grey level off the full resize then crop. Without it, the full
     resize then the crop, equal to torchvision's, unless the full resize would be huge (an extreme
     aspect ratio: 1x10000 -> 256x2560000, 2 GB), which is resampled by box either way.
     """

@@ -38,7 +38,7 @@ def test_resizing_only_the_crop_stays_within_one_grey_level_of_torchvision_trans
             assert difference.max() <= one_level + 1e-3, size
             differing += int((difference > 1e-3).sum())
             values += difference.size
-    # Rounding, not another resize: a few values in a thousand, but some (else the default would be the exact path).
+    # Rounding, not another resize: about one value in a thousand, but some (else the default would be the exact path).
     assert 0 < differing <= 0.01 * values
 
 
