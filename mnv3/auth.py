@@ -13,9 +13,11 @@ ASGI middleware that lets a request through only with a key of the scope its pat
   and `config`, and any path nobody listed (default-deny: a new route needs admin until it is listed here).
 
 Guarantees:
-- Refusals never call `receive`: the body of a refused upload is not read, and the response asks for the
-  connection to be closed, so the unread rest is not taken as the next request (uvicorn then stops reading
-  the socket rather than buffering it).
+- Refusals never call `receive`: the body of a refused upload is not read. A body announced at up to
+  KEEP_CONNECTION_BYTES (a phone photo) keeps its connection: uvicorn drops it as it arrives, buffering
+  nothing, and reads the next request, where closing under a client still sending would reset the
+  connection and the client would report the reset instead of the 401 (mnv3.uploads.refusal_keeps_connection).
+  Any other body gets the connection closed, so uvicorn stops reading the socket.
 - A key may arrive as `Authorization: Bearer KEY` or `X-API-Key: KEY`, never in the query string: such a
   request is refused (URLs end up in access logs and browser history) and the value is blanked in the
   request's scope, so the server's own access log does not print it.
@@ -51,6 +53,10 @@ from functools import partial
 from pathlib import Path
 from urllib.parse import parse_qsl, urlencode
 
+from starlette.requests import Request
+
+from mnv3.uploads import refusal_keeps_connection
+
 log = logging.getLogger(__name__)
 
 DIGEST_PREFIX = "sha256:"
@@ -65,6 +71,9 @@ HEX_DIGEST = re.compile(r"[0-9a-fA-F]{64}")
 RATE = re.compile(r"(\d+(?:\.\d+)?)/(s|min)")
 NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 GRAMMAR = "KEY SCOPE [rate=N/s|N/min] [burst=N] [name=LABEL]"
+# The largest body a refused request may announce and keep its connection (uvicorn drops it as it arrives): a
+# phone photo fits; more from a client without a valid key is not worth receiving, and its connection closes.
+KEEP_CONNECTION_BYTES = 4 * 1024 * 1024
 
 
 class Scope(enum.IntEnum):
@@ -285,6 +294,8 @@ class ApiKeyAuth:
         if refusal is None:
             return await self.app(scope, receive, send)
         status, reason, headers = refusal
+        if not refusal_keeps_connection(Request(scope), KEEP_CONNECTION_BYTES):
+            headers = [(b"connection", b"close"), *headers]
         path = _route_path(scope)
         body = json.dumps({"error" if path == "/v2" or path.startswith("/v2/") else "detail": reason}).encode()
         await send(
@@ -294,7 +305,6 @@ class ApiKeyAuth:
                 "headers": [
                     (b"content-type", b"application/json"),
                     (b"content-length", str(len(body)).encode()),
-                    (b"connection", b"close"),
                     *headers,
                 ],
             }

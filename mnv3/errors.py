@@ -46,11 +46,7 @@ class UnknownModel(LookupError):
 class Busy(QueueFull):
     """--max-in-flight requests are already admitted: refused before reading the body, so memory stays bounded.
 
-    `keep_connection`: the body announces a length the server would take. uvicorn then drops the rest of it
-    as it arrives and reads the connection's next request, so the answer need not close the connection;
-    closing it with the body still on its way would reset it under a client still sending (aiohttp, for
-    one, reports that reset instead of the 503). A body of unknown or too large a length, or one the client
-    waits to be invited to send (`Expect: 100-continue`), closes it."""
+    `keep_connection`: the answer need not close the connection (mnv3.uploads.refusal_keeps_connection)."""
 
     def __init__(self, message: str, keep_connection: bool = False):
         super().__init__(message)

@@ -36,7 +36,7 @@ from mnv3.errors import Busy, UnknownModel
 from mnv3.metrics import Metrics
 from mnv3.preprocess import decode_and_preprocess
 from mnv3.thread_cpu import EVENT_LOOP, PREPROCESS_THREADS
-from mnv3.uploads import declared_length
+from mnv3.uploads import refusal_keeps_connection
 
 log = logging.getLogger(__name__)
 
@@ -220,14 +220,9 @@ class Serving:
     def admit(self, request: Request):
         """Count a request in for its whole life, or refuse it at once when --max-in-flight are in."""
         if self.in_flight >= self.config.max_in_flight:
-            declared = declared_length(request)
             raise Busy(
                 f"server busy: {self.in_flight} requests in flight (limit {self.config.max_in_flight})",
-                # A client that asked `Expect: 100-continue` may never send the body it was not invited to
-                # send: its next request would be read as that body, so it must reconnect.
-                keep_connection=declared is not None
-                and declared <= self.config.max_upload_bytes
-                and "expect" not in request.headers,
+                keep_connection=refusal_keeps_connection(request, self.config.max_upload_bytes),
             )
         self.in_flight += 1  # only ever changed on the event loop, so no lock
         try:
