@@ -15,6 +15,7 @@ import argparse
 import os
 import re
 from dataclasses import MISSING, dataclass, field, fields
+from functools import cached_property
 from pathlib import Path
 
 from mnv3.engine import BACKEND_CHOICES
@@ -180,7 +181,7 @@ class ServerConfig:
     def backend_of(self, spec: ModelSpec) -> str:
         return spec.backend or self.backend
 
-    @property
+    @cached_property  # read for every request's decode
     def decoding(self) -> Decoding:
         """--jpeg-draft and --resize-crop-only: how this server turns an upload into the model's input."""
         return Decoding(bool(self.jpeg_draft), bool(self.resize_crop_only))

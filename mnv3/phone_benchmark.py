@@ -35,6 +35,8 @@ from mnv3.preprocess import DEFAULT_PREPROCESSING, Decoding, Preprocessing, deco
 from mnv3.runtime import ort_runner
 
 FULL, DRAFT = "full", "draft"
+# Draft vs full JPEG decoding; both resize as the server does by default.
+DECODINGS = {FULL: Decoding(jpeg_draft=False), DRAFT: Decoding(jpeg_draft=True)}
 BATCH_SIZE = 8  # for the logits comparison only
 # A request's round trip, in the order it happens to it (the columns sum to the mean round trip).
 TIME_PARTS = ("upload_read_ms", "decode_preprocess_ms", "queue_ms", "inference_ms", "http_ms")
@@ -122,7 +124,7 @@ def decode_seconds(bodies: list[bytes], rounds: int, preprocessing: Preprocessin
         for name in turn_order((FULL, DRAFT), turn):
             start = time.perf_counter()
             for body in bodies:
-                decode_and_preprocess(body, decoding=Decoding(jpeg_draft=name == DRAFT), preprocessing=preprocessing)
+                decode_and_preprocess(body, decoding=DECODINGS[name], preprocessing=preprocessing)
             seconds[name].append((time.perf_counter() - start) / len(bodies))
     return seconds
 
@@ -139,10 +141,7 @@ def compare_decodes(
     given)."""
     tensors = {
         name: np.stack(
-            [
-                decode_and_preprocess(body, decoding=Decoding(jpeg_draft=name == DRAFT), preprocessing=preprocessing)
-                for body in bodies
-            ]
+            [decode_and_preprocess(body, decoding=DECODINGS[name], preprocessing=preprocessing) for body in bodies]
         )
         for name in (FULL, DRAFT)
     }

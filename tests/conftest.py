@@ -15,7 +15,16 @@ from fastapi.testclient import TestClient
 
 from mnv3.config import ServerConfig
 from mnv3.engine import Engine
+from mnv3.preprocess import Decoding
 from mnv3.server import create_app
+
+# Every combination of the server's decoding shortcuts (--jpeg-draft, --resize-crop-only).
+EVERY_DECODING = [Decoding(jpeg_draft, crop_only) for jpeg_draft in (False, True) for crop_only in (False, True)]
+
+
+def decoding_id(decoding: Decoding) -> str:
+    return f"draft{decoding.jpeg_draft:d}-crop_only{decoding.resize_crop_only:d}"
+
 
 WAIT_S = 30  # upper bound on any wait; a broken test fails instead of hanging
 

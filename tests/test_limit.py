@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from conftest import EVERY_DECODING, decoding_id
 from mnv3 import limit
 from mnv3.backend_choice import explicit
-from mnv3.preprocess import DEFAULT_PREPROCESSING, EXACT_DECODING, JPEG_DRAFT_MARGIN, Decoding, decode_and_preprocess
+from mnv3.preprocess import DEFAULT_PREPROCESSING, EXACT_DECODING, JPEG_DRAFT_MARGIN, decode_and_preprocess
 
 pytestmark = pytest.mark.unit
 
@@ -54,15 +55,12 @@ def large_jpeg() -> bytes:
     return buffer.getvalue()
 
 
-SETTINGS = [Decoding(jpeg_draft, crop_only) for jpeg_draft in (False, True) for crop_only in (False, True)]
-
-
-@pytest.mark.parametrize("decoding", SETTINGS, ids=lambda d: f"draft{d.jpeg_draft:d}-crop_only{d.resize_crop_only:d}")
+@pytest.mark.parametrize("decoding", EVERY_DECODING, ids=decoding_id)
 def test_the_limit_decodes_with_the_settings_it_is_given(sessions, tmp_path, decoding):
     body = large_jpeg()
-    decoded = {setting: decode_and_preprocess(body, decoding=setting) for setting in SETTINGS}
+    decoded = {setting: decode_and_preprocess(body, decoding=setting) for setting in EVERY_DECODING}
     # large enough for each setting to matter: every combination decodes it differently
-    assert len({array.tobytes() for array in decoded.values()}) == len(SETTINGS)
+    assert len({array.tobytes() for array in decoded.values()}) == len(EVERY_DECODING)
 
     # No manifest beside the model: the limit preprocesses as torchvision does, as decode_and_preprocess above.
     confirmed, grid, finalists = limit.run_limit(

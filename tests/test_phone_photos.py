@@ -8,7 +8,7 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
 
-from conftest import post_file, wait_until
+from conftest import EVERY_DECODING, decoding_id, post_file, wait_until
 from mnv3.backend_choice import explicit
 from mnv3.config import ServerConfig, parse_args
 from mnv3.engine import Engine
@@ -25,7 +25,6 @@ from mnv3.photos import (
 from mnv3.preprocess import (
     JPEG_DRAFT_MARGIN,
     RESIZE_SIZE,
-    Decoding,
     ImageTooLarge,
     Preprocessing,
     decode_and_preprocess,
@@ -152,15 +151,12 @@ def test_the_decoding_shortcuts_are_server_settings(name):
         parse_args(["--model", "m.onnx", flag, "2"], environ={})
 
 
-SETTINGS = [Decoding(jpeg_draft, crop_only) for jpeg_draft in (False, True) for crop_only in (False, True)]
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("decoding", SETTINGS, ids=lambda d: f"draft{d.jpeg_draft:d}-crop_only{d.resize_crop_only:d}")
+@pytest.mark.parametrize("decoding", EVERY_DECODING, ids=decoding_id)
 def test_the_server_decodes_as_its_settings_say(fp32_model_path, oriented, decoding):
     body = oriented[6]
-    expected = {setting: decode_and_preprocess(body, decoding=setting) for setting in SETTINGS}
-    assert len({array.tobytes() for array in expected.values()}) == len(SETTINGS)  # the four decodes differ
+    expected = {setting: decode_and_preprocess(body, decoding=setting) for setting in EVERY_DECODING}
+    assert len({array.tobytes() for array in expected.values()}) == len(EVERY_DECODING)  # the four decodes differ
     engine = Engine.load(fp32_model_path)
     inputs = []  # what the engine is asked to classify, after the warm-up
     predict = engine.predict
