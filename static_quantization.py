@@ -31,6 +31,7 @@ from mnv3.artifacts import (
     OPENVINO_PROFILE_CSV,
     PART_SIZES_CSV,
     RECIPES_CSV,
+    STAND_IN_PROVENANCE,
     STATIC_CSV,
     STATIC_INT8_ONNX,
     model_preprocessing,
@@ -38,7 +39,7 @@ from mnv3.artifacts import (
     require,
     update_manifest,
 )
-from mnv3.backend_choice import DEFAULT_MIN_AGREEMENT, MANIFEST_KEY, STAND_IN_PROVENANCE, choose, manifest_entry
+from mnv3.backend_choice import DEFAULT_MIN_AGREEMENT, MANIFEST_KEY, choose, manifest_entry
 from mnv3.plots import plot_variants
 from mnv3.preprocess import InvalidImage
 from mnv3.quantize import DEFAULT_RECIPE, RECIPES, calibration_photos, quantize_static_int8

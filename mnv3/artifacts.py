@@ -17,6 +17,10 @@ STATIC_INT8_ONNX = "static_int8.onnx"
 CLASS_NAMES_JSON = "class_names.json"
 # What each stage produced (weights provenance, arch, preprocessing, which file is the shipped INT8 model, ...).
 MANIFEST_JSON = "manifest.json"
+# The weights provenance stage 1 records for its seeded stand-in network (mnv3/model.py), and what a model
+# with no record beside it gets.
+STAND_IN_PROVENANCE = "random-init"
+UNKNOWN_PROVENANCE = "unknown"
 
 # Under RESULTS_DIR: what each stage and tool writes. summary.md has one section per file stem, in
 # file-name order, so the number prefix orders the stages.
@@ -77,6 +81,14 @@ def require(path, stage: int) -> Path:
 def read_manifest(artifacts_dir) -> dict:
     path = Path(artifacts_dir) / MANIFEST_JSON
     return json.loads(path.read_text()) if path.exists() else {}
+
+
+def weights_provenance(model_dir) -> str:
+    """Where the weights of the models in `model_dir` came from, as stage 1 recorded it in the manifest beside
+    them (`imagenet1k_v1`, `file:<sha256[:12]>` or STAND_IN_PROVENANCE); UNKNOWN_PROVENANCE for a model with
+    no record beside it (exported elsewhere): never a guess."""
+    weights = read_manifest(model_dir).get("weights")
+    return weights if isinstance(weights, str) else UNKNOWN_PROVENANCE
 
 
 def write_class_names(model_dir, names: list[str]) -> Path:

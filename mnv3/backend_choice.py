@@ -19,14 +19,13 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from mnv3.artifacts import read_manifest
+from mnv3.artifacts import STAND_IN_PROVENANCE, read_manifest
 
 AUTO = "auto"
 BACKENDS = ("onnxruntime", "openvino")
 FALLBACK = "onnxruntime"  # installs wherever requirements.txt does
 MANIFEST_KEY = "engine_choice"
 DEFAULT_MIN_AGREEMENT = 0.99  # top-1 agreement with FP32 a variant needs to be chosen, with real weights
-STAND_IN_PROVENANCE = "random-init"  # mnv3/model.py's provenance for the seeded stand-in network
 # What the choice minimises: a variant's batch-1 and per-image-at-batch-N times against FP32's, timed in
 # turns. Their geometric mean weighs a 2x gain at either end the same; the server runs both sizes.
 SPEED_COLUMNS = ("mean_ms_vs_onnx_fp32", "per_image_ms_vs_onnx_fp32")

@@ -11,7 +11,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mnv3 import report
-from mnv3.artifacts import ARTIFACTS_DIR, RESULTS_DIR, STATIC_INT8_ONNX, MissingArtifact, read_manifest, require
+from mnv3.artifacts import (
+    ARTIFACTS_DIR,
+    RESULTS_DIR,
+    STATIC_INT8_ONNX,
+    MissingArtifact,
+    read_manifest,
+    require,
+    weights_provenance,
+)
 from mnv3.config import ServerConfig
 from mnv3.latency import Timing
 from mnv3.limit import BATCH_SIZES, CONFIRM_PASSES, THREAD_SPLITS
@@ -283,8 +291,7 @@ def serving_model(args) -> tuple[Path, str]:
         model = args.model
     else:
         model = static_int8_model(args.artifacts_dir)
-    # Provenance only from the manifest beside the model: a model from elsewhere is "unknown", not mislabelled.
-    return model, str(read_manifest(model.parent).get("weights", "unknown"))
+    return model, weights_provenance(model.parent)
 
 
 def static_int8_model(artifacts_dir: Path) -> Path:

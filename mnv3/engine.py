@@ -1,8 +1,9 @@
 """One loaded model: a runtime session, its class names, its preprocessing and an id that names the exact file.
 
-The class names (CLASS_NAMES_JSON) and the preprocessing (the manifest's) are read from beside the
-model file, where stage 1 wrote them, so a model is never served with another model's labels or input
-size; a model with no manifest beside it gets torchvision's ImageNet preprocessing.
+The class names (CLASS_NAMES_JSON), the preprocessing and the weights provenance (the manifest's) are read
+from beside the model file, where stage 1 wrote them, so a model is never served with another model's labels
+or input size; a model with no manifest beside it gets torchvision's ImageNet preprocessing, and its weights
+are "unknown". Loading stage 1's random-init stand-in logs a warning: its labels mean nothing.
 
 Serving code talks only to `Engine.predict` (NCHW float32 batch -> softmax probabilities) and
 `Engine.top_k`. A backend is a session answering onnxruntime's `run(None, {name: batch})`,
@@ -21,7 +22,14 @@ from pathlib import Path
 
 import numpy as np
 
-from mnv3.artifacts import CLASS_NAMES_JSON, MANIFEST_JSON, model_preprocessing
+from mnv3.artifacts import (
+    CLASS_NAMES_JSON,
+    MANIFEST_JSON,
+    STAND_IN_PROVENANCE,
+    UNKNOWN_PROVENANCE,
+    model_preprocessing,
+    weights_provenance,
+)
 from mnv3.backend_choice import AUTO, BACKENDS, Choice, explicit, resolve_auto
 from mnv3.preprocess import DEFAULT_PREPROCESSING, Preprocessing
 from mnv3.runtime import DEFAULT_INTER_OP_THREADS, DEFAULT_INTRA_OP_THREADS, make_session
@@ -57,6 +65,7 @@ class Engine:
         preprocessing: Preprocessing = DEFAULT_PREPROCESSING,
         choice: Choice | None = None,
         load_rss_bytes: int | None = None,
+        weights: str = UNKNOWN_PROVENANCE,
     ):
         self.session = session
         # How much resident memory grew while the session opened: OpenVINO compiles and runs every static
@@ -66,6 +75,7 @@ class Engine:
         self.choice = choice or explicit(path, backend)
         self.class_names = class_names
         self.preprocessing = preprocessing  # what every image must go through before `predict`
+        self.weights = weights  # where the weights came from: the manifest's provenance (mnv3.artifacts)
         self.path = path
         self.sha256 = sha256
         self.model_id = f"{path.name}:{sha256[:12]}"
@@ -126,6 +136,13 @@ class Engine:
                 backend,
                 choice.reason,
             )
+        weights = weights_provenance(path.parent)  # the manifest is known to parse: _preprocessing read it
+        if weights == STAND_IN_PROVENANCE:
+            log.warning(
+                "%s: the weights are stage 1's random-init stand-in (ImageNet weights were unavailable): "
+                "latency is real, the labels it answers with mean nothing; rerun stage 1 with --weights",
+                path.name,
+            )
         num_classes = session.get_outputs()[0].shape[-1]
         return cls(
             session,
@@ -136,6 +153,7 @@ class Engine:
             preprocessing,
             choice,
             None if before is None or after is None else after - before,
+            weights,
         )
 
     @property

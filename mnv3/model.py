@@ -23,6 +23,7 @@ from torchvision.models import (
     mobilenet_v3_small,
 )
 
+from mnv3.artifacts import STAND_IN_PROVENANCE
 from mnv3.preprocess import DEFAULT_PREPROCESSING, Preprocessing
 
 ARCHS = {"mobilenet_v3_large": mobilenet_v3_large, "mobilenet_v3_small": mobilenet_v3_small}
@@ -82,7 +83,7 @@ def load_model(arch: str = DEFAULT_ARCH, weights_path=None) -> tuple[torch.nn.Mo
     finally:
         socket.setdefaulttimeout(previous_timeout)
     torch.manual_seed(RANDOM_INIT_SEED)
-    return ARCHS[arch](weights=None).eval(), "random-init"
+    return ARCHS[arch](weights=None).eval(), STAND_IN_PROVENANCE
 
 
 def num_classes(model: torch.nn.Module) -> int:

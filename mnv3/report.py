@@ -6,7 +6,7 @@ import platform
 from importlib import metadata
 from pathlib import Path
 
-from mnv3.artifacts import RESULTS_DIR
+from mnv3.artifacts import RESULTS_DIR, STAND_IN_PROVENANCE
 
 LIBRARIES = ("torch", "torchvision", "onnx", "onnxruntime", "openvino", "numpy", "pillow", "fastapi", "uvicorn")
 
@@ -87,7 +87,7 @@ def write_summary(results_dir=RESULTS_DIR) -> Path:
         "- Libraries: " + ", ".join(f"{name} {version}" for name, version in library_versions().items()),
         f"- Weights: {', '.join(provenances) or 'not recorded'}",
     ]
-    if "random-init" in provenances:
+    if STAND_IN_PROVENANCE in provenances:
         lines.append(
             "- **WARNING: random-init weights** (ImageNet weights were unavailable): BatchNorm statistics "
             "were re-estimated on calibration-source photos so activations are realistic. Latency, size "

@@ -150,6 +150,11 @@ class ModelInfo(BaseModel):
     variant: str = Field(description="the model file's stem, e.g. fp32 or static_int8")
     file: str
     sha256: str
+    weights: str = Field(
+        description="where the weights came from, as stage 1 recorded it beside the model: imagenet1k_v1, "
+        "file:<sha256[:12]> (--weights), random-init (a seeded stand-in: its latency is real, its labels mean "
+        "nothing) or unknown (no manifest beside the model says)"
+    )
     backend: str = Field(description="the engine that runs the model (onnxruntime or openvino)")
     backend_choice: dict = Field(
         description="--backend asked for, what serves (file, engine, OpenVINO precision) "
@@ -226,6 +231,7 @@ def describe(served: ServedModel) -> ModelInfo:
         variant=engine.path.stem,
         file=engine.path.name,
         sha256=engine.sha256,
+        weights=engine.weights,
         backend=engine.backend,
         backend_choice=engine.choice.describe(),
         input_name=engine.input_name,

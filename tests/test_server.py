@@ -122,6 +122,7 @@ def test_operational_endpoints(client, fp32_model_path):
     # onnxruntime runs a batch on the intra-op threads too (--batch-threads is OpenVINO's)
     assert info["threads"] == {"intra_op": 2, "inter_op": 1, "batch": 2, "preprocess": 2}
     assert info["ort_spinning"] is False
+    assert info["weights"] == "unknown"  # the fixture has no manifest to say where its weights came from
     # torchvision's preprocessing: the fixture's manifest records none, so the engine takes the default
     assert info["preprocessing"] == {
         "resize": 256,
@@ -392,6 +393,23 @@ def test_engine_preprocesses_as_the_manifest_beside_the_model_says(fp32_model_pa
     update_manifest(tmp_path, preprocessing={"resize": 256})
     with pytest.raises(ModelLoadError, match="no valid preprocessing.*rerun stage 1"):
         Engine.load(model)
+
+
+def test_engine_names_its_weights_as_the_manifest_beside_the_model_records_them(fp32_model_path, tmp_path, caplog):
+    from mnv3.artifacts import update_manifest
+
+    model = tmp_path / "fp32.onnx"
+    model.write_bytes(fp32_model_path.read_bytes())
+    assert Engine.load(model).weights == "unknown"  # no manifest: no guess
+    update_manifest(tmp_path, weights="file:0123456789ab")
+    with caplog.at_level("WARNING", logger="mnv3.engine"):
+        assert Engine.load(model).weights == "file:0123456789ab"
+    assert "random-init" not in caplog.text
+    update_manifest(tmp_path, weights="random-init")
+    with caplog.at_level("WARNING", logger="mnv3.engine"):
+        assert Engine.load(model).weights == "random-init"
+    assert "fp32.onnx: the weights are stage 1's random-init stand-in" in caplog.text
+    assert "labels it answers with mean nothing" in caplog.text
 
 
 def test_model_reports_the_memory_its_engine_took_to_open_and_to_warm_up(fp32_model_path, monkeypatch):
