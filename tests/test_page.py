@@ -47,6 +47,18 @@ def two_models(fp32_model_path, other_model_path):
 
 
 @pytest.fixture(scope="module")
+def stand_in_model_path(fp32_model_path, tmp_path_factory):
+    """The fixture model beside a manifest that says it is stage 1's random-init stand-in."""
+    from mnv3.artifacts import CLASS_NAMES_JSON, update_manifest
+
+    directory = tmp_path_factory.mktemp("stand_in")
+    for name in (fp32_model_path.name, CLASS_NAMES_JSON):
+        (directory / name).write_bytes((fp32_model_path.parent / name).read_bytes())
+    update_manifest(directory, weights="random-init")
+    return directory / fp32_model_path.name
+
+
+@pytest.fixture(scope="module")
 def browser():
     with local_browser() as browser:
         yield browser
@@ -314,6 +326,20 @@ def test_compare_mode_shows_every_model_side_by_side_and_their_top1_agreement(
         assert row[1] == f"{m['requests_per_s']:.1f}" and float(row[1]) > 0
         assert row[2].endswith(" ms") and row[3].endswith(" ms")
         assert row[4] == f"{math.floor(100 * m['cache_hit_rate'] + 0.5)}%"  # as Math.round: halves up
+
+
+def test_stand_in_weights_are_named_on_the_page_and_other_weights_are_not(
+    browser, page, fp32_model_path, stand_in_model_path
+):
+    page.wait_for_function("document.getElementById('model-line').textContent.startsWith('Serving')")
+    assert page.locator("#weights-notice").is_hidden()  # the fixture's weights are unknown, not the stand-in's
+    with ServerProcess(f"standin={stand_in_model_path}", extra_models=(f"fp32={fp32_model_path}",)) as url:
+        assert [m["weights"] for m in requests.get(url + "/models").json()["models"]] == ["random-init", "unknown"]
+        with opened(browser, url) as stand_in_page:
+            notice = stand_in_page.locator("#weights-notice")
+            notice.wait_for(state="visible")
+            assert notice.inner_text().startswith("standin: random-init weights, a seeded stand-in")
+            assert "The labels mean nothing" in notice.inner_text() and "fp32" not in notice.inner_text()
 
 
 def test_the_page_fits_a_narrow_window(page):

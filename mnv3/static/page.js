@@ -9,6 +9,7 @@ const DOWNSCALE_SHORT_SIDE = 512;  // twice the server's 256 px resize: no detai
 const DOWNSCALE_QUALITY = 0.92;
 const UPLOADS_AT_ONCE = 8;  // enough for the server to batch them, few enough not to crowd out other clients
 const KEY_STORAGE = "mnv3-api-key";  // in sessionStorage: this tab only, forgotten when it closes
+const STAND_IN_WEIGHTS = "random-init";  // GET /model's weights for stage 1's seeded stand-in (mnv3.artifacts)
 
 const $ = (id) => document.getElementById(id);
 
@@ -114,6 +115,13 @@ function describeModels() {
     ? `${server.models.length} models: ${names} (default ${server.defaultModel})`
     : `Serving ${main.model} on ${main.backend}: batches of up to ${main.batching.max_batch_size} ` +
       `(window ${main.batching.batch_window_ms} ms), cache of ${main.cache.size} results`;
+  // Stage 1's stand-in answers with real labels at near-uniform probabilities: say what they are worth.
+  const standIns = server.models.filter((m) => m.weights === STAND_IN_WEIGHTS).map((m) => m.name);
+  if (standIns.length) {
+    $("weights-notice").textContent = `${standIns.join(", ")}: random-init weights, a seeded stand-in (stage 1 ` +
+      "had no ImageNet weights). The labels mean nothing; the timings, and how often models agree, are real.";
+    $("weights-notice").hidden = false;
+  }
   if (server.models.length < 2) return;
   const select = $("model-select");
   select.replaceChildren(...server.models.map((m) =>
