@@ -33,8 +33,8 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
-def _option(default, help: str, minimum=None, choices=None):
-    return field(default=default, metadata={"help": help, "minimum": minimum, "choices": choices})
+def _option(default, help: str, minimum=None, maximum=None, choices=None):
+    return field(default=default, metadata={"help": help, "minimum": minimum, "maximum": maximum, "choices": choices})
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,8 @@ class ServerConfig:
     # Not a flag of its own: every --model after the first.
     extra_models: tuple[str, ...] = field(default=(), metadata={"help": "models served besides --model"})
     host: str = _option("127.0.0.1", "address to bind")
-    port: int = _option(8000, "port to bind", minimum=0)
+    # uvloop binds a port past 65535 modulo 65536 (99999 -> 34463) while the log names the one asked for.
+    port: int = _option(8000, "port to bind", minimum=0, maximum=65535)
     backend: str = _option(
         "auto", "inference runtime; auto: what stage 2 measured fastest here, else onnxruntime", choices=BACKEND_CHOICES
     )
@@ -160,9 +161,12 @@ class ServerConfig:
 
     def __post_init__(self):
         for f in fields(self):
-            value, minimum, choices = getattr(self, f.name), f.metadata.get("minimum"), f.metadata.get("choices")
+            value, minimum, maximum = getattr(self, f.name), f.metadata.get("minimum"), f.metadata.get("maximum")
             if minimum is not None and value < minimum:
                 raise ValueError(f"{f.name} must be at least {minimum}, got {value}")
+            if maximum is not None and value > maximum:
+                raise ValueError(f"{f.name} must be at most {maximum}, got {value}")
+            choices = f.metadata.get("choices")
             if choices is not None and value not in choices:
                 raise ValueError(f"{f.name} must be one of {', '.join(map(str, choices))}, got {value!r}")
         names = set()

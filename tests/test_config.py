@@ -71,3 +71,10 @@ def test_batch_threads_flag_and_variable():
     assert parse_args(["--model", "a.onnx"], environ={"MNV3_BATCH_THREADS": "3"}).batch_threads == 3
     with pytest.raises(ValueError, match="batch_threads must be at least 0"):
         ServerConfig(model="a.onnx", batch_threads=-1)
+
+
+def test_a_port_past_65535_is_refused_not_wrapped():
+    # uvloop would bind 99999 modulo 65536 (34463) while logging 99999
+    assert parse_args(["--model", "a.onnx", "--port", "65535"], environ={}).port == 65535
+    with pytest.raises(ValueError, match="port must be at most 65535, got 99999"):
+        ServerConfig(model="a.onnx", port=99999)
