@@ -40,6 +40,7 @@ from mnv3.artifacts import (
     update_manifest,
 )
 from mnv3.backend_choice import DEFAULT_MIN_AGREEMENT, MANIFEST_KEY, choose, manifest_entry
+from mnv3.photos import is_generated
 from mnv3.plots import plot_variants
 from mnv3.preprocess import InvalidImage
 from mnv3.quantize import DEFAULT_RECIPE, RECIPES, calibration_photos, quantize_static_int8
@@ -126,6 +127,18 @@ def main(args):
     cli.run_stage(run, args, user_errors=(UnreadableLabels, InvalidImage))
 
 
+def generated_calibration_note(folder, calibration: list[Path], existed: bool) -> str | None:
+    """What to tell the user when `folder` held none of their photos and stage 2 generated some there: a
+    mistyped --calibration-dir would otherwise calibrate on the sample photos without a word."""
+    if not calibration or not all(map(is_generated, calibration)):
+        return None
+    where = f"{folder} (created now)" if not existed else str(folder)
+    return (
+        f"calibration: no photos of yours in {where}, so {len(calibration)} generated views of the sample photos "
+        "scikit-image and matplotlib ship; put your own photos there to calibrate on them"
+    )
+
+
 def run(args):
     mode = cli.defaults(args)
     artifacts_dir, results_dir = args.artifacts_dir, args.results_dir
@@ -137,7 +150,10 @@ def run(args):
     provenance, arch = manifest.get("weights", "unknown"), manifest.get("model", {}).get("arch", "unknown")
     preprocessing = model_preprocessing(artifacts_dir)  # what stage 1 exported the model for
 
+    existed = Path(args.calibration_dir).is_dir()
     calibration = calibration_photos(args.calibration_dir, args.calibration_count)
+    if note := generated_calibration_note(args.calibration_dir, calibration, existed):
+        print(note)
     if len(calibration) < args.calibration_count:
         print(
             f"warning: {args.calibration_dir} holds only {len(calibration)} of your images, fewer than the "

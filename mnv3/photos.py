@@ -99,6 +99,14 @@ def list_images(folder) -> list[Path]:
     return sorted(p for p in Path(folder).iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
 
 
+GENERATED_PREFIX = "generated_"  # the calibration photos fill_calibration_dir writes (git-ignored)
+
+
+def is_generated(path) -> bool:
+    """Whether `path` is a calibration photo fill_calibration_dir wrote, not one a user put there."""
+    return Path(path).name.startswith(GENERATED_PREFIX)
+
+
 def fill_calibration_dir(folder, count: int = 200, seed: int = 0) -> list[Path]:
     """Return the folder's images; if it has none, first write `count` generated ones into it.
 
@@ -111,7 +119,7 @@ def fill_calibration_dir(folder, count: int = 200, seed: int = 0) -> list[Path]:
         return existing
     for i, image in enumerate(augmented_views(CALIBRATION_SOURCES, count, seed)):
         image.thumbnail((400, 400))  # calibration resizes to 256 anyway; keep the folder small
-        image.save(folder / f"generated_{i:04d}.jpg", quality=LOAD_IMAGE_QUALITY)
+        image.save(folder / f"{GENERATED_PREFIX}{i:04d}.jpg", quality=LOAD_IMAGE_QUALITY)
     return list_images(folder)
 
 

@@ -26,7 +26,7 @@ from onnxruntime.quantization.shape_inference import quant_pre_process
 from tqdm import tqdm
 
 from mnv3.graph_rewrites import GRAPH_REWRITES, apply_graph_rewrites
-from mnv3.photos import fill_calibration_dir, list_images
+from mnv3.photos import fill_calibration_dir, is_generated, list_images
 from mnv3.preprocess import DEFAULT_PREPROCESSING, Preprocessing, preprocess_files
 
 CALIBRATION_BATCH_SIZE = 8
@@ -131,7 +131,7 @@ def calibration_photos(folder, count: int) -> list[Path]:
     calibrating on fewer photos than asked for; images a user put there are never touched.
     """
     existing = list_images(folder) if Path(folder).is_dir() else []
-    if existing and len(existing) < count and all(p.name.startswith("generated_") for p in existing):
+    if existing and len(existing) < count and all(map(is_generated, existing)):
         for path in existing:
             path.unlink()
     return fill_calibration_dir(folder, count)[:count]

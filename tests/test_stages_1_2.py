@@ -345,6 +345,21 @@ def test_non_positive_counts_are_rejected_by_argparse(flag, capsys):
     assert exit_info.value.code == 2 and flag in capsys.readouterr().err
 
 
+def test_stage_2_says_when_it_calibrates_on_generated_photos(tmp_path):
+    from mnv3.photos import held_out_images
+    from mnv3.quantize import calibration_photos
+
+    typo = tmp_path / "my_calibraton_photos"  # not the folder of photos the user meant
+    note = static_quantization.generated_calibration_note(typo, calibration_photos(typo, 3), existed=False)
+    assert note.startswith(f"calibration: no photos of yours in {typo} (created now), so 3 generated views")
+    note = static_quantization.generated_calibration_note(typo, calibration_photos(typo, 3), existed=True)
+    assert note.startswith(f"calibration: no photos of yours in {typo}, so 3 generated views")
+    user = tmp_path / "user"
+    user.mkdir()
+    held_out_images(1)[0].save(user / "mine.jpg")
+    assert static_quantization.generated_calibration_note(user, calibration_photos(user, 3), existed=True) is None
+
+
 def test_corrupt_calibration_image_exits_2_naming_the_file(stage_dirs, tmp_path, capsys):
     calibration = tmp_path / "calibration"
     calibration.mkdir()
