@@ -38,6 +38,7 @@ from mnv3.artifacts import (
     read_manifest,
     require,
     update_manifest,
+    weights_provenance,
 )
 from mnv3.backend_choice import DEFAULT_MIN_AGREEMENT, MANIFEST_KEY, choose, manifest_entry
 from mnv3.photos import is_generated
@@ -147,7 +148,7 @@ def run(args):
     class_names = json.loads(require(artifacts_dir / CLASS_NAMES_JSON, 1).read_text())
     labelled = load_labels(args.labels, class_names) if args.labels else None
     manifest = read_manifest(artifacts_dir)
-    provenance, arch = manifest.get("weights", "unknown"), manifest.get("model", {}).get("arch", "unknown")
+    provenance, arch = weights_provenance(artifacts_dir), manifest.get("model", {}).get("arch", "unknown")
     preprocessing = model_preprocessing(artifacts_dir)  # what stage 1 exported the model for
 
     existed = Path(args.calibration_dir).is_dir()
