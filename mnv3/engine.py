@@ -36,6 +36,7 @@ from mnv3.runtime import DEFAULT_INTER_OP_THREADS, DEFAULT_INTRA_OP_THREADS, mak
 
 BACKEND_CHOICES = (AUTO, *BACKENDS)
 OPENVINO_MISSING = "backend openvino needs `pip install -r requirements-openvino.txt`"
+MODEL_SUFFIXES = (".onnx", ".xml")  # ONNX, and OpenVINO's IR (served under --backend openvino)
 log = logging.getLogger(__name__)
 
 
@@ -102,6 +103,12 @@ class Engine:
         if backend not in BACKEND_CHOICES:
             raise ModelLoadError(f"unknown backend {backend!r}; available: {', '.join(BACKEND_CHOICES)}")
         path = Path(path)
+        if path.is_dir():
+            models = sorted(p.name for p in path.iterdir() if p.suffix in MODEL_SUFFIXES)
+            raise ModelLoadError(
+                f"{path} is a folder: pass a model file in it"
+                + (f" ({', '.join(models)})" if models else f" (it holds no {' or '.join(MODEL_SUFFIXES)} file)")
+            )
         if not path.is_file():
             raise ModelLoadError(f"model file {path} not found")
         choice = resolve_auto(path) if backend == AUTO else explicit(path, backend, precision)
