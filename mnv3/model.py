@@ -117,7 +117,7 @@ def _state_dict(path, data: bytes) -> dict:
                 f"without running code from the file; save its weights instead: {SAVE_STATE_DICT}"
             ) from exc
         raise BadWeights(
-            f"--weights {path}: not a PyTorch state_dict or checkpoint ({_first_line(exc)}); "
+            f"--weights {path}: not a PyTorch state_dict or checkpoint ({_load_failure(data, exc)}); "
             f"save one with {SAVE_STATE_DICT}"
         ) from exc
     if isinstance(loaded, dict) and isinstance(loaded.get("model"), dict):
@@ -128,6 +128,22 @@ def _state_dict(path, data: bytes) -> dict:
             f'"model"); save one with {SAVE_STATE_DICT}'
         )
     return loaded
+
+
+# How a file torch.save wrote begins: its zip format, or the legacy format's pickle protocol byte.
+TORCH_SAVE_MAGIC = (b"PK\x03\x04", b"\x80")
+
+
+def _load_failure(data: bytes, exc: Exception) -> str:
+    """Why torch.load refused `data`, in terms of the file. Not PyTorch's own first line for a refused pickle,
+    which advises loading with weights_only=False: running the file's code is what --weights never does."""
+    if not data.startswith(TORCH_SAVE_MAGIC):
+        return "not a file torch.save writes: neither a zip archive nor a pickle"
+    text = str(exc)
+    if "WeightsUnpickler error:" in text:  # the reason follows PyTorch's advice, e.g. "Unsupported global: ..."
+        detail = text.split("WeightsUnpickler error:", 1)[1].strip()
+        return detail.splitlines()[0] if detail else _first_line(exc)
+    return _first_line(exc)
 
 
 def _pickles_modules(data: bytes) -> bool:

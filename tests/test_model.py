@@ -2,6 +2,7 @@
 FP32 export's numerics."""
 
 import argparse
+import datetime
 import hashlib
 import urllib.error
 
@@ -128,6 +129,28 @@ def test_bad_weights_file_is_a_clear_error(tmp_path, content):
         path.write_bytes(content)
     with pytest.raises(BadWeights, match="--weights"):
         load_model("mobilenet_v3_large", path)
+
+
+@pytest.mark.parametrize(
+    ("content", "reason"),
+    [
+        (b"# a README, not weights\n", "not a file torch.save writes: neither a zip archive nor a pickle"),
+        (b"PK\x03\x04 cut short", "PytorchStreamReader failed reading zip archive"),
+        (
+            {"conv.weight": torch.zeros(1), "saved_on": datetime.date(2026, 12, 3)},
+            "Unsupported global: GLOBAL datetime.date",
+        ),
+    ],
+)
+def test_a_refused_weights_file_says_why_and_never_advises_loading_it_unsafely(tmp_path, content, reason):
+    path = tmp_path / "weights.pth"
+    if isinstance(content, dict):
+        torch.save(content, path)
+    else:
+        path.write_bytes(content)
+    with pytest.raises(BadWeights) as refused:
+        load_model("mobilenet_v3_large", path)
+    assert reason in str(refused.value) and "weights_only" not in str(refused.value)
 
 
 @pytest.fixture(scope="module")
