@@ -4,10 +4,11 @@ The same work the server does per image (preprocess.decode_and_preprocess with t
 manifest beside the model records and the server's --jpeg-draft and --resize-crop-only settings, then
 one run of the engine per batch), on the same JPEG bodies, in one process. Decoding the next batch runs in
 a thread pool while the engine runs the current one, as the server's preprocessing overlaps its inference.
-The engine is opened as the server opens it (engine.open_session, from a backend_choice.Choice: file, engine, precision,
-streams), with the threads of the configuration tried for batches too (a server gives OpenVINO's batches
---batch-threads), so the limit of `--backend auto`'s choice is the ceiling stage 5 holds the batched server to:
-server req/s / limit images/s is the serving overhead. The limits of other engines show what the choice gains.
+The engine is opened as the server opens it (engine.open_session, from a backend_choice.Choice: file,
+engine, precision, streams), with the threads of the configuration tried for batches too (a server gives
+OpenVINO's batches --batch-threads), so the limit of `--backend auto`'s choice is the ceiling stage 5 holds
+the batched server to: server req/s / limit images/s is the serving overhead. The limits of other engines
+show what the choice gains.
 """
 
 import time
