@@ -56,6 +56,7 @@ from urllib.parse import parse_qsl, urlencode
 from starlette.requests import Request
 
 from mnv3.uploads import refusal_keeps_connection
+from mnv3.v2_protocol import error_body, is_protocol_path
 
 log = logging.getLogger(__name__)
 
@@ -296,8 +297,8 @@ class ApiKeyAuth:
         status, reason, headers = refusal
         if not refusal_keeps_connection(Request(scope), KEEP_CONNECTION_BYTES):
             headers = [(b"connection", b"close"), *headers]
-        path = _route_path(scope)
-        body = json.dumps({"error" if path == "/v2" or path.startswith("/v2/") else "detail": reason}).encode()
+        path = route_path(scope)
+        body = json.dumps(error_body(reason) if is_protocol_path(path) else {"detail": reason}).encode()
         await send(
             {
                 "type": "http.response.start",
@@ -324,7 +325,7 @@ class ApiKeyAuth:
                 ),
                 [],
             )
-        needed = required_scope(scope["method"], _route_path(scope))
+        needed = required_scope(scope["method"], route_path(scope))
         if needed is Scope.OPEN:
             return None
         presented, problem = _presented_key(scope["headers"])
@@ -358,7 +359,7 @@ class ApiKeyAuth:
         return None
 
 
-def _route_path(scope) -> str:
+def route_path(scope) -> str:
     """The path the app routes on: without the root_path a proxy mounted the app under (as Starlette does)."""
     path, root = scope["path"], scope.get("root_path", "")
     if root and (path == root or path.startswith(root + "/")):

@@ -26,6 +26,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mnv3.api_docs import docs_router
 from mnv3.auth import ApiKeyAuth, KeyFileError, exposure_warning, load_key_file
@@ -37,7 +38,7 @@ from mnv3.serving import Classified as Classified  # what /predict answers with;
 from mnv3.serving import ServedModel, Serving, served_model, serving, unless_disconnected
 from mnv3.stats import stats_router
 from mnv3.uploads import read_upload
-from mnv3.v2_router import v2_router
+from mnv3.v2_router import http_error_in_shape, v2_router
 
 log = logging.getLogger(__name__)
 
@@ -312,6 +313,7 @@ def create_app(config: ServerConfig, *engines: Engine) -> FastAPI:
     app.include_router(docs_router)
     for exc_type in ERRORS:
         app.add_exception_handler(exc_type, reject)
+    app.add_exception_handler(StarletteHTTPException, http_error_in_shape)
     if config.api_keys:
         app.add_middleware(ApiKeyAuth, keys=load_key_file(config.api_keys))
     return app

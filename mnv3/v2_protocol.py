@@ -21,7 +21,6 @@ most probable first, the probability printed as C++'s std::to_string prints a fl
 """
 
 import base64
-import binascii
 import json
 import math
 import re
@@ -30,6 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+PATH_PREFIX = "/v2"
 IMAGE_INPUT = "IMAGE"
 PIXELS_INPUT = "PIXELS"
 PROBABILITIES_OUTPUT = "PROBABILITIES"
@@ -144,7 +144,20 @@ def parse_infer_request(body: bytes, header_length: str | None, model: ModelDesc
             raise _bad(f"{name} has shape {shape} ({count} elements) but holds {len(images)} elements")
     else:
         pixels = _binary_fp32(raw, shape) if raw is not None else _json_fp32(tensor["data"], shape)
+        non_finite = pixels.size - int(np.isfinite(pixels).sum())
+        if non_finite:  # a NaN would come back as probabilities of NaN, which JSON cannot carry
+            raise _bad(f"{name} holds {non_finite} values that are NaN or infinite; send finite numbers")
     return InferRequest(request_id, images, pixels, _requested_outputs(header.get("outputs")), binary_output)
+
+
+def is_protocol_path(path: str) -> bool:
+    """Whether a request path is the protocol's, so that any error on it answers in `error_body`'s shape."""
+    return path == PATH_PREFIX or path.startswith(PATH_PREFIX + "/")
+
+
+def error_body(message: str) -> dict:
+    """The protocol's error shape; Triton's clients read `error`."""
+    return {"error": message}
 
 
 def _parse_header_length(value: str, body_length: int) -> int:
@@ -161,8 +174,8 @@ def _parse_header_length(value: str, body_length: int) -> int:
 
 def _parse_json_header(data: bytes) -> dict:
     try:
-        header = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        header = json.loads(data, parse_constant=_refuse_constant)
+    except (ValueError, RecursionError) as exc:  # ValueError: JSONDecodeError, UnicodeDecodeError, _refuse_constant
         raise _bad(
             f"the inference header is not JSON ({exc or 'nested too deeply'}); with binary tensors, "
             f"send its length in {HEADER_LENGTH}"
@@ -170,6 +183,11 @@ def _parse_json_header(data: bytes) -> dict:
     if not isinstance(header, dict):
         raise _bad("the inference header must be a JSON object")
     return header
+
+
+def _refuse_constant(name: str):
+    # Python's json reads NaN, Infinity and -Infinity; JSON (RFC 8259) has no such values.
+    raise ValueError(f"{name} is not a JSON value")
 
 
 def _the_one_input(inputs) -> dict:
@@ -264,7 +282,7 @@ def _json_bytes_elements(tensor: dict) -> list[bytes]:
         raise _bad(f"{IMAGE_INPUT}'s data must be base64 strings")
     try:
         return [base64.b64decode(item, validate=True) for item in strings]
-    except binascii.Error as exc:
+    except ValueError as exc:  # binascii.Error, or a character outside ASCII
         raise _bad(f"{IMAGE_INPUT} holds a string that is not base64 ({exc})") from None
 
 

@@ -19,20 +19,26 @@ from typing import Annotated, Any
 
 import numpy as np
 from fastapi import APIRouter, Depends, Path, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from mnv3.auth import route_path
 from mnv3.errors import ERRORS, error_response
 from mnv3.preprocess import InvalidImage
 from mnv3.serving import ServedModel, Serving, serving, unless_disconnected
 from mnv3.uploads import read_body
 from mnv3.v2_protocol import (
     HEADER_LENGTH,
+    PATH_PREFIX,
     InferRequest,
     ModelDescription,
     V2Error,
     encode_infer_response,
+    error_body,
+    is_protocol_path,
     model_config,
     model_metadata,
     parse_infer_request,
@@ -47,14 +53,10 @@ SERVER_VERSION = "1"
 V2_REJECTION_REASONS = {400: "bad_input", 404: "unknown_model"}
 
 
-def error_body(message: str) -> dict:
-    """The protocol's error shape; Triton's clients read `error`."""
-    return {"error": message}
-
-
 class V2Route(APIRoute):
     """A route that answers every failure in the protocol's shape (FastAPI's documented way to handle
-    errors per router: the app's own handlers answer `{"detail": ...}`)."""
+    errors per router: the app's own handlers answer `{"detail": ...}`). A path under /v2 that matches
+    no route, or a wrong method, is answered by `http_error_in_shape`."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handle = super().get_route_handler()
@@ -94,7 +96,16 @@ V2_ERROR_DOCS: dict[int | str, dict[str, Any]] = {
     )
 }
 
-v2_router = APIRouter(prefix="/v2", tags=["Open Inference Protocol (KServe v2)"], route_class=V2Route)
+
+async def http_error_in_shape(request: Request, exc: StarletteHTTPException) -> Response:
+    """The app's handler of Starlette's HTTP errors (404 no such path, 405 wrong method): `{"error": ...}`
+    under /v2, where Triton's clients read nothing else, and FastAPI's `{"detail": ...}` elsewhere."""
+    if is_protocol_path(route_path(request.scope)):
+        return JSONResponse(error_body(str(exc.detail)), exc.status_code, headers=exc.headers)
+    return await http_exception_handler(request, exc)
+
+
+v2_router = APIRouter(prefix=PATH_PREFIX, tags=["Open Inference Protocol (KServe v2)"], route_class=V2Route)
 
 
 class ServerMetadata(BaseModel):

@@ -396,6 +396,37 @@ BAD_REQUESTS = {
         ),
         "not base64",
     ),
+    "json bytes not ascii": (
+        lambda: json_request({**_BASE64_IMAGE, "data": ["é"]}),
+        "not base64",
+    ),
+    "NaN in the json header": (lambda: (b'{"id": NaN, "inputs": []}', None), "NaN is not a JSON value"),
+    "NaN in json pixels": (
+        lambda: (
+            json.dumps(
+                {"inputs": [{"name": PIXELS_INPUT, "datatype": "FP32", "shape": [1, 3, 4, 5], "data": [0.5] * 60}]}
+            )
+            .replace("0.5", "Infinity", 1)
+            .encode(),
+            None,
+        ),
+        "Infinity is not a JSON value",
+    ),
+    "overflowing json pixels": (
+        lambda: (
+            json.dumps(
+                {"inputs": [{"name": PIXELS_INPUT, "datatype": "FP32", "shape": [1, 3, 4, 5], "data": [0.5] * 60}]}
+            )
+            .replace("0.5", "1e400", 2)
+            .encode(),
+            None,
+        ),
+        "holds 2 values that are NaN or infinite",
+    ),
+    "NaN in binary pixels": (
+        lambda: tritonclient_body(pixels_input(np.full((1, 3, 4, 5), np.nan, np.float32))),
+        "holds 60 values that are NaN or infinite",
+    ),
     "negative dimension": (
         lambda: json_request({"name": IMAGE_INPUT, "datatype": "BYTES", "shape": [-1], "data": []}),
         "non-negative integers",

@@ -164,6 +164,21 @@ def test_unknown_model_or_version_is_404(client, photos):
         assert "large" in failure.value.message()  # the message says what is served
 
 
+def test_paths_and_methods_the_server_lacks_answer_in_the_protocols_shape(server, client):
+    """Triton's client reads only `error` from a failed call: its calls for extensions this server does
+    not implement must surface the server's message, not a KeyError of the client's own."""
+    for call in (client.get_model_repository_index, lambda: client.get_inference_statistics("large")):
+        with pytest.raises(InferenceServerException) as failure:
+            call()
+        assert failure.value.status() == "404"
+        assert "Not Found" in failure.value.message()
+    wrong_method = requests.get(server + "/v2/models/large/infer", timeout=WAIT_S)
+    assert (wrong_method.status_code, wrong_method.json()) == (405, {"error": "Method Not Allowed"})
+    assert wrong_method.headers["allow"] == "POST"
+    elsewhere = requests.get(server + "/nope", timeout=WAIT_S)  # outside /v2: FastAPI's own shape
+    assert (elsewhere.status_code, elsewhere.json()) == (404, {"detail": "Not Found"})
+
+
 def test_predict_takes_a_model_and_models_lists_them(server, photos, fp32_model_path, other_model_path):
     listing = requests.get(server + "/models", timeout=WAIT_S).json()
     assert listing["default"] == "large"
