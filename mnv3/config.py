@@ -12,9 +12,10 @@ gives one. Every other setting applies to each model (each has its own batcher a
 """
 
 import argparse
+import math
 import os
 import re
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from functools import cached_property
 from pathlib import Path
 
@@ -29,8 +30,30 @@ DEFAULT_PREPROCESS_THREADS = 2
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
+PROG = "python -m mnv3.server"  # how its errors begin, from argparse or from loading a model
+
 # A model's name is a URL path segment (/v2/models/NAME) and a query value (?model=NAME): nothing to escape.
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+# What follows a model file's '@' when it was meant as a backend: a word, no file suffix or folder.
+BACKEND_LIKE = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
+
+
+def flag(name: str) -> str:
+    """The command-line flag of a setting: `cache_size` -> `--cache-size`."""
+    return "--" + name.replace("_", "-")
+
+
+def variable(name: str) -> str:
+    """The environment variable of a setting: `cache_size` -> `MNV3_CACHE_SIZE`."""
+    return f"MNV3_{name.upper()}"
+
+
+class SettingError(ValueError):
+    """A setting out of its bounds or choices, named by its flag (`setting`: the field)."""
+
+    def __init__(self, setting: str, problem: str):
+        super().__init__(f"{flag(setting)} {problem}")
+        self.setting = setting
 
 
 def _option(default, help: str, minimum=None, maximum=None, choices=None):
@@ -59,6 +82,11 @@ class ModelSpec:
         return cls(name, Path(path), backend)
 
     def check(self) -> None:
+        head, at, tail = str(self.path).rpartition("@")
+        if at and BACKEND_LIKE.fullmatch(tail) and not self.path.exists():  # a typo, not a file named so
+            raise ValueError(
+                f"unknown backend {tail!r} after the '@' of {self.path}: one of {', '.join(BACKEND_CHOICES)}"
+            )
         if not MODEL_NAME.fullmatch(self.name):
             raise ValueError(
                 f"model name {self.name!r} is not URL-safe: name the model with NAME={self.path} (a "
@@ -162,13 +190,16 @@ class ServerConfig:
     def __post_init__(self):
         for f in fields(self):
             value, minimum, maximum = getattr(self, f.name), f.metadata.get("minimum"), f.metadata.get("maximum")
+            # NaN passes every comparison below (NaN < 1 is False), and infinity is no duration or size.
+            if isinstance(value, float) and not math.isfinite(value):
+                raise SettingError(f.name, f"must be a finite number, got {value}")
             if minimum is not None and value < minimum:
-                raise ValueError(f"{f.name} must be at least {minimum}, got {value}")
+                raise SettingError(f.name, f"must be at least {minimum}, got {value}")
             if maximum is not None and value > maximum:
-                raise ValueError(f"{f.name} must be at most {maximum}, got {value}")
+                raise SettingError(f.name, f"must be at most {maximum}, got {value}")
             choices = f.metadata.get("choices")
             if choices is not None and value not in choices:
-                raise ValueError(f"{f.name} must be one of {', '.join(map(str, choices))}, got {value!r}")
+                raise SettingError(f.name, f"must be one of {', '.join(map(str, choices))}, got {value!r}")
         names = set()
         for spec in self.models:
             spec.check()
@@ -203,12 +234,14 @@ class ServerConfig:
 
 def parse_args(argv=None, environ=os.environ) -> ServerConfig:
     parser = argparse.ArgumentParser(
-        prog="python -m mnv3.server",
+        prog=PROG,
         description="Serve an ONNX MobileNetV3 classifier over HTTP.",
         epilog="Each flag can also be set as MNV3_<FLAG> (e.g. MNV3_CACHE_SIZE=0); the flag wins.",
     )
+    settings = {}  # every setting but the models, from its flag, else its variable, else its default
+    from_environment = {}  # setting -> "MNV3_X=text": what an error about it names when no flag gave it
     for f in fields(ServerConfig):
-        env = f"MNV3_{f.name.upper()}"
+        env = variable(f.name)
         if f.name == "extra_models":
             continue
         if f.name == "model":  # repeatable; argparse would append to a default, so the variable is read below
@@ -220,20 +253,30 @@ def parse_args(argv=None, environ=os.environ) -> ServerConfig:
                 help=f"{f.metadata['help']} [{env}: one model]",
             )
             continue
-        default = environ.get(env, None if f.default is MISSING else f.default)
+        settings[f.name] = f.default
+        if env in environ:
+            text = environ[env]
+            try:
+                settings[f.name] = f.type(text)
+            except ValueError:
+                parser.error(f"{env}={text!r} is not a valid {f.type.__name__} (it sets {flag(f.name)})")
+            from_environment[f.name] = f"{env}={text}"
         parser.add_argument(
-            f"--{f.name.replace('_', '-')}",
+            flag(f.name),
             type=f.type,
-            default=default,
-            required=default is None,
+            default=argparse.SUPPRESS,  # absent from the parsed flags unless given
             choices=f.metadata.get("choices"),
-            help=f"{f.metadata['help']} [{env}" + ("]" if default is None else "; %(default)s]"),
+            help=f"{f.metadata['help']} [{env}; {settings[f.name]}]",
         )
-    args = parser.parse_args(argv)
-    models = args.model or ([Path(environ["MNV3_MODEL"])] if environ.get("MNV3_MODEL") else [])
+    args = vars(parser.parse_args(argv))
+    models = args.pop("model") or ([Path(environ["MNV3_MODEL"])] if environ.get("MNV3_MODEL") else [])
     if not models:
         parser.error("the following arguments are required: --model (or MNV3_MODEL)")
+    for given in args:
+        from_environment.pop(given, None)
     try:
-        return ServerConfig(**vars(args) | {"model": models[0], "extra_models": tuple(map(str, models[1:]))})
+        return ServerConfig(**settings | args, model=models[0], extra_models=tuple(map(str, models[1:])))
+    except SettingError as exc:
+        parser.error(f"{exc} (from {from_environment[exc.setting]})" if exc.setting in from_environment else str(exc))
     except ValueError as exc:
         parser.error(str(exc))

@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mnv3.api_docs import docs_router
 from mnv3.auth import ApiKeyAuth, KeyFileError, exposure_warning, load_key_file
-from mnv3.config import ModelSpec, ServerConfig, parse_args
+from mnv3.config import PROG, ModelSpec, ServerConfig, parse_args
 from mnv3.engine import Engine, ModelLoadError, Prediction
 from mnv3.errors import ERROR_DOCS, ERRORS, error_response
 from mnv3.page import page_router
@@ -343,7 +343,7 @@ def main(argv=None) -> None:
     try:  # before binding the port: a bad model or key file is a one-line error, exit 2
         app = create_app(config, *load_engines(config))
     except (ModelLoadError, KeyFileError) as exc:
-        print(f"mnv3.server: error: {exc}", file=sys.stderr)
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     if not config.api_keys and (warning := exposure_warning(config.host)):
         log.warning("WARNING: %s", warning)

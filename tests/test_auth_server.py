@@ -160,7 +160,7 @@ def test_a_bad_key_file_is_one_line_and_exit_2_before_binding(fp32_model_path, t
         server.main(["--model", str(fp32_model_path), "--api-keys", str(bad), "--port", "1"])  # port 1: never bound
     assert exit_info.value.code == 2
     error = capsys.readouterr().err
-    assert error.startswith(f"mnv3.server: error: {bad}:2: ") and "python -m mnv3.auth" in error
+    assert error.startswith(f"python -m mnv3.server: error: {bad}:2: ") and "python -m mnv3.auth" in error
     assert error.count("\n") == 1 and "too-short" not in error  # nothing of the key itself
 
 

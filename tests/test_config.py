@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from mnv3.config import ModelSpec, ServerConfig, parse_args
+from mnv3.config import ModelSpec, ServerConfig, flag, parse_args
 
 pytestmark = pytest.mark.unit
 
@@ -69,12 +69,51 @@ def test_batches_get_half_the_threads_unless_told(intra_op_threads, batch_thread
 def test_batch_threads_flag_and_variable():
     assert parse_args(["--model", "a.onnx", "--batch-threads", "2"], environ={}).threads_per_batch == 2
     assert parse_args(["--model", "a.onnx"], environ={"MNV3_BATCH_THREADS": "3"}).batch_threads == 3
-    with pytest.raises(ValueError, match="batch_threads must be at least 0"):
+    with pytest.raises(ValueError, match="--batch-threads must be at least 0"):
         ServerConfig(model="a.onnx", batch_threads=-1)
 
 
 def test_a_port_past_65535_is_refused_not_wrapped():
     # uvloop would bind 99999 modulo 65536 (34463) while logging 99999
     assert parse_args(["--model", "a.onnx", "--port", "65535"], environ={}).port == 65535
-    with pytest.raises(ValueError, match="port must be at most 65535, got 99999"):
+    with pytest.raises(ValueError, match="--port must be at most 65535, got 99999"):
         ServerConfig(model="a.onnx", port=99999)
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+@pytest.mark.parametrize("setting", ["deadline_ms", "batch_window_ms", "body_timeout_s", "shutdown_timeout_s"])
+def test_a_duration_that_is_not_a_finite_number_is_refused(setting, value, capsys):
+    # NaN passes every bound (NaN < 1 is False): it started servers that answered every request with a 500
+    with pytest.raises(SystemExit) as exit:
+        parse_args(["--model", "a.onnx", f"{flag(setting)}={value}"], environ={})
+    assert exit.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(f"{flag(setting)} must be a finite number, got {value}")
+
+
+def test_an_error_names_the_variable_when_no_flag_gave_the_value(capsys):
+    def error(argv, environ) -> str:
+        with pytest.raises(SystemExit):
+            parse_args(["--model", "a.onnx", *argv], environ)
+        return capsys.readouterr().err.splitlines()[-1]
+
+    assert error([], {"MNV3_CACHE_SIZE": "abc"}).endswith(
+        "MNV3_CACHE_SIZE='abc' is not a valid int (it sets --cache-size)"
+    )
+    assert error([], {"MNV3_CACHE_SIZE": "-1"}).endswith(
+        "--cache-size must be at least 0, got -1 (from MNV3_CACHE_SIZE=-1)"
+    )
+    assert error([], {"MNV3_LOG_LEVEL": "verbose"}).endswith("(from MNV3_LOG_LEVEL=verbose)")
+    assert error(["--cache-size", "-2"], {"MNV3_CACHE_SIZE": "-1"}).endswith("--cache-size must be at least 0, got -2")
+    # the flag wins over a variable, even a bad one it replaces
+    assert parse_args(["--model", "a.onnx", "--cache-size", "3"], {"MNV3_CACHE_SIZE": "-1"}).cache_size == 3
+    assert parse_args(["--model", "a.onnx"], {"MNV3_DEADLINE_MS": "250"}).deadline_ms == 250.0
+
+
+def test_a_mistyped_backend_after_the_model_file_is_named_as_such(tmp_path):
+    with pytest.raises(
+        ValueError, match=r"unknown backend 'tensorrt' after the '@' of .*/fp32.onnx@tensorrt: one of auto"
+    ):
+        ServerConfig(model=f"{tmp_path}/fp32.onnx@tensorrt")
+    named = tmp_path / "v1@beta"  # a file that really is named so is a path
+    named.touch()
+    assert ServerConfig(model=f"v1={named}").models[0].path == named

@@ -276,7 +276,10 @@ def test_a_folder_as_the_model_exits_2_naming_the_model_files_in_it(tmp_path):
     (tmp_path / "manifest.json").write_text("{}")
     result = run_server("--model", str(tmp_path), "--port", "0")
     assert result.returncode == 2
-    assert result.stderr.strip() == f"mnv3.server: error: {tmp_path} is a folder: pass a model file in it (fp32.onnx)"
+    assert (
+        result.stderr.strip()
+        == f"python -m mnv3.server: error: {tmp_path} is a folder: pass a model file in it (fp32.onnx)"
+    )
 
 
 def test_corrupt_model_exits_2_with_one_line(tmp_path):
