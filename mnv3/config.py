@@ -20,7 +20,7 @@ from functools import cached_property
 from pathlib import Path
 
 from mnv3.engine import BACKEND_CHOICES
-from mnv3.preprocess import DEFAULT_MAX_PIXELS, Decoding
+from mnv3.preprocess import DEFAULT_MAX_PIXELS, PILLOW_MAX_PIXELS, Decoding
 from mnv3.runtime import DEFAULT_INTER_OP_THREADS, DEFAULT_INTRA_OP_THREADS
 
 # Pillow's decode/resize and numpy's normalisation release the GIL, so two threads keep both cores
@@ -150,7 +150,11 @@ class ServerConfig:
     )
     max_upload_bytes: int = _option(10 * 1024 * 1024, "largest request body in bytes (413 above)", minimum=1)
     max_pixels: int = _option(
-        DEFAULT_MAX_PIXELS, "largest image, width x height, checked before decoding (413)", minimum=1
+        DEFAULT_MAX_PIXELS,
+        f"largest image, width x height, checked before decoding (413); at most {PILLOW_MAX_PIXELS}, "
+        "past which Pillow refuses every image",
+        minimum=1,
+        maximum=PILLOW_MAX_PIXELS,
     )
     # On by default: it makes a phone photo's decode several times cheaper and moves its preprocessed
     # pixels by a few grey levels at most (README, "Limits and errors"); a JPEG whose shorter side is

@@ -38,6 +38,9 @@ JPEG_DRAFT_REDUCTIONS = (8, 4, 2)  # the DCT scalings libjpeg offers, largest fi
 
 MAX_RESIZED_SIDE = 4096  # longer side of the full resize; beyond it, resample only the crop (aspect > 16:1)
 DEFAULT_MAX_PIXELS = 40_000_000  # ~ a 7300x5500 photo; larger is refused before decoding
+# Pillow refuses an image of more than twice its MAX_IMAGE_PIXELS outright (DecompressionBombError), whatever
+# the caller allows; below that, `max_pixels` alone decides: Pillow's warning at MAX_IMAGE_PIXELS is ignored.
+PILLOW_MAX_PIXELS = 2 * Image.MAX_IMAGE_PIXELS
 
 
 # Raster formats only, opened by Pillow's own decoders: EPS, for one, would run Ghostscript on the upload.
@@ -188,7 +191,7 @@ def decode_image(
         raise InvalidImage(f"empty body: send an image file ({', '.join(ACCEPTED_FORMATS)})")
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             image = Image.open(io.BytesIO(data), formats=ACCEPTED_FORMATS)
             w, h = image.size
             if w * h > max_pixels:
@@ -204,7 +207,7 @@ def decode_image(
             return _to_rgb(image)
     except InvalidImage:
         raise
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+    except Image.DecompressionBombError as exc:
         raise ImageTooLarge(f"image over the limit of {max_pixels} pixels, refused before decoding: {exc}") from exc
     except Image.UnidentifiedImageError as exc:
         raise InvalidImage(f"not a recognised image format; accepted: {', '.join(ACCEPTED_FORMATS)}") from exc
@@ -213,15 +216,19 @@ def decode_image(
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:
-    if image.mode in ("I;16", "I;16B", "I;16L", "I"):
-        # 16/32-bit grayscale: Pillow's convert('RGB') clips instead of scaling, so scale to 8 bits.
+    if image.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
+        # 16/32-bit integer and float grayscale: Pillow's convert('RGB') clips instead of scaling, so scale to 8
+        # bits, integers from 0 (or their minimum, if negative) to their peak, floats from their minimum to their
+        # maximum. NaN and infinities have no place on that scale: they take its ends, the finite values keep it.
         array = np.asarray(image, dtype=np.float32)  # float32: a 40 Mpixel image stays at 160 MB
-        peak = array.max() or 1.0
-        image = Image.fromarray((array * (255.0 / peak)).astype(np.uint8), mode="L")
-    elif image.mode == "F":
-        array = np.asarray(image, dtype=np.float32)
-        span = (array.max() - array.min()) or 1.0
-        image = Image.fromarray(((array - array.min()) * (255.0 / span)).astype(np.uint8), mode="L")
+        finite = np.isfinite(array)
+        values = array if finite.all() else array[finite]
+        low, high = (float(values.min()), float(values.max())) if values.size else (0.0, 0.0)
+        if image.mode != "F":
+            low = min(low, 0.0)
+        if values is not array:
+            array = np.nan_to_num(array, nan=low, posinf=high, neginf=low)
+        image = Image.fromarray(((array - low) * (255.0 / ((high - low) or 1.0))).astype(np.uint8), mode="L")
     return image if image.mode == "RGB" else image.convert("RGB")
 
 

@@ -25,9 +25,10 @@ from PIL import Image
 from starlette.requests import Request
 
 from conftest import WAIT_S, post_file, post_raw, serving_client, wait_until
+from mnv3.config import ServerConfig
 from mnv3.loadtest import ServerProcess
 from mnv3.photos import load_images
-from mnv3.preprocess import ACCEPTED_FORMATS, decode_image
+from mnv3.preprocess import ACCEPTED_FORMATS, PILLOW_MAX_PIXELS, ImageTooLarge, decode_image
 from mnv3.uploads import read_upload
 
 pytestmark = pytest.mark.integration
@@ -81,6 +82,20 @@ def decompression_bomb() -> bytes:
     """~250 KB that inflate to 10000x10000 = 100 Mpixel of zeros."""
     rows = zlib.compress(bytes(10_001) * 10_000, 9)
     return png_declaring(10_000, 10_000, rows)
+
+
+def test_max_pixels_alone_decides_up_to_where_pillow_refuses_every_image():
+    """Pillow warns past MAX_IMAGE_PIXELS; a server allowing more must decode such an image (it answered 413
+    saying its own limit was higher), and cannot be told to allow what Pillow refuses outright."""
+    image = io.BytesIO()
+    Image.new("1", (10_000, 9_000)).save(image, "PNG")  # 11 KB on disk, past Pillow's warning at ~89.5 M
+    assert 10_000 * 9_000 > Image.MAX_IMAGE_PIXELS
+    assert decode_image(image.getvalue(), max_pixels=100_000_000).size == (10_000, 9_000)
+    with pytest.raises(ImageTooLarge, match="10000x9000 = 90000000 pixels, over the limit of 89999999"):
+        decode_image(image.getvalue(), max_pixels=89_999_999)
+    assert ServerConfig(model="a.onnx", max_pixels=PILLOW_MAX_PIXELS).max_pixels == PILLOW_MAX_PIXELS
+    with pytest.raises(ValueError, match=f"--max-pixels must be at most {PILLOW_MAX_PIXELS}"):
+        ServerConfig(model="a.onnx", max_pixels=PILLOW_MAX_PIXELS + 1)
 
 
 def corrupt_huffman_table(jpeg: bytes) -> bytes:
@@ -323,6 +338,37 @@ def test_16_bit_png_is_scaled_not_clipped(client, jpeg):
     sixteen, eight = sixteen_bit_and_eight_bit(jpeg)
     assert Image.open(io.BytesIO(sixteen)).mode == "I;16"
     assert same_predictions(predictions(post_file(client, sixteen)), predictions(post_file(client, eight)))
+
+
+def full_range_gray(jpeg: bytes) -> np.ndarray:
+    gray = np.asarray(photo(jpeg).convert("L").resize((64, 48)))
+    gray = gray.copy()
+    gray[5, 5:7] = 0, 255  # the full 8-bit range, so scaling to 8 bits gives these values back
+    return gray
+
+
+def decoded_gray(image: Image.Image) -> np.ndarray:
+    return np.asarray(decode_image(encode(image, "TIFF")).convert("L"))
+
+
+def test_float_image_with_nan_or_infinity_keeps_its_picture(jpeg):
+    """A NaN or infinite pixel takes an end of the scale; the finite ones keep theirs (one NaN made it all black)."""
+    gray = full_range_gray(jpeg)
+    floats = gray.astype(np.float32) / 255
+    spoilt = floats.copy()
+    spoilt[0, 0:3] = np.nan, np.inf, -np.inf
+    expected = decoded_gray(Image.fromarray(floats))
+    assert np.abs(expected.astype(int) - gray).max() <= 1  # float rounding
+    actual = decoded_gray(Image.fromarray(spoilt))
+    assert list(actual[0, 0:3]) == [0, 255, 0]
+    assert np.array_equal(actual[1:], expected[1:]) and np.array_equal(actual[0, 3:], expected[0, 3:])
+
+
+def test_32_bit_integer_image_with_negative_values_is_scaled_not_wrapped(jpeg):
+    gray = full_range_gray(jpeg)
+    shifted = Image.fromarray(gray.astype(np.int32) - 40_000)
+    assert shifted.mode == "I"
+    assert np.array_equal(decoded_gray(shifted), gray)  # wrapped around uint8, the mean was twice the photo's
 
 
 def frames(jpeg: bytes) -> list[Image.Image]:
