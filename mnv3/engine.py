@@ -240,12 +240,17 @@ def rss_bytes() -> int | None:
         return None
 
 
-def _digest(path: Path) -> str:
-    """SHA-256 of the model: an OpenVINO IR file (.xml) with the weights file (.bin) beside it."""
-    digest = hashlib.sha256(path.read_bytes())
+def model_files(path: Path) -> list[Path]:
+    """The files a model is: the one ONNX file, or an OpenVINO IR file (.xml) and the weights (.bin) beside it."""
     weights = path.with_suffix(".bin")
-    if path.suffix == ".xml" and weights.is_file():
-        digest.update(weights.read_bytes())
+    return [path, weights] if path.suffix == ".xml" and weights.is_file() else [path]
+
+
+def _digest(path: Path) -> str:
+    """SHA-256 of the model's files, in `model_files` order."""
+    digest = hashlib.sha256()
+    for file in model_files(path):
+        digest.update(file.read_bytes())
     return digest.hexdigest()
 
 

@@ -131,7 +131,10 @@ class Status(BaseModel):
 
 
 class ModelMemoryInfo(BaseModel):
-    file_bytes: int = Field(description="the model file's size: about what its weights take in memory")
+    file_bytes: int = Field(
+        description="the model's size on disk (an OpenVINO IR: its .xml and .bin), about what its weights take "
+        "in memory"
+    )
     load_rss_bytes: int | None = Field(
         description="how much the process's resident memory grew while this model's engine opened: "
         "OpenVINO compiles (and runs once) every static batch size then, onnxruntime allocates most of its "

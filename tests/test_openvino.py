@@ -1,5 +1,6 @@
 """The optional OpenVINO backend against onnxruntime on the same (random-init) FP32 export and real photos."""
 
+import hashlib
 import subprocess
 import sys
 import time
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
+from conftest import serving_client
 from mnv3.config import ServerConfig
 from mnv3.engine import Engine, ModelLoadError
 from mnv3.photos import held_out_images, load_images
@@ -94,6 +96,20 @@ def test_server_serves_with_the_openvino_backend(fp32_model_path, engines):
         shown = [p["class_id"] for p in body["predictions"]]  # the top 5 only
         np.testing.assert_allclose([p["probability"] for p in body["predictions"]], ref[shown], rtol=tolerance)
         assert shown[0] == ref.argmax() or not clear_lead(ref, tolerance)
+
+
+def test_an_openvino_ir_is_its_xml_and_the_weights_beside_it(fp32_model_path, openvino_installed, tmp_path):
+    """/model's file size and digest cover the .bin too: the .xml alone is the graph, under a tenth of the model."""
+    import openvino
+
+    xml = tmp_path / "fp32.xml"
+    openvino.save_model(openvino.convert_model(str(fp32_model_path)), str(xml))
+    weights = xml.with_suffix(".bin")
+    with serving_client(xml, backend="openvino", max_batch_size=1) as client:
+        info = client.get("/model").json()
+    assert info["memory"]["file_bytes"] == xml.stat().st_size + weights.stat().st_size
+    assert weights.stat().st_size > 10 * xml.stat().st_size
+    assert info["sha256"] == hashlib.sha256(xml.read_bytes() + weights.read_bytes()).hexdigest()
 
 
 def test_without_batches_model_says_a_request_runs_on_every_thread(fp32_model_path, openvino_installed):
