@@ -29,15 +29,17 @@ from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mnv3.api_docs import docs_router
-from mnv3.auth import ApiKeyAuth, KeyFileError, exposure_warning, load_key_file
+from mnv3.auth import ApiKeyAuth, KeyFileError, exposure_warning, load_key_file, route_path
+from mnv3.batcher import ShuttingDown
 from mnv3.config import PROG, ModelSpec, ServerConfig, parse_args
 from mnv3.engine import Engine, ModelLoadError, Prediction
-from mnv3.errors import ERROR_DOCS, ERRORS, error_response
+from mnv3.errors import ERROR_DOCS, ERRORS, detail_body, error_response
 from mnv3.page import page_router
 from mnv3.serving import Classified as Classified  # what /predict answers with; its home before mnv3.serving
 from mnv3.serving import ServedModel, Serving, served_model, serving, unless_disconnected
 from mnv3.stats import stats_router
 from mnv3.uploads import read_upload
+from mnv3.v2_protocol import error_body, is_protocol_path
 from mnv3.v2_router import http_error_in_shape, v2_router
 
 log = logging.getLogger(__name__)
@@ -319,7 +321,40 @@ def create_app(config: ServerConfig, *engines: Engine) -> FastAPI:
     app.add_exception_handler(StarletteHTTPException, http_error_in_shape)
     if config.api_keys:
         app.add_middleware(ApiKeyAuth, keys=load_key_file(config.api_keys))
+    app.add_middleware(AnswerCancelledAtShutdown)
     return app
+
+
+class AnswerCancelledAtShutdown:
+    """A request uvicorn cancels when `--shutdown-timeout-s` runs out answers 503 + Retry-After in its path's
+    error shape, as one refused while stopping does, where uvicorn would send a plain-text 500 and log the
+    cancellation as an application error. Only a cancel of the request's own task counts: a CancelledError
+    from something it awaited is not the server stopping. A response already begun cannot be replaced."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def send_noting_start(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_noting_start)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if started or task is None or not task.cancelling():
+                raise
+            task.uncancel()  # the task ends with this answer; nothing is left to cancel
+            stopped = ShuttingDown("the server stopped before this request finished (--shutdown-timeout-s)")
+            scope["app"].state.serving.metrics.count_rejection(stopped)
+            body = error_body if is_protocol_path(route_path(scope)) else detail_body
+            await error_response(stopped, body=body)(scope, receive, send)
 
 
 # Python's cyclic garbage collector collects the young generation whenever allocations of container objects

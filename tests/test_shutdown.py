@@ -1,6 +1,8 @@
 """SIGTERM: stop accepting, answer every request already accepted, exit 0."""
 
+import json
 import signal
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -51,3 +53,27 @@ def test_sigterm_answers_every_accepted_request_then_exits_0(fp32_model_path):
     assert [status for status, _ in outcomes] == [200] * REQUESTS
     answered_after = sum(done > signalled for _, done in outcomes)
     assert answered_after > 0, "the signal came too late to test the drain"
+
+
+@pytest.mark.parametrize("path, shape", [("/predict", "detail"), ("/v2/models/fp32/infer", "error")])
+def test_a_request_still_running_when_the_drain_runs_out_answers_503(fp32_model_path, path, shape):
+    """uvicorn cancels what is left after --shutdown-timeout-s: that is a 503 with a reason in the path's shape,
+    not uvicorn's plain-text 500 and an 'Exception in ASGI application' traceback."""
+    server = ServerProcess(fp32_model_path, shutdown_timeout_s=1, body_timeout_s=WAIT_S)
+    with server as url:
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as stalled:
+            head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\nContent-Length: 1000\r\n\r\n"
+            stalled.sendall(head.encode() + b"\xff\xd8" * 50)  # a tenth of the body, then nothing
+            wait_until(lambda: in_flight(url) == 1, "the upload to be admitted")
+            server.process.send_signal(signal.SIGTERM)
+            stalled.settimeout(WAIT_S)
+            answer = b"".join(iter(lambda: stalled.recv(65536), b""))  # until the server closes
+        assert server.process.wait(WAIT_S) == 0
+        log = server.output_tail()
+    status_line, _, rest = answer.decode().partition("\r\n")
+    headers, _, body = rest.partition("\r\n\r\n")
+    assert status_line == "HTTP/1.1 503 Service Unavailable"
+    assert "retry-after: 1" in headers.lower().splitlines()
+    assert json.loads(body) == {shape: "the server stopped before this request finished (--shutdown-timeout-s)"}
+    assert "Exception in ASGI application" not in log
