@@ -216,7 +216,7 @@ def parse_keys(text: str, source: str = "key file", clock: Callable[[], float] =
 
 def load_key_file(path: str | Path, clock: Callable[[], float] = time.monotonic) -> Keys:
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = Path(path).read_text(encoding="utf-8-sig")  # Windows editors begin UTF-8 files with a BOM
     except (OSError, UnicodeDecodeError) as exc:
         raise KeyFileError(
             f"cannot read key file {path}: {getattr(exc, 'strerror', None) or exc}; "

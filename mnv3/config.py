@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, fields
 from functools import cached_property
 from pathlib import Path
 
+from mnv3.auth import GRAMMAR as KEY_FILE_GRAMMAR
 from mnv3.engine import BACKEND_CHOICES
 from mnv3.preprocess import DEFAULT_MAX_PIXELS, PILLOW_MAX_PIXELS, Decoding
 from mnv3.runtime import DEFAULT_INTER_OP_THREADS, DEFAULT_INTRA_OP_THREADS
@@ -186,9 +187,8 @@ class ServerConfig:
     )
     api_keys: str = _option(
         "",
-        "key file (one 'KEY SCOPE [rate=N/s] [burst=N] [name=LABEL]' a line; python -m "
-        "mnv3.auth makes one): every path but the probes, the page and the docs then "
-        "needs a key; empty: no keys",
+        f"key file (one '{KEY_FILE_GRAMMAR}' a line; python -m mnv3.auth makes one): every path but the "
+        "probes, the page and the docs then needs a key; empty: no keys",
     )
 
     def __post_init__(self):

@@ -325,6 +325,13 @@ def test_an_unreadable_key_file_is_one_line(tmp_path):
         load_key_file(tmp_path / "missing")
 
 
+def test_a_key_file_saved_with_a_byte_order_mark_loads(tmp_path):
+    # as Notepad saves UTF-8; the mark was read as part of the first line ("only visible ASCII characters")
+    path = tmp_path / "keys.txt"
+    path.write_bytes(b"\xef\xbb\xbf# our keys\n" + f"{ADMIN_KEY} admin\n".encode())
+    assert load_key_file(path).match(ADMIN_KEY).scope == Scope.ADMIN
+
+
 def test_a_good_key_file_loads_with_its_options(tmp_path):
     path = tmp_path / "keys.txt"
     path.write_text(KEY_FILE + f"{'k' * 40} admin rate=120/min\n", encoding="utf-8")
