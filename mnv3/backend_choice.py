@@ -8,8 +8,9 @@ computes the same network into the manifest beside the models (key MANIFEST_KEY,
   file is served as given, since nothing measured it;
 - where its engine is installed and its file is present.
 
-Otherwise auto serves the given file with onnxruntime, the engine that installs everywhere, and the
-reason says why. An explicit `--backend onnxruntime|openvino` always wins.
+Otherwise auto serves the given file with onnxruntime, the engine that installs everywhere (an OpenVINO
+IR, `.xml`, with openvino, the one engine that reads it), and the reason says why. An explicit
+`--backend onnxruntime|openvino` always wins.
 
 This module reads JSON only: serving imports it without importing openvino or torch.
 """
@@ -24,6 +25,7 @@ from mnv3.artifacts import STAND_IN_PROVENANCE, read_manifest
 AUTO = "auto"
 BACKENDS = ("onnxruntime", "openvino")
 FALLBACK = "onnxruntime"  # installs wherever requirements.txt does
+OPENVINO_IR_SUFFIX = ".xml"
 MANIFEST_KEY = "engine_choice"
 DEFAULT_MIN_AGREEMENT = 0.99  # top-1 agreement with FP32 a variant needs to be chosen, with real weights
 # What the choice minimises: a variant's batch-1 and per-image-at-batch-N times against FP32's, timed in
@@ -68,12 +70,13 @@ def resolve_auto(model: Path) -> Choice:
     entry = read_manifest(model.parent).get(MANIFEST_KEY)
 
     def fallback(why: str, unservable: bool = False) -> Choice:
+        engine = "openvino" if model.suffix == OPENVINO_IR_SUFFIX else FALLBACK  # the one engine that reads an IR
         return Choice(
             model,
-            FALLBACK,
+            engine,
             "auto",
             AUTO,
-            f"{why}; serving {model.name} with {FALLBACK}",
+            f"{why}; serving {model.name} with {engine}",
             True,
             entry,
             unservable=unservable,

@@ -30,13 +30,13 @@ from mnv3.artifacts import (
     model_preprocessing,
     weights_provenance,
 )
-from mnv3.backend_choice import AUTO, BACKENDS, Choice, explicit, resolve_auto
+from mnv3.backend_choice import AUTO, BACKENDS, OPENVINO_IR_SUFFIX, Choice, explicit, resolve_auto
 from mnv3.preprocess import DEFAULT_PREPROCESSING, Preprocessing
 from mnv3.runtime import DEFAULT_INTER_OP_THREADS, DEFAULT_INTRA_OP_THREADS, make_session
 
 BACKEND_CHOICES = (AUTO, *BACKENDS)
 OPENVINO_MISSING = "backend openvino needs `pip install -r requirements-openvino.txt`"
-MODEL_SUFFIXES = (".onnx", ".xml")  # ONNX, and OpenVINO's IR (served under --backend openvino)
+MODEL_SUFFIXES = (".onnx", OPENVINO_IR_SUFFIX)  # ONNX, and OpenVINO's IR (served by openvino)
 log = logging.getLogger(__name__)
 
 
@@ -113,6 +113,10 @@ class Engine:
             raise ModelLoadError(f"model file {path} not found")
         choice = resolve_auto(path) if backend == AUTO else explicit(path, backend, precision)
         path, backend, precision = choice.path, choice.backend, choice.precision
+        if path.suffix == OPENVINO_IR_SUFFIX and backend != "openvino":
+            raise ModelLoadError(
+                f"{path} is an OpenVINO IR, which {backend} cannot read: serve it with --backend openvino or auto"
+            )
         sha256 = _digest(path)
         preprocessing = _preprocessing(path.parent)
         before = rss_bytes()
@@ -243,7 +247,7 @@ def rss_bytes() -> int | None:
 def model_files(path: Path) -> list[Path]:
     """The files a model is: the one ONNX file, or an OpenVINO IR file (.xml) and the weights (.bin) beside it."""
     weights = path.with_suffix(".bin")
-    return [path, weights] if path.suffix == ".xml" and weights.is_file() else [path]
+    return [path, weights] if path.suffix == OPENVINO_IR_SUFFIX and weights.is_file() else [path]
 
 
 def _digest(path: Path) -> str:

@@ -19,7 +19,7 @@ import numpy as np
 from mnv3.accuracy import array_batches, evaluate, held_out_batch, predict
 from mnv3.artifacts import FP32_ONNX
 from mnv3.backend_choice import variant_name
-from mnv3.engine import open_session
+from mnv3.engine import model_files, open_session
 from mnv3.latency import Timing, interleaved_benchmark
 from mnv3.preprocess import Preprocessing
 from mnv3.quantize import DEFAULT_RECIPE, RECIPES, preprocess_photos, quantize_static_int8, size_mb
@@ -499,9 +499,8 @@ def engine_runner(variant: EngineVariant, artifacts_dir: Path, threads: int, bat
 
 
 def model_size_mb(path: Path) -> float:
-    """The file's size, with the weights file beside an OpenVINO IR (.xml)."""
-    weights = Path(path).with_suffix(".bin")
-    return round(size_mb(path) + (size_mb(weights) if Path(path).suffix == ".xml" else 0), 3)
+    """The model's size on disk: its `model_files` (an OpenVINO IR's .xml with the weights beside it)."""
+    return round(sum(file.stat().st_size for file in model_files(Path(path))) / 1e6, 3)
 
 
 def engine_rows(fp32_path: Path, runners: dict[EngineVariant, Callable], bench: Bench) -> list[dict]:

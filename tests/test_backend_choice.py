@@ -15,7 +15,7 @@ from mnv3.backend_choice import MANIFEST_KEY, choose, manifest_entry, resolve_au
 from mnv3.batching_benchmark import limit_engines
 from mnv3.cli import QUICK
 from mnv3.config import ServerConfig
-from mnv3.engine import Engine
+from mnv3.engine import Engine, ModelLoadError
 from mnv3.limit import run_limit
 from mnv3.photos import load_images
 from mnv3.preprocess import DEFAULT_DECODING, DEFAULT_PREPROCESSING
@@ -134,6 +134,19 @@ def test_auto_falls_back_to_onnxruntime_with_the_reason(models_dir, tmp_path, mo
         ["CPUExecutionProvider"],
     )
     assert "openvino is not installed here" in engine.choice.reason
+
+
+def test_an_openvino_ir_is_served_by_openvino_or_refused_in_one_line(models_dir, tmp_path):
+    ir = tmp_path / "mine.xml"
+    ir.write_text("<net/>")
+    auto = resolve_auto(ir)  # no choice applies: the fallback is the one engine that reads the file
+    assert (auto.backend, auto.path, auto.fallback) == ("openvino", ir, True)
+    assert auto.reason.endswith("serving mine.xml with openvino")
+    with pytest.raises(ModelLoadError) as refused:  # was onnxruntime's "INVALID_PROTOBUF: Protobuf parsing failed"
+        Engine.load(ir, "onnxruntime")
+    assert str(refused.value) == (
+        f"{ir} is an OpenVINO IR, which onnxruntime cannot read: serve it with --backend openvino or auto"
+    )
 
 
 def test_model_endpoint_says_what_was_chosen_and_why(models_dir, openvino_installed):
