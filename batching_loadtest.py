@@ -44,7 +44,7 @@ def get_args_parser():
     cli.add_load_test_args(parser)
     parser.add_argument(
         "--batch-window-ms",
-        type=float,
+        type=cli.non_negative_float,
         default=ServerConfig.batch_window_ms,
         help="how long a batch waits to fill (default %(default)s)",
     )
@@ -62,12 +62,14 @@ def get_args_parser():
     )
     parser.add_argument(
         "--open-loop-fraction",
-        type=float,
+        type=cli.positive_float,
         default=0.8,
         help="open-loop rate, as a fraction of the batching server's closed-loop req/s (default %(default)s)",
     )
     parser.add_argument(
-        "--open-loop-seconds", type=float, help=f"open-loop duration ({cli.full_and_quick('open_loop_seconds')})"
+        "--open-loop-seconds",
+        type=cli.positive_float,
+        help=f"open-loop duration ({cli.full_and_quick('open_loop_seconds')})",
     )
     parser.add_argument(
         "--limit-images",

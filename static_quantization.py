@@ -99,7 +99,7 @@ def get_args_parser(add_help=True):
     )
     parser.add_argument(
         "--min-agreement",
-        type=agreement_fraction,
+        type=cli.fraction,
         default=DEFAULT_MIN_AGREEMENT,
         help="top-1 agreement with FP32 a variant needs to be served by --backend auto, with real "
         "weights (default %(default)s; not applied to the random-init stand-in)",
@@ -113,13 +113,6 @@ def recipe_names(text: str) -> list[str]:
     if unknown or not names:
         raise argparse.ArgumentTypeError(f"unknown recipe(s) {unknown}; choose from {sorted(RECIPES)} or 'all'")
     return names
-
-
-def agreement_fraction(text: str) -> float:
-    value = float(text)
-    if not 0 <= value <= 1:
-        raise ValueError(text)  # argparse: "invalid agreement_fraction value", exit code 2
-    return value
 
 
 def main(args):

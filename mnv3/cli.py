@@ -6,6 +6,8 @@ An entry point is `get_args_parser()` + `main(args)`, as in torchvision's refere
 through `run_stage`.
 """
 
+import argparse
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,18 +157,28 @@ def full_and_quick(name: str) -> str:
     return f"default {full}; --quick {quick}"
 
 
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise ValueError(text)  # argparse turns this into "invalid positive_int value" and exit code 2
-    return value
+def bounded(kind: type, minimum: float, maximum: float = math.inf, above: bool = False, what: str = ""):
+    """An argparse type: a finite `kind` (int or float) from `minimum` (exclusive if `above`) to `maximum`.
+    Anything else is argparse's one-line error, "argument --flag: '0' is not <what>", and exit 2 (a plain
+    ValueError would say "invalid <function name> value" instead)."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and (value > minimum if above else value >= minimum) and value <= maximum):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        return value
+
+    return parse
 
 
-def non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise ValueError(text)
-    return value
+positive_int = bounded(int, 1, what="a whole number of at least 1")
+non_negative_int = bounded(int, 0, what="a whole number of at least 0")
+positive_float = bounded(float, 0, above=True, what="a number above 0")
+non_negative_float = bounded(float, 0, what="a number of at least 0")
+fraction = bounded(float, 0, 1, what="a fraction from 0 to 1")
 
 
 # ---------------------------------------------------------------------------------------- flags
@@ -252,13 +264,16 @@ def add_load_test_args(
     )
     parser.add_argument(
         "--deadline-ms",
-        type=float,
+        type=positive_float,
         default=1000 * REQUEST_TIMEOUT_S,
         help="server's per-request deadline; as long as the client waits, so a load test "
         "measures throughput, not load shedding (default %(default)s)",
     )
     parser.add_argument(
-        "--start-timeout", type=float, default=START_TIMEOUT_S, help="seconds to wait for /readyz (default %(default)s)"
+        "--start-timeout",
+        type=positive_float,
+        default=START_TIMEOUT_S,
+        help="seconds to wait for /readyz (default %(default)s)",
     )
     return parser
 

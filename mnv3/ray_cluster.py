@@ -777,11 +777,13 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--seconds",
-        type=float,
+        type=cli.positive_float,
         help=f"--bench-loss: seconds of load at least ({cli.full_and_quick('cluster_seconds')})",
     )
     parser.add_argument(
-        "--loss-at", type=float, help=f"--bench-loss: when the kill comes ({cli.full_and_quick('cluster_loss_at')})"
+        "--loss-at",
+        type=cli.positive_float,
+        help=f"--bench-loss: when the kill comes ({cli.full_and_quick('cluster_loss_at')})",
     )
     parser.add_argument(
         "--images", type=cli.positive_int, help=f"distinct photos ({cli.full_and_quick('cluster_images')})"
@@ -793,7 +795,7 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--deadline-s",
-        type=float,
+        type=cli.positive_float,
         default=30.0,
         help="each request's deadline, the server's and the client's (default %(default)s)",
     )

@@ -449,20 +449,20 @@ def get_args_parser():
         requests_help=f"--bench: default {BENCH_REQUESTS_PER_SENDER}x concurrency",
     )
     parser.add_argument(
-        "--replicas", type=int, default=1, help="replicas (with --max-replicas: the initial and minimum)"
+        "--replicas", type=cli.positive_int, default=1, help="replicas (with --max-replicas: the initial and minimum)"
     )
-    parser.add_argument("--num-cpus", type=float, default=1, help="CPUs Ray reserves per replica")
-    parser.add_argument("--min-replicas", type=int, help="autoscaling floor (default --replicas)")
-    parser.add_argument("--max-replicas", type=int, help="autoscale between --min-replicas and this")
+    parser.add_argument("--num-cpus", type=cli.positive_float, default=1, help="CPUs Ray reserves per replica")
+    parser.add_argument("--min-replicas", type=cli.positive_int, help="autoscaling floor (default --replicas)")
+    parser.add_argument("--max-replicas", type=cli.positive_int, help="autoscale between --min-replicas and this")
     parser.add_argument(
         "--target-ongoing-requests",
-        type=float,
+        type=cli.positive_float,
         default=DEFAULT_TARGET_ONGOING_REQUESTS,
         help="autoscaling aims at this many requests in flight per replica",
     )
     parser.add_argument(
         "--max-ongoing-requests",
-        type=int,
+        type=cli.positive_int,
         default=DEFAULT_MAX_ONGOING_REQUESTS,
         help="requests one replica holds at once (needs >= --max-batch-size for full batches)",
     )

@@ -35,6 +35,11 @@ def rss_mib(pid: int) -> float:
 
 def soak(args) -> tuple[list[dict], bool]:
     """Rows for the CSV (one per checkpoint) and whether the soak passed."""
+    if args.distinct <= args.cache_size:
+        raise cli.UsageError(
+            f"--distinct {args.distinct} must be more than --cache-size {args.cache_size}: with every image "
+            "cached, the cache never evicts, which is what the soak is for"
+        )
     model, provenance = cli.serving_model(args)
     bodies = load_images(args.distinct, seed=11)
     order = np.random.default_rng(0).integers(0, args.distinct, args.requests)
@@ -111,7 +116,7 @@ def get_args_parser():
     )
     parser.add_argument(
         "--max-growth",
-        type=float,
+        type=cli.non_negative_float,
         default=0.10,
         help="largest RSS growth allowed, as a fraction of the warmed-up RSS (default %(default)s)",
     )

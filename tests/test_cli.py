@@ -53,3 +53,40 @@ def test_run_stage_returns_what_the_stage_returns_and_lets_bugs_through():
     assert cli.run_stage(lambda args: args * 2, 21) == 42
     with pytest.raises(ZeroDivisionError):
         cli.run_stage(lambda args: 1 / 0, None)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (("--open-loop-fraction", "0"), "argument --open-loop-fraction: '0' is not a number above 0"),
+        (("--open-loop-seconds=-2",), "argument --open-loop-seconds: '-2' is not a number above 0"),
+        (("--start-timeout", "nan"), "argument --start-timeout: 'nan' is not a number above 0"),
+        (("--batch-window-ms", "inf"), "argument --batch-window-ms: 'inf' is not a number of at least 0"),
+        (("--concurrency", "0"), "argument --concurrency: '0' is not a whole number of at least 1"),
+        (("--max-batch-size", "2.5"), "argument --max-batch-size: '2.5' is not a whole number of at least 1"),
+    ],
+)
+def test_a_flag_value_that_cannot_work_is_refused_before_any_work(flags, message, capsys):
+    # --open-loop-fraction 0 ran the whole sweep, then ended in a traceback ("open-loop rate must be positive")
+    with pytest.raises(SystemExit) as exit:
+        parse(batching_loadtest, *flags)
+    assert exit.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(message)
+
+
+def test_bounded_types_keep_what_is_in_bounds():
+    assert (cli.positive_int("3"), cli.non_negative_int("0"), cli.positive_float("0.5")) == (3, 0, 0.5)
+    assert (cli.fraction("0"), cli.fraction("1"), cli.non_negative_float("0")) == (0.0, 1.0, 0.0)
+
+
+def test_a_soak_whose_images_all_fit_in_the_cache_is_refused(capsys):
+    from mnv3 import soak
+
+    args = soak.get_args_parser().parse_args(["--distinct", "8", "--cache-size", "32"])
+    with pytest.raises(SystemExit) as exit:
+        soak.main(args)
+    assert exit.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: --distinct 8 must be more than --cache-size 32: with every image cached, the cache never evicts, "
+        "which is what the soak is for"
+    )
