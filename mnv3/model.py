@@ -10,7 +10,6 @@ import argparse
 import hashlib
 import io
 import json
-import pickle
 import socket
 import warnings
 from pathlib import Path
@@ -107,10 +106,15 @@ def _state_dict(path, data: bytes) -> dict:
 
     Loaded with weights_only=True, so the file cannot run code; train.py's checkpoints also hold its
     argparse.Namespace, which is allowed for that."""
+    if not data.startswith(TORCH_SAVE_MAGIC):  # torch.load's legacy reader fails on text with any error at all
+        raise BadWeights(
+            f"--weights {path}: not a PyTorch state_dict or checkpoint (not a file torch.save writes: neither a "
+            f"zip archive nor a pickle); save one with {SAVE_STATE_DICT}"
+        )
     try:
         with torch.serialization.safe_globals([argparse.Namespace]):
             loaded = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, TypeError, AttributeError) as exc:
+    except Exception as exc:  # the unpickler's and zip reader's errors are of many untyped kinds
         if _pickles_modules(data):
             raise BadWeights(
                 f"--weights {path} is a whole pickled model (torch.save(model)), which cannot be loaded "
@@ -137,8 +141,6 @@ TORCH_SAVE_MAGIC = (b"PK\x03\x04", b"\x80")
 def _load_failure(data: bytes, exc: Exception) -> str:
     """Why torch.load refused `data`, in terms of the file. Not PyTorch's own first line for a refused pickle,
     which advises loading with weights_only=False: running the file's code is what --weights never does."""
-    if not data.startswith(TORCH_SAVE_MAGIC):
-        return "not a file torch.save writes: neither a zip archive nor a pickle"
     text = str(exc)
     if "WeightsUnpickler error:" in text:  # the reason follows PyTorch's advice, e.g. "Unsupported global: ..."
         detail = text.split("WeightsUnpickler error:", 1)[1].strip()

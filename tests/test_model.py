@@ -135,6 +135,10 @@ def test_bad_weights_file_is_a_clear_error(tmp_path, content):
     ("content", "reason"),
     [
         (b"# a README, not weights\n", "not a file torch.save writes: neither a zip archive nor a pickle"),
+        # short text files torch.load's legacy reader failed on with a KeyError and an IndexError: tracebacks
+        (b"hello", "not a file torch.save writes"),
+        (b"cat\ndog\n", "not a file torch.save writes"),
+        (b"\x80\x02 a pickle cut short", "not a PyTorch state_dict or checkpoint"),
         (b"PK\x03\x04 cut short", "PytorchStreamReader failed reading zip archive"),
         (
             {"conv.weight": torch.zeros(1), "saved_on": datetime.date(2026, 12, 3)},
