@@ -25,7 +25,7 @@ from mnv3.artifacts import (
 from mnv3.config import ServerConfig
 from mnv3.latency import Timing
 from mnv3.limit import BATCH_SIZES, CONFIRM_PASSES, THREAD_SPLITS
-from mnv3.loadtest import REQUEST_TIMEOUT_S, START_TIMEOUT_S, ServerStartError
+from mnv3.loadtest import REQUEST_TIMEOUT_S, START_TIMEOUT_S, KeyRefused, ServerStartError
 from mnv3.photos import LOAD_IMAGE_QUALITY, LOAD_IMAGE_SIZE
 from mnv3.runtime import DEFAULT_INTRA_OP_THREADS
 
@@ -337,9 +337,10 @@ def write_results(results_dir: Path, csv_name: str, rows: list[dict]) -> Path:
 
 def run_stage(run, args, user_errors: tuple = ()):
     """`run(args)`, returning what it returns. An error the user can fix (a missing input, flag values that
-    cannot work, a server that will not start, or one of `user_errors`) is one line on stderr and exit code 2."""
+    cannot work, a server that will not start or that refuses the key, or one of `user_errors`) is one line on
+    stderr and exit code 2."""
     try:
         return run(args)
-    except (MissingArtifact, ServerStartError, UsageError, *user_errors) as exc:
+    except (MissingArtifact, ServerStartError, KeyRefused, UsageError, *user_errors) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)

@@ -83,6 +83,22 @@ class ServerStartError(RuntimeError):
         self.output = output
 
 
+class KeyRefused(RuntimeError):
+    """A server started with --api-keys refused the key the load test reads its settings or metrics with."""
+
+
+def get_as_admin(base_url: str, path: str, api_key: str | None = None) -> requests.Response:
+    """GET `path` (/model, /metrics), which under --api-keys needs a key of the admin scope."""
+    response = requests.get(base_url + path, headers=auth_headers(api_key), timeout=10)
+    if response.status_code in (401, 403):
+        raise KeyRefused(
+            f"GET {path} answered {response.status_code} ({response.json().get('detail', '')}): a load test reads "
+            f"/model and /metrics as well as sending requests, so {API_KEY_ENV} must hold a key of the admin scope"
+        )
+    response.raise_for_status()
+    return response
+
+
 def free_port() -> int:
     """A loopback port nothing is bound to, for a server about to start. Chosen below the kernel's ephemeral
     range: a port from that range (what binding port 0 hands out) may be given to any process that binds port 0
@@ -547,9 +563,7 @@ def parse_metrics(text: str) -> dict[tuple[str, str], float]:
 
 
 def read_metrics(base_url: str, api_key: str | None = None) -> dict[tuple[str, str], float]:
-    response = requests.get(base_url + "/metrics", headers=auth_headers(api_key), timeout=10)
-    response.raise_for_status()
-    return parse_metrics(response.text)
+    return parse_metrics(get_as_admin(base_url, "/metrics", api_key).text)
 
 
 def metrics_delta(before: dict, after: dict) -> dict:
@@ -622,9 +636,7 @@ def busy_share(before, after) -> float | None:
 
 def server_settings(base_url: str, api_key: str | None = None) -> dict:
     """What the server says it runs with (GET /model), as CSV columns: the record never guesses defaults."""
-    response = requests.get(base_url + "/model", headers=auth_headers(api_key), timeout=10)
-    response.raise_for_status()
-    info = response.json()
+    info = get_as_admin(base_url, "/model", api_key).json()
     return (
         {
             "server_model": info["model"],
