@@ -57,7 +57,7 @@ PROFILED_OPS = ("ConvInteger", "DynamicQuantizeLinear")  # dynamic INT8's own op
 
 
 def get_args_parser(add_help=True):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=add_help)
+    parser = argparse.ArgumentParser(description=cli.summary(__doc__), add_help=add_help)
     parser.add_argument("--arch", choices=sorted(ARCHS), default=DEFAULT_ARCH, help="default %(default)s")
     parser.add_argument(
         "--weights",

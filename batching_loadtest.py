@@ -40,7 +40,7 @@ from mnv3.v2_benchmark import run_side_by_side, run_v2_vs_predict, side_by_side_
 
 
 def get_args_parser():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=cli.summary(__doc__))
     cli.add_load_test_args(parser)
     parser.add_argument(
         "--batch-window-ms",

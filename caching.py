@@ -18,7 +18,7 @@ from mnv3.photos import load_images
 
 
 def get_args_parser():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=cli.summary(__doc__))
     cli.add_load_test_args(parser)
     parser.add_argument(
         "--sequential-requests",

@@ -19,7 +19,7 @@ NO_CACHE_NO_BATCHING = {"cache_size": 0, "max_batch_size": 1}
 
 
 def get_args_parser():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=cli.summary(__doc__))
     return cli.add_load_test_args(parser)
 
 

@@ -69,7 +69,7 @@ RECIPES_DIR = "recipes"  # under --artifacts-dir: every --compare-recipes model,
 
 
 def get_args_parser(add_help=True):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=add_help)
+    parser = argparse.ArgumentParser(description=cli.summary(__doc__), add_help=add_help)
     parser.add_argument(
         "--calibration-dir",
         default=str(CALIBRATION_DIR),
@@ -136,9 +136,9 @@ def generated_calibration_note(folder, calibration: list[Path], existed: bool) -
 def run(args):
     mode = cli.defaults(args)
     artifacts_dir, results_dir = args.artifacts_dir, args.results_dir
-    fp32_path = require(artifacts_dir / FP32_ONNX, 1)
-    baseline_rows = read_csv(require(results_dir / BASELINE_CSV, 1))
-    class_names = json.loads(require(artifacts_dir / CLASS_NAMES_JSON, 1).read_text())
+    fp32_path = require(artifacts_dir / FP32_ONNX, 1, artifacts_dir, results_dir)
+    baseline_rows = read_csv(require(results_dir / BASELINE_CSV, 1, artifacts_dir, results_dir))
+    class_names = json.loads(require(artifacts_dir / CLASS_NAMES_JSON, 1, artifacts_dir, results_dir).read_text())
     labelled = load_labels(args.labels, class_names) if args.labels else None
     manifest = read_manifest(artifacts_dir)
     provenance, arch = weights_provenance(artifacts_dir), manifest.get("model", {}).get("arch", "unknown")

@@ -67,13 +67,23 @@ class MissingArtifact(FileNotFoundError):
     """An input that an earlier stage writes is not there."""
 
 
-def require(path, stage: int) -> Path:
-    """Return `path` if it exists, else raise an error that names the stage to run."""
+def require(path, stage: int, artifacts_dir=ARTIFACTS_DIR, results_dir=RESULTS_DIR) -> Path:
+    """Return `path` if it exists, else raise an error that names the stage to run: with the folders the
+    caller was given (`artifacts_dir`, `results_dir`), where they are not the defaults `make run` uses."""
     path = Path(path)
     if not path.exists():
+        folders = [
+            f"--{flag} {folder}"
+            for flag, folder, default in (
+                ("artifacts-dir", artifacts_dir, ARTIFACTS_DIR),
+                ("results-dir", results_dir, RESULTS_DIR),
+            )
+            if Path(folder) != Path(default)
+        ]
+        command = " ".join(["python", STAGE_SCRIPTS[stage], *folders])
         raise MissingArtifact(
-            f"{path} not found: it is written by stage {stage}. "
-            f"Run `python {STAGE_SCRIPTS[stage]}` first (or `make run` for all stages)."
+            f"{path} not found: it is written by stage {stage}. Run `{command}` first"
+            + ("." if folders else " (or `make run` for all stages).")
         )
     return path
 

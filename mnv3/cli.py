@@ -149,6 +149,11 @@ def fill_unset(args, **values):
     return args
 
 
+def summary(docstring: str) -> str:
+    """An entry point's --help description: its docstring's first paragraph (argparse reflows the lines)."""
+    return docstring.strip().split("\n\n")[0]
+
+
 def full_and_quick(name: str) -> str:
     """'default X; --quick Y' for a flag's help."""
     full, quick = getattr(FULL, name), getattr(QUICK, name)
@@ -196,7 +201,9 @@ def add_common_args(parser, artifacts_help: str):
         help="where CSVs, plots and summary.md go (default %(default)s)",
     )
     parser.add_argument(
-        "--quick", action="store_true", help="small counts (mnv3/cli.py QUICK): a smoke run in well under a minute"
+        "--quick",
+        action="store_true",
+        help="small counts (mnv3/cli.py QUICK): a smoke run of seconds to about a minute",
     )
     return parser
 
@@ -312,7 +319,7 @@ def serving_model(args) -> tuple[Path, str]:
 def static_int8_model(artifacts_dir: Path) -> Path:
     """The static INT8 model stage 2 recorded as shipped."""
     recorded = read_manifest(artifacts_dir).get("static_int8", {})  # stage 2: {"path": file name, ...}
-    return require(artifacts_dir / recorded.get("path", STATIC_INT8_ONNX), 2)
+    return require(artifacts_dir / recorded.get("path", STATIC_INT8_ONNX), 2, artifacts_dir)
 
 
 def environment_row(model: Path, provenance: str) -> dict:

@@ -8,6 +8,7 @@ section of summary.md) and prints the table; a goal whose inputs are missing say
 import argparse
 from pathlib import Path
 
+from mnv3 import cli
 from mnv3.artifacts import (
     BASELINE_CSV,
     BATCHING_CSV,
@@ -168,16 +169,27 @@ def measured_goals(results_dir=RESULTS_DIR) -> list[dict]:
 
 
 def get_args_parser():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    parser = argparse.ArgumentParser(prog="python -m mnv3.goals", description=cli.summary(__doc__))
+    parser.add_argument(
+        "--results-dir",
+        type=Path,
+        default=RESULTS_DIR,
+        help="the stages' CSVs; goals.csv and summary.md are written there (default %(default)s)",
+    )
     return parser
 
 
-def main(args):
+def write_goals(args) -> list[dict]:
+    if not args.results_dir.is_dir():  # a typo would get a goals.csv of nothing measured
+        raise cli.UsageError(f"{args.results_dir} is not a folder: pass the --results-dir the stages wrote to")
     rows = measured_goals(args.results_dir)
     write_csv(args.results_dir / GOALS_CSV, rows)
     write_summary(args.results_dir)
-    print(markdown_table(rows))
+    return rows
+
+
+def main(args):
+    print(markdown_table(cli.run_stage(write_goals, args)))
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from mnv3 import cli
 from mnv3.artifacts import ARTIFACTS_DIR
 from mnv3.photos import load_images
 from mnv3.v2_protocol import IMAGE_INPUT
@@ -97,7 +98,7 @@ def photos_data(photos: list[bytes]) -> dict:
 
 
 def get_args_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m mnv3.perf_analyzer_setup", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m mnv3.perf_analyzer_setup", description=cli.summary(__doc__))
     parser.add_argument(
         "--dir",
         type=Path,

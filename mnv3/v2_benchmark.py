@@ -270,7 +270,7 @@ def side_by_side_models(texts: list[str] | None, artifacts_dir: Path) -> tuple[M
     both files, and the row compares the two networks."""
     if texts is None:
         texts = [
-            f"fp32={require(artifacts_dir / FP32_ONNX, 1)}@onnxruntime",
+            f"fp32={require(artifacts_dir / FP32_ONNX, 1, artifacts_dir)}@onnxruntime",
             f"static_int8={static_int8_model(artifacts_dir)}@onnxruntime",
         ]
     first, second = map(ModelSpec.parse, texts)

@@ -90,3 +90,14 @@ def test_a_soak_whose_images_all_fit_in_the_cache_is_refused(capsys):
         "error: --distinct 8 must be more than --cache-size 32: with every image cached, the cache never evicts, "
         "which is what the soak is for"
     )
+
+
+def test_a_missing_input_names_the_command_with_the_folders_given(tmp_path):
+    from mnv3.artifacts import require
+
+    with pytest.raises(MissingArtifact) as default:
+        require("artifacts/none.onnx", 1)
+    assert str(default.value).endswith("Run `python baseline_export_quantize.py` first (or `make run` for all stages).")
+    with pytest.raises(MissingArtifact) as elsewhere:  # `make run` would write to the default folders instead
+        require(tmp_path / "none.onnx", 2, tmp_path / "a", "results")
+    assert str(elsewhere.value).endswith(f"Run `python static_quantization.py --artifacts-dir {tmp_path / 'a'}` first.")
