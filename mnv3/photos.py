@@ -95,8 +95,10 @@ def held_out_images(count: int = 64, seed: int = 1) -> list[Image.Image]:
     return augmented_views(HELD_OUT_SOURCES, count, seed)
 
 
-def list_images(folder) -> list[Path]:
-    return sorted(p for p in Path(folder).iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+def list_images(folder, recursive: bool = False) -> list[Path]:
+    """The images in `folder` (and, if `recursive`, in the folders within it), in path order."""
+    paths = Path(folder).rglob("*") if recursive else Path(folder).iterdir()
+    return sorted(p for p in paths if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
 
 
 GENERATED_PREFIX = "generated_"  # the calibration photos fill_calibration_dir writes (git-ignored)
@@ -108,13 +110,14 @@ def is_generated(path) -> bool:
 
 
 def fill_calibration_dir(folder, count: int = 200, seed: int = 0) -> list[Path]:
-    """Return the folder's images; if it has none, first write `count` generated ones into it.
+    """Return the images in the folder and the folders within it (a dataset's folder per class); if there
+    are none, first write `count` generated ones into it.
 
     Images a user put there are used as they are. Generated files are named generated_*.jpg (git-ignored).
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    existing = list_images(folder)
+    existing = list_images(folder, recursive=True)
     if existing:
         return existing
     for i, image in enumerate(augmented_views(CALIBRATION_SOURCES, count, seed)):

@@ -125,16 +125,19 @@ def quantize_dynamic_int8(fp32_path, out_path, symbolic_shapes: bool = True) -> 
 
 
 def calibration_photos(folder, count: int) -> list[Path]:
-    """Up to `count` calibration images from `folder`, generating them if it has none.
+    """Up to `count` calibration images from `folder` and the folders within it, generating them if there
+    are none. With more than `count`, they are spread evenly over the images in path order, so that a
+    dataset's folder per class gives each class its share (the first `count` would be the first classes').
 
     Generated images left by a smaller earlier run (say --quick) are regenerated rather than silently
     calibrating on fewer photos than asked for; images a user put there are never touched.
     """
-    existing = list_images(folder) if Path(folder).is_dir() else []
+    existing = list_images(folder, recursive=True) if Path(folder).is_dir() else []
     if existing and len(existing) < count and all(map(is_generated, existing)):
         for path in existing:
             path.unlink()
-    return fill_calibration_dir(folder, count)[:count]
+    photos = fill_calibration_dir(folder, count)
+    return [photos[i * len(photos) // count] for i in range(count)] if len(photos) > count else photos
 
 
 def preprocess_photos(image_paths, preprocessing: Preprocessing = DEFAULT_PREPROCESSING) -> np.ndarray:

@@ -319,3 +319,22 @@ def test_calibration_photos_regenerates_a_smaller_generated_set_but_keeps_user_i
     user.mkdir()
     held_out_images(1)[0].save(user / "mine.jpg")
     assert [p.name for p in calibration_photos(user, 5)] == ["mine.jpg"]
+
+
+def test_calibration_takes_photos_from_every_class_folder_of_a_dataset(tmp_path):
+    """A dataset laid out a folder per class (as --labels takes it): its photos are found, not generated
+    into it, and a smaller count is spread over the classes, not the first class's photos."""
+    photo = held_out_images(1)[0]
+    for name in ("ant", "bee", "cat", "dog"):
+        (tmp_path / name).mkdir()
+        for i in range(5):
+            photo.save(tmp_path / name / f"{i}.jpg")
+    chosen = calibration_photos(tmp_path, 4)
+    assert [(p.parent.name, p.name) for p in chosen] == [
+        ("ant", "0.jpg"),
+        ("bee", "0.jpg"),
+        ("cat", "0.jpg"),
+        ("dog", "0.jpg"),
+    ]
+    assert not list(tmp_path.glob("generated_*"))
+    assert len(calibration_photos(tmp_path, 50)) == 20  # all there are
