@@ -417,12 +417,16 @@ class LoadResult:
         return row | latency | server | (metrics_row(self.metrics) if self.metrics else {}) | self.cpu_row()
 
     def cpu_row(self) -> dict:
-        """CPU per answered request: the server's (its process_cpu_seconds_total over the run), split by what
-        its threads did (`server_<role>_cpu_ms_per_request`, mnv3.thread_cpu's roles), and the load client's,
-        which on a shared machine takes cores the server would otherwise have; and the share of the machine's
-        cores busy during the run (`machine_cpu_busy`). NaN where not measured."""
-        spent = {"server": self.metrics.get(("process_cpu_seconds_total", ""))}
-        spent |= {f"server_{role}": self.metrics.get(("mnv3_thread_cpu_seconds_total", role)) for role in ROLES}
+        """CPU per answered request: the server's over the run, split by what its threads did
+        (`server_<role>_cpu_ms_per_request`, mnv3.thread_cpu's roles, which add up to it), and the load
+        client's, which on a shared machine takes cores the server would otherwise have; and the share of the
+        machine's cores busy during the run (`machine_cpu_busy`). NaN where not measured."""
+        by_role = {role: self.metrics.get(("mnv3_thread_cpu_seconds_total", role)) for role in ROLES}
+        # The roles are read from nanosecond CPU clocks; process_cpu_seconds_total counts 10-ms ticks, as coarse as
+        # a whole run of a few dozen cache hits. It stands in only for a server without the roles' metric.
+        measured = [seconds for seconds in by_role.values() if seconds is not None]
+        spent = {"server": sum(measured) if measured else self.metrics.get(("process_cpu_seconds_total", ""))}
+        spent |= {f"server_{role}": seconds for role, seconds in by_role.items()}
         spent |= {"client": self.client_cpu_s}
         nan = float("nan")
         return {
