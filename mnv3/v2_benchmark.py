@@ -1,5 +1,5 @@
-"""Stage 5's rows for issue 11: the Open Inference Protocol's binary path against /predict, and two
-models side by side in one server.
+"""Stage 5's rows for the Open Inference Protocol: its binary path against /predict, and two models side by
+side in one server.
 
 `/v2` vs `/predict`: one batching server (cache off), the same distinct photos at the same concurrency
 through each path, taken in turns with a fresh client per turn, the order mirrored from one pair of
