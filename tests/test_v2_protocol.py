@@ -232,6 +232,12 @@ def json_request(*inputs, **header) -> tuple[bytes, None]:
     return json.dumps({"inputs": list(inputs), **header}).encode(), None
 
 
+def json_pixels_spelling(value: str, count: int) -> tuple[bytes, None]:
+    """A JSON PIXELS request whose first `count` values are written as `value` (text json.dumps never writes)."""
+    body, _ = json_request({"name": PIXELS_INPUT, "datatype": "FP32", "shape": [1, 3, 4, 5], "data": [0.5] * 60})
+    return body.replace(b"0.5", value.encode(), count), None
+
+
 def binary_images(elements: bytes, shape, size=None) -> tuple[bytes, str]:
     header = json.dumps(
         {
@@ -401,28 +407,8 @@ BAD_REQUESTS = {
         "not base64",
     ),
     "NaN in the json header": (lambda: (b'{"id": NaN, "inputs": []}', None), "NaN is not a JSON value"),
-    "NaN in json pixels": (
-        lambda: (
-            json.dumps(
-                {"inputs": [{"name": PIXELS_INPUT, "datatype": "FP32", "shape": [1, 3, 4, 5], "data": [0.5] * 60}]}
-            )
-            .replace("0.5", "Infinity", 1)
-            .encode(),
-            None,
-        ),
-        "Infinity is not a JSON value",
-    ),
-    "overflowing json pixels": (
-        lambda: (
-            json.dumps(
-                {"inputs": [{"name": PIXELS_INPUT, "datatype": "FP32", "shape": [1, 3, 4, 5], "data": [0.5] * 60}]}
-            )
-            .replace("0.5", "1e400", 2)
-            .encode(),
-            None,
-        ),
-        "holds 2 values that are NaN or infinite",
-    ),
+    "NaN in json pixels": (lambda: json_pixels_spelling("Infinity", 1), "Infinity is not a JSON value"),
+    "overflowing json pixels": (lambda: json_pixels_spelling("1e400", 2), "holds 2 values that are NaN or infinite"),
     "NaN in binary pixels": (
         lambda: tritonclient_body(pixels_input(np.full((1, 3, 4, 5), np.nan, np.float32))),
         "holds 60 values that are NaN or infinite",
