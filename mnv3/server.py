@@ -321,7 +321,6 @@ def create_app(config: ServerConfig, *engines: Engine) -> FastAPI:
     app.add_exception_handler(StarletteHTTPException, http_error_in_shape)
     if config.api_keys:
         app.add_middleware(ApiKeyAuth, keys=load_key_file(config.api_keys))
-    app.add_middleware(AnswerCancelledAtShutdown)
     return app
 
 
@@ -329,7 +328,8 @@ class AnswerCancelledAtShutdown:
     """A request uvicorn cancels when `--shutdown-timeout-s` runs out answers 503 + Retry-After in its path's
     error shape, as one refused while stopping does, where uvicorn would send a plain-text 500 and log the
     cancellation as an application error. Only a cancel of the request's own task counts: a CancelledError
-    from something it awaited is not the server stopping. A response already begun cannot be replaced."""
+    from something it awaited is not the server stopping. A response already begun cannot be replaced.
+    For `python -m mnv3.server` only: under uvicorn nothing but the shutdown cancels a request's task."""
 
     def __init__(self, app):
         self.app = app
@@ -383,6 +383,9 @@ def main(argv=None) -> None:
     except (ModelLoadError, KeyFileError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    # Here, not in create_app: uvicorn cancels a request only at shutdown, while Ray Serve's replicas, which
+    # build the same app, are cancelled when their client leaves, which is no reason to answer 503.
+    app.add_middleware(AnswerCancelledAtShutdown)
     if not config.api_keys and (warning := exposure_warning(config.host)):
         log.warning("WARNING: %s", warning)
     # uvicorn re-raises the SIGTERM it shut down gracefully on; a requested, completed stop is a success.
