@@ -281,10 +281,11 @@ def _options(options: list[str], error) -> tuple[str | None, RateLimit | None]:
 
 
 class ApiKeyAuth:
-    """ASGI middleware: a request reaches `app` only with a key of the scope its path needs (see the module)."""
+    """ASGI middleware: a request reaches `app` only with a key of the scope its path needs (see the module).
+    `on_refusal(status)` is called for each request it refuses (the server counts them by reason)."""
 
-    def __init__(self, app, keys: Keys):
-        self.app, self.keys = app, keys
+    def __init__(self, app, keys: Keys, on_refusal: Callable[[int], None] | None = None):
+        self.app, self.keys, self.on_refusal = app, keys, on_refusal
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "lifespan":
@@ -295,6 +296,8 @@ class ApiKeyAuth:
         if refusal is None:
             return await self.app(scope, receive, send)
         status, reason, headers = refusal
+        if self.on_refusal is not None:
+            self.on_refusal(status)
         if not refusal_keeps_connection(Request(scope), KEEP_CONNECTION_BYTES):
             headers = [(b"connection", b"close"), *headers]
         path = route_path(scope)

@@ -70,7 +70,9 @@ ERRORS: dict[type[Exception], tuple[int, str | None, str]] = {
     # nginx's code for it: only the server's log and metrics see this, the client has gone
     ClientDisconnect: (499, "disconnected", "the client closed the connection first; its work was dropped"),
 }
-REJECTION_REASONS = sorted({reason for _, reason, _ in ERRORS.values() if reason})
+# The refusals of --api-keys (mnv3.auth), answered in front of the app: HTTP status -> mnv3_rejections_total reason.
+ACCESS_REFUSALS = {400: "key_in_url", 401: "no_valid_key", 403: "out_of_scope", 429: "rate_limited"}
+REJECTION_REASONS = sorted({reason for _, reason, _ in ERRORS.values() if reason} | set(ACCESS_REFUSALS.values()))
 
 
 class ErrorDetail(BaseModel):

@@ -33,7 +33,7 @@ from mnv3.auth import ApiKeyAuth, KeyFileError, exposure_warning, load_key_file,
 from mnv3.batcher import ShuttingDown
 from mnv3.config import PROG, ModelSpec, ServerConfig, parse_args
 from mnv3.engine import Engine, ModelLoadError, Prediction
-from mnv3.errors import ERROR_DOCS, ERRORS, detail_body, error_response
+from mnv3.errors import ACCESS_REFUSALS, ERROR_DOCS, ERRORS, detail_body, error_response
 from mnv3.page import page_router
 from mnv3.serving import Classified as Classified  # what /predict answers with; its home before mnv3.serving
 from mnv3.serving import ServedModel, Serving, served_model, serving, unless_disconnected
@@ -320,7 +320,11 @@ def create_app(config: ServerConfig, *engines: Engine) -> FastAPI:
         app.add_exception_handler(exc_type, reject)
     app.add_exception_handler(StarletteHTTPException, http_error_in_shape)
     if config.api_keys:
-        app.add_middleware(ApiKeyAuth, keys=load_key_file(config.api_keys))
+        app.add_middleware(
+            ApiKeyAuth,
+            keys=load_key_file(config.api_keys),
+            on_refusal=lambda status: app.state.serving.metrics.rejections.labels(ACCESS_REFUSALS[status]).inc(),
+        )
     return app
 
 

@@ -9,12 +9,14 @@ import numpy as np
 import pytest
 import requests
 import tritonclient.http as triton
+from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
 from conftest import WAIT_S, upload
 from mnv3 import server
 from mnv3.auth import KeyFileError, Scope, required_scope
 from mnv3.config import ServerConfig
+from mnv3.errors import ACCESS_REFUSALS
 from mnv3.loadtest import API_KEY_ENV, KeyRefused, PredictClient, ServerProcess, read_metrics, server_settings
 from mnv3.photos import load_images
 from mnv3.server import create_app
@@ -172,3 +174,33 @@ def test_binding_to_every_interface_without_keys_warns_naming_the_flag(fp32_mode
         assert requests.get(url + "/healthz", timeout=WAIT_S).status_code == 200  # a warning, not an error
         output = process.output_tail()
     assert "WARNING: binding to 0.0.0.0 without --api-keys" in output and "--api-keys FILE" in output
+
+
+def test_access_refusals_are_counted_by_reason(protected):
+    """The middleware answers them in front of the app, and /metrics and /stats (the page's "Refused" line)
+    count them as every other refusal; they said "No request refused" after a run of 429s."""
+    _, url = protected
+
+    def refused(reason: str) -> float:
+        text = requests.get(url + "/metrics", headers=bearer(ADMIN_KEY), timeout=WAIT_S).text
+        return next(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == "mnv3_rejections_total" and sample.labels == {"reason": reason}
+        )
+
+    before = {reason: refused(reason) for reason in ACCESS_REFUSALS.values()}
+    assert requests.get(url + "/model", timeout=WAIT_S).status_code == 401
+    assert requests.get(url + "/model", headers=bearer("not-a-key-of-this-server"), timeout=WAIT_S).status_code == 401
+    assert requests.get(url + "/model", headers=bearer(INFER_KEY), timeout=WAIT_S).status_code == 403
+    assert requests.get(url + "/model?api_key=x", headers=bearer(ADMIN_KEY), timeout=WAIT_S).status_code == 400
+    after = {reason: refused(reason) for reason in ACCESS_REFUSALS.values()}
+    assert {reason: after[reason] - before[reason] for reason in after} == {
+        "key_in_url": 1,
+        "no_valid_key": 2,
+        "out_of_scope": 1,
+        "rate_limited": 0,
+    }
+    stats = requests.get(url + "/stats", headers=bearer(ADMIN_KEY), timeout=WAIT_S).json()
+    assert stats["rejected"]["no_valid_key"] >= 2

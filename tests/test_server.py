@@ -185,7 +185,9 @@ def test_metrics_split_the_server_cpu_by_what_its_threads_do(fp32_model_path, im
 
     assert set(before) == set(ROLES)
     assert all(misses[role] > before[role] for role in (EVENT_LOOP, PREPROCESS, INFERENCE))
-    assert hits[PREPROCESS] == misses[PREPROCESS] and hits[INFERENCE] == misses[INFERENCE]
+    # a hit decodes nothing and runs nothing: at most the tail of the last miss's work after its answer (once
+    # 16 us on the inference thread), where one decode or inference of these photos takes milliseconds
+    assert all(0 <= hits[role] - misses[role] < 0.001 for role in (PREPROCESS, INFERENCE)), (misses, hits)
     assert hits[EVENT_LOOP] > misses[EVENT_LOOP]
     # process_cpu_seconds_total counts in the OS's clock ticks (10 ms), read a moment later
     assert sum(hits.values()) == pytest.approx(process_s, abs=0.05)
