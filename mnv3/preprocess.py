@@ -15,6 +15,7 @@ then crop; with both off, preprocessing equals torchvision's (tests/test_preproc
 """
 
 import io
+import re
 import warnings
 from dataclasses import asdict, dataclass
 from functools import cached_property
@@ -207,8 +208,10 @@ def decode_image(
             return _to_rgb(image)
     except InvalidImage:
         raise
-    except Image.DecompressionBombError as exc:
-        raise ImageTooLarge(f"image over the limit of {max_pixels} pixels, refused before decoding: {exc}") from exc
+    except Image.DecompressionBombError as exc:  # over PILLOW_MAX_PIXELS: Pillow refuses it before our check
+        pixels = re.search(r"\((\d+) pixels\)", str(exc))  # "Image size (N pixels) exceeds limit of ..."
+        size = f"{pixels[1]} pixels" if pixels else f"over {PILLOW_MAX_PIXELS} pixels"
+        raise ImageTooLarge(f"image is {size}, over the limit of {max_pixels} (refused before decoding)") from exc
     except Image.UnidentifiedImageError as exc:
         raise InvalidImage(f"not a recognised image format; accepted: {', '.join(ACCEPTED_FORMATS)}") from exc
     except (OSError, SyntaxError, ValueError, EOFError) as exc:

@@ -93,6 +93,9 @@ def test_max_pixels_alone_decides_up_to_where_pillow_refuses_every_image():
     assert decode_image(image.getvalue(), max_pixels=100_000_000).size == (10_000, 9_000)
     with pytest.raises(ImageTooLarge, match="10000x9000 = 90000000 pixels, over the limit of 89999999"):
         decode_image(image.getvalue(), max_pixels=89_999_999)
+    past_pillow = png_declaring(20_000, 20_000, zlib.compress(bytes(20_001), 9))  # Pillow refuses it on opening
+    with pytest.raises(ImageTooLarge, match=r"^image is 400000000 pixels, over the limit of 100000 \(refused"):
+        decode_image(past_pillow, max_pixels=100_000)  # one limit named, not Pillow's besides the server's
     assert ServerConfig(model="a.onnx", max_pixels=PILLOW_MAX_PIXELS).max_pixels == PILLOW_MAX_PIXELS
     with pytest.raises(ValueError, match=f"--max-pixels must be at most {PILLOW_MAX_PIXELS}"):
         ServerConfig(model="a.onnx", max_pixels=PILLOW_MAX_PIXELS + 1)
