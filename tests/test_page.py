@@ -394,6 +394,10 @@ def test_a_protected_server_gets_a_key_from_the_page_for_this_tab_only(browser, 
             key_input = page.get_by_label("API key")
             key_input.wait_for()  # the page asked what the server serves and got a 401
             assert page.locator("#key-reason").inner_text() == "This server needs an API key."
+            key_input.fill(f"“{key}”")  # pasted with typographic quotes: no header can carry it (fetch throws)
+            page.get_by_role("button", name="Use this key").click()
+            page.get_by_text("That is not an API key").wait_for()
+            assert page.evaluate("sessionStorage.getItem('mnv3-api-key')") is None and key_input.is_visible()
             key_input.fill("not-the-key-0123456789")
             page.get_by_role("button", name="Use this key").click()
             page.get_by_text("did not accept this tab's API key").wait_for()
@@ -426,3 +430,75 @@ def test_a_protected_server_gets_a_key_from_the_page_for_this_tab_only(browser, 
         finally:
             page.close()
         assert browser.off_host[tried_before:] == []
+
+
+def test_the_header_says_what_is_served_and_when_batching_or_the_cache_is_off(page):
+    page.wait_for_function("document.getElementById('model-line').textContent.startsWith('Serving')")
+    off = "{batching: {max_batch_size: 1, batch_window_ms: 20}, cache: {size: 0}}"
+    on = "{batching: {max_batch_size: 8, batch_window_ms: 20}, cache: {size: 64}}"
+    assert page.evaluate(f"batchingAndCache({off})") == "no batching, no cache"
+    assert page.evaluate(f"batchingAndCache({on})") == "batches of up to 8 (window 20 ms), cache of 64 results"
+    # --backend auto serving stage 2's choice for the file named: both names, not the chosen file's alone
+    chosen = "{name: 'static_int8', model: 'nncf_rewritten_full_int8.xml:7dc027a8e885'}"
+    assert page.evaluate(f"servedAs({chosen})") == "static_int8 as nncf_rewritten_full_int8.xml:7dc027a8e885"
+    assert page.evaluate("servedAs({name: 'fp32', model: 'fp32.onnx:0123456789ab'})") == "fp32.onnx:0123456789ab"
+
+
+def test_advice_for_a_photo_over_the_upload_limit_is_advice_that_helps(page):
+    page.wait_for_function("server.models.length > 0")
+    errors = page.evaluate("""async () => {
+        const limits = server.models[0].limits, kept = limits.max_upload_bytes;
+        limits.max_upload_bytes = 1000;  // a 700-byte file is over it once multipart's own bytes are counted
+        const blob = new Blob([new Uint8Array(700)], {type: "image/png"});
+        try {
+            return [await predict(blob, "a.png", server.models[0].name, false, () => {}),
+                    await predict(blob, "a.png", server.models[0].name, true, () => {})].map((r) => r.error);
+        } finally { limits.max_upload_bytes = kept; }
+    }""")
+    assert errors[0].endswith("tick “Shrink large photos” to send a smaller copy")
+    assert errors[1].endswith("save it smaller (say, as a JPEG) to send it")  # shrinking already failed to help
+
+
+def test_busy_answers_are_sent_again_after_retry_after(browser, fp32_model_path, photos, tmp_path):
+    with ServerProcess(fp32_model_path, max_in_flight=1, cache_size=0) as url, opened(browser, url) as page:
+        paths = []
+        for i, data in enumerate(photos[:3]):
+            paths.append(tmp_path / f"busy{i}.jpg")
+            paths[-1].write_bytes(data)
+        page.locator("#file-input").set_input_files(paths)  # three uploads at once, one admitted at a time
+        page.wait_for_function("() => document.querySelectorAll('#photos .photo .top5').length === 3")
+        assert page.locator("#photos .error").count() == 0
+        assert requests.get(url + "/stats").json()["rejected"]["busy"] >= 1, "no upload was refused: nothing retried"
+
+
+def test_the_live_panel_blanks_its_figures_when_the_server_stops(browser, fp32_model_path):
+    server = ServerProcess(fp32_model_path)
+    with server as url, opened(browser, url) as page:
+        page.wait_for_function("() => document.getElementById('stat-requests').textContent === '0'")
+        server.stop()
+        page.get_by_text("No stats:").wait_for()
+        figures = page.locator(".live dd").all_inner_texts()
+        assert figures and set(figures) == {"–"}, figures  # not the last figures, as if the server still answered
+
+
+def test_long_model_names_wrap_instead_of_widening_the_page(
+    browser, fp32_model_path, other_model_path, photos, tmp_path
+):
+    names = ("mobilenetv3_large_static_int8_per_channel_calibrated", "mobilenetv3_large_fp32_reference_export")
+    with (
+        ServerProcess(f"{names[0]}={fp32_model_path}", extra_models=(f"{names[1]}={other_model_path}",)) as url,
+        opened(browser, url) as page,
+    ):
+        page.get_by_label("Compare all models").check()
+        path = tmp_path / "long.jpg"
+        path.write_bytes(photos[0])
+        page.locator("#file-input").set_input_files(path)
+        page.locator("#photos .agreement-line").wait_for()
+        page.wait_for_function("() => !document.getElementById('per-model').hidden")
+        for width in (1280, 390):
+            page.set_viewport_size({"width": width, "height": 900})
+            assert page.evaluate("document.documentElement.scrollWidth <= document.documentElement.clientWidth"), width
+            headings = page.locator(".compare .result h3").evaluate_all(
+                "hs => hs.map((h) => { const r = h.getBoundingClientRect(); return [r.left, r.right]; })"
+            )
+            assert headings[0][1] <= headings[1][0] or width == 390, headings  # side by side, not drawn over

@@ -9,6 +9,12 @@ const DOWNSCALE_SHORT_SIDE = 512;  // twice the server's 256 px resize: no detai
 const DOWNSCALE_QUALITY = 0.92;
 const UPLOADS_AT_ONCE = 8;  // enough for the server to batch them, few enough not to crowd out other clients
 const KEY_STORAGE = "mnv3-api-key";  // in sessionStorage: this tab only, forgotten when it closes
+// What a key can hold (mnv3.auth): visible ASCII. A header can carry nothing else, so fetch would throw on a key
+// pasted with typographic quotes.
+const KEY_CHARACTERS = /^[\x21-\x7e]+$/;
+const BUSY_RETRIES = 3;  // a 503 (busy) or 429 (rate limit) is sent again this often, after its Retry-After
+const RETRY_AFTER_CAP_S = 5;
+const MODELS_RETRY_S = 5;  // GET /models failed (server down, rate limit): asked again after this
 const STAND_IN_WEIGHTS = "random-init";  // GET /model's weights for stage 1's seeded stand-in (mnv3.artifacts)
 
 const $ = (id) => document.getElementById(id);
@@ -78,14 +84,22 @@ function askForKey(reason) {
     form.hidden = false;
     $("key-input").focus();
     keyEntered = new Promise((resolve) => {
-      form.addEventListener("submit", (event) => {
+      const submitted = (event) => {
         event.preventDefault();
-        sessionStorage.setItem(KEY_STORAGE, $("key-input").value.trim());
+        const key = $("key-input").value.trim();
+        if (!KEY_CHARACTERS.test(key)) {
+          $("key-reason").textContent = "That is not an API key: a key is letters, digits and ASCII symbols, " +
+            "with no spaces or typographic quotes. Enter it as it was given.";
+          return;
+        }
+        form.removeEventListener("submit", submitted);
+        sessionStorage.setItem(KEY_STORAGE, key);
         $("key-input").value = "";
         form.hidden = true;
         keyEntered = null;
         resolve();
-      }, {once: true});
+      };
+      form.addEventListener("submit", submitted);
     });
   }
   return keyEntered;
@@ -94,16 +108,21 @@ function askForKey(reason) {
 // ------------------------------------------------------------------------------------- what is served
 
 async function loadModels() {
-  // GET /models: {"default": NAME, "models": [what GET /model says of each, the default first]}.
-  try {
-    const response = await api("models");
-    if (!response.ok) throw new Error(`GET /models answered ${response.status}`);
-    const body = await response.json();
-    server.models = body.models;
-    server.defaultModel = body.default;
-  } catch (error) {
-    $("model-line").textContent = `Could not ask the server what it serves: ${error.message}`;
-    return;
+  // GET /models: {"default": NAME, "models": [what GET /model says of each, the default first]}. Asked again
+  // until it answers; and again whenever the server says a model is not served (it was restarted with others).
+  for (;;) {
+    try {
+      const response = await api("models");
+      if (!response.ok) throw new Error(`GET /models answered ${response.status}`);
+      const body = await response.json();
+      server.models = body.models;
+      server.defaultModel = body.default;
+      break;
+    } catch (error) {
+      $("model-line").textContent =
+        `Could not ask the server what it serves (${error.message}); asking again in ${MODELS_RETRY_S} s.`;
+      await sleep(1000 * MODELS_RETRY_S);
+    }
   }
   describeModels();
 }
@@ -113,23 +132,30 @@ function describeModels() {
   const names = server.models.map((m) => m.name).join(", ");
   $("model-line").textContent = server.models.length > 1
     ? `${server.models.length} models: ${names} (default ${server.defaultModel})`
-    : `Serving ${main.model} on ${main.backend}: batches of up to ${main.batching.max_batch_size} ` +
-      `(window ${main.batching.batch_window_ms} ms), cache of ${main.cache.size} results`;
+    : `Serving ${servedAs(main)} on ${main.backend}: ${batchingAndCache(main)}`;
   // Stage 1's stand-in answers with real labels at near-uniform probabilities: say what they are worth.
   const standIns = server.models.filter((m) => m.weights === STAND_IN_WEIGHTS).map((m) => m.name);
-  if (standIns.length) {
-    $("weights-notice").textContent = `${standIns.join(", ")}: random-init weights, a seeded stand-in (stage 1 ` +
-      "had no ImageNet weights). The labels mean nothing; the timings, and how often models agree, are real.";
-    $("weights-notice").hidden = false;
-  }
-  if (server.models.length < 2) return;
+  $("weights-notice").textContent = `${standIns.join(", ")}: random-init weights, a seeded stand-in (stage 1 ` +
+    "had no ImageNet weights). The labels mean nothing; the timings, and how often models agree, are real.";
+  $("weights-notice").hidden = !standIns.length;
+  $("model-choice").hidden = server.models.length < 2;
   const select = $("model-select");
+  const chosen = select.value;
   select.replaceChildren(...server.models.map((m) =>
     element("option", {value: m.name}, `${m.name} (${m.backend})`)));
-  select.value = server.defaultModel;
-  const compare = $("compare");
-  compare.addEventListener("change", () => { select.disabled = compare.checked; });  // every model answers then
-  $("model-choice").hidden = false;
+  select.value = server.models.some((m) => m.name === chosen) ? chosen : server.defaultModel;
+}
+
+function servedAs(model) {
+  // --backend auto may serve another file for the one named (stage 2's choice): say both.
+  const file = model.model.split(":")[0];
+  return file.startsWith(`${model.name}.`) ? model.model : `${model.name} as ${model.model}`;
+}
+
+function batchingAndCache(model) {
+  const {max_batch_size: size, batch_window_ms: window} = model.batching;
+  const batching = size > 1 ? `batches of up to ${size} (window ${window} ms)` : "no batching";
+  return `${batching}, ${model.cache.size > 0 ? `cache of ${model.cache.size} results` : "no cache"}`;
 }
 
 function modelNamed(name) {
@@ -159,6 +185,10 @@ function addCard(file) {
   image.src = URL.createObjectURL(file);
   image.alt = `Photo ${file.name}`;
   image.addEventListener("load", () => URL.revokeObjectURL(image.src), {once: true});
+  image.addEventListener("error", () => {  // not a picture the browser can show: say so, not a broken icon
+    URL.revokeObjectURL(image.src);
+    image.replaceWith(element("span", {className: "no-preview"}, "no preview"));
+  }, {once: true});
   card.querySelector("figcaption").textContent = `${file.name} · ${formatBytes(file.size)}`;
   card.querySelector(".outcomes").append(element("p", {className: "pending"}, "Classifying…"));
   card.setAttribute("aria-busy", "true");
@@ -171,7 +201,9 @@ async function classifyPhoto(file, card) {
   const {blob, note} = $("downscale").checked ? await downscale(file) : {blob: file, note: null};
   const comparing = $("compare").checked && server.models.length > 1;
   const names = comparing ? server.models.map((m) => m.name) : [$("model-select").value || server.defaultModel];
-  const results = await Promise.all(names.map((name) => predict(blob, file.name, name)));
+  const shrunk = $("downscale").checked;
+  const waiting = (text) => outcomes.querySelector(".pending")?.replaceChildren(text);
+  const results = await Promise.all(names.map((name) => predict(blob, file.name, name, shrunk, waiting)));
   // With several models served, every answer says whose it is, compared or not.
   const nodes = results.map((result, i) => renderResult(result, server.models.length > 1 ? names[i] : null));
   outcomes.replaceChildren(...(comparing ? [element("div", {className: "compare"}, ...nodes)] : nodes));
@@ -184,11 +216,16 @@ async function classifyPhoto(file, card) {
     : `${file.name}: most likely ${first.predictions[0].label}, ${formatPercent(first.predictions[0].probability)}`;
 }
 
-async function predict(blob, filename, modelName) {
+// Multipart's part headers and boundaries around the file: what the server's upload limit counts besides it.
+const MULTIPART_OVERHEAD_BYTES = 512;
+const SHRINK_ADVICE = "tick “Shrink large photos” to send a smaller copy";
+
+async function predict(blob, filename, modelName, shrunk, waiting) {
   const limit = modelNamed(modelName)?.limits?.max_upload_bytes;
-  if (limit && blob.size > limit) {
-    return {error: `${formatBytes(blob.size)} is over the server's upload limit of ${formatBytes(limit)}; ` +
-                   "tick “Shrink large photos” to send a smaller copy"};
+  if (limit && blob.size + MULTIPART_OVERHEAD_BYTES + filename.length > limit) {
+    // Shrinking only helps a photo larger than it shrinks to; otherwise the file itself must get smaller.
+    const advice = shrunk ? "save it smaller (say, as a JPEG) to send it" : SHRINK_ADVICE;
+    return {error: `${formatBytes(blob.size)} is over the server's upload limit of ${formatBytes(limit)}; ${advice}`};
   }
   const form = new FormData();
   form.append("file", blob, filename);
@@ -196,8 +233,14 @@ async function predict(blob, filename, modelName) {
   const started = performance.now();
   let response, text;
   try {
-    response = await api(url, {method: "POST", body: form});
-    text = await response.text();
+    for (let attempt = 0; ; attempt++) {
+      response = await api(url, {method: "POST", body: form});
+      text = await response.text();
+      if (![429, 503].includes(response.status) || attempt === BUSY_RETRIES) break;
+      const waitS = Math.min(Number(response.headers.get("Retry-After")) || 1, RETRY_AFTER_CAP_S);
+      waiting(`Server busy (${response.status}): sending again in ${waitS} s…`);
+      await sleep(1000 * waitS);
+    }
   } catch (error) {
     return {error: `The server could not be reached (${error.message})`};
   }
@@ -206,9 +249,16 @@ async function predict(blob, filename, modelName) {
   try { body = JSON.parse(text); } catch { /* not JSON: shown as text below */ }
   if (!response.ok) {
     const reason = body && typeof body.detail === "string" ? body.detail : text.slice(0, 300) || response.statusText;
-    return {error: `${response.status}: ${reason}`};
+    if (response.status === 404 && reason.startsWith("no model named")) loadModels();  // what is served changed
+    const advice = response.status === 413 && !shrunk ? `; ${SHRINK_ADVICE}` : "";
+    const tries = [429, 503].includes(response.status) ? ` (sent ${BUSY_RETRIES + 1} times)` : "";
+    return {error: `${response.status}: ${reason}${advice}${tries}`};
   }
   return {...body, roundTripMs};
+}
+
+function sleep(ms) {
+  return new Promise((resolve) => setTimeout(resolve, ms));
 }
 
 function renderResult(result, heading) {
@@ -218,7 +268,8 @@ function renderResult(result, heading) {
     box.append(element("p", {className: "error", role: "alert"}, result.error));
     return box;
   }
-  box.append(element("ol", {className: "top5", "aria-label": "Top 5 classes"}, ...result.predictions.map(topItem)));
+  const count = result.predictions.length;
+  box.append(element("ol", {className: "top5", "aria-label": `Top ${count} classes`}, ...result.predictions.map(topItem)));
   const hit = result.cache_hit;
   box.append(definitions("timings", [
     ["queue", hit ? "–" : formatMs(result.queue_ms)],
@@ -236,7 +287,7 @@ function topItem(prediction) {
   const bar = element("span", {className: "bar", "aria-hidden": "true"}, element("span"));
   bar.firstChild.style.width = `${Math.max(100 * prediction.probability, 0.5)}%`;
   return element("li", {"data-class-id": String(prediction.class_id), "data-probability": String(prediction.probability)},
-    element("span", {className: "label"}, prediction.label),
+    element("span", {className: "label", title: prediction.label}, prediction.label),
     element("span", {className: "percent"}, percent),
     bar);
 }
@@ -297,6 +348,8 @@ async function downscale(file) {
 // ------------------------------------------------------------------------------- choose, drop, paste
 
 function wireInputs() {
+  const compare = $("compare");
+  compare.addEventListener("change", () => { $("model-select").disabled = compare.checked; });  // all answer then
   const input = $("file-input");
   input.addEventListener("change", () => {
     classifyAll(input.files);
@@ -331,7 +384,13 @@ async function refreshStats() {
     if (!response.ok) throw new Error(`GET /stats answered ${response.status}`);
     stats = await response.json();
   } catch (error) {
-    $("live-window").textContent = `No stats: ${error.message}`;
+    // Figures from before would read as the server's now: blank them.
+    $("live-window").textContent = `No stats: ${error.message}. The figures return when the server answers.`;
+    for (const figure of document.querySelectorAll(".live dd")) figure.textContent = "–";
+    $("batch-sizes").replaceChildren();
+    $("batch-mean").textContent = "";
+    $("per-model").hidden = true;
+    $("rejected").textContent = "";
     return;
   }
   renderStats(stats);
@@ -425,5 +484,7 @@ document.addEventListener("visibilitychange", () => {
   if (!document.hidden) refreshStats();
 });
 
+if (!KEY_CHARACTERS.test(sessionStorage.getItem(KEY_STORAGE) ?? "-")) sessionStorage.removeItem(KEY_STORAGE);
 wireInputs();
-loadModels().then(statsLoop);
+loadModels();
+statsLoop();
