@@ -26,6 +26,7 @@ from mnv3.artifacts import (
     FP32_ONNX,
     TRANSFORMER_CONTROL_CSV,
     TRANSFORMER_CONTROL_PROFILE_CSV,
+    file_sha256,
     update_manifest,
     write_class_names,
 )
@@ -50,7 +51,7 @@ from mnv3.quantize import quantize_dynamic_int8, size_mb
 from mnv3.report import markdown_table, write_csv, write_summary
 from mnv3.runtime import make_session, ort_runner
 from mnv3.transformer_control import INTEGER_MATMUL_OPS, control_vit, int8_vs_fp32, op_shares, transformer_control
-from mnv3.variants import Bench, Variant, baseline_rows, fastest, openvino_variants
+from mnv3.variants import Bench, Variant, baseline_rows, fastest, openvino_variants, remove_stage_2_outputs
 
 BACKENDS = ("onnxruntime", "openvino")
 PROFILED_OPS = ("ConvInteger", "DynamicQuantizeLinear")  # dynamic INT8's own ops, named in the printed shares
@@ -146,7 +147,10 @@ def run(args):
     else:
         print(f"weights: {args.arch} {provenance}, {len(class_names)} classes (names: {class_names_source})")
 
+    previous = file_sha256(artifacts_dir / FP32_ONNX)
     fp32_path = export_onnx(model, artifacts_dir / FP32_ONNX, preprocessing)
+    if file_sha256(fp32_path) != previous and (removed := remove_stage_2_outputs(artifacts_dir)):
+        print(f"removed {removed}: stage 2 built them from the previous {FP32_ONNX}; rerun stage 2")
     write_class_names(artifacts_dir, class_names)
     # Recorded with the model, before anything is measured: a later stage or a server reading these files
     # never pairs this model with another run's preprocessing.

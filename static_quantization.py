@@ -31,6 +31,7 @@ from mnv3.artifacts import (
     OPENVINO_PROFILE_CSV,
     PART_SIZES_CSV,
     RECIPES_CSV,
+    RECIPES_DIR,
     STAND_IN_PROVENANCE,
     STATIC_CSV,
     STATIC_INT8_ONNX,
@@ -64,8 +65,6 @@ from mnv3.variants import (
     ratio_table_rows,
     recipe_path,
 )
-
-RECIPES_DIR = "recipes"  # under --artifacts-dir: every --compare-recipes model, kept for inspection
 
 
 def get_args_parser(add_help=True):

@@ -1,5 +1,6 @@
 """Where each stage reads and writes, and the error a user sees when an earlier stage is missing."""
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -15,6 +16,7 @@ STATIC_INT8_ONNX = "static_int8.onnx"
 # The model's class names (a JSON list, index = class id) written beside the models by stage 1, so
 # serving needs neither torchvision nor the training folders.
 CLASS_NAMES_JSON = "class_names.json"
+RECIPES_DIR = "recipes"  # stage 2's --compare-recipes models, kept for inspection
 # What each stage produced (weights provenance, arch, preprocessing, which file is the shipped INT8 model, ...).
 MANIFEST_JSON = "manifest.json"
 # The weights provenance stage 1 records for its seeded stand-in network (mnv3/model.py), and what a model
@@ -88,6 +90,12 @@ def require(path, stage: int, artifacts_dir=ARTIFACTS_DIR, results_dir=RESULTS_D
     return path
 
 
+def file_sha256(path) -> str | None:
+    """The file's SHA-256, or None if there is no such file."""
+    path = Path(path)
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+
+
 def read_manifest(artifacts_dir) -> dict:
     path = Path(artifacts_dir) / MANIFEST_JSON
     return json.loads(path.read_text()) if path.exists() else {}
@@ -116,7 +124,19 @@ def model_preprocessing(model_dir) -> Preprocessing:
 
 def update_manifest(artifacts_dir, **entries) -> dict:
     """Merge `entries` into the manifest; each stage owns its own keys."""
-    manifest = read_manifest(artifacts_dir) | entries
+    return _write_manifest(artifacts_dir, read_manifest(artifacts_dir) | entries)
+
+
+def drop_manifest_entries(artifacts_dir, *keys: str) -> list[str]:
+    """Remove `keys` from the manifest (those it had, which are returned)."""
+    manifest = read_manifest(artifacts_dir)
+    dropped = [key for key in keys if key in manifest]
+    if dropped:
+        _write_manifest(artifacts_dir, {key: value for key, value in manifest.items() if key not in dropped})
+    return dropped
+
+
+def _write_manifest(artifacts_dir, manifest: dict) -> dict:
     path = Path(artifacts_dir) / MANIFEST_JSON
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

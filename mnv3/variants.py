@@ -7,6 +7,7 @@ that FP32 session's logits on the same held-out photos.
 """
 
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -17,8 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from mnv3.accuracy import array_batches, evaluate, held_out_batch, predict
-from mnv3.artifacts import FP32_ONNX
-from mnv3.backend_choice import variant_name
+from mnv3.artifacts import FP32_ONNX, MANIFEST_JSON, RECIPES_DIR, STATIC_INT8_ONNX, drop_manifest_entries
+from mnv3.backend_choice import MANIFEST_KEY, variant_name
 from mnv3.engine import model_files, open_session
 from mnv3.latency import Timing, interleaved_benchmark
 from mnv3.preprocess import Preprocessing
@@ -496,6 +497,24 @@ def engine_runner(variant: EngineVariant, artifacts_dir: Path, threads: int, bat
         part_size=variant.part_size,
     )
     return ort_runner(session)
+
+
+def remove_stage_2_outputs(artifacts_dir: Path) -> str | None:
+    """Remove what stage 2 built from the fp32.onnx that stage 1 has just replaced with another model (the
+    static INT8 file, OpenVINO's builds, the recipes' models) and its manifest entries, so that no server and
+    no later stage pairs them with the new model's class names and weights. Says what it removed, if anything."""
+    removed = []
+    built = [artifacts_dir / STATIC_INT8_ONNX, *(artifacts_dir / xml for xml in OPENVINO_INT8_BUILDS)]
+    for path in (file for model in built for file in model_files(model)):
+        if path.is_file():
+            path.unlink()
+            removed.append(path.name)
+    if (artifacts_dir / RECIPES_DIR).is_dir():
+        shutil.rmtree(artifacts_dir / RECIPES_DIR)
+        removed.append(f"{RECIPES_DIR}/")
+    if entries := drop_manifest_entries(artifacts_dir, "static_int8", MANIFEST_KEY):
+        removed.append(f"{MANIFEST_JSON}'s {' and '.join(entries)}")
+    return ", ".join(removed) or None
 
 
 def model_size_mb(path: Path) -> float:

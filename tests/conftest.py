@@ -105,6 +105,22 @@ def wait_until(condition, what: str):
 
 
 @contextmanager
+def offline_weights():
+    """torchvision's download of ImageNet weights fails at once, as on a machine without internet: stage 1 then
+    takes its labelled random-init stand-in, and no test downloads."""
+    import urllib.error
+
+    import torchvision
+
+    def offline(*args, **kwargs):
+        raise urllib.error.URLError("offline test")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torchvision.models._api, "load_state_dict_from_url", offline)
+        yield
+
+
+@contextmanager
 def serving_client(model_path, **settings):
     with TestClient(create_app(ServerConfig(model=model_path, **settings))) as client:
         wait_until(lambda: client.get("/readyz").status_code == 200, "warm-up")

@@ -5,6 +5,8 @@ answers PyTorch's. Plus the weights and class-name files a user can get wrong.""
 import argparse
 import hashlib
 import json
+import shutil
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -15,6 +17,8 @@ from torchvision.transforms import v2
 
 import baseline_export_quantize
 import static_quantization
+from conftest import offline_weights
+from mnv3 import cli
 from mnv3.loadtest import PredictClient, ServerProcess
 from mnv3.model import recalibrate_batchnorm
 from mnv3.photos import augmented_views, encode_jpeg
@@ -288,3 +292,30 @@ def test_unreadable_class_names_exit_2(tmp_path, capsys):
 
 def test_crop_larger_than_resize_exits_2(tmp_path, capsys):
     assert "--crop" in expect_one_line_error(capsys, tmp_path, "--resize", 200, "--crop", 224)
+
+
+@pytest.mark.slow
+def test_stage_1_on_another_model_removes_what_stage_2_built_from_the_last(user_run, tmp_path, capsys):
+    """Else the server would load the last run's static_int8.onnx with the new model's class names and weights
+    record; the same model again keeps them (the export is byte for byte the same)."""
+    artifacts, results = tmp_path / "artifacts", tmp_path / "results"
+    shutil.copytree(user_run["artifacts"], artifacts)
+    shutil.copytree(user_run["results"], results)
+    built = json.loads((artifacts / "manifest.json").read_text())["static_int8"]
+    stage_1 = ["--quick", "--artifacts-dir", artifacts, "--results-dir", results, "--backends", "onnxruntime"]
+    user_model = ["--arch", "mobilenet_v3_small", "--weights", user_run["checkpoint"], "--class-names"]
+    user_model += [user_run["root"] / "classes.txt", "--resize", PREPROCESSING.resize, "--crop", PREPROCESSING.crop]
+    user_model += ["--mean", *PREPROCESSING.mean, "--std", *PREPROCESSING.std]
+    run_stage(baseline_export_quantize, *stage_1, *user_model)
+    assert "removed" not in capsys.readouterr().out
+    assert (artifacts / "static_int8.onnx").is_file()
+    assert json.loads((artifacts / "manifest.json").read_text())["static_int8"] == built
+
+    with offline_weights(), pytest.warns(UserWarning, match="RANDOM INIT"):
+        run_stage(baseline_export_quantize, *stage_1)  # the default: another model altogether
+    out = capsys.readouterr().out
+    assert "removed static_int8.onnx, " in out and "manifest.json's static_int8 and engine_choice: stage 2" in out, out
+    assert not (artifacts / "static_int8.onnx").exists()
+    assert "static_int8" not in json.loads((artifacts / "manifest.json").read_text())
+    with pytest.raises(SystemExit):  # stages 3-5 now say to run stage 2, not serve the last model
+        cli.run_stage(cli.serving_model, SimpleNamespace(model=None, artifacts_dir=artifacts, results_dir=results))

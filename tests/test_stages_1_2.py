@@ -4,14 +4,13 @@ import importlib.util
 import json
 import subprocess
 import sys
-import urllib.error
 from pathlib import Path
 
 import pytest
-import torchvision.models._api
 
 import baseline_export_quantize
 import static_quantization
+from conftest import offline_weights
 from mnv3.quantize import DEFAULT_RECIPE, RECIPES
 from mnv3.report import read_csv
 from mnv3.silicon import count_macs
@@ -31,12 +30,7 @@ def stage_dirs(tmp_path_factory):
     """Run stage 1 (offline: random init) then stage 2 comparing every recipe (`make bench`), both --quick."""
     root = tmp_path_factory.mktemp("stages")
     dirs = {"artifacts": root / "artifacts", "results": root / "results", "calibration": root / "calibration"}
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(
-            torchvision.models._api,
-            "load_state_dict_from_url",
-            lambda *a, **k: (_ for _ in ()).throw(urllib.error.URLError("offline test")),
-        )
+    with offline_weights():
         with pytest.warns(UserWarning, match="RANDOM INIT"):
             run_stage(
                 baseline_export_quantize,
