@@ -17,7 +17,7 @@ import argparse
 import torch
 
 from mnv3 import cli
-from mnv3.accuracy import UnreadableLabels, array_batches, held_out_batch, load_labels, predict
+from mnv3.accuracy import UnreadableLabels, array_batches, held_out_batch, labelled_summary, load_labels, predict
 from mnv3.artifacts import (
     BASELINE_CSV,
     CLASS_NAMES_JSON,
@@ -133,6 +133,8 @@ def run(args):
     model, provenance = load_model(args.arch, args.weights)
     class_names, class_names_source = class_names_for(model, args.class_names)
     labelled = load_labels(args.labels, class_names) if args.labels else None
+    if labelled:
+        print(labelled_summary(args.labels, labelled))
     bn_images = 0
     if provenance == "random-init":
         # Without real BN statistics a random init's logits collapse to ~0 and INT8 comparisons are noise.

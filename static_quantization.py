@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from mnv3 import cli, report
-from mnv3.accuracy import UnreadableLabels, load_labels
+from mnv3.accuracy import UnreadableLabels, labelled_summary, load_labels
 from mnv3.artifacts import (
     BASELINE_CSV,
     CALIBRATION_DIR,
@@ -117,7 +117,7 @@ def recipe_names(text: str) -> list[str]:
 def main(args):
     mode = cli.defaults(args)
     cli.fill_unset(args, batch_size=mode.batch_size, calibration_count=mode.calibration_images)
-    cli.run_stage(run, args, user_errors=(UnreadableLabels, InvalidImage))
+    cli.run_stage(run, args, user_errors=(UnreadableLabels, InvalidImage, NotADirectoryError))
 
 
 def generated_calibration_note(folder, calibration: list[Path], existed: bool) -> str | None:
@@ -139,6 +139,8 @@ def run(args):
     baseline_rows = read_csv(require(results_dir / BASELINE_CSV, 1, artifacts_dir, results_dir))
     class_names = json.loads(require(artifacts_dir / CLASS_NAMES_JSON, 1, artifacts_dir, results_dir).read_text())
     labelled = load_labels(args.labels, class_names) if args.labels else None
+    if labelled:
+        print(labelled_summary(args.labels, labelled))
     manifest = read_manifest(artifacts_dir)
     provenance, arch = weights_provenance(artifacts_dir), manifest.get("model", {}).get("arch", "unknown")
     preprocessing = model_preprocessing(artifacts_dir)  # what stage 1 exported the model for

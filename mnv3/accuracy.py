@@ -87,9 +87,9 @@ def evaluate(
 def load_labels(path, class_names: list[str]) -> tuple[list[Path], np.ndarray]:
     """(image paths, class ids of the model's `class_names`) from a folder-per-class tree or a CSV of file,class_id.
 
-    A class folder is named by its class id ("207"), its class name ("golden retriever"), or, when there
-    is one folder per class, by anything that sorts in class order (the wnids of ILSVRC val, or the
-    training folders torchvision's ImageFolder sorted into class ids).
+    Class folders are named by their class names ("golden retriever"), or their class ids ("207"), or, when
+    there is one folder per class, by anything that sorts in class order (the wnids of ILSVRC val, or the
+    training folders torchvision's ImageFolder sorted into class ids): one rule for all (`_folder_pairs`).
     CSV paths are relative to the CSV; a header row is optional.
     """
     path = Path(path)
@@ -110,20 +110,39 @@ def load_labels(path, class_names: list[str]) -> tuple[list[Path], np.ndarray]:
 
 
 def _folder_pairs(root: Path, class_names: list[str]) -> list[tuple[Path, int]]:
+    """Every folder is matched by one rule, the first that matches them all: their names are class names (as
+    written, else ignoring case where that is unambiguous), or class ids, or, with one folder per class, their
+    sorted order (as ImageFolder numbers them). A folder's images include those in folders within it."""
     folders = sorted(p for p in root.iterdir() if p.is_dir())
-    by_name = {name.lower(): i for i, name in enumerate(class_names)}
-    pairs = []
-    for index, folder in enumerate(folders):
-        if folder.name.isdigit():
-            class_id = int(folder.name)
-        elif folder.name.lower() in by_name:
-            class_id = by_name[folder.name.lower()]
-        elif len(folders) == len(class_names):
-            class_id = index
-        else:
-            raise UnreadableLabels(f"--labels {root}: folder '{folder.name}' is not a class id or class name")
-        pairs += [(image, class_id) for image in list_images(folder)]
-    return pairs
+    names = [folder.name for folder in folders]
+    exact = {name: i for i, name in enumerate(class_names)}
+    folded = {name.casefold(): i for i, name in enumerate(class_names)}
+    if all(name in exact for name in names):
+        ids = [exact[name] for name in names]
+    elif len(folded) == len(class_names) and all(name.casefold() in folded for name in names):
+        ids = [folded[name.casefold()] for name in names]
+    elif all(name.isdigit() and int(name) < len(class_names) for name in names):
+        ids = [int(name) for name in names]
+    elif len(folders) == len(class_names):
+        ids = list(range(len(folders)))
+    else:
+        unmatched = [name for name in names if name not in exact][:3]
+        raise UnreadableLabels(
+            f"--labels {root}: folders such as {', '.join(map(repr, unmatched))} are neither class names nor class "
+            f"ids, and there are {len(folders)} folders for {len(class_names)} classes: name each folder by its "
+            "class name or id"
+        )
+    return [
+        (image, class_id)
+        for folder, class_id in zip(folders, ids, strict=True)
+        for image in list_images(folder, recursive=True)
+    ]
+
+
+def labelled_summary(path, labelled: tuple[list[Path], np.ndarray]) -> str:
+    """What accuracy is scored on, for a stage to print."""
+    paths, labels = labelled
+    return f"labelled photos: {len(paths)} in {len(set(labels.tolist()))} classes from {path}"
 
 
 def _csv_pairs(csv_path: Path) -> list[tuple[Path, int]]:

@@ -8,6 +8,7 @@ held-out images come from disjoint source photos, so accuracy is never measured 
 """
 
 import io
+import os
 from concurrent.futures import ThreadPoolExecutor
 from importlib.resources import files
 from pathlib import Path
@@ -96,8 +97,12 @@ def held_out_images(count: int = 64, seed: int = 1) -> list[Image.Image]:
 
 
 def list_images(folder, recursive: bool = False) -> list[Path]:
-    """The images in `folder` (and, if `recursive`, in the folders within it), in path order."""
-    paths = Path(folder).rglob("*") if recursive else Path(folder).iterdir()
+    """The images in `folder` (and, if `recursive`, in the folders within it, symbolic links followed as
+    ImageFolder follows them), in path order."""
+    if recursive:
+        paths = [Path(top) / name for top, _, files in os.walk(folder, followlinks=True) for name in files]
+    else:
+        paths = list(Path(folder).iterdir())
     return sorted(p for p in paths if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
 
 

@@ -129,12 +129,17 @@ def calibration_photos(folder, count: int) -> list[Path]:
     are none. With more than `count`, they are spread evenly over the images in path order, so that a
     dataset's folder per class gives each class its share (the first `count` would be the first classes').
 
-    Generated images left by a smaller earlier run (say --quick) are regenerated rather than silently
-    calibrating on fewer photos than asked for; images a user put there are never touched.
+    The user's own images, once there are any, are the only ones used: generated ones a run left there are
+    removed then, as they are when a smaller earlier run (say --quick) left fewer than asked for. Images a
+    user put there are never touched.
     """
-    existing = list_images(folder, recursive=True) if Path(folder).is_dir() else []
-    if existing and len(existing) < count and all(map(is_generated, existing)):
-        for path in existing:
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise NotADirectoryError(f"--calibration-dir {folder} is a file: pass the folder of photos it is in")
+    existing = list_images(folder, recursive=True) if folder.is_dir() else []
+    generated = [path for path in existing if is_generated(path)]
+    if generated and (len(generated) < len(existing) or len(existing) < count):
+        for path in generated:
             path.unlink()
     photos = fill_calibration_dir(folder, count)
     return [photos[i * len(photos) // count] for i in range(count)] if len(photos) > count else photos

@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from mnv3 import quantize
-from mnv3.accuracy import UnreadableLabels, agreement, load_labels, sqnr_db, true_accuracy
+from mnv3.accuracy import UnreadableLabels, agreement, labelled_summary, load_labels, sqnr_db, true_accuracy
 from mnv3.graph_rewrites import GRAPH_REWRITES
 from mnv3.photos import fill_calibration_dir, held_out_images
 from mnv3.preprocess import preprocess
@@ -278,17 +278,49 @@ def test_true_accuracy():
 CLASS_NAMES = [f"class {i}" for i in range(1000)]
 
 
+def labelled_tree(root: Path, *folders: str) -> Path:
+    photo = held_out_images(1)[0]
+    for folder in folders:
+        (root / folder).mkdir(parents=True)
+        photo.save(root / folder / "a.jpg")
+    return root
+
+
 def test_labels_from_class_folders_and_csv(tmp_path):
-    for folder in ("207", "class 3"):
-        (tmp_path / "tree" / folder).mkdir(parents=True)
-        held_out_images(1)[0].save(tmp_path / "tree" / folder / "a.jpg")
-    paths, labels = load_labels(tmp_path / "tree", CLASS_NAMES)
+    _, labels = load_labels(labelled_tree(tmp_path / "ids", "207", "3"), CLASS_NAMES)
     assert sorted(labels.tolist()) == [3, 207]
-    rows = [["file", "class_id"], ["tree/207/a.jpg", "207"], ["tree/class 3/a.jpg", "3"]]
+    _, labels = load_labels(labelled_tree(tmp_path / "names", "class 207", "Class 3"), CLASS_NAMES)  # case aside
+    assert sorted(labels.tolist()) == [3, 207]
+    rows = [["file", "class_id"], ["ids/207/a.jpg", "207"], ["names/Class 3/a.jpg", "3"]]
     with (tmp_path / "labels.csv").open("w", newline="") as f:
         csv.writer(f).writerows(rows)
     paths, labels = load_labels(tmp_path / "labels.csv", CLASS_NAMES)
     assert labels.tolist() == [207, 3] and all(p.is_file() for p in paths)
+
+
+def test_class_folders_are_matched_by_one_rule_for_all(tmp_path):
+    """Mixed rules mislabelled photos without a word: a folder no name matched took its sorted position."""
+    # Class names that are numbers are names first: ImageFolder's order puts "10" before "2".
+    numbers = [str(i) for i in range(11)]
+    tree = labelled_tree(tmp_path / "numbers", "0", "10", "2")
+    paths, labels = load_labels(tree, sorted(numbers))
+    assert {p.parent.name: int(c) for p, c in zip(paths, labels, strict=True)} == {"0": 0, "10": 2, "2": 3}
+    # One folder per class, names that match none of them: ImageFolder's sorted order.
+    _, labels = load_labels(labelled_tree(tmp_path / "wnids", "n02", "n01"), ["cat", "dog"])
+    assert sorted(labels.tolist()) == [0, 1]
+    # A name here, a position there: refused, not guessed.
+    with pytest.raises(UnreadableLabels, match="'Nature' are neither class names nor class ids"):
+        load_labels(labelled_tree(tmp_path / "mixed", "Nature", "cat", "moon"), ["cat", "näture", "moon", "sea"])
+    # Names that differ only in case match as written, never folded onto each other.
+    paths, labels = load_labels(labelled_tree(tmp_path / "case", "Cat", "cat"), ["Cat", "cat", "x"])
+    assert {p.parent.name: int(c) for p, c in zip(paths, labels, strict=True)} == {"Cat": 0, "cat": 1}
+
+
+def test_a_class_folders_photos_include_those_in_folders_within_it(tmp_path):
+    tree = labelled_tree(tmp_path / "tree", "cat", "dog", "cat/batch2")
+    paths, labels = load_labels(tree, ["cat", "dog"])
+    assert sorted(str(p.relative_to(tree)) for p in paths) == ["cat/a.jpg", "cat/batch2/a.jpg", "dog/a.jpg"]
+    assert labelled_summary(tree, (paths, labels)) == f"labelled photos: 3 in 2 classes from {tree}"
 
 
 @pytest.mark.parametrize("content", ["missing.jpg,1\n", "a.jpg,cat\n", "a.jpg,5000\n", "", b"\xff\xfe\x00bin"])
@@ -338,3 +370,18 @@ def test_calibration_takes_photos_from_every_class_folder_of_a_dataset(tmp_path)
     ]
     assert not list(tmp_path.glob("generated_*"))
     assert len(calibration_photos(tmp_path, 50)) == 20  # all there are
+    linked = tmp_path / "linked"  # class folders linked in from elsewhere, as ImageFolder follows them
+    linked.mkdir()
+    (linked / "ant").symlink_to(tmp_path / "ant", target_is_directory=True)
+    assert [p.name for p in calibration_photos(linked, 2)] == ["0.jpg", "2.jpg"]
+    assert not list(linked.glob("generated_*"))
+
+
+def test_calibration_uses_the_users_photos_once_there_are_any(tmp_path):
+    """Generated photos, then the user's own added as stage 2 advised: the user's alone (it mixed them)."""
+    assert len(calibration_photos(tmp_path, 4)) == 4  # generated, none of the user's yet
+    held_out_images(1)[0].save(tmp_path / "mine.jpg")
+    assert [p.name for p in calibration_photos(tmp_path, 4)] == ["mine.jpg"]
+    assert not list(tmp_path.glob("generated_*"))
+    with pytest.raises(NotADirectoryError, match="is a file: pass the folder"):
+        calibration_photos(tmp_path / "mine.jpg", 4)
