@@ -147,7 +147,7 @@ def labelled_summary(path, labelled: tuple[list[Path], np.ndarray]) -> str:
 
 def _csv_pairs(csv_path: Path) -> list[tuple[Path, int]]:
     try:
-        with csv_path.open(newline="") as f:
+        with csv_path.open(newline="", encoding="utf-8-sig") as f:  # with or without a byte-order mark
             rows = list(csv.reader(f))
     except (UnicodeDecodeError, csv.Error) as exc:
         raise UnreadableLabels(f"--labels {csv_path}: not a readable CSV ({exc})") from exc

@@ -126,6 +126,10 @@ def _state_dict(path, data: bytes) -> dict:
         ) from exc
     if isinstance(loaded, dict) and isinstance(loaded.get("model"), dict):
         loaded = loaded["model"]  # a references/classification checkpoint: {"model", "optimizer", "epoch", ...}
+    # (Distributed)DataParallel save the model's weights under "module.", as train.py's model_ema (an
+    # AveragedModel) does, with its n_averaged count beside them.
+    if isinstance(loaded, dict) and loaded and all(key.startswith("module.") or key == "n_averaged" for key in loaded):
+        loaded = {key.removeprefix("module."): value for key, value in loaded.items() if key != "n_averaged"}
     if not isinstance(loaded, dict) or not all(isinstance(value, torch.Tensor) for value in loaded.values()):
         raise BadWeights(
             f"--weights {path}: holds no state_dict (a dict of tensors, or a checkpoint with one under "
@@ -203,9 +207,13 @@ def _first_line(exc: Exception) -> str:
 def read_class_names(path) -> list[str]:
     """A JSON list of names, or a text file of one name a line (blank lines skipped)."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = Path(path).read_text(encoding="utf-8-sig")  # a byte-order mark, as Windows editors write, is no name
     except (OSError, UnicodeDecodeError) as exc:
         raise BadClassNames(f"--class-names {path}: cannot read it as UTF-8 text ({_first_line(exc)})") from exc
+    if text.lstrip().startswith("{"):
+        raise BadClassNames(
+            f"--class-names {path}: a JSON object; pass a JSON list of names in class-id order, or one name a line"
+        )
     if text.lstrip().startswith("["):
         try:
             names = json.loads(text)

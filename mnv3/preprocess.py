@@ -15,6 +15,7 @@ then crop; with both off, preprocessing equals torchvision's (tests/test_preproc
 """
 
 import io
+import math
 import re
 import warnings
 from dataclasses import asdict, dataclass
@@ -68,6 +69,8 @@ class Preprocessing:
             raise ValueError(
                 f"mean and std take 3 values (R G B) and std must be positive, got mean {self.mean} std {self.std}"
             )
+        if not all(math.isfinite(value) for value in (*self.mean, *self.std)):  # NaN passes the check above
+            raise ValueError(f"mean and std must be finite numbers, got mean {self.mean} std {self.std}")
 
     @classmethod
     def from_record(cls, record: dict) -> "Preprocessing":

@@ -81,6 +81,20 @@ def test_training_checkpoint_loads_its_model_entry_with_the_classes_of_its_head(
     assert torch.equal(model.classifier[3].weight, source.classifier[3].weight)
 
 
+@pytest.mark.parametrize("wrapped", ["DataParallel", "model_ema"])
+def test_weights_saved_under_module_load(tmp_path, wrapped):
+    """(Distributed)DataParallel's state_dict, and train.py's model_ema (an AveragedModel, with n_averaged)."""
+    torch.manual_seed(3)
+    source = mobilenet_v3_small(num_classes=4)
+    saved = {f"module.{key}": value for key, value in source.state_dict().items()}
+    if wrapped == "model_ema":
+        saved["n_averaged"] = torch.tensor(7)
+    path = tmp_path / "wrapped.pth"
+    torch.save(saved, path)
+    model, _ = load_model("mobilenet_v3_small", path)
+    assert num_classes(model) == 4 and torch.equal(model.classifier[3].weight, source.classifier[3].weight)
+
+
 def test_other_archs_weights_name_the_right_arch(tmp_path):
     path = tmp_path / "small.pth"
     torch.save(mobilenet_v3_small(num_classes=3).state_dict(), path)
@@ -95,7 +109,11 @@ def test_whole_pickled_model_is_refused_saying_how_to_save_a_state_dict(tmp_path
         load_model("mobilenet_v3_small", path)
 
 
-@pytest.mark.parametrize("text", ['["cat", "dog", "fox"]', "cat\ndog\n\nfox\n"], ids=["json", "lines"])
+@pytest.mark.parametrize(
+    "text",
+    ['["cat", "dog", "fox"]', "cat\ndog\n\nfox\n", "\ufeffcat\r\ndog\r\nfox\r\n", '\ufeff["cat", "dog", "fox"]'],
+    ids=["json", "lines", "lines with a byte-order mark", "json with a byte-order mark"],
+)
 def test_class_names_file_names_each_class(tmp_path, text):
     path = tmp_path / "names"
     path.write_text(text)
@@ -104,7 +122,9 @@ def test_class_names_file_names_each_class(tmp_path, text):
         class_names_for(mobilenet_v3_small(num_classes=4), path)
 
 
-@pytest.mark.parametrize("text", ["", "cat\ncat\ndog\n", '["cat", 3, "dog"]', '["cat", "dog"'])
+@pytest.mark.parametrize(
+    "text", ["", "cat\ncat\ndog\n", '["cat", 3, "dog"]', '["cat", "dog"', '{"0": "cat", "1": "dog"}']
+)
 def test_unusable_class_names_file_is_a_clear_error(tmp_path, text):
     path = tmp_path / "names.txt"
     path.write_text(text)

@@ -66,7 +66,16 @@ def test_preprocessing_a_model_was_trained_with_matches_torchvision_transforms()
             assert np.abs(actual - transform(image).numpy()).max() <= 1e-3
 
 
-@pytest.mark.parametrize("values", [dict(resize=200, crop=224), dict(mean=(0.5, 0.5)), dict(std=(0.2, 0.0, 0.2))])
+@pytest.mark.parametrize(
+    "values",
+    [
+        dict(resize=200, crop=224),
+        dict(mean=(0.5, 0.5)),
+        dict(std=(0.2, 0.0, 0.2)),
+        dict(mean=(float("nan"), 0.5, 0.5)),  # passed every check: the server then answered probabilities of NaN
+        dict(std=(float("inf"), 0.2, 0.2)),
+    ],
+)
 def test_preprocessing_that_cannot_work_is_refused(values):
     from mnv3.preprocess import Preprocessing
 

@@ -296,6 +296,8 @@ def test_labels_from_class_folders_and_csv(tmp_path):
         csv.writer(f).writerows(rows)
     paths, labels = load_labels(tmp_path / "labels.csv", CLASS_NAMES)
     assert labels.tolist() == [207, 3] and all(p.is_file() for p in paths)
+    (tmp_path / "excel.csv").write_bytes("\ufeffids/207/a.jpg,207\r\n".encode())  # no header, a byte-order mark
+    assert load_labels(tmp_path / "excel.csv", CLASS_NAMES)[1].tolist() == [207]
 
 
 def test_class_folders_are_matched_by_one_rule_for_all(tmp_path):
