@@ -132,6 +132,18 @@ def generated_calibration_note(folder, calibration: list[Path], existed: bool) -
     )
 
 
+def check_same_model(baseline_row: dict, model: tuple[str, str, int], args) -> None:
+    """Stage 1's rows in --results-dir must be of the model in --artifacts-dir: stage 2 tables its ratios with
+    them, and folders from two stage 1 runs would compare two models without a word."""
+    measured = (baseline_row.get("weights"), baseline_row.get("arch"), str(baseline_row.get("classes")))
+    if measured != (model[0], model[1], str(model[2])):
+        raise cli.UsageError(
+            f"{args.results_dir / BASELINE_CSV} is stage 1's of another model ({', '.join(measured)}) than the one in "
+            f"{args.artifacts_dir} ({', '.join(map(str, model))}): pass the --results-dir stage 1 wrote with this "
+            "--artifacts-dir, or rerun stage 1 with both"
+        )
+
+
 def run(args):
     mode = cli.defaults(args)
     artifacts_dir, results_dir = args.artifacts_dir, args.results_dir
@@ -143,6 +155,7 @@ def run(args):
         print(labelled_summary(args.labels, labelled))
     manifest = read_manifest(artifacts_dir)
     provenance, arch = weights_provenance(artifacts_dir), manifest.get("model", {}).get("arch", "unknown")
+    check_same_model(baseline_rows[0], (provenance, arch, len(class_names)), args)
     preprocessing = model_preprocessing(artifacts_dir)  # what stage 1 exported the model for
 
     existed = Path(args.calibration_dir).is_dir()

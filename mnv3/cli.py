@@ -312,22 +312,26 @@ def serving_model(args) -> tuple[Path, str]:
             raise MissingArtifact(f"--model {args.model} not found")
         model = args.model
     else:
-        model = static_int8_model(args.artifacts_dir)
+        model = static_int8_model(args.artifacts_dir, args.results_dir)
     return model, weights_provenance(model.parent)
 
 
-def static_int8_model(artifacts_dir: Path) -> Path:
-    """The static INT8 model stage 2 recorded as shipped."""
+def static_int8_model(artifacts_dir: Path, results_dir: Path = RESULTS_DIR) -> Path:
+    """The static INT8 model stage 2 recorded as shipped (stage 2, if it has not run, with these folders)."""
     recorded = read_manifest(artifacts_dir).get("static_int8", {})  # stage 2: {"path": file name, ...}
-    return require(artifacts_dir / recorded.get("path", STATIC_INT8_ONNX), 2, artifacts_dir)
+    return require(artifacts_dir / recorded.get("path", STATIC_INT8_ONNX), 2, artifacts_dir, results_dir)
 
 
 def environment_row(model: Path, provenance: str) -> dict:
-    """What a reader needs to judge the numbers: which model, which images, which machine and libraries."""
+    """What a reader needs to judge the numbers: which model (its weights, arch and classes, as stage 1 recorded
+    them beside it; empty for a model without that record), which images, which machine and libraries."""
     width, height = LOAD_IMAGE_SIZE
+    recorded = read_manifest(model.parent).get("model", {})
     return {
         "model": model.name,
         "weights": provenance,
+        "arch": recorded.get("arch", ""),
+        "classes": recorded.get("classes", ""),
         "load_image_size": f"{width}x{height}",
         "load_image_quality": LOAD_IMAGE_QUALITY,
         **report.cpu_info(),

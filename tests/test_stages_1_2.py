@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ import baseline_export_quantize
 import static_quantization
 from conftest import offline_weights
 from mnv3.quantize import DEFAULT_RECIPE, RECIPES
-from mnv3.report import read_csv
+from mnv3.report import read_csv, write_csv
 from mnv3.silicon import count_macs
 from mnv3.variants import PART_SIZES
 
@@ -372,3 +373,17 @@ def test_corrupt_calibration_image_exits_2_naming_the_file(stage_dirs, tmp_path,
     assert exit_info.value.code == 2
     error = capsys.readouterr().err
     assert "holiday.jpg" in error and "remove or replace" in error and "Traceback" not in error
+
+
+def test_stage_2_refuses_stage_1_rows_of_another_model(stage_dirs, tmp_path, capsys):
+    """--results-dir of one stage 1 run beside --artifacts-dir of another: its table would pair two models."""
+    results = tmp_path / "results"
+    shutil.copytree(stage_dirs["results"], results)
+    rows = read_csv(results / "01_baseline.csv")
+    write_csv(results / "01_baseline.csv", [row | {"arch": "mobilenet_v3_small", "classes": "3"} for row in rows])
+    with pytest.raises(SystemExit) as exit:
+        run_stage(static_quantization, "--quick", "--artifacts-dir", stage_dirs["artifacts"], "--results-dir", results)
+    assert exit.value.code == 2
+    error = capsys.readouterr().err.strip()
+    assert "is stage 1's of another model (random-init, mobilenet_v3_small, 3)" in error
+    assert "(random-init, mobilenet_v3_large, 1000)" in error and "Traceback" not in error
