@@ -137,7 +137,7 @@ def calibration_photos(folder, count: int) -> list[Path]:
     if folder.exists() and not folder.is_dir():
         raise NotADirectoryError(f"--calibration-dir {folder} is a file: pass the folder of photos it is in")
     existing = list_images(folder, recursive=True) if folder.is_dir() else []
-    generated = [path for path in existing if is_generated(path)]
+    generated = [path for path in existing if is_generated(path) and path.parent == folder]  # where they are written
     if generated and (len(generated) < len(existing) or len(existing) < count):
         for path in generated:
             path.unlink()
