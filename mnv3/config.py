@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass, field, fields
 from functools import cached_property
 from pathlib import Path
+from typing import Any, cast
 
 from mnv3.auth import GRAMMAR as KEY_FILE_GRAMMAR
 from mnv3.engine import BACKEND_CHOICES
@@ -242,7 +243,7 @@ def parse_args(argv=None, environ=os.environ) -> ServerConfig:
         description="Serve an ONNX MobileNetV3 classifier over HTTP.",
         epilog="Each flag can also be set as MNV3_<FLAG> (e.g. MNV3_CACHE_SIZE=0); the flag wins.",
     )
-    settings = {}  # every setting but the models, from its flag, else its variable, else its default
+    settings: dict[str, Any] = {}  # every setting but the models: from its flag, else its variable, else its default
     from_environment = {}  # setting -> "MNV3_X=text": what an error about it names when no flag gave it
     for f in fields(ServerConfig):
         env = variable(f.name)
@@ -260,10 +261,11 @@ def parse_args(argv=None, environ=os.environ) -> ServerConfig:
         settings[f.name] = f.default
         if env in environ:
             text = environ[env]
+            kind = cast(type, f.type)  # int, float or str: the annotations are classes, not strings
             try:
-                settings[f.name] = f.type(text)
+                settings[f.name] = kind(text)
             except ValueError:
-                parser.error(f"{env}={text!r} is not a valid {f.type.__name__} (it sets {flag(f.name)})")
+                parser.error(f"{env}={text!r} is not a valid {kind.__name__} (it sets {flag(f.name)})")
             from_environment[f.name] = f"{env}={text}"
         parser.add_argument(
             flag(f.name),

@@ -17,6 +17,7 @@ then crop; with both off, preprocessing equals torchvision's (tests/test_preproc
 import io
 import math
 import re
+import sys
 import warnings
 from dataclasses import asdict, dataclass
 from functools import cached_property
@@ -42,7 +43,8 @@ MAX_RESIZED_SIDE = 4096  # longer side of the full resize; beyond it, resample o
 DEFAULT_MAX_PIXELS = 40_000_000  # ~ a 7300x5500 photo; larger is refused before decoding
 # Pillow refuses an image of more than twice its MAX_IMAGE_PIXELS outright (DecompressionBombError), whatever
 # the caller allows; below that, `max_pixels` alone decides: Pillow's warning at MAX_IMAGE_PIXELS is ignored.
-PILLOW_MAX_PIXELS = 2 * Image.MAX_IMAGE_PIXELS
+# (None: the process turned Pillow's check off, and `max_pixels` alone decides.)
+PILLOW_MAX_PIXELS = 2 * Image.MAX_IMAGE_PIXELS if Image.MAX_IMAGE_PIXELS is not None else sys.maxsize
 
 
 # Raster formats only, opened by Pillow's own decoders: EPS, for one, would run Ghostscript on the upload.

@@ -97,9 +97,10 @@ V2_ERROR_DOCS: dict[int | str, dict[str, Any]] = {
 }
 
 
-async def http_error_in_shape(request: Request, exc: StarletteHTTPException) -> Response:
+async def http_error_in_shape(request: Request, exc: Exception) -> Response:
     """The app's handler of Starlette's HTTP errors (404 no such path, 405 wrong method): `{"error": ...}`
     under /v2, where Triton's clients read nothing else, and FastAPI's `{"detail": ...}` elsewhere."""
+    assert isinstance(exc, StarletteHTTPException)  # the only class it is registered for
     if is_protocol_path(route_path(request.scope)):
         return JSONResponse(error_body(str(exc.detail)), exc.status_code, headers=exc.headers)
     return await http_exception_handler(request, exc)
