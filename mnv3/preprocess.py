@@ -73,6 +73,11 @@ class Preprocessing:
             )
         if not all(math.isfinite(value) for value in (*self.mean, *self.std)):  # NaN passes the check above
             raise ValueError(f"mean and std must be finite numbers, got mean {self.mean} std {self.std}")
+        if not all(0 <= value <= 1 for value in self.mean):  # the mean of values x/255 in [0, 1]
+            raise ValueError(
+                f"mean is of x/255, so between 0 and 1 (ImageNet's: 0.485 0.456 0.406), got {self.mean}: for values "
+                "on a 0-255 scale, divide mean and std by 255"
+            )
 
     @classmethod
     def from_record(cls, record: dict) -> "Preprocessing":

@@ -74,6 +74,7 @@ def test_preprocessing_a_model_was_trained_with_matches_torchvision_transforms()
         dict(std=(0.2, 0.0, 0.2)),
         dict(mean=(float("nan"), 0.5, 0.5)),  # passed every check: the server then answered probabilities of NaN
         dict(std=(float("inf"), 0.2, 0.2)),
+        dict(mean=(127.5, 127.5, 127.5), std=(127.5, 127.5, 127.5)),  # another toolkit's 0-255 scale
     ],
 )
 def test_preprocessing_that_cannot_work_is_refused(values):
