@@ -243,8 +243,7 @@ def parse_args(argv=None, environ=os.environ) -> ServerConfig:
         description="Serve an ONNX MobileNetV3 classifier over HTTP.",
         epilog="Each flag can also be set as MNV3_<FLAG> (e.g. MNV3_CACHE_SIZE=0); the flag wins.",
     )
-    settings: dict[str, Any] = {}  # every setting but the models: from its flag, else its variable, else its default
-    from_environment = {}  # setting -> "MNV3_X=text": what an error about it names when no flag gave it
+    from_environment = {}  # setting -> its variable's text, for settings no flag gives
     for f in fields(ServerConfig):
         env = variable(f.name)
         if f.name == "extra_models":
@@ -258,31 +257,33 @@ def parse_args(argv=None, environ=os.environ) -> ServerConfig:
                 help=f"{f.metadata['help']} [{env}: one model]",
             )
             continue
-        settings[f.name] = f.default
         if env in environ:
-            text = environ[env]
-            kind = cast(type, f.type)  # int, float or str: the annotations are classes, not strings
-            try:
-                settings[f.name] = kind(text)
-            except ValueError:
-                parser.error(f"{env}={text!r} is not a valid {kind.__name__} (it sets {flag(f.name)})")
-            from_environment[f.name] = f"{env}={text}"
+            from_environment[f.name] = environ[env]
         parser.add_argument(
             flag(f.name),
             type=f.type,
             default=argparse.SUPPRESS,  # absent from the parsed flags unless given
             choices=f.metadata.get("choices"),
-            help=f"{f.metadata['help']} [{env}; {settings[f.name]}]",
+            help=f"{f.metadata['help']} [{env}; {environ.get(env, f.default)}]",
         )
     args = vars(parser.parse_args(argv))
     models = args.pop("model") or ([Path(environ["MNV3_MODEL"])] if environ.get("MNV3_MODEL") else [])
     if not models:
         parser.error("the following arguments are required: --model (or MNV3_MODEL)")
-    for given in args:
-        from_environment.pop(given, None)
+    # A variable counts only where no flag was given (the flag wins, even over a variable that is no number).
+    settings: dict[str, Any] = {}
+    for name, text in from_environment.items():
+        if name in args:
+            continue
+        kind = cast(type, next(f.type for f in fields(ServerConfig) if f.name == name))  # int, float or str
+        try:
+            settings[name] = kind(text)
+        except ValueError:
+            parser.error(f"{variable(name)}={text!r} is not a valid {kind.__name__} (it sets {flag(name)})")
     try:
         return ServerConfig(**settings | args, model=models[0], extra_models=tuple(map(str, models[1:])))
     except SettingError as exc:
-        parser.error(f"{exc} (from {from_environment[exc.setting]})" if exc.setting in from_environment else str(exc))
+        given_by = f" (from {variable(exc.setting)}={settings[exc.setting]})" if exc.setting in settings else ""
+        parser.error(f"{exc}{given_by}")
     except ValueError as exc:
         parser.error(str(exc))

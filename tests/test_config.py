@@ -104,8 +104,12 @@ def test_an_error_names_the_variable_when_no_flag_gave_the_value(capsys):
     )
     assert error([], {"MNV3_LOG_LEVEL": "verbose"}).endswith("(from MNV3_LOG_LEVEL=verbose)")
     assert error(["--cache-size", "-2"], {"MNV3_CACHE_SIZE": "-1"}).endswith("--cache-size must be at least 0, got -2")
-    # the flag wins over a variable, even a bad one it replaces
+    # the flag wins over a variable, even a bad one it replaces, and --help works whatever the variables say
     assert parse_args(["--model", "a.onnx", "--cache-size", "3"], {"MNV3_CACHE_SIZE": "-1"}).cache_size == 3
+    assert parse_args(["--model", "a.onnx", "--cache-size", "3"], {"MNV3_CACHE_SIZE": "abc"}).cache_size == 3
+    with pytest.raises(SystemExit) as help_exit:
+        parse_args(["--help"], {"MNV3_PORT": "auto"})
+    assert help_exit.value.code == 0 and "MNV3_PORT; auto" in capsys.readouterr().out
     assert parse_args(["--model", "a.onnx"], {"MNV3_DEADLINE_MS": "250"}).deadline_ms == 250.0
 
 
