@@ -115,7 +115,8 @@ class Engine:
         path, backend, precision = choice.path, choice.backend, choice.precision
         if path.suffix == OPENVINO_IR_SUFFIX and backend != "openvino":
             raise ModelLoadError(
-                f"{path} is an OpenVINO IR, which {backend} cannot read: serve it with --backend openvino or auto"
+                f"{path} is an OpenVINO IR, which {backend} cannot read: serve it with openvino "
+                "(--backend openvino or auto, or PATH@openvino)"
             )
         sha256 = _digest(path)
         preprocessing = _preprocessing(path.parent)

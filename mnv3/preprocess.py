@@ -206,7 +206,9 @@ def decode_image(
             image = Image.open(io.BytesIO(data), formats=ACCEPTED_FORMATS)
             w, h = image.size
             if w * h > max_pixels:
-                raise ImageTooLarge(f"image is {w}x{h} = {w * h} pixels, over the limit of {max_pixels}")
+                raise ImageTooLarge(
+                    f"image is {w}x{h} = {w * h} pixels, over the limit of {max_pixels} (refused before decoding)"
+                )
             if jpeg_draft and image.format in JPEG_DRAFT_FORMATS:
                 reduction = jpeg_draft_reduction(w, h, resize_size)
                 if reduction > 1:

@@ -146,7 +146,10 @@ def parse_infer_request(body: bytes, header_length: str | None, model: ModelDesc
         pixels = _binary_fp32(raw, shape) if raw is not None else _json_fp32(tensor["data"], shape)
         non_finite = pixels.size - int(np.isfinite(pixels).sum())
         if non_finite:  # a NaN would come back as probabilities of NaN, which JSON cannot carry
-            raise _bad(f"{name} holds {non_finite} values that are NaN or infinite; send finite numbers")
+            raise _bad(
+                f"{name}: {non_finite} of its {pixels.size} values are not finite FP32 numbers (NaN, infinite, or "
+                "beyond FP32's range); send finite ones"
+            )
     return InferRequest(request_id, images, pixels, _requested_outputs(header.get("outputs")), binary_output)
 
 
@@ -175,7 +178,9 @@ def _parse_header_length(value: str, body_length: int) -> int:
 def _parse_json_header(data: bytes) -> dict:
     try:
         header = json.loads(data, parse_constant=_refuse_constant)
-    except (ValueError, RecursionError) as exc:  # ValueError: JSONDecodeError, UnicodeDecodeError, _refuse_constant
+    except NonJsonConstant as exc:
+        raise _bad(f"the inference header is not JSON ({exc})") from None
+    except (ValueError, RecursionError) as exc:  # ValueError: JSONDecodeError, UnicodeDecodeError
         raise _bad(
             f"the inference header is not JSON ({exc or 'nested too deeply'}); with binary tensors, "
             f"send its length in {HEADER_LENGTH}"
@@ -185,9 +190,12 @@ def _parse_json_header(data: bytes) -> dict:
     return header
 
 
+class NonJsonConstant(ValueError):
+    """NaN, Infinity or -Infinity, which Python's json reads and JSON (RFC 8259) does not have."""
+
+
 def _refuse_constant(name: str):
-    # Python's json reads NaN, Infinity and -Infinity; JSON (RFC 8259) has no such values.
-    raise ValueError(f"{name} is not a JSON value")
+    raise NonJsonConstant(f"{name} is not a JSON value")
 
 
 def _the_one_input(inputs) -> dict:

@@ -145,7 +145,8 @@ def test_an_openvino_ir_is_served_by_openvino_or_refused_in_one_line(models_dir,
     with pytest.raises(ModelLoadError) as refused:  # was onnxruntime's "INVALID_PROTOBUF: Protobuf parsing failed"
         Engine.load(ir, "onnxruntime")
     assert str(refused.value) == (
-        f"{ir} is an OpenVINO IR, which onnxruntime cannot read: serve it with --backend openvino or auto"
+        f"{ir} is an OpenVINO IR, which onnxruntime cannot read: serve it with openvino "
+        "(--backend openvino or auto, or PATH@openvino)"
     )
 
 

@@ -455,7 +455,7 @@ def test_advice_for_a_photo_over_the_upload_limit_is_advice_that_helps(page):
                     await predict(blob, "a.png", server.models[0].name, true, () => {})].map((r) => r.error);
         } finally { limits.max_upload_bytes = kept; }
     }""")
-    assert errors[0].endswith("tick “Shrink large photos” to send a smaller copy")
+    assert "tick “Shrink large photos” to send a smaller copy of a photo over 512 px" in errors[0]
     assert errors[1].endswith("save it smaller (say, as a JPEG) to send it")  # shrinking already failed to help
 
 
@@ -502,3 +502,20 @@ def test_long_model_names_wrap_instead_of_widening_the_page(
                 "hs => hs.map((h) => { const r = h.getBoundingClientRect(); return [r.left, r.right]; })"
             )
             assert headings[0][1] <= headings[1][0] or width == 390, headings  # side by side, not drawn over
+
+
+def test_agreement_starts_again_when_the_served_models_change_and_batches_show_before_models_are_known(page):
+    page.wait_for_function("server.models.length > 0")
+    state = page.evaluate("""() => {
+        agreement.photos = 2; agreement.sameTop1 = {other: 1}; $("agreement").hidden = false;
+        describeModels();  // the same models: the count stands
+        const kept = agreement.photos;
+        server.models = [{...server.models[0], name: "restarted"}]; server.defaultModel = "restarted";
+        describeModels();  // a server restarted with others: counts against the old models say nothing
+        const models = server.models; server.models = [];
+        renderBatchSizes({mean: 1, inferences: 3, buckets: [{smallest: 1, largest: 1, inferences: 3}]});
+        server.models = models;
+        const rows = document.querySelectorAll("#batch-sizes .histogram-row").length;
+        return [kept, agreement.photos, $("agreement").hidden, rows];
+    }""")
+    assert state == [2, 0, True, 1]  # the histogram was empty while GET /models had not answered

@@ -408,10 +408,13 @@ BAD_REQUESTS = {
     ),
     "NaN in the json header": (lambda: (b'{"id": NaN, "inputs": []}', None), "NaN is not a JSON value"),
     "NaN in json pixels": (lambda: json_pixels_spelling("Infinity", 1), "Infinity is not a JSON value"),
-    "overflowing json pixels": (lambda: json_pixels_spelling("1e400", 2), "holds 2 values that are NaN or infinite"),
+    "overflowing json pixels": (
+        lambda: json_pixels_spelling("1e400", 2),
+        "2 of its 60 values are not finite FP32 numbers",
+    ),
     "NaN in binary pixels": (
         lambda: tritonclient_body(pixels_input(np.full((1, 3, 4, 5), np.nan, np.float32))),
-        "holds 60 values that are NaN or infinite",
+        "60 of its 60 values are not finite FP32 numbers",
     ),
     "negative dimension": (
         lambda: json_request({"name": IMAGE_INPUT, "datatype": "BYTES", "shape": [-1], "data": []}),
@@ -454,3 +457,9 @@ def test_mutated_bodies_give_a_request_or_a_v2_error():
             parse(bytes(mutated), header_length)
         except V2Error as exc:
             assert exc.status == 400 and exc.message
+
+
+def test_a_json_constant_is_named_without_the_binary_header_advice():
+    with pytest.raises(V2Error) as caught:
+        parse(b'{"inputs": [], "id": NaN}', None)
+    assert caught.value.message == "the inference header is not JSON (NaN is not a JSON value)"

@@ -13,7 +13,8 @@ const KEY_STORAGE = "mnv3-api-key";  // in sessionStorage: this tab only, forgot
 // pasted with typographic quotes.
 const KEY_CHARACTERS = /^[\x21-\x7e]+$/;
 const BUSY_RETRIES = 3;  // a 503 (busy) or 429 (rate limit) is sent again this often, after its Retry-After
-const RETRY_AFTER_CAP_S = 5;
+const RETRY_AFTER_MAX_S = 10;  // a longer Retry-After is said, not waited for
+const RETRY_SPREAD = 0.5;  // up to half the wait again, at random: uploads refused together do not return together
 const MODELS_RETRY_S = 5;  // GET /models failed (server down, rate limit): asked again after this
 const STAND_IN_WEIGHTS = "random-init";  // GET /model's weights for stage 1's seeded stand-in (mnv3.artifacts)
 
@@ -23,7 +24,8 @@ const server = {
   models: [],  // GET /models's list, the default first: {name, default, model, backend, batching, cache, limits, ...}
   defaultModel: null,
 };
-const agreement = {photos: 0, sameTop1: {}};  // compare mode: per model, photos whose top-1 is the default's
+// Compare mode: per model, photos whose top-1 is the default's, for the models `served` (default first).
+const agreement = {served: null, photos: 0, sameTop1: {}};
 const rpsHistory = [];
 
 // ----------------------------------------------------------------------------------------- formatting
@@ -128,6 +130,12 @@ async function loadModels() {
 }
 
 function describeModels() {
+  // Agreement counted against other models, or another default, says nothing of these: start again.
+  const served = JSON.stringify([server.defaultModel, ...server.models.map((m) => m.name)]);
+  if (served !== agreement.served) {
+    Object.assign(agreement, {served, photos: 0, sameTop1: {}});
+    $("agreement").hidden = true;
+  }
   const main = modelNamed(server.defaultModel);
   const names = server.models.map((m) => m.name).join(", ");
   $("model-line").textContent = server.models.length > 1
@@ -218,7 +226,8 @@ async function classifyPhoto(file, card) {
 
 // Multipart's part headers and boundaries around the file: what the server's upload limit counts besides it.
 const MULTIPART_OVERHEAD_BYTES = 512;
-const SHRINK_ADVICE = "tick “Shrink large photos” to send a smaller copy";
+const SHRINK_ADVICE = "tick “Shrink large photos” to send a smaller copy of a photo over 512 px on its short " +
+  "side, or save it smaller";
 
 async function predict(blob, filename, modelName, shrunk, waiting) {
   const limit = modelNamed(modelName)?.limits?.max_upload_bytes;
@@ -230,16 +239,18 @@ async function predict(blob, filename, modelName, shrunk, waiting) {
   const form = new FormData();
   form.append("file", blob, filename);
   const url = modelName ? `predict?model=${encodeURIComponent(modelName)}` : "predict";  // none known: the default
-  const started = performance.now();
-  let response, text;
+  let response, text, started, sent = 0;
   try {
-    for (let attempt = 0; ; attempt++) {
+    for (;;) {
+      started = performance.now();  // the round trip is the answered attempt's, not the waits before it
       response = await api(url, {method: "POST", body: form});
       text = await response.text();
-      if (![429, 503].includes(response.status) || attempt === BUSY_RETRIES) break;
-      const waitS = Math.min(Number(response.headers.get("Retry-After")) || 1, RETRY_AFTER_CAP_S);
-      waiting(`Server busy (${response.status}): sending again in ${waitS} s…`);
-      await sleep(1000 * waitS);
+      sent += 1;
+      const retryAfterS = Number(response.headers.get("Retry-After")) || 1;
+      if (![429, 503].includes(response.status) || sent > BUSY_RETRIES || retryAfterS > RETRY_AFTER_MAX_S) break;
+      const why = response.status === 429 ? "over this key's rate" : "server busy";
+      waiting(`${why[0].toUpperCase()}${why.slice(1)} (${response.status}): sending again in ${retryAfterS} s…`);
+      await sleep(1000 * retryAfterS * (1 + RETRY_SPREAD * Math.random()));
     }
   } catch (error) {
     return {error: `The server could not be reached (${error.message})`};
@@ -251,7 +262,7 @@ async function predict(blob, filename, modelName, shrunk, waiting) {
     const reason = body && typeof body.detail === "string" ? body.detail : text.slice(0, 300) || response.statusText;
     if (response.status === 404 && reason.startsWith("no model named")) loadModels();  // what is served changed
     const advice = response.status === 413 && !shrunk ? `; ${SHRINK_ADVICE}` : "";
-    const tries = [429, 503].includes(response.status) ? ` (sent ${BUSY_RETRIES + 1} times)` : "";
+    const tries = [429, 503].includes(response.status) && sent > 1 ? ` (sent ${sent} times)` : "";
     return {error: `${response.status}: ${reason}${advice}${tries}`};
   }
   return {...body, roundTripMs};
@@ -376,11 +387,17 @@ function wireInputs() {
 
 // ------------------------------------------------------------------------------------------ live panel
 
+// Returns how long to wait before asking again: the refresh interval, or a 429's Retry-After.
 async function refreshStats() {
-  if (document.hidden) return;  // nobody is looking: ask the server nothing
+  if (document.hidden) return STATS_EVERY_MS;  // nobody is looking: ask the server nothing
   let stats;
   try {
     const response = await api("stats", {cache: "no-store"});
+    if (response.status === 429) {  // this key's rate: keep the figures, and spend none of its budget for a while
+      const waitS = Number(response.headers.get("Retry-After")) || 1;
+      $("live-window").textContent = `Figures from before: this key is over its rate; asking again in ${waitS} s.`;
+      return Math.max(STATS_EVERY_MS, 1000 * waitS);
+    }
     if (!response.ok) throw new Error(`GET /stats answered ${response.status}`);
     stats = await response.json();
   } catch (error) {
@@ -391,9 +408,13 @@ async function refreshStats() {
     $("batch-mean").textContent = "";
     $("per-model").hidden = true;
     $("rejected").textContent = "";
-    return;
+    rpsHistory.length = 0;
+    $("rps-spark").querySelector("polyline").setAttribute("points", "");
+    $("spark-peak").textContent = "";
+    return STATS_EVERY_MS;
   }
   renderStats(stats);
+  return STATS_EVERY_MS;
 }
 
 function renderStats(stats) {
@@ -434,7 +455,7 @@ function windowLabel(seconds) {
 }
 
 function renderBatchSizes(batches) {
-  const largest = Math.max(...server.models.map((m) => m.batching?.max_batch_size || 0));
+  const largest = Math.max(0, ...server.models.map((m) => m.batching?.max_batch_size || 0));  // 0: not known yet
   const buckets = batches.buckets.filter((b) => !largest || b.smallest <= largest);
   const most = Math.max(1, ...buckets.map((b) => b.inferences));
   $("batch-mean").textContent = batches.mean === null ? ""
@@ -476,8 +497,7 @@ function drawSpark() {
 }
 
 async function statsLoop() {
-  await refreshStats();
-  setTimeout(statsLoop, STATS_EVERY_MS);  // not setInterval: a slow answer never piles up requests
+  setTimeout(statsLoop, await refreshStats());  // not setInterval: a slow answer never piles up requests
 }
 
 document.addEventListener("visibilitychange", () => {
