@@ -422,6 +422,9 @@ class LoadResult:
         client's, which on a shared machine takes cores the server would otherwise have; and the share of the
         machine's cores busy during the run (`machine_cpu_busy`). NaN where not measured."""
         by_role = {role: self.metrics.get(("mnv3_thread_cpu_seconds_total", role)) for role in ROLES}
+        # engine_and_other is the process's clock less the threads' read a moment before it: between two reads it
+        # can go back by the microseconds of those moments, which is no CPU anyone spent.
+        by_role = {role: None if seconds is None else max(0.0, seconds) for role, seconds in by_role.items()}
         # The roles are read from nanosecond CPU clocks; process_cpu_seconds_total counts 10-ms ticks, as coarse as
         # a whole run of a few dozen cache hits. It stands in only for a server without the roles' metric.
         measured = [seconds for seconds in by_role.values() if seconds is not None]
