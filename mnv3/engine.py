@@ -251,6 +251,11 @@ def model_files(path: Path) -> list[Path]:
     return [path, weights] if path.suffix == OPENVINO_IR_SUFFIX and weights.is_file() else [path]
 
 
+def model_bytes(path: Path) -> int:
+    """The model's size on disk: its `model_files` together."""
+    return sum(file.stat().st_size for file in model_files(path))
+
+
 def _digest(path: Path) -> str:
     """SHA-256 of the model's files, in `model_files` order."""
     digest = hashlib.sha256()

@@ -31,7 +31,7 @@ from starlette.requests import ClientDisconnect
 from mnv3.batcher import BatchResult, DeadlineExceeded, DynamicBatcher, QueueFull
 from mnv3.cache import ResultCache
 from mnv3.config import ModelSpec, ServerConfig
-from mnv3.engine import Engine, InferenceError, Prediction, model_files, rss_bytes
+from mnv3.engine import Engine, InferenceError, Prediction, model_bytes, rss_bytes
 from mnv3.errors import Busy, UnknownModel
 from mnv3.metrics import Metrics
 from mnv3.preprocess import decode_and_preprocess
@@ -86,7 +86,7 @@ class ServedModel:
         )
         self.metrics = metrics.for_model(self.name, self.cache, self.batcher)
         self.warmed_up = False
-        self.memory = ModelMemory(sum(f.stat().st_size for f in model_files(engine.path)), engine.load_rss_bytes, None)
+        self.memory = ModelMemory(model_bytes(engine.path), engine.load_rss_bytes, None)
 
     def warm_up(self) -> None:
         """Run batch 1 and the largest batch once (in a thread), so first requests do not pay for allocations."""

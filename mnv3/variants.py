@@ -20,7 +20,7 @@ import numpy as np
 from mnv3.accuracy import array_batches, evaluate, held_out_batch, predict
 from mnv3.artifacts import FP32_ONNX, MANIFEST_JSON, RECIPES_DIR, STATIC_INT8_ONNX, drop_manifest_entries
 from mnv3.backend_choice import MANIFEST_KEY, variant_name
-from mnv3.engine import model_files, open_session
+from mnv3.engine import model_bytes, model_files, open_session
 from mnv3.latency import Timing, interleaved_benchmark
 from mnv3.preprocess import Preprocessing
 from mnv3.quantize import DEFAULT_RECIPE, RECIPES, preprocess_photos, quantize_static_int8, size_mb
@@ -518,8 +518,8 @@ def remove_stage_2_outputs(artifacts_dir: Path) -> str | None:
 
 
 def model_size_mb(path: Path) -> float:
-    """The model's size on disk: its `model_files` (an OpenVINO IR's .xml with the weights beside it)."""
-    return round(sum(file.stat().st_size for file in model_files(Path(path))) / 1e6, 3)
+    """The model's size on disk (`model_bytes`: an OpenVINO IR's .xml with the weights beside it), in MB."""
+    return round(model_bytes(Path(path)) / 1e6, 3)
 
 
 def engine_rows(fp32_path: Path, runners: dict[EngineVariant, Callable], bench: Bench) -> list[dict]:
