@@ -55,8 +55,8 @@ from urllib.parse import parse_qsl, urlencode
 
 from starlette.requests import Request
 
+from mnv3.errors import body_for_path
 from mnv3.uploads import refusal_keeps_connection
-from mnv3.v2_protocol import error_body, is_protocol_path
 
 log = logging.getLogger(__name__)
 
@@ -300,8 +300,7 @@ class ApiKeyAuth:
             self.on_refusal(status)
         if not refusal_keeps_connection(Request(scope), KEEP_CONNECTION_BYTES):
             headers = [(b"connection", b"close"), *headers]
-        path = route_path(scope)
-        body = json.dumps(error_body(reason) if is_protocol_path(path) else {"detail": reason}).encode()
+        body = json.dumps(body_for_path(route_path(scope))(reason)).encode()
         await send(
             {
                 "type": "http.response.start",

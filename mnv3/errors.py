@@ -19,6 +19,7 @@ from starlette.requests import ClientDisconnect
 from mnv3.batcher import DeadlineExceeded, QueueFull, ShuttingDown
 from mnv3.engine import InferenceError
 from mnv3.preprocess import ImageTooLarge, InvalidImage
+from mnv3.v2_protocol import error_body, is_protocol_path
 
 RETRY_AFTER_S = 1
 
@@ -97,6 +98,12 @@ def error_entry(exc: Exception) -> tuple[int, str | None, str]:
 def detail_body(message: str) -> dict:
     """FastAPI's own error shape, `ErrorDetail`, the one /predict documents."""
     return {"detail": message}
+
+
+def body_for_path(path: str) -> Callable[[str], dict]:
+    """The error shape a request path answers in: the Open Inference Protocol's `{"error"}` under /v2, else
+    `{"detail"}`, for answers given outside a router (a middleware's)."""
+    return error_body if is_protocol_path(path) else detail_body
 
 
 def error_response(exc: Exception, body: Callable[[str], dict] = detail_body) -> JSONResponse:

@@ -33,13 +33,12 @@ from mnv3.auth import ApiKeyAuth, KeyFileError, exposure_warning, load_key_file,
 from mnv3.batcher import ShuttingDown
 from mnv3.config import PROG, ModelSpec, ServerConfig, parse_args
 from mnv3.engine import Engine, ModelLoadError, Prediction
-from mnv3.errors import ACCESS_REFUSALS, ERROR_DOCS, ERRORS, detail_body, error_response
+from mnv3.errors import ACCESS_REFUSALS, ERROR_DOCS, ERRORS, body_for_path, error_response
 from mnv3.page import page_router
 from mnv3.serving import Classified as Classified  # what /predict answers with; its home before mnv3.serving
 from mnv3.serving import ServedModel, Serving, served_model, serving, unless_disconnected
 from mnv3.stats import stats_router
 from mnv3.uploads import read_upload
-from mnv3.v2_protocol import error_body, is_protocol_path
 from mnv3.v2_router import http_error_in_shape, v2_router
 
 log = logging.getLogger(__name__)
@@ -357,8 +356,7 @@ class AnswerCancelledAtShutdown:
             task.uncancel()  # the task ends with this answer; nothing is left to cancel
             stopped = ShuttingDown("the server stopped before this request finished (--shutdown-timeout-s)")
             scope["app"].state.serving.metrics.count_rejection(stopped)
-            body = error_body if is_protocol_path(route_path(scope)) else detail_body
-            await error_response(stopped, body=body)(scope, receive, send)
+            await error_response(stopped, body=body_for_path(route_path(scope)))(scope, receive, send)
 
 
 # Python's cyclic garbage collector collects the young generation whenever allocations of container objects
