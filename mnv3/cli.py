@@ -162,7 +162,7 @@ def full_and_quick(name: str) -> str:
     return f"default {full}; --quick {quick}"
 
 
-def bounded(kind: type, minimum: float, maximum: float = math.inf, above: bool = False, what: str = ""):
+def bounded(kind: type, minimum: float, maximum: float = math.inf, *, above: bool = False, what: str):
     """An argparse type: a finite `kind` (int or float) from `minimum` (exclusive if `above`) to `maximum`.
     Anything else is argparse's one-line error, "argument --flag: '0' is not <what>", and exit 2 (a plain
     ValueError would say "invalid <function name> value" instead)."""

@@ -243,7 +243,7 @@ def parse_args(argv=None, environ=os.environ) -> ServerConfig:
         description="Serve an ONNX MobileNetV3 classifier over HTTP.",
         epilog="Each flag can also be set as MNV3_<FLAG> (e.g. MNV3_CACHE_SIZE=0); the flag wins.",
     )
-    from_environment = {}  # setting -> its variable's text, for settings no flag gives
+    from_environment = {}  # setting -> (its type, its variable's text), read below for settings no flag gives
     for f in fields(ServerConfig):
         env = variable(f.name)
         if f.name == "extra_models":
@@ -258,7 +258,7 @@ def parse_args(argv=None, environ=os.environ) -> ServerConfig:
             )
             continue
         if env in environ:
-            from_environment[f.name] = environ[env]
+            from_environment[f.name] = (cast(type, f.type), environ[env])  # int, float or str
         parser.add_argument(
             flag(f.name),
             type=f.type,
@@ -272,10 +272,9 @@ def parse_args(argv=None, environ=os.environ) -> ServerConfig:
         parser.error("the following arguments are required: --model (or MNV3_MODEL)")
     # A variable counts only where no flag was given (the flag wins, even over a variable that is no number).
     settings: dict[str, Any] = {}
-    for name, text in from_environment.items():
+    for name, (kind, text) in from_environment.items():
         if name in args:
             continue
-        kind = cast(type, next(f.type for f in fields(ServerConfig) if f.name == name))  # int, float or str
         try:
             settings[name] = kind(text)
         except ValueError:
