@@ -12,7 +12,8 @@ const KEY_STORAGE = "mnv3-api-key";  // in sessionStorage: this tab only, forgot
 // What a key can hold (mnv3.auth): visible ASCII. A header can carry nothing else, so fetch would throw on a key
 // pasted with typographic quotes.
 const KEY_CHARACTERS = /^[\x21-\x7e]+$/;
-const BUSY_RETRIES = 3;  // a 503 (busy) or 429 (rate limit) is sent again this often, after its Retry-After
+const RETRIED_STATUSES = [429, 503];  // over a key's rate, server busy: both say when to come back
+const BUSY_RETRIES = 3;  // such an upload is sent again this often, after its Retry-After
 const RETRY_AFTER_MAX_S = 10;  // a longer Retry-After is said, not waited for
 const RETRY_SPREAD = 0.5;  // up to half the wait again, at random: uploads refused together do not return together
 const MODELS_RETRY_S = 5;  // GET /models failed (server down, rate limit): asked again after this
@@ -246,11 +247,11 @@ async function predict(blob, filename, modelName, shrunk, waiting) {
       response = await api(url, {method: "POST", body: form});
       text = await response.text();
       sent += 1;
-      const retryAfterS = Number(response.headers.get("Retry-After")) || 1;
-      if (![429, 503].includes(response.status) || sent > BUSY_RETRIES || retryAfterS > RETRY_AFTER_MAX_S) break;
-      const why = response.status === 429 ? "over this key's rate" : "server busy";
-      waiting(`${why[0].toUpperCase()}${why.slice(1)} (${response.status}): sending again in ${retryAfterS} s…`);
-      await sleep(1000 * retryAfterS * (1 + RETRY_SPREAD * Math.random()));
+      const waitS = retryAfterS(response);
+      if (!RETRIED_STATUSES.includes(response.status) || sent > BUSY_RETRIES || waitS > RETRY_AFTER_MAX_S) break;
+      const why = response.status === 429 ? "Over this key's rate" : "Server busy";
+      waiting(`${why} (${response.status}): sending again in ${waitS} s…`);
+      await sleep(1000 * waitS * (1 + RETRY_SPREAD * Math.random()));
     }
   } catch (error) {
     return {error: `The server could not be reached (${error.message})`};
@@ -262,10 +263,14 @@ async function predict(blob, filename, modelName, shrunk, waiting) {
     const reason = body && typeof body.detail === "string" ? body.detail : text.slice(0, 300) || response.statusText;
     if (response.status === 404 && reason.startsWith("no model named")) loadModels();  // what is served changed
     const advice = response.status === 413 && !shrunk ? `; ${SHRINK_ADVICE}` : "";
-    const tries = [429, 503].includes(response.status) && sent > 1 ? ` (sent ${sent} times)` : "";
+    const tries = RETRIED_STATUSES.includes(response.status) && sent > 1 ? ` (sent ${sent} times)` : "";
     return {error: `${response.status}: ${reason}${advice}${tries}`};
   }
   return {...body, roundTripMs};
+}
+
+function retryAfterS(response) {
+  return Number(response.headers.get("Retry-After")) || 1;  // the server sends whole seconds with 429 and 503
 }
 
 function sleep(ms) {
@@ -394,7 +399,7 @@ async function refreshStats() {
   try {
     const response = await api("stats", {cache: "no-store"});
     if (response.status === 429) {  // this key's rate: keep the figures, and spend none of its budget for a while
-      const waitS = Number(response.headers.get("Retry-After")) || 1;
+      const waitS = retryAfterS(response);
       $("live-window").textContent = `Figures from before: this key is over its rate; asking again in ${waitS} s.`;
       return Math.max(STATS_EVERY_MS, 1000 * waitS);
     }
