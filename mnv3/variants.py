@@ -602,7 +602,9 @@ def part_size_rows(fp32_path: Path, variant: EngineVariant, bench: Bench) -> lis
         rounds=COMPARISON_ROUNDS,
     )
     fp32 = measured.pop(FP32).latency
-    reference = {"variant": FP32, "part_size": "", **fp32, **same_run_ratios(fp32, fp32)}
+    # Every row carries the threads and the model it measured, the reference too (as in engine_rows).
+    model = {"threads": bench.threads, **bench.provenance()}
+    reference = {"variant": FP32, "part_size": "", **fp32, **same_run_ratios(fp32, fp32), **model}
     results = {size: measured[f"parts of {size}"] for size in sized}
     return [reference] + [
         {
@@ -611,8 +613,7 @@ def part_size_rows(fp32_path: Path, variant: EngineVariant, bench: Bench) -> lis
             **result.latency,
             **same_run_ratios(result.latency, fp32),
             **result.scores,
-            "threads": bench.threads,
-            **bench.provenance(),
+            **model,
         }
         for size, result in results.items()
     ]

@@ -225,6 +225,9 @@ def test_stage_2_measures_the_part_size_of_a_chosen_openvino_engine(stage_dirs):
         return
     rows = read_csv(path)
     assert rows[0]["variant"] == "onnx_fp32" and float(rows[0]["per_image_ms_vs_onnx_fp32"]) == 1.0
+    # every row names the threads and the model it measured, the yardstick too
+    models = {(row["threads"], row["weights"], row["arch"]) for row in rows}
+    assert models == {("2", "random-init", "mobilenet_v3_large")}
     sized = rows[1:]
     # quick mode's batch of 8: each power of two from 2 up to a stream's share of it
     assert [int(row["part_size"]) for row in sized] == [s for s in PART_SIZES if s <= 8 // entry["streams"]]
