@@ -5,8 +5,9 @@ from beside the model file, where stage 1 wrote them, so a model is never served
 or input size; a model with no manifest beside it gets torchvision's ImageNet preprocessing, and its weights
 are "unknown". Loading stage 1's random-init stand-in logs a warning: its labels mean nothing.
 
-Serving code talks only to `Engine.predict` (NCHW float32 batch -> softmax probabilities) and
-`Engine.top_k`. A backend is a session answering onnxruntime's `run(None, {name: batch})`,
+Serving code runs a model through `Engine.predict` (NCHW float32 batch -> softmax probabilities),
+`Engine.top_k` and `Engine.warm_up`, and reads what it serves from the engine's attributes, never from the
+session. A backend is a session answering onnxruntime's `run(None, {name: batch})`,
 `get_inputs()`, `get_outputs()` and `get_providers()`: an onnxruntime InferenceSession, or
 `mnv3.openvino_backend.OpenVINOSession` (imported only when that backend is chosen). Backend `auto`
 serves what stage 2 measured fastest on this machine (mnv3/backend_choice.py), which may be another
@@ -26,12 +27,11 @@ from mnv3.artifacts import (
     CLASS_NAMES_JSON,
     MANIFEST_JSON,
     STAND_IN_PROVENANCE,
-    UNKNOWN_PROVENANCE,
     model_preprocessing,
     weights_provenance,
 )
 from mnv3.backend_choice import AUTO, BACKENDS, OPENVINO_IR_SUFFIX, Choice, explicit, resolve_auto
-from mnv3.preprocess import DEFAULT_PREPROCESSING, Preprocessing
+from mnv3.preprocess import Preprocessing
 from mnv3.runtime import DEFAULT_INTER_OP_THREADS, DEFAULT_INTRA_OP_THREADS, make_session
 
 BACKEND_CHOICES = (AUTO, *BACKENDS)
@@ -62,19 +62,24 @@ class Engine:
         class_names: list[str],
         path: Path,
         sha256: str,
-        backend: str = "onnxruntime",
-        preprocessing: Preprocessing = DEFAULT_PREPROCESSING,
-        choice: Choice | None = None,
-        load_rss_bytes: int | None = None,
-        weights: str = UNKNOWN_PROVENANCE,
+        backend: str,
+        preprocessing: Preprocessing,
+        choice: Choice,
+        load_rss_bytes: int | None,
+        weights: str,
+        batch_threads: int,
     ):
         self.session = session
         # How much resident memory grew while the session opened: OpenVINO compiles and runs every static
         # batch size then, onnxruntime allocates most of its buffers at the first runs (the warm-up) instead.
         self.load_rss_bytes = load_rss_bytes
         self.backend = backend
-        self.choice = choice or explicit(path, backend)
+        self.choice = choice
+        self.batch_threads = batch_threads  # what a batch of more than one image runs on
         self.class_names = class_names
+        # the model's output width; a model whose width is symbolic has as many classes as it has names
+        width = session.get_outputs()[0].shape[-1]
+        self.num_classes: int = width if isinstance(width, int) else len(class_names)
         self.preprocessing = preprocessing  # what every image must go through before `predict`
         self.weights = weights  # where the weights came from: the manifest's provenance (mnv3.artifacts)
         self.path = path
@@ -92,12 +97,11 @@ class Engine:
         inter_op_threads: int = DEFAULT_INTER_OP_THREADS,
         max_batch_size: int = 1,
         allow_spinning: bool = True,
-        precision: str = "auto",
         batch_threads: int | None = None,
     ) -> "Engine":
         """Open, validate and name a model, or raise ModelLoadError saying what is wrong.
 
-        `precision` is OpenVINO's inference precision (auto, f32 or bf16); backend auto takes the chosen one.
+        OpenVINO's inference precision is the chosen one under backend auto, else its default.
         `batch_threads`: OpenVINO's threads for batches of more than one (default `intra_op_threads`);
         onnxruntime runs every call on `intra_op_threads`."""
         if backend not in BACKEND_CHOICES:
@@ -111,7 +115,7 @@ class Engine:
             )
         if not path.is_file():
             raise ModelLoadError(f"model file {path} not found")
-        choice = resolve_auto(path) if backend == AUTO else explicit(path, backend, precision)
+        choice = resolve_auto(path) if backend == AUTO else explicit(path, backend)
         path, backend, precision = choice.path, choice.backend, choice.precision
         if path.suffix == OPENVINO_IR_SUFFIX and backend != "openvino":
             raise ModelLoadError(
@@ -155,10 +159,9 @@ class Engine:
                 "latency is real, the labels it answers with mean nothing; rerun stage 1 with --weights",
                 path.name,
             )
-        num_classes = session.get_outputs()[0].shape[-1]
         return cls(
             session,
-            _class_names(path.parent / CLASS_NAMES_JSON, num_classes),
+            _class_names(path.parent / CLASS_NAMES_JSON, session.get_outputs()[0].shape[-1]),
             path,
             sha256,
             backend,
@@ -166,6 +169,8 @@ class Engine:
             choice,
             None if before is None or after is None else after - before,
             weights,
+            # onnxruntime has one pool for every call; OpenVINO's session knows what its batches run on
+            getattr(session, "batch_threads", intra_op_threads),
         )
 
     @property
@@ -254,6 +259,11 @@ def model_files(path: Path) -> list[Path]:
 def model_bytes(path: Path) -> int:
     """The model's size on disk: its `model_files` together."""
     return sum(file.stat().st_size for file in model_files(path))
+
+
+def model_size_mb(path) -> float:
+    """`model_bytes` in MB, as the results tables give sizes (an OpenVINO IR's .xml with the weights beside it)."""
+    return round(model_bytes(Path(path)) / 1e6, 3)
 
 
 def _digest(path: Path) -> str:

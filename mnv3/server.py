@@ -249,8 +249,7 @@ def describe(served: ServedModel) -> ModelInfo:
         threads={
             "intra_op": config.intra_op_threads,
             "inter_op": config.inter_op_threads,
-            # what a batch of more than one image runs on: the session knows (onnxruntime has one pool)
-            "batch": getattr(engine.session, "batch_threads", config.intra_op_threads),
+            "batch": engine.batch_threads,
             "preprocess": config.preprocess_threads,
         },
         ort_spinning=bool(config.ort_spinning),
@@ -361,9 +360,9 @@ class AnswerCancelledAtShutdown:
 
 # Python's cyclic garbage collector collects the young generation whenever allocations of container objects
 # outnumber frees by this many (700 by default). Under load every request in flight holds hundreds of them
-# (Starlette's request, tasks, the multipart parser), so at the default the event loop's thread ran young
-# collections dozens of times a second and a full one, over every object start-up left, every few seconds:
-# work the in-process limit never does.
+# (Starlette's request, tasks, the multipart parser), so at the default the event loop's thread runs young
+# collections often and, now and then, a full one over every object start-up left: work the in-process
+# limit never does.
 GC_YOUNG_THRESHOLD = 10_000
 
 

@@ -147,13 +147,12 @@ async def ready(s: Serving = Depends(serving)) -> Response:
 
 def description(served: ServedModel) -> ModelDescription:
     engine, config = served.engine, served.config
-    num_classes = engine.session.get_outputs()[0].shape[-1]
     return ModelDescription(
         name=served.name,
         version=MODEL_VERSION,
         input_shape=tuple(engine.input_shape[1:]),
         class_names=engine.class_names,
-        num_classes=num_classes if isinstance(num_classes, int) else len(engine.class_names),
+        num_classes=engine.num_classes,
         max_images=config.images_per_request,
         batcher_max_batch_size=config.max_batch_size,
         batch_window_s=config.batch_window_ms / 1000,
