@@ -24,12 +24,15 @@ from mnv3.artifacts import (
     DYNAMIC_INT8_ONNX,
     DYNAMIC_INT8_PROFILE_CSV,
     FP32_ONNX,
+    STAND_IN_PROVENANCE,
     TRANSFORMER_CONTROL_CSV,
     TRANSFORMER_CONTROL_PROFILE_CSV,
     file_sha256,
     update_manifest,
     write_class_names,
 )
+from mnv3.backend_choice import BACKENDS
+from mnv3.engine import model_size_mb
 from mnv3.model import (
     ARCHS,
     DEFAULT_ARCH,
@@ -47,13 +50,12 @@ from mnv3.model import (
 from mnv3.photos import CALIBRATION_SOURCES, augmented_views
 from mnv3.preprocess import DEFAULT_PREPROCESSING, Preprocessing
 from mnv3.profiling import op_type_summary, profile_model
-from mnv3.quantize import quantize_dynamic_int8, size_mb
+from mnv3.quantize import quantize_dynamic_int8
 from mnv3.report import markdown_table, write_csv, write_summary
 from mnv3.runtime import make_session, ort_runner
 from mnv3.transformer_control import INTEGER_MATMUL_OPS, control_vit, int8_vs_fp32, op_shares, transformer_control
 from mnv3.variants import Bench, Variant, baseline_rows, fastest, openvino_variants, remove_stage_2_outputs
 
-BACKENDS = ("onnxruntime", "openvino")
 PROFILED_OPS = ("ConvInteger", "DynamicQuantizeLinear")  # dynamic INT8's own ops, named in the printed shares
 
 
@@ -136,7 +138,7 @@ def run(args):
     if labelled:
         print(labelled_summary(args.labels, labelled))
     bn_images = 0
-    if provenance == "random-init":
+    if provenance == STAND_IN_PROVENANCE:
         # Without real BN statistics a random init's logits collapse to ~0 and INT8 comparisons are noise.
         bn_images = mode.bn_recalibration_images
         recalibrate_batchnorm(
@@ -171,8 +173,8 @@ def run(args):
     reference = predict(fp32_run, array_batches(bench.held_out, bench.batch_size))
     variants = [
         Variant("pytorch_fp32", torch_runner(model), state_dict_size_mb(model)),
-        Variant("onnx_fp32", fp32_run, size_mb(fp32_path)),
-        Variant("onnx_dynamic_int8", ort_runner(make_session(dynamic_path, args.threads)), size_mb(dynamic_path)),
+        Variant("onnx_fp32", fp32_run, model_size_mb(fp32_path)),
+        Variant("onnx_dynamic_int8", ort_runner(make_session(dynamic_path, args.threads)), model_size_mb(dynamic_path)),
     ]
     if "openvino" in args.backends:
         variants += openvino_variants(fp32_path, args.threads)

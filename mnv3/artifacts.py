@@ -23,6 +23,8 @@ MANIFEST_JSON = "manifest.json"
 # with no record beside it gets.
 STAND_IN_PROVENANCE = "random-init"
 UNKNOWN_PROVENANCE = "unknown"
+# The names stage 1's ONNX export gives the model's input and output (calibration feeds the input by name).
+INPUT_NAME, OUTPUT_NAME = "input", "logits"
 
 # Under RESULTS_DIR: what each stage and tool writes. summary.md has one section per file stem, in
 # file-name order, so the number prefix orders the stages.

@@ -214,7 +214,7 @@ def parse_keys(text: str, source: str = "key file", clock: Callable[[], float] =
     return Keys(keys, clock)
 
 
-def load_key_file(path: str | Path, clock: Callable[[], float] = time.monotonic) -> Keys:
+def load_key_file(path: str | Path) -> Keys:
     try:
         text = Path(path).read_text(encoding="utf-8-sig")  # Windows editors begin UTF-8 files with a BOM
     except (OSError, UnicodeDecodeError) as exc:
@@ -222,7 +222,7 @@ def load_key_file(path: str | Path, clock: Callable[[], float] = time.monotonic)
             f"cannot read key file {path}: {getattr(exc, 'strerror', None) or exc}; "
             f"--api-keys takes a UTF-8 text file, one {GRAMMAR} a line"
         ) from None
-    return parse_keys(text, str(path), clock)
+    return parse_keys(text, str(path))
 
 
 def _line_error(source: str, number: int, problem: str) -> KeyFileError:
@@ -418,13 +418,13 @@ def is_loopback(host: str) -> bool:
     return (mapped or address).is_loopback
 
 
-def exposure_warning(host: str, flag: str = "--api-keys") -> str | None:
+def exposure_warning(host: str) -> str | None:
     """The start-up warning for serving on `host` without keys, or None on a loopback address."""
     if is_loopback(host):
         return None
     return (
-        f"binding to {host} without {flag}: anyone who can reach this port can run inference, read /metrics "
-        f"and /model and reach every model. Pass {flag} FILE (one '{GRAMMAR}' a line), or bind to 127.0.0.1 "
+        f"binding to {host} without --api-keys: anyone who can reach this port can run inference, read /metrics "
+        f"and /model and reach every model. Pass --api-keys FILE (one '{GRAMMAR}' a line), or bind to 127.0.0.1 "
         "behind a proxy that authenticates; ignore this only on a network you trust."
     )
 

@@ -19,7 +19,6 @@ class ResultCache:
     def __init__(self, maxsize: int, model_id: str, leader_only_errors: tuple[type[BaseException], ...] = ()):
         """`leader_only_errors` say something about the leader's request (its deadline, a full queue, its
         client gone), not about the image: followers then compute under their own budget instead."""
-        self.maxsize = maxsize
         self.model_id = model_id
         # A leader ending with one of these hands over to a follower instead of failing it.
         self._handover_errors: tuple[type[BaseException], ...] = (asyncio.CancelledError, *leader_only_errors)

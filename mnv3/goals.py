@@ -35,10 +35,10 @@ def _find(rows, **match) -> dict | None:
     return next((row for row in rows if all(row.get(k) == v for k, v in match.items())), None)
 
 
-def _ratio(a, b, key_a, key_b=None):
-    if a is None or b is None or not a.get(key_a) or not b.get(key_b or key_a):
+def _ratio(a, b, key):
+    if a is None or b is None or not a.get(key) or not b.get(key):
         return None
-    return float(a[key_a]) / float(b[key_b or key_a])
+    return float(a[key]) / float(b[key])
 
 
 def value(row, key):

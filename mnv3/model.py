@@ -22,7 +22,7 @@ from torchvision.models import (
     mobilenet_v3_small,
 )
 
-from mnv3.artifacts import STAND_IN_PROVENANCE
+from mnv3.artifacts import INPUT_NAME, OUTPUT_NAME, STAND_IN_PROVENANCE
 from mnv3.preprocess import DEFAULT_PREPROCESSING, Preprocessing
 
 ARCHS = {"mobilenet_v3_large": mobilenet_v3_large, "mobilenet_v3_small": mobilenet_v3_small}
@@ -121,7 +121,7 @@ def _state_dict(path, data: bytes) -> dict:
                 f"without running code from the file; save its weights instead: {SAVE_STATE_DICT}"
             ) from exc
         raise BadWeights(
-            f"--weights {path}: not a PyTorch state_dict or checkpoint ({_load_failure(data, exc)}); "
+            f"--weights {path}: not a PyTorch state_dict or checkpoint ({_load_failure(exc)}); "
             f"save one with {SAVE_STATE_DICT}"
         ) from exc
     if isinstance(loaded, dict) and isinstance(loaded.get("model"), dict):
@@ -142,7 +142,7 @@ def _state_dict(path, data: bytes) -> dict:
 TORCH_SAVE_MAGIC = (b"PK\x03\x04", b"\x80")
 
 
-def _load_failure(data: bytes, exc: Exception) -> str:
+def _load_failure(exc: Exception) -> str:
     """Why torch.load refused `data`, in terms of the file. Not PyTorch's own first line for a refused pickle,
     which advises loading with weights_only=False: running the file's code is what --weights never does."""
     text = str(exc)
@@ -266,9 +266,9 @@ def export_onnx(model: torch.nn.Module, path, preprocessing: Preprocessing = DEF
         str(path),
         dynamo=False,
         opset_version=OPSET,
-        input_names=["input"],
-        output_names=["logits"],
-        dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}},
+        input_names=[INPUT_NAME],
+        output_names=[OUTPUT_NAME],
+        dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}},
     )
     return path
 

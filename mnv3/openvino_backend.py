@@ -2,17 +2,17 @@
 
 `OpenVINOSession` answers the few calls `Engine` makes of an onnxruntime session (`run`, `get_inputs`,
 `get_outputs`, `get_providers`), so the engine's validation, softmax and error handling are the same for
-both runtimes. Only this module imports openvino, and only `Engine.load(..., backend="openvino")` and
-stage 1 import this module: onnxruntime stays the one hard dependency.
+both runtimes. Only this module imports openvino, and it is imported lazily, only where OpenVINO runs
+(an engine or a session with backend "openvino", stage 2's variants, profiles and peaks): onnxruntime
+stays the one hard dependency.
 
 Batch sizes: every model is compiled for a static shape; a dynamic batch axis is not, as OpenVINO's CPU
 plugin runs a dynamic shape noticeably slower than a static one, most of all for INT8 files. A batch of
 exactly one runs on a model compiled for batch 1 with every thread (the latency path: what every request
 runs at under light load). A larger batch is cut into parts of at most `part_size` images, each part a
 power of two (13 = 4 + 4 + 4 + 1), and each part runs on a model compiled for its size. Which part size is
-fastest per image depends on the CPU: on an AVX-512 CPU without AMX small parts were faster than the whole
-batch at once (a few images' activations stay in a core's cache, which a batch of 32 spills); on a Xeon
-with AMX larger parts were, its matrix unit doing more per call. So stage 2 measures the part size for the
+fastest per image depends on the CPU (a few images' activations stay in a core's cache, which a batch
+of 32 spills; a matrix unit such as AMX does more per call on a larger part). So stage 2 measures the part size for the
 engine it chooses (DEFAULT_PART_SIZE without that), and the compiled models are one per power of two up to
 `part_size` (and up to `max_batch_size`), each compiled and run once at load, so no request pays for a
 compile or a first allocation. With several streams no part is larger than the batch's share of a stream

@@ -25,6 +25,8 @@ from onnxruntime.quantization import (
 from onnxruntime.quantization.shape_inference import quant_pre_process
 from tqdm import tqdm
 
+from mnv3.accuracy import array_batches
+from mnv3.artifacts import INPUT_NAME
 from mnv3.graph_rewrites import GRAPH_REWRITES, apply_graph_rewrites
 from mnv3.photos import fill_calibration_dir, is_generated, list_images
 from mnv3.preprocess import DEFAULT_PREPROCESSING, Preprocessing, preprocess_files
@@ -158,13 +160,12 @@ def preprocess_photos(image_paths, preprocessing: Preprocessing = DEFAULT_PREPRO
 class ArrayCalibrationReader(CalibrationDataReader):
     """Feeds an already preprocessed (N, 3, H, W) array, a few images per call."""
 
-    def __init__(self, images: np.ndarray, input_name: str = "input", batch_size: int = CALIBRATION_BATCH_SIZE):
-        self.batches = iter([images[i : i + batch_size] for i in range(0, len(images), batch_size)])
-        self.input_name = input_name
+    def __init__(self, images: np.ndarray, batch_size: int = CALIBRATION_BATCH_SIZE):
+        self.batches = array_batches(images, batch_size)
 
     def get_next(self):
         batch = next(self.batches, None)
-        return None if batch is None else {self.input_name: batch}
+        return None if batch is None else {INPUT_NAME: batch}
 
 
 class PhotoCalibrationReader(CalibrationDataReader):
@@ -173,13 +174,11 @@ class PhotoCalibrationReader(CalibrationDataReader):
     def __init__(
         self,
         image_paths,
-        input_name: str = "input",
         batch_size: int = CALIBRATION_BATCH_SIZE,
         preprocessing: Preprocessing = DEFAULT_PREPROCESSING,
     ):
         self.chunks = [image_paths[i : i + batch_size] for i in range(0, len(image_paths), batch_size)]
         self.preprocessing = preprocessing
-        self.input_name = input_name
         self.progress = tqdm(total=len(image_paths), desc="calibration", unit="img", leave=False)
 
     def get_next(self):
@@ -189,7 +188,7 @@ class PhotoCalibrationReader(CalibrationDataReader):
         chunk = self.chunks.pop(0)
         batch = preprocess_files(chunk, self.preprocessing)
         self.progress.update(len(chunk))
-        return {self.input_name: batch}
+        return {INPUT_NAME: batch}
 
 
 def quantize_static_int8(
@@ -242,8 +241,8 @@ def drop_zero_points(model: onnx.ModelProto) -> onnx.ModelProto:
     """`model` without the all-zero zero points of its quantized constants, and without stale shape annotations.
 
     ONNX's DequantizeLinear reads an absent zero point as 0. ORT's QDQ writer still stores one per channel:
-    int32 zeros beside every quantized bias and int8 zeros beside every symmetric Conv weight, some 2% of
-    the file. Dropped here, the outputs are bit for bit the same and ORT fuses the same kernels, except that
+    int32 zeros beside every quantized bias and int8 zeros beside every symmetric Conv weight, bytes that
+    say nothing. Dropped here, the outputs are bit for bit the same and ORT fuses the same kernels, except that
     its QGemm fusion wants the weight's zero point: those of weights read by anything but a Conv stay.
     `value_info` (pre_process's shape inference, before quantization) is dropped too: ORT infers shapes anyway.
     """
@@ -268,7 +267,3 @@ def drop_zero_points(model: onnx.ModelProto) -> onnx.ModelProto:
     model.graph.initializer.extend(kept)
     del model.graph.value_info[:]
     return model
-
-
-def size_mb(path) -> float:
-    return round(Path(path).stat().st_size / 1e6, 3)

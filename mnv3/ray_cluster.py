@@ -60,7 +60,7 @@ from mnv3.server import create_app
 
 SERVE_CONFIG = REPO_ROOT / "serve_config.yaml"
 DEPLOYMENT_NAME = "MobileNetV3"
-NODE_START_TIMEOUT_S = 120  # `ray start` on a busy 2-core machine takes 10-30 s per node
+NODE_START_TIMEOUT_S = 120  # `ray start` per node: generous, a busy small machine starts a node slowly
 COMMAND_TIMEOUT_S = 120  # one `ray`/`serve` CLI call
 NODE_STOP_TIMEOUT_S = 30  # after SIGTERM, before SIGKILL
 # Ray drains a node for up to 30 s on SIGTERM; the actors here hold no state worth waiting for.

@@ -13,7 +13,6 @@ def make_session(
     intra_op_threads: int = DEFAULT_INTRA_OP_THREADS,
     inter_op_threads: int = DEFAULT_INTER_OP_THREADS,
     profile_prefix: str | None = None,
-    optimized_model_path: str | None = None,
     allow_spinning: bool = True,
 ):
     """A CPU onnxruntime session with explicit (and therefore recordable) thread settings.
@@ -31,8 +30,6 @@ def make_session(
     if profile_prefix:
         options.enable_profiling = True
         options.profile_file_prefix = profile_prefix
-    if optimized_model_path:
-        options.optimized_model_filepath = str(optimized_model_path)
     return ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
 
 

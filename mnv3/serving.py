@@ -188,10 +188,6 @@ class Serving:
     def batcher(self) -> DynamicBatcher:
         return self.default.batcher
 
-    @property
-    def cache(self) -> ResultCache:
-        return self.default.cache
-
     def model(self, name: str | None) -> ServedModel:
         """The model called `name` (None: the default one), or UnknownModel listing those served."""
         if name is None:

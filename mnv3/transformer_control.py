@@ -1,6 +1,7 @@
 """The control for stage 1's dynamic-INT8 finding: the same harness on a transformer classifier.
 
-Dynamic INT8 makes MobileNetV3 much slower here, and its profile says why (`ConvInteger`). On its own
+Dynamic INT8 makes MobileNetV3 slower than FP32 (results/01_baseline.csv), and its profile says why
+(`ConvInteger`). On its own
 that cannot tell a reader whether dynamic quantization is simply broken on the machine. This module
 runs the same steps on a vision transformer built with torchvision's `VisionTransformer`: the same
 `export_onnx` (TorchScript exporter, opset 17, dynamic batch), the same `quantize_dynamic_int8`
@@ -13,9 +14,9 @@ have fast, where a conv net's `ConvInteger` has none.
 
 Which ViT: ViT-Ti/16's shape (12 layers, hidden 192, 3 heads, MLP 768: DeiT-Tiny's encoder) by
 default, not torchvision's `vit_b_16`. ViT-B/16 takes 17.6 G multiply-adds a 224x224 image, ViT-Ti
-1.3 G (MobileNetV3-Large 0.22 G). Stage 1's timing (100 batch-1 and 10 batch-32 calls a variant,
-plus warm-up, agreement and profiling) is mostly batch-32 calls, so the row's time scales with the
-multiply-adds: ViT-B's would add minutes to `make bench` on 2 cores, ViT-Ti's about 14 times less.
+1.3 G (MobileNetV3-Large 0.22 G). Stage 1's timing (`latency.Timing`, plus warm-up, agreement and
+profiling) is mostly batch-32 calls, so the row's time scales with the multiply-adds: ViT-Ti's about 14
+times less than ViT-B's.
 ViT-Ti is still a transformer of the standard shape: a patch-embedding conv, then MatMuls, softmax
 and LayerNorm. `--quick` builds a 2-layer, hidden-64 ViT that runs in seconds.
 
@@ -37,11 +38,12 @@ from torchvision.models.vision_transformer import VisionTransformer
 from mnv3 import cli
 from mnv3.accuracy import array_batches, evaluate, held_out_batch, predict
 from mnv3.artifacts import ARTIFACTS_DIR
+from mnv3.engine import model_size_mb
 from mnv3.latency import Timing, interleaved_benchmark
 from mnv3.model import EXPORT_TOLERANCE, RANDOM_INIT_SEED, export_max_abs_diff, export_onnx
 from mnv3.preprocess import CROP_SIZE
 from mnv3.profiling import op_type_summary, profile_model
-from mnv3.quantize import quantize_dynamic_int8, size_mb
+from mnv3.quantize import quantize_dynamic_int8
 from mnv3.report import markdown_table
 from mnv3.runtime import DEFAULT_INTRA_OP_THREADS, make_session, ort_runner
 
@@ -135,7 +137,7 @@ def transformer_control(
             "model": shape.name,
             "variant": variant,
             **latency[variant],
-            "size_mb": size_mb(path),
+            "size_mb": model_size_mb(path),
             "threads": threads,
             "weights": "random-init",
             "arch": "vision_transformer",

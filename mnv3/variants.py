@@ -20,10 +20,10 @@ import numpy as np
 from mnv3.accuracy import array_batches, evaluate, held_out_batch, predict
 from mnv3.artifacts import FP32_ONNX, MANIFEST_JSON, RECIPES_DIR, STATIC_INT8_ONNX, drop_manifest_entries
 from mnv3.backend_choice import MANIFEST_KEY, variant_name
-from mnv3.engine import model_bytes, model_files, open_session
+from mnv3.engine import model_files, model_size_mb, open_session
 from mnv3.latency import Timing, interleaved_benchmark
 from mnv3.preprocess import Preprocessing
-from mnv3.quantize import DEFAULT_RECIPE, RECIPES, preprocess_photos, quantize_static_int8, size_mb
+from mnv3.quantize import DEFAULT_RECIPE, RECIPES, preprocess_photos, quantize_static_int8
 from mnv3.runtime import make_session, ort_runner
 from mnv3.silicon import count_macs, gemm_peaks, silicon_columns
 
@@ -131,7 +131,7 @@ def measure_against_fp32(
     FP32's logits."""
     return measure_runners(
         fp32_path,
-        {name: (ort_runner(make_session(path, bench.threads)), size_mb(path)) for name, path in models.items()},
+        {name: (ort_runner(make_session(path, bench.threads)), model_size_mb(path)) for name, path in models.items()},
         bench,
         rounds,
     )
@@ -142,11 +142,10 @@ def measure_runners(
     runners: dict[str, tuple[Callable, float]],
     bench: Bench,
     rounds: int = 5,
-    fp32: Callable | None = None,
 ) -> dict[str, Measured]:
-    """Each of `runners` ({name: (run(batch) -> logits, size in MB)}) and ONNX FP32 (key FP32; `fp32` runs it,
-    by default a make_session one) timed in turns in one run, scored against FP32's logits."""
-    fp32 = fp32 or ort_runner(make_session(fp32_path, bench.threads))
+    """Each of `runners` ({name: (run(batch) -> logits, size in MB)}) and ONNX FP32 (key FP32, onnxruntime's
+    defaults on the bench's threads) timed in turns in one run, scored against FP32's logits."""
+    fp32 = ort_runner(make_session(fp32_path, bench.threads))
     reference = predict(fp32, array_batches(bench.held_out, bench.batch_size))
     latency = interleaved_benchmark(
         {FP32: fp32} | {name: run for name, (run, _) in runners.items()},
@@ -155,7 +154,7 @@ def measure_runners(
         bench.timing,
         rounds=rounds,
     )
-    measured = {FP32: Measured(latency[FP32], size_mb(fp32_path), {})}
+    measured = {FP32: Measured(latency[FP32], model_size_mb(fp32_path), {})}
     for name, (run, size) in runners.items():
         scores = evaluate(run, bench.held_out, reference, bench.labelled, bench.batch_size, bench.preprocessing)
         measured[name] = Measured(latency[name], size, scores)
@@ -193,7 +192,7 @@ def openvino_variants(fp32_path: Path, threads: int) -> list[Variant]:
         Variant(
             f"openvino_{OPENVINO_PRECISIONS[precision]}",
             ort_runner(OpenVINOSession(fp32_path, threads, precision)),
-            size_mb(fp32_path),
+            model_size_mb(fp32_path),
         )
         for precision in precisions
     ]
@@ -515,11 +514,6 @@ def remove_stage_2_outputs(artifacts_dir: Path) -> str | None:
     if entries := drop_manifest_entries(artifacts_dir, "static_int8", MANIFEST_KEY):
         removed.append(f"{MANIFEST_JSON}'s {' and '.join(entries)}")
     return ", ".join(removed) or None
-
-
-def model_size_mb(path: Path) -> float:
-    """The model's size on disk (`model_bytes`: an OpenVINO IR's .xml with the weights beside it), in MB."""
-    return round(model_bytes(Path(path)) / 1e6, 3)
 
 
 def engine_rows(fp32_path: Path, runners: dict[EngineVariant, Callable], bench: Bench) -> list[dict]:
