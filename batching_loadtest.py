@@ -4,8 +4,8 @@ In one run, with the result cache off so every request is a miss, and both serve
 idle while the other is measured):
   1. the in-process limit of the engine the servers run (mnv3/limit.py): the same decode + preprocess +
      inference with no server, over a grid of batch sizes and thread splits;
-  2. the batching server (a `--batch-window-ms` window, at most `--max-batch-size` per ORT run, explicit
-     ORT threads) over a concurrency sweep, reading the batch-size histogram and time breakdown from
+  2. the batching server (a `--batch-window-ms` window, at most `--max-batch-size` per inference call,
+     explicit engine threads) over a concurrency sweep, reading the batch-size histogram and time breakdown from
      /metrics after each point;
   3. the headline, at `--concurrency` (the seed: 250), closed loop: the stage-3 server (no batching) and the
      batching server in two rounds of turns, mirrored (unbatched, batching, batching, unbatched), with the
@@ -52,7 +52,7 @@ def get_args_parser():
         "--max-batch-size",
         type=cli.positive_int,
         default=ServerConfig.max_batch_size,
-        help="most images per ORT run (default %(default)s)",
+        help="most images per inference call (default %(default)s)",
     )
     parser.add_argument(
         "--sweep",
@@ -164,7 +164,7 @@ def run_phone_photos(args, model, provenance, batching_options: dict):
 
 
 def run_v2_rows(args, model, provenance, plan: BatchingPlan, bodies: list[bytes], side_by_side):
-    """Issue 11's rows: /v2 binary vs /predict in turns, then the two models side by side."""
+    """/v2 binary vs /predict in turns, then the two models side by side (05_v2_vs_predict.csv, 05_side_by_side.csv)."""
     environment = cli.environment_row(model, provenance)
     v2 = run_v2_vs_predict(
         model, bodies[: plan.requests], plan.concurrency, plan.requests, plan.batching_options, plan.start_timeout_s

@@ -1,6 +1,6 @@
 """Stage 3: the single-request serving baseline.
 
-The server with its result cache off and batching off (every request is its own ORT run), under the
+The server with its result cache off and batching off (every request is its own inference call), under the
 seed's closed-loop load: `--concurrency` requests in flight (`mnv3.loadtest`), each with a
 distinct JPEG body. Writes results/03_serving_baseline.csv; stage 5 repeats this configuration beside
 the batched one, in the same run, for the speed-up.

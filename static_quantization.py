@@ -1,8 +1,8 @@
 """Stage 2: static INT8 quantization of stage 1's FP32 ONNX model, calibrated on photos preprocessed
 as stage 1's manifest says the model was trained.
 
-Writes artifacts/static_int8.onnx, results/02_static.csv, the four-variant comparison
-results/model_variants.{csv,png} and results/summary.md. With --compare-recipes, also builds and
+Writes artifacts/static_int8.onnx, results/02_static.csv, the comparison of stage 1's variants with
+static INT8, results/model_variants.{csv,png}, and results/summary.md. With --compare-recipes, also builds and
 measures several recipes against ONNX FP32 in the same run (results/02_recipes.csv).
 
 Then chooses the engine that serves: every installed engine x precision (onnxruntime; OpenVINO in f32
@@ -63,6 +63,7 @@ from mnv3.variants import (
     part_size_rows,
     profile_openvino,
     ratio_table_rows,
+    recipe_columns,
     recipe_path,
 )
 
@@ -132,10 +133,13 @@ def generated_calibration_note(folder, calibration: list[Path], existed: bool) -
     )
 
 
-def check_same_model(baseline_row: dict, model: tuple[str, str, int], args) -> None:
+def check_same_model(baseline_rows: list[dict], model: tuple[str, str, int], args) -> None:
     """Stage 1's rows in --results-dir must be of the model in --artifacts-dir: stage 2 tables its ratios with
     them, and folders from two stage 1 runs would compare two models without a word."""
-    measured = (baseline_row.get("weights"), baseline_row.get("arch"), str(baseline_row.get("classes")))
+    if not baseline_rows:
+        raise cli.UsageError(f"{args.results_dir / BASELINE_CSV} holds no rows: rerun stage 1")
+    first = baseline_rows[0]
+    measured = (first.get("weights"), first.get("arch"), str(first.get("classes")))
     if measured != (model[0], model[1], str(model[2])):
         raise cli.UsageError(
             f"{args.results_dir / BASELINE_CSV} is stage 1's of another model ({', '.join(measured)}) than the one in "
@@ -155,7 +159,7 @@ def run(args):
         print(labelled_summary(args.labels, labelled))
     manifest = read_manifest(artifacts_dir)
     provenance, arch = weights_provenance(artifacts_dir), manifest.get("model", {}).get("arch", "unknown")
-    check_same_model(baseline_rows[0], (provenance, arch, len(class_names)), args)
+    check_same_model(baseline_rows, (provenance, arch, len(class_names)), args)
     preprocessing = model_preprocessing(artifacts_dir)  # what stage 1 exported the model for
 
     existed = Path(args.calibration_dir).is_dir()
@@ -189,8 +193,7 @@ def run(args):
             fp32_path, artifacts_dir / STATIC_INT8_ONNX, calibration, recipe, preprocessing=preprocessing
         )
         row = measure_static(fp32_path, static_path, bench)
-    recipe_columns = {key: value for key, value in recipe.record().items() if not isinstance(value, (list, dict))}
-    row |= {"recipe": args.recipe, **recipe_columns, "calibration_images": len(calibration)}
+    row |= {"recipe": args.recipe, **recipe_columns(args.recipe), "calibration_images": len(calibration)}
     write_csv(results_dir / STATIC_CSV, [row])
 
     comparison = compare_variants(baseline_rows + [row])

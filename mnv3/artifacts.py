@@ -139,9 +139,15 @@ def drop_manifest_entries(artifacts_dir, *keys: str) -> list[str]:
 
 
 def _write_manifest(artifacts_dir, manifest: dict) -> dict:
-    path = Path(artifacts_dir) / MANIFEST_JSON
+    write_atomically(Path(artifacts_dir) / MANIFEST_JSON, json.dumps(manifest, indent=2, sort_keys=True))
+    return manifest
+
+
+def write_atomically(path: Path, text: str) -> Path:
+    """`text` as the file at `path` (its folder made if need be), written beside it and then renamed over
+    it: a crash mid-write never leaves a truncated manifest or table."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))
-    tmp.replace(path)  # atomic: a crash mid-write never leaves a truncated manifest
-    return manifest
+    tmp.write_text(text, newline="")  # as given: the csv module writes its own line ends
+    tmp.replace(path)
+    return path

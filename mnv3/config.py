@@ -102,8 +102,8 @@ class ServerConfig:
 
     model: Path = field(
         metadata={
-            "help": "ONNX model file as PATH, NAME=PATH or NAME=PATH@BACKEND (name: the file's "
-            "stem; backend: --backend); repeat --model to serve several, the first is "
+            "help": "model file (ONNX, or an OpenVINO IR .xml) as PATH, NAME=PATH or NAME=PATH@BACKEND "
+            "(name: the file's stem; backend: --backend); repeat --model to serve several, the first is "
             "the default; class_names.json and manifest.json beside it give its class "
             "names and preprocessing",
             "metavar": "[NAME=]PATH[@BACKEND]",
@@ -159,8 +159,9 @@ class ServerConfig:
         maximum=PILLOW_MAX_PIXELS,
     )
     # On by default: it makes a phone photo's decode several times cheaper and moves its preprocessed
-    # pixels by a few grey levels at most (README, "Limits and errors"); a JPEG whose shorter side is
-    # under 1024 px, and every other format, decodes exactly as with 0.
+    # pixels by a few grey levels at most (README, "Limits and errors"); a JPEG whose shorter side is under
+    # four times the model's resize size (preprocess.jpeg_draft_reduction), and every other format, decodes
+    # exactly as with 0.
     jpeg_draft: int = _option(
         1,
         "1 decodes large JPEGs at a reduced DCT scale (1/2-1/8) that still leaves twice the "

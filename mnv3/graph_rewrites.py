@@ -14,6 +14,7 @@ import copy
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -387,3 +388,13 @@ def apply_graph_rewrites(model: onnx.ModelProto, names: Sequence[str]) -> onnx.M
     for name in names:
         model = GRAPH_REWRITES[name].rewrite(model)
     return model
+
+
+def rewritten_file(path: str | Path, names: Sequence[str], folder: str | Path) -> Path:
+    """The ONNX file at `path` after the GRAPH_REWRITES `names`, saved in `folder` (a quantizer's scratch
+    folder); `path` itself when there are none."""
+    if not names:
+        return Path(path)
+    rewritten = Path(folder) / "rewritten.onnx"
+    onnx.save(apply_graph_rewrites(onnx.load(str(path)), names), str(rewritten))
+    return rewritten

@@ -326,7 +326,7 @@ def photo_form(body: bytes) -> aiohttp.FormData:
 @dataclass(frozen=True)
 class LoadResult:
     mode: str  # "closed" or "open"
-    concurrency: int  # closed: worker threads; open: the most requests in flight at once
+    concurrency: int  # closed: concurrent senders; open: the most requests in flight at once
     sent: int
     ok: int
     errors: dict  # status (HTTP code or exception name) -> count

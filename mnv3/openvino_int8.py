@@ -18,9 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-import onnx
 
-from mnv3.graph_rewrites import apply_graph_rewrites
+from mnv3.graph_rewrites import rewritten_file
 
 
 def logits_layer(model) -> str:
@@ -43,10 +42,7 @@ def quantize_nncf_int8(
     from nncf.quantization.range_estimator import RangeEstimatorParametersSet
 
     with tempfile.TemporaryDirectory() as tmp:
-        if graph_rewrites:
-            rewritten = Path(tmp) / "rewritten.onnx"
-            onnx.save(apply_graph_rewrites(onnx.load(str(fp32_path)), graph_rewrites), str(rewritten))
-            fp32_path = rewritten
+        fp32_path = rewritten_file(fp32_path, graph_rewrites, tmp)
         # convert_model, not read_model: it folds the ONNX frontend's shape arithmetic (ShapeOf, Concat,
         # Reshape around every grouped convolution's weights) into constants. On the unfolded graph NNCF
         # quantized the depthwise weights ahead of that Reshape, where the CPU plugin folds them back to

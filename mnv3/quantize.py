@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from mnv3.accuracy import array_batches
 from mnv3.artifacts import INPUT_NAME
-from mnv3.graph_rewrites import GRAPH_REWRITES, apply_graph_rewrites
+from mnv3.graph_rewrites import GRAPH_REWRITES, rewritten_file
 from mnv3.photos import fill_calibration_dir, is_generated, list_images
 from mnv3.preprocess import DEFAULT_PREPROCESSING, Preprocessing, preprocess_files
 
@@ -211,11 +211,7 @@ def quantize_static_int8(
         reader = PhotoCalibrationReader(list(calibration), preprocessing=preprocessing)
     cache = Path(cache_dir) / f"{recipe.calibration_key()}.json" if cache_dir else None
     with tempfile.TemporaryDirectory() as tmp:
-        if recipe.graph_rewrites:
-            rewritten = Path(tmp) / "rewritten.onnx"
-            onnx.save(apply_graph_rewrites(onnx.load(str(fp32_path)), recipe.graph_rewrites), str(rewritten))
-            fp32_path = rewritten
-        prepared = pre_process(fp32_path, Path(tmp) / "prepared.onnx")
+        prepared = pre_process(rewritten_file(fp32_path, recipe.graph_rewrites, tmp), Path(tmp) / "prepared.onnx")
         quantize_static(
             str(prepared),
             str(out_path),

@@ -1,12 +1,13 @@
 """CSV writing, the machine/version record, and results/summary.md regenerated from every CSV present."""
 
 import csv
+import io
 import os
 import platform
 from importlib import metadata
 from pathlib import Path
 
-from mnv3.artifacts import RESULTS_DIR, STAND_IN_PROVENANCE
+from mnv3.artifacts import RESULTS_DIR, STAND_IN_PROVENANCE, write_atomically
 
 LIBRARIES = ("torch", "torchvision", "onnx", "onnxruntime", "openvino", "numpy", "pillow", "fastapi", "uvicorn")
 
@@ -38,16 +39,12 @@ def library_versions() -> dict:
 
 def write_csv(path, rows: list[dict]) -> Path:
     """Write rows (dicts; the union of their keys, in first-seen order, is the header)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     header = list(dict.fromkeys(key for row in rows for key in row))
-    tmp = path.with_suffix(".tmp")
-    with tmp.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=header)
-        writer.writeheader()
-        writer.writerows(rows)
-    tmp.replace(path)
-    return path
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=header)
+    writer.writeheader()
+    writer.writerows(rows)
+    return write_atomically(Path(path), text.getvalue())
 
 
 def read_csv(path) -> list[dict]:

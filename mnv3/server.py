@@ -2,7 +2,7 @@
 
 POST /predict: admit (or 503 at once when --max-in-flight are already in) -> read the body (bounded in
 size and time, streamed) -> cache lookup by sha256 of the bytes -> on a miss, decode + preprocess in a
-thread pool -> DynamicBatcher (one ORT thread) -> top-k. A request whose client goes away or whose
+thread pool -> DynamicBatcher (one inference thread) -> top-k. A request whose client goes away or whose
 deadline passes is cancelled wherever it is, so its work is dropped, not computed. SIGTERM drains:
 no new connections, in-flight requests are answered, then the process exits 0. Nothing here imports torch.
 Settings are `mnv3.config`, failures answer as `mnv3.errors` lists them, bodies are read by

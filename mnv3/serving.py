@@ -63,7 +63,6 @@ class ServedModel:
     def __init__(
         self,
         spec: ModelSpec,
-        backend: str,
         engine: Engine,
         default: bool,
         config: ServerConfig,
@@ -71,7 +70,7 @@ class ServedModel:
         inference_lock: threading.Lock,
         metrics: Metrics,
     ):
-        self.name, self.backend, self.engine, self.default, self.config = spec.name, backend, engine, default, config
+        self.name, self.engine, self.default, self.config = spec.name, engine, default, config
         self.preprocess_pool, self.inference_lock = preprocess_pool, inference_lock
         self.cache = ResultCache(
             config.cache_size, engine.model_id, leader_only_errors=(DeadlineExceeded, QueueFull, ClientDisconnect)
@@ -172,7 +171,7 @@ class Serving:
         )
         self.models = {
             spec.name: ServedModel(
-                spec, engine.backend, engine, i == 0, config, self.preprocess_pool, self.inference_lock, self.metrics
+                spec, engine, i == 0, config, self.preprocess_pool, self.inference_lock, self.metrics
             )
             for i, (spec, engine) in enumerate(zip(specs, engines, strict=True))
         }

@@ -156,7 +156,7 @@ def description(served: ServedModel) -> ModelDescription:
         max_images=config.images_per_request,
         batcher_max_batch_size=config.max_batch_size,
         batch_window_s=config.batch_window_ms / 1000,
-        platform="onnxruntime_onnx" if served.backend == "onnxruntime" else served.backend,
+        platform="onnxruntime_onnx" if engine.backend == "onnxruntime" else engine.backend,
     )
 
 

@@ -137,6 +137,9 @@ def test_compare_recipes_writes_one_sane_row_per_recipe_and_ships_the_default(st
     static = read_csv(stage_dirs["results"] / "02_static.csv")[0]  # the shipped recipe's row, same measurement
     assert static["mean_ms"] == rows[DEFAULT_RECIPE]["mean_ms"] and static["sqnr_db"] == rows[DEFAULT_RECIPE]["sqnr_db"]
     assert static["mean_ms_vs_onnx_fp32"] == rows[DEFAULT_RECIPE]["mean_ms_vs_onnx_fp32"]
+    # the same recipe in the same words in both tables, its lists and options too
+    fields = RECIPES[DEFAULT_RECIPE].record()
+    assert {key: static[key] for key in fields} == {key: rows[DEFAULT_RECIPE][key] for key in fields}
 
 
 def test_stage_2_without_compare_builds_only_the_chosen_recipe(stage_dirs, tmp_path):
@@ -390,3 +393,14 @@ def test_stage_2_refuses_stage_1_rows_of_another_model(stage_dirs, tmp_path, cap
     error = capsys.readouterr().err.strip()
     assert "is stage 1's of another model (random-init, mobilenet_v3_small, 3)" in error
     assert "(random-init, mobilenet_v3_large, 1000)" in error and "Traceback" not in error
+
+
+def test_stage_2_refuses_an_empty_stage_1_table(stage_dirs, tmp_path, capsys):
+    results = tmp_path / "results"
+    shutil.copytree(stage_dirs["results"], results)
+    (results / "01_baseline.csv").write_text("")  # a stage 1 killed while writing, or a file emptied by hand
+    with pytest.raises(SystemExit) as exit:
+        run_stage(static_quantization, "--quick", "--artifacts-dir", stage_dirs["artifacts"], "--results-dir", results)
+    assert exit.value.code == 2
+    error = capsys.readouterr().err.strip()
+    assert "01_baseline.csv holds no rows: rerun stage 1" in error and "Traceback" not in error
