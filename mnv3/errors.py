@@ -5,8 +5,9 @@ A subclass not in the table answers as its nearest listed base. `ERROR_DOCS` is 
 FastAPI `responses=`, so the OpenAPI document cannot drift from what the server answers.
 `error_response` builds the answer; the body's shape is a small function of the message, so a router
 with another error convention reuses the table as it is.
-A 503 carries Retry-After; an answer sent before the body was read in full closes the connection, but for
-a `Busy` refusal of a body the server would take (see there).
+A 503 carries Retry-After; a 408 or 413 closes the connection (the rest of the body is unread and unwanted),
+as does any other answer sent before its request's body arrived, unless the rest may be dropped as it
+arrives (`mnv3.uploads.CloseUnreadBody`).
 """
 
 from collections.abc import Callable
@@ -45,13 +46,7 @@ class UnknownModel(LookupError):
 
 
 class Busy(QueueFull):
-    """--max-in-flight requests are already admitted: refused before reading the body, so memory stays bounded.
-
-    `keep_connection`: the answer need not close the connection (mnv3.uploads.refusal_keeps_connection)."""
-
-    def __init__(self, message: str, keep_connection: bool = False):
-        super().__init__(message)
-        self.keep_connection = keep_connection
+    """--max-in-flight requests are already admitted: refused before reading the body, so memory stays bounded."""
 
 
 # exception -> (HTTP status, mnv3_rejections_total reason or None, what it means for the API docs)
@@ -110,6 +105,6 @@ def error_response(exc: Exception, body: Callable[[str], dict] = detail_body) ->
     """The answer to `exc`: its status and headers from the table, its message in `body`'s shape."""
     status, _, _ = error_entry(exc)
     headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else {}
-    if status in (408, 413) or (isinstance(exc, Busy) and not exc.keep_connection):
+    if status in (408, 413):
         headers["Connection"] = "close"  # the rest of the body is unread: do not take it as the next request
     return JSONResponse(body(str(exc) or "client disconnected"), status, headers=headers)

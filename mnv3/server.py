@@ -38,7 +38,7 @@ from mnv3.page import page_router
 from mnv3.serving import Classified as Classified  # what /predict answers with; its home before mnv3.serving
 from mnv3.serving import ServedModel, Serving, served_model, serving, unless_disconnected
 from mnv3.stats import stats_router
-from mnv3.uploads import read_upload
+from mnv3.uploads import CloseUnreadBody, read_upload
 from mnv3.v2_router import http_error_in_shape, v2_router
 
 log = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ async def predict(
     started = time.perf_counter()
     deadline = asyncio.get_running_loop().time() + s.config.deadline_ms / 1000
     try:
-        with s.admit(request):
+        with s.admit():
             data = await read_upload(request, s.config.max_upload_bytes, s.config.body_timeout_s)
             # Only the computation watches for a disconnect: a cache hit is answered before a watcher
             # task would even start, and a follower's wait on an identical request costs nothing.
@@ -317,6 +317,7 @@ def create_app(config: ServerConfig, *engines: Engine) -> FastAPI:
     for exc_type in ERRORS:
         app.add_exception_handler(exc_type, reject)
     app.add_exception_handler(StarletteHTTPException, http_error_in_shape)
+    app.add_middleware(CloseUnreadBody, limit=config.max_upload_bytes)
     if config.api_keys:
         app.add_middleware(
             ApiKeyAuth,

@@ -36,7 +36,6 @@ from mnv3.errors import Busy, UnknownModel
 from mnv3.metrics import Metrics
 from mnv3.preprocess import decode_and_preprocess
 from mnv3.thread_cpu import EVENT_LOOP, PREPROCESS_THREADS
-from mnv3.uploads import refusal_keeps_connection
 
 log = logging.getLogger(__name__)
 
@@ -212,13 +211,10 @@ class Serving:
             served.batcher.start()
 
     @contextmanager
-    def admit(self, request: Request):
+    def admit(self):
         """Count a request in for its whole life, or refuse it at once when --max-in-flight are in."""
         if self.in_flight >= self.config.max_in_flight:
-            raise Busy(
-                f"server busy: {self.in_flight} requests in flight (limit {self.config.max_in_flight})",
-                keep_connection=refusal_keeps_connection(request, self.config.max_upload_bytes),
-            )
+            raise Busy(f"server busy: {self.in_flight} requests in flight (limit {self.config.max_in_flight})")
         self.in_flight += 1  # only ever changed on the event loop, so no lock
         try:
             yield

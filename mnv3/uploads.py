@@ -5,7 +5,9 @@ body of any type (the Open Inference Protocol's JSON or binary requests). Either
 more than `limit` bytes of a body (a Content-Length over it is refused before reading; a chunked or
 lying one is cut off as it arrives) and never waits past `timeout_s` for them, so one slow or huge
 client cannot hold memory or an admission slot for long. Every refusal is a `BadUpload` subclass from
-`mnv3.errors`, which gives its status.
+`mnv3.errors`, which gives its status. `CloseUnreadBody` closes the connection after an answer sent before
+its request's body arrived in full (a wrong content type, an unknown model, a busy server), unless the rest
+may be dropped as it arrives (`refusal_keeps_connection`).
 
 A multipart body is parsed as it streams in (python-multipart's parser, which Starlette's forms use too), and
 only the 'file' part is kept, in memory: `limit` already bounds it. Starlette's form parser would spool a file
@@ -20,7 +22,9 @@ from typing import TYPE_CHECKING
 from python_multipart import MultipartParser
 from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import parse_options_header
+from starlette.datastructures import Headers, MutableHeaders
 from starlette.requests import Request
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mnv3.errors import BadUpload, BodyTooLarge, SlowUpload, UnsupportedMediaType
 
@@ -69,6 +73,43 @@ def refusal_keeps_connection(request: Request, limit: int) -> bool:
     and its next request would be read as that body."""
     declared = declared_length(request)
     return declared is not None and declared <= limit and "expect" not in request.headers
+
+
+class CloseUnreadBody:
+    """ASGI middleware: an answer that starts before its request's body has arrived in full says
+    `Connection: close` (so uvicorn closes after it), unless `refusal_keeps_connection` lets the rest be
+    dropped as it arrives. Left open, uvicorn would go on reading the body that was never wanted: a client
+    waiting for `100 Continue` sends none, and its next request on the connection is read as that body
+    and never answered."""
+
+    def __init__(self, app: ASGIApp, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        # A request without Content-Length or Transfer-Encoding has no body (RFC 9112, 6.3).
+        body_arrived = "transfer-encoding" not in headers and headers.get("content-length", "0") == "0"
+
+        async def receive_and_note() -> Message:
+            nonlocal body_arrived
+            message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                body_arrived = True  # its last part, or the client gone: nothing more will be read
+            return message
+
+        async def send_closing(message: Message) -> None:
+            if (
+                message["type"] == "http.response.start"
+                and not body_arrived
+                and not refusal_keeps_connection(Request(scope), self.limit)
+            ):
+                MutableHeaders(scope=message)["connection"] = "close"
+            await send(message)
+
+        await self.app(scope, receive_and_note, send_closing)
 
 
 def _check_declared_length(request: Request, limit: int) -> None:

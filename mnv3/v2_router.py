@@ -302,7 +302,7 @@ async def _infer(request: Request, model: ServedModel, s: Serving) -> Response:
     started = time.perf_counter()
     deadline = asyncio.get_running_loop().time() + s.config.deadline_ms / 1000
     try:
-        with s.admit(request):
+        with s.admit():
             body = await read_body(request, s.config.max_upload_bytes, s.config.body_timeout_s)
             described = description(model)
             parsed = parse_infer_request(body, request.headers.get(HEADER_LENGTH), described)

@@ -52,15 +52,67 @@ def live_server(model_path, **settings):
         thread.join(WAIT_S)
 
 
-def open_socket(url: str, content_length: int, body: bytes, headers: str = "") -> socket.socket:
+def open_socket(
+    url: str,
+    content_length: int,
+    body: bytes,
+    headers: str = "",
+    path: str = "/predict",
+    content_type: str = "image/jpeg",
+) -> socket.socket:
     port = int(url.rsplit(":", 1)[1])
     sock = socket.create_connection(("127.0.0.1", port), timeout=WAIT_S)
     sock.sendall(
-        f"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\n{headers}"
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: {content_type}\r\n{headers}"
         f"Content-Length: {content_length}\r\n\r\n".encode()
         + body
     )
     return sock
+
+
+def answer_and_next(sock: socket.socket) -> tuple[bytes, bytes | None]:
+    """The answer waiting on `sock`, then what a GET /healthz sent on the same connection gets: its answer,
+    b"" when the server closed the connection, or None when nothing comes (the server is still reading
+    the first request's body: it took the GET for part of it)."""
+    answer = sock.recv(65536)
+    try:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        sock.settimeout(2)
+        return answer, sock.recv(65536)
+    except (ConnectionResetError, BrokenPipeError):
+        return answer, b""
+    except TimeoutError:
+        return answer, None
+
+
+def test_an_answer_before_its_body_arrived_closes_the_connection_unless_the_rest_can_be_dropped(
+    fp32_model_path, images
+):
+    photo = images[0]
+    with live_server(fp32_model_path) as (url, _):
+        # answered before the body: a client waiting for 100 Continue never sends it, so the connection
+        # closes, or the next request on it would be read as that body and never answered
+        for path, content_type in (("/predict", "text/plain"), ("/predict?model=nope", "image/jpeg")):
+            with open_socket(url, len(photo), b"", "Expect: 100-continue\r\n", path, content_type) as waiting:
+                answer, then = answer_and_next(waiting)
+            assert answer.split(b" ")[1] in (b"415", b"404") and b"connection: close" in answer.lower(), answer
+            assert then == b"", then
+        # a body of announced length the server takes: it is dropped as it arrives and the connection serves on
+        with open_socket(url, len(photo), photo[:100], "", "/predict", "text/plain") as sending:
+            answer = sending.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 415") and b"connection: close" not in answer.lower()
+            sending.sendall(photo[100:] + b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            then = sending.recv(65536)
+        assert then.startswith(b"HTTP/1.1 200") and then.endswith(b'{"status":"ok"}'), then
+        # requests without a body, and answered uploads, keep their connection
+        with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=WAIT_S) as idle:
+            idle.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            answer, then = answer_and_next(idle)
+        assert answer.startswith(b"HTTP/1.1 200") and then is not None and then.startswith(b"HTTP/1.1 200")
+        with open_socket(url, len(photo), photo) as uploaded:
+            answer, then = answer_and_next(uploaded)
+        assert answer.startswith(b"HTTP/1.1 200") and b"connection: close" not in answer.lower()
+        assert then is not None and then.startswith(b"HTTP/1.1 200"), then
 
 
 def test_in_flight_limit_refuses_at_arrival_without_reading_the_body(fp32_model_path, images):
