@@ -322,10 +322,8 @@ def build(
         }
     else:
         scaling = {"num_replicas": replicas}
-    # Absolute paths: replicas may run in another directory, or on another node with the same layout.
-    config = replace(config, model=Path(config.model).resolve())
+    config = with_absolute_paths(config)
     if config.api_keys:
-        config = replace(config, api_keys=str(Path(config.api_keys).resolve()))
         load_key_file(config.api_keys)  # a KeyFileError here, once, rather than in every replica
     # serve.deployment made the class a Deployment, which mypy cannot see through the decorator.
     return MobileNetV3.options(  # type: ignore[attr-defined]
@@ -336,16 +334,30 @@ def build(
     ).bind(config)
 
 
+def with_absolute_paths(config: ServerConfig) -> ServerConfig:
+    """`config` with every model's file (each NAME=PATH@BACKEND keeps its name and backend) and the key file
+    absolute: replicas may run in another directory, or on another node with the same layout. Links are kept
+    (not resolved): a linked model file is served with the class names and manifest beside the link."""
+    model, *extra_models = (
+        f"{spec.name}={spec.path.absolute()}" + (f"@{spec.backend}" if spec.backend else "") for spec in config.models
+    )
+    api_keys = str(Path(config.api_keys).absolute()) if config.api_keys else config.api_keys
+    return replace(config, model=Path(model), extra_models=tuple(extra_models), api_keys=api_keys)
+
+
 def build_app(args: dict) -> serve.Application:
     """For serve_config.yaml / `serve run mnv3.ray_serve:build_app model=PATH`: `args` are ServerConfig fields.
 
     Replica count, autoscaling, CPUs and queue limits are Ray's own deployment options: set them in the
-    config file's `deployments:` section, which Ray applies on top of the defaults here.
+    config file's `deployments:` section, which Ray applies on top of the defaults here. `extra_models` is
+    a list in the config file, or comma-separated on the command line.
     """
     types: dict[str, Any] = {f.name: f.type for f in fields(ServerConfig)}
     unknown = sorted(set(args) - set(types))
     if unknown:
         raise ValueError(f"unknown mnv3 server options {unknown}; known: {sorted(types)}")
+    if isinstance(args.get("extra_models"), str):
+        args = args | {"extra_models": [text for text in args["extra_models"].split(",") if text]}
     # Values from `serve run ... key=value` arrive as strings; the config file's are typed already.
     return build(ServerConfig(**{name: types[name](value) for name, value in args.items()}))
 

@@ -131,6 +131,32 @@ def test_more_cpus_than_the_machine_has_is_one_line_and_exit_2(fp32_model_path, 
     assert error.startswith("error: --replicas") and "lower --num-cpus" in error and error.count("\n") == 1
 
 
+def test_build_app_makes_every_model_path_absolute_and_keeps_names_and_backends(fp32_model_path, tmp_path, monkeypatch):
+    (tmp_path / "artifacts").mkdir()
+    for name in ("fp32.onnx", "class_names.json"):
+        (tmp_path / "artifacts" / name).symlink_to(fp32_model_path.parent / name)
+    monkeypatch.chdir(tmp_path)  # serve_config.yaml's paths are relative to where `serve run` runs
+    application = ray_serve.build_app(
+        {
+            "model": "int8=artifacts/fp32.onnx",
+            "extra_models": "ort=artifacts/fp32.onnx@onnxruntime,artifacts/fp32.onnx",
+        }
+    )
+    (config,) = application._bound_deployment.init_args  # what every replica is constructed with
+    folder = tmp_path / "artifacts"
+    assert [(spec.name, spec.path, spec.backend) for spec in config.models] == [
+        ("int8", folder / "fp32.onnx", None),
+        ("ort", folder / "fp32.onnx", "onnxruntime"),
+        ("fp32", folder / "fp32.onnx", None),
+    ]
+    listed = ray_serve.build_app({"model": "artifacts/fp32.onnx", "extra_models": ["b=artifacts/fp32.onnx"]})
+    (config,) = listed._bound_deployment.init_args  # a YAML list, as serve_config.yaml gives it
+    assert [(spec.name, spec.path) for spec in config.models] == [
+        ("fp32", folder / "fp32.onnx"),
+        ("b", folder / "fp32.onnx"),
+    ]
+
+
 def test_build_app_reads_the_key_file_once_and_the_replicas_app_is_protected(
     fp32_model_path, tmp_path, monkeypatch, capsys
 ):
