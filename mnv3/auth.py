@@ -95,7 +95,7 @@ class KeyFileError(ValueError):
 # ------------------------------------------------------------------------------------------- the rules
 
 GET = frozenset({"GET", "HEAD"})
-# (methods or None for any, path pattern, scope), first match wins; no match means admin.
+# (methods, path pattern, scope), first match wins; no match means admin.
 RULES = [
     (GET, re.compile(r"/(healthz|readyz)"), Scope.OPEN),
     (GET, re.compile(r"/v2/health/(live|ready)"), Scope.OPEN),
@@ -113,7 +113,7 @@ def required_scope(method: str, path: str) -> Scope:
     if any(segment in ("", ".", "..") for segment in path.split("/")[1:-1]) or path.endswith(("/.", "/..")):
         return Scope.ADMIN
     for methods, pattern, scope in RULES:
-        if (methods is None or method in methods) and pattern.fullmatch(path):
+        if method in methods and pattern.fullmatch(path):
             return scope
     return Scope.ADMIN
 

@@ -232,7 +232,9 @@ def add_model_stage_args(parser, artifacts_help: str):
 def add_load_args(parser, concurrency_help: str, requests_help: str):
     """What a load test drives: the model to serve, how many senders, how many requests."""
     parser.add_argument(
-        "--model", type=Path, help="ONNX model to serve (default: the static INT8 model stage 2 recorded)"
+        "--model",
+        type=Path,
+        help="model to serve, ONNX or an OpenVINO IR (default: the static INT8 model stage 2 recorded)",
     )
     parser.add_argument("--concurrency", type=positive_int, help=f"concurrent requests ({concurrency_help})")
     parser.add_argument("--requests", type=positive_int, help=f"requests per closed-loop run ({requests_help})")

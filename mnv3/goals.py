@@ -1,7 +1,8 @@
 """`python -m mnv3.goals`: the performance goals next to what the CSVs in results/ measured.
 
-Every goal is a ratio of two numbers measured on the same machine in the same `make bench` run, so
-it survives a noisy shared machine better than an absolute time. Writes results/goals.csv (and so a
+Every speed goal is a ratio of two numbers measured on the same machine in the same `make bench` run, so
+it survives a noisy shared machine better than an absolute time; the rest are sizes, agreement and SQNR,
+and the cache hit's round trip in ms. Writes results/goals.csv (and so a
 section of summary.md) and prints the table; a goal whose inputs are missing says which stage to run.
 """
 
@@ -104,7 +105,7 @@ def verdict(measured: float | None, comparison: str, target: float, rounds: list
         return (
             f"unreliable: the rounds of turns gave {' and '.join(f'{r:g}' for r in rounds)}, more than "
             f"{ROUND_SPREAD_TOLERANCE - 1:.0%} apart (the machine's speed moved) and not all meeting the goal; "
-            f"rerun `python batching_loadtest.py` on a quieter machine"
+            f"rerun `python {STAGE_SCRIPTS[stage]}` on a quieter machine"
         )
     return "yes" if meets(measured) else "no"
 

@@ -95,7 +95,7 @@ def interleaved_benchmark(runners: dict, images: np.ndarray, batch_size: int, ti
 
     Why a warm-up by time, not one call: after the settle's idle gap (and the previous model's turn) a
     model's first calls run markedly slower on a shared VM (cold caches, most likely), by an amount that
-    differs between engines (OpenVINO's INT8 more than onnxruntime's FP32). A turn of a dozen batch-1
+    differs between engines (OpenVINO's INT8 more than onnxruntime's FP32). A turn of a few batch-1
     calls after a single untimed one then times the recovery, not the steady state the warm-up is for.
     """
     single = images[:1]

@@ -31,7 +31,7 @@ from mnv3.runtime import DEFAULT_INTER_OP_THREADS
 from mnv3.thread_cpu import PREPROCESS, PREPROCESS_THREADS, cpu_seconds_by_role
 
 BATCH_SIZES = (1, 8, 16, 32, 64)
-# (ORT intra-op threads, decode threads): on 2 cores, each side gets one core, or shares both.
+# (engine intra-op threads, decode threads): on 2 cores, each side gets one core, or shares both.
 THREAD_SPLITS = ((1, 1), (2, 1), (1, 2), (2, 2))
 CONFIRM_PASSES = 4
 FINALISTS = 3  # the grid's fastest configurations, measured again in turns to choose the limit's
@@ -120,7 +120,7 @@ def limit_runner(
     opened as the server opens it, a pool of `decode_threads`, decoding as a server with `decoding` (its
     --jpeg-draft and --resize-crop-only) does; `warm_up` classified once, untimed (the engine allocates for
     its batch size)."""
-    # No spinning, as the server runs by default: decoding shares the cores with ORT here too.
+    # No spinning, as the server runs by default: decoding shares the cores with the engine here too.
     session = open_session(
         served.path,
         served.backend,

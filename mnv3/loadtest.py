@@ -47,7 +47,7 @@ from mnv3.latency import LatencyStats
 from mnv3.preprocess import DEFAULT_DECODING, Decoding
 from mnv3.thread_cpu import ROLES
 
-START_TIMEOUT_S = 120  # loading + warming an ORT session on a busy 2-core machine can take a while
+START_TIMEOUT_S = 120  # loading + warming an engine on a busy 2-core machine can take a while
 STOP_TIMEOUT_S = 15
 REQUEST_TIMEOUT_S = 60
 READY_POLL_S = 0.1
@@ -606,7 +606,7 @@ def metrics_row(metrics: dict) -> dict:
 
 
 def warm_up(base_url: str, bodies: list, concurrency: int, client=PredictClient) -> None:
-    """One untimed round at `concurrency`: connections open, and ORT has met the batch sizes this load
+    """One untimed round at `concurrency`: connections open, and the engine has met the batch sizes this load
     makes, so a timed run measures the steady state and a server measured first is not at a disadvantage.
     Only for a server whose cache is off: with it on, these bodies would be hits afterwards. `client(base_url)`
     makes the sender (default: POST /predict)."""

@@ -23,7 +23,7 @@ from torchvision.models import (
 )
 
 from mnv3.artifacts import INPUT_NAME, OUTPUT_NAME, STAND_IN_PROVENANCE
-from mnv3.preprocess import DEFAULT_PREPROCESSING, Preprocessing
+from mnv3.preprocess import DEFAULT_PREPROCESSING, Preprocessing, preprocess_batch
 
 ARCHS = {"mobilenet_v3_large": mobilenet_v3_large, "mobilenet_v3_small": mobilenet_v3_small}
 DEFAULT_ARCH = "mobilenet_v3_large"
@@ -283,8 +283,6 @@ def recalibrate_batchnorm(
     by layer until the logits are ~1e-10 and INT8 comparisons mean nothing. Real statistics give the
     stand-in network activation ranges like a trained one's. Used only for `random-init`.
     """
-    from mnv3.preprocess import preprocess_batch
-
     batch_norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
     for bn in batch_norms:
         bn.reset_running_stats()
@@ -313,16 +311,16 @@ def export_max_abs_diff(model: torch.nn.Module, onnx_run, batches) -> float:
     return max(float(abs(onnx_run(batch) - torch_run(batch)).max()) for batch in batches)
 
 
-def check_export(model: torch.nn.Module, onnx_run, images) -> float:
-    """`export_max_abs_diff` at each EXPORT_CHECK_BATCHES size of `images`; over EXPORT_TOLERANCE (scaled by
-    the largest |logit| when that is above 1) it raises: a wrong export is a bug, never shipped."""
-    batches = [images[:n] for n in EXPORT_CHECK_BATCHES]
+def check_export(model: torch.nn.Module, onnx_run, images, batch_sizes=EXPORT_CHECK_BATCHES) -> float:
+    """`export_max_abs_diff` at each of `batch_sizes` of `images`; over EXPORT_TOLERANCE (scaled by the largest
+    |logit| when that is above 1) it raises: a wrong export is a bug, never shipped."""
+    batches = [images[:n] for n in batch_sizes]
     diff = export_max_abs_diff(model, onnx_run, batches)
     tolerance = EXPORT_TOLERANCE * max(1.0, max(float(abs(onnx_run(batch)).max()) for batch in batches))
     if diff > tolerance:
         raise RuntimeError(
             f"ONNX export differs from PyTorch by {diff:.2e} > {tolerance:.2e} "
-            f"(max abs logit, batches {EXPORT_CHECK_BATCHES}): the export is wrong, not shipping it"
+            f"(max abs logit, batches {tuple(batch_sizes)}): the export is wrong, not shipping it"
         )
     return diff
 

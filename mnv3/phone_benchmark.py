@@ -47,7 +47,7 @@ class PhonePlan:
     concurrency: int
     requests: int
     decode_rounds: int
-    server_options: dict  # the batching server's flags; jpeg_draft is set here
+    server_options: dict  # the batching server's flags but jpeg_draft, which run_phone_benchmark sets
     start_timeout_s: float
 
 

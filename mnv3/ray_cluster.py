@@ -679,11 +679,13 @@ BENCH_AUTOSCALING = {
     "look_back_period_s": 5,
 }
 SCALE_TIMEOUT_S = 180  # each phase of the ramp waits this long at most for the replica count it expects
+LOW_PHASE_S = 10  # the ramp's first phase, one client on the one replica, lasts at least this long
 
 
 def bench_autoscale(args) -> list[dict]:
-    """A load ramp on a 2-node cluster: one client until 1 replica runs, `concurrency` clients until Ray has
-    scaled to 2, then none until it is back to 1. Every change of the replica count is a timestamped row."""
+    """A load ramp on a 2-node cluster: one client for LOW_PHASE_S on the one replica, `concurrency` clients
+    until Ray has scaled to 2, then none until it is back to 1. Every change of the replica count is a
+    timestamped row."""
     bodies = load_images(args.images, seed=13)
     port = free_port()
     with LocalCluster(nodes=2, cpus_per_node=1) as cluster:
@@ -711,7 +713,9 @@ def bench_autoscale(args) -> list[dict]:
                 print(f"{start - origin:6.1f} s  {phase}: {clients} clients, until {target} replica(s)", flush=True)
                 with RecordingClient(f"http://127.0.0.1:{port}", args.deadline_s) as send:
                     if clients:
-                        closed_loop_until(send, bodies, clients, reached(target, start + (phase == "low") * 10))
+                        closed_loop_until(
+                            send, bodies, clients, reached(target, start + (phase == "low") * LOW_PHASE_S)
+                        )
                     else:
                         wait_until(reached(target, start))
     rows = []
@@ -753,7 +757,9 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     )
     cli.add_common_args(parser, "where stages 1-2 wrote models")
     parser.add_argument(
-        "--model", type=Path, help="ONNX model to serve (default: the static INT8 model stage 2 recorded)"
+        "--model",
+        type=Path,
+        help="model to serve, ONNX or an OpenVINO IR (default: the static INT8 model stage 2 recorded)",
     )
     parser.add_argument(
         "--bench-loss",

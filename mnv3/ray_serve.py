@@ -1,4 +1,4 @@
-"""Optional: the same FastAPI app as a Ray Serve application, one batcher, cache and ORT session per replica.
+"""Optional: the same FastAPI app as a Ray Serve application, one batcher, cache and engine per replica.
 
     python -m mnv3.ray_serve --model artifacts/static_int8.onnx --replicas 2     # a local, loopback-only cluster
     serve run serve_config.yaml                                                 # or `serve deploy` to a cluster
@@ -192,7 +192,8 @@ class RetryLostReplica:
     replica before sending, and picks another when that replica is dead). A request already on a replica
     that then dies gets no answer; Ray does not resend it, because it cannot know whether resending is
     safe. Here it is: POST /predict is a pure function of the upload. So the body is kept as the proxy
-    reads it (up to the app's upload limit) and, if no response started, replayed once to another replica.
+    reads it (up to the default --max-upload-bytes: the proxy cannot know the app's) and, if no response
+    started, replayed once to another replica.
     """
 
     def __init__(self, app, max_body_bytes: int = ServerConfig.max_upload_bytes):
@@ -246,7 +247,7 @@ class RetryLostReplica:
 
 
 class ImageRoutingKey:
-    """ASGI middleware for Ray's proxy: reads a request's body first (up to the app's upload limit) and puts
+    """ASGI middleware for Ray's proxy: reads a request's body first (up to the default --max-upload-bytes) and puts
     a hash of the image in ROUTING_KEY_HEADER, for ImageAffinityRouter. A raw image body's hash is the
     cache's own key; a multipart body is hashed without its boundary, which changes from request to
     request, so the same file sent the same way gets the same key. Larger bodies pass through unkeyed."""
@@ -452,7 +453,8 @@ def get_args_parser():
         prog="python -m mnv3.ray_serve",
         description="Serve the mnv3 app with Ray Serve (a local cluster on 127.0.0.1, or --address), or --bench it.",
         epilog="Every `python -m mnv3.server` flag is accepted too (--cache-size, --max-batch-size, ...); "
-        "--host/--port are where Ray's HTTP proxy listens. ORT and preprocess threads per replica = --num-cpus.",
+        "--host/--port are where Ray's HTTP proxy listens. Engine and preprocess threads per replica = --num-cpus "
+        "(rounded down, at least 1).",
     )
     cli.add_common_args(parser, "where stages 1-2 wrote models")
     cli.add_load_args(

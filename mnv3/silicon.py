@@ -24,7 +24,7 @@ GEMM_CALLS = 5  # a timed burst; the best of GEMM_BURSTS bursts counts, as other
 GEMM_BURSTS = 5
 # Untimed calls first, by time (not one call): after its compile's idle gap a model's first calls run markedly
 # slower on a shared VM (as in mnv3.latency), for longer than all the bursts take, so with a single untimed
-# call every burst could land in that recovery and the peak come out at about half.
+# call every burst could land in that recovery and the peak come out far too low.
 GEMM_WARMUP_S = 0.2
 PEAK_PRECISIONS = ("f32", "bf16", "int8")
 
