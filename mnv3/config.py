@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass, field, fields
 from functools import cached_property
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 from mnv3.auth import GRAMMAR as KEY_FILE_GRAMMAR
 from mnv3.engine import BACKEND_CHOICES
@@ -238,10 +238,18 @@ class ServerConfig:
         return self.max_request_images or self.max_batch_size
 
 
-def parse_args(argv=None, environ=os.environ) -> ServerConfig:
-    parser = argparse.ArgumentParser(
-        prog=PROG,
-        description="Serve an ONNX MobileNetV3 classifier over HTTP.",
+class OneLineErrors(argparse.ArgumentParser):
+    """Its errors are one line, `PROG: error: ...`, exit 2: the usage block of two dozen flags would bury it."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def parse_args(argv=None, environ=os.environ, prog: str = PROG) -> ServerConfig:
+    """The server's settings from `argv` (flags) and `environ` (MNV3_<FLAG>); `prog` begins its errors."""
+    parser = OneLineErrors(
+        prog=prog,
+        description="Serve a MobileNetV3 classifier (ONNX, or an OpenVINO IR) over HTTP.",
         epilog="Each flag can also be set as MNV3_<FLAG> (e.g. MNV3_CACHE_SIZE=0); the flag wins.",
     )
     from_environment = {}  # setting -> (its type, its variable's text), read below for settings no flag gives

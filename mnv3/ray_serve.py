@@ -43,6 +43,7 @@ from mnv3.errors import RETRY_AFTER_S
 from mnv3.photos import load_images
 
 logger = logging.getLogger("ray.serve")  # in Ray's proxy: its log files
+PROG = "python -m mnv3.ray_serve"  # how its errors begin, the server flags' too
 APP_NAME = "mnv3"
 REPLICA_HEADER = "x-mnv3-replica"  # which replica answered: lets a client (and the test) see the spread
 RETRIED_HEADER = "x-mnv3-retried"  # set on an answer that took a second try after its replica was lost
@@ -450,7 +451,7 @@ def bench(model: Path, provenance: str, results_dir: Path, concurrency: int, cou
 
 def get_args_parser():
     parser = argparse.ArgumentParser(
-        prog="python -m mnv3.ray_serve",
+        prog=PROG,
         description="Serve the mnv3 app with Ray Serve (a local cluster on 127.0.0.1, or --address), or --bench it.",
         epilog="Every `python -m mnv3.server` flag is accepted too (--cache-size, --max-batch-size, ...); "
         "--host/--port are where Ray's HTTP proxy listens. Engine and preprocess threads per replica = --num-cpus "
@@ -501,7 +502,7 @@ def parse_args(argv=None):
 def server_config(args) -> ServerConfig:
     """The replicas' ServerConfig from --model (or stage 2's) and the server flags."""
     model, _ = cli.serving_model(args)
-    config = parse_server_args(["--model", str(model), *args.server_flags])
+    config = parse_server_args(["--model", str(model), *args.server_flags], prog=PROG)
     if not (args.address or args.bench) and args.replicas * args.num_cpus > os.cpu_count():
         # Ray would wait forever for CPUs this machine does not have.
         raise cli.UsageError(
@@ -550,7 +551,9 @@ def serve_forever(args, config: ServerConfig) -> None:
             stop_local_cluster()
 
 
-def main(args) -> int:
+def main(args=None) -> int:
+    """`args` from parse_args; the command line's without (the `mnv3-ray-serve` command calls it so)."""
+    args = parse_args() if args is None else args
     config = cli.run_stage(server_config, args)
     if args.bench:
         cli.fill_unset(args, concurrency=cli.defaults(args).ray_bench_concurrency)
@@ -565,4 +568,4 @@ def main(args) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(parse_args()))
+    sys.exit(main())

@@ -101,3 +101,18 @@ def test_a_missing_input_names_the_command_with_the_folders_given(tmp_path):
     with pytest.raises(MissingArtifact) as elsewhere:  # `make run` would write to the default folders instead
         require(tmp_path / "none.onnx", 2, tmp_path / "a", "results")
     assert str(elsewhere.value).endswith(f"Run `python static_quantization.py --artifacts-dir {tmp_path / 'a'}` first.")
+
+
+def test_every_installed_command_runs_as_its_wrapper_calls_it(monkeypatch, capsys):
+    """pip's wrapper for a [project.scripts] entry calls the function with no arguments."""
+    from importlib.metadata import entry_points
+
+    commands = [ep for ep in entry_points(group="console_scripts") if ep.value.startswith("mnv3.")]
+    assert {ep.name for ep in commands} == {"mnv3-serve", "mnv3-ray-serve"}
+    for command in commands:
+        if command.name == "mnv3-ray-serve":
+            pytest.importorskip("ray", reason="Ray Serve is optional: pip install -r requirements-ray.txt")
+        monkeypatch.setattr("sys.argv", [command.name, "--help"])
+        with pytest.raises(SystemExit) as exit:
+            command.load()()
+        assert exit.value.code == 0 and capsys.readouterr().out.startswith("usage: "), command.name

@@ -90,6 +90,18 @@ def test_a_duration_that_is_not_a_finite_number_is_refused(setting, value, capsy
     assert capsys.readouterr().err.splitlines()[-1].endswith(f"{flag(setting)} must be a finite number, got {value}")
 
 
+def test_a_bad_flag_is_one_line_naming_it_without_the_usage_block(capsys):
+    for argv in (["--cache-size", "-1"], ["--cache-size", "abc"], ["--bogus", "1"]):
+        with pytest.raises(SystemExit) as exit:
+            parse_args(["--model", "a.onnx", *argv], environ={})
+        error = capsys.readouterr().err
+        assert exit.value.code == 2 and error.count("\n") == 1 and error.startswith("python -m mnv3.server: error: ")
+        assert argv[0] in error
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "a.onnx", "--cache-size", "-1"], environ={}, prog="python -m mnv3.ray_serve")
+    assert capsys.readouterr().err.startswith("python -m mnv3.ray_serve: error: --cache-size must be at least 0")
+
+
 def test_an_error_names_the_variable_when_no_flag_gave_the_value(capsys):
     def error(argv, environ) -> str:
         with pytest.raises(SystemExit):
