@@ -16,6 +16,7 @@ import asyncio
 import gc
 import logging
 import signal
+import socket
 import sys
 import time
 from contextlib import asynccontextmanager
@@ -377,12 +378,30 @@ def settle_garbage_collector() -> None:
     gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
 
 
+class CannotListen(OSError):
+    """--host/--port cannot be listened on (a port in use, a host that is not this machine's)."""
+
+
+def check_can_listen(host: str, port: int) -> None:
+    """Bind (host, port) as uvicorn will, then let go, or raise CannotListen: before the models load, so a port
+    in use is a one-line error at once rather than uvicorn's, after every model has loaded and warmed up."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+            probe.bind(address)
+    except OSError as exc:  # socket.gaierror too: a host that does not resolve
+        reason = exc.strerror or str(exc)
+        raise CannotListen(f"cannot listen on {host}:{port}: {reason}; pick another --port (or --host)") from None
+
+
 def main(argv=None) -> None:
     config = parse_args(argv)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:  # before binding the port: a bad model or key file is a one-line error, exit 2
+    try:  # before serving: a busy port, a bad model or key file is a one-line error, exit 2
+        check_can_listen(config.host, config.port)
         app = create_app(config, *load_engines(config))
-    except (ModelLoadError, KeyFileError) as exc:
+    except (CannotListen, ModelLoadError, KeyFileError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     # Here, not in create_app: uvicorn cancels a request only at shutdown, while Ray Serve's replicas, which

@@ -160,7 +160,7 @@ def test_a_bad_key_file_is_one_line_and_exit_2_before_binding(fp32_model_path, t
     with pytest.raises(KeyFileError, match=f"^{re.escape(str(bad))}:2: a key must have 16"):
         create_app(ServerConfig(model=fp32_model_path, api_keys=str(bad)))
     with pytest.raises(SystemExit) as exit_info:
-        server.main(["--model", str(fp32_model_path), "--api-keys", str(bad), "--port", "1"])  # port 1: never bound
+        server.main(["--model", str(fp32_model_path), "--api-keys", str(bad), "--port", "0"])  # never bound
     assert exit_info.value.code == 2
     error = capsys.readouterr().err
     assert error.startswith(f"python -m mnv3.server: error: {bad}:2: ") and "python -m mnv3.auth" in error

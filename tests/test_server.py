@@ -2,6 +2,7 @@
 
 import io
 import json
+import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -271,6 +272,20 @@ def test_missing_model_exits_2_with_one_line(tmp_path):
     result = run_server("--model", str(tmp_path / "nonexistent.onnx"), "--port", "0")
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "not found" in result.stderr
+
+
+def test_a_port_in_use_exits_2_with_one_line_before_loading_the_models(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        # a missing model would be its own error: the port is checked first, before any model loads
+        result = run_server("--model", str(tmp_path / "nonexistent.onnx"), "--port", str(port))
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        f"python -m mnv3.server: error: cannot listen on 127.0.0.1:{port}: Address already in use; "
+        "pick another --port (or --host)"
+    )
 
 
 def test_a_folder_as_the_model_exits_2_naming_the_model_files_in_it(tmp_path):
