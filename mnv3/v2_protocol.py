@@ -16,8 +16,9 @@ Both are `optional` in the model config: that is how a Triton config says "not e
 and `perf_analyzer` then sends only the inputs its data file provides.
 
 The one output is `PROBABILITIES`, FP32 [N, classes]; Triton's classification extension
-(`"parameters": {"classification": k}`) returns it as BYTES [N, k] of `"probability:index[:label]"`,
-most probable first, the probability printed as C++'s std::to_string prints a float (6 decimals).
+(`"parameters": {"classification": k}` on the requested output) returns it as BYTES [N, k] of
+`"probability:index[:label]"`, most probable first, the probability printed as C++'s std::to_string
+prints a float (6 decimals).
 """
 
 import base64
@@ -132,6 +133,11 @@ def parse_infer_request(body: bytes, header_length: str | None, model: ModelDesc
         raise _bad('"id" must be a string')
     parameters = _object(header.get("parameters", {}), '"parameters"')
     binary_output = _flag(parameters.get("binary_data_output", False), '"parameters.binary_data_output"')
+    if "classification" in parameters:  # answered with the whole tensor, it would look ignored
+        raise _bad(
+            'classification is a parameter of the requested output, not of the request: "outputs": '
+            f'[{{"name": "{PROBABILITIES_OUTPUT}", "parameters": {{"classification": k}}}}]'
+        )
 
     tensor = _the_one_input(header.get("inputs"))
     name, shape = _name_and_shape(tensor)

@@ -426,6 +426,10 @@ BAD_REQUESTS = {
         'neither "data" nor',
     ),
     "deeply nested header": (lambda: (b"[" * 100_000 + b"]" * 100_000, None), "not JSON"),
+    "classification on the request": (  # answered with the whole tensor, it looked ignored
+        lambda: json_request(_BASE64_IMAGE, parameters={"classification": 3}),
+        'classification is a parameter of the requested output, not of the request: "outputs": [{"name"',
+    ),
 }
 
 
