@@ -114,7 +114,11 @@ class Engine:
                 + (f" ({', '.join(models)})" if models else f" (it holds no {' or '.join(MODEL_SUFFIXES)} file)")
             )
         if not path.is_file():
-            raise ModelLoadError(f"model file {path} not found")
+            name, equals, rest = str(path).partition("=")
+            hint = (  # NAME=PATH whose NAME has a '/' reads as one path (config.ModelSpec.parse)
+                f"; if {name!r} is its name, a model name cannot contain '/'" if equals and Path(rest).is_file() else ""
+            )
+            raise ModelLoadError(f"model file {path} not found{hint}")
         choice = resolve_auto(path) if backend == AUTO else explicit(path, backend)
         path, backend, precision = choice.path, choice.backend, choice.precision
         if path.suffix == OPENVINO_IR_SUFFIX and backend != "openvino":
@@ -289,10 +293,13 @@ def _check_input(path, inputs, max_batch_size: int, input_shape: tuple[int, int,
     shape = inputs[0].shape
     if len(shape) != 4 or tuple(shape[1:]) != input_shape:
         expected = ", ".join(map(str, input_shape))
-        raise ModelLoadError(
-            f"{path} takes input of shape {shape}; expected [batch, {expected}] as the preprocessing "
-            "in the manifest beside it (else torchvision's) gives"
+        beside = Path(path).parent / MANIFEST_JSON
+        source = (
+            f"the preprocessing in {beside} gives"
+            if beside.exists()
+            else f"torchvision's preprocessing gives, with no {MANIFEST_JSON} beside it (copy stage 1's there)"
         )
+        raise ModelLoadError(f"{path} takes input of shape {shape}; expected [batch, {expected}] as {source}")
     # A fixed batch axis runs only batches of exactly that size; batch 1 still serves without batching.
     if isinstance(shape[0], int) and (shape[0], max_batch_size) != (1, 1):
         raise ModelLoadError(

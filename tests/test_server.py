@@ -288,6 +288,12 @@ def test_a_port_in_use_exits_2_with_one_line_before_loading_the_models(tmp_path)
     )
 
 
+def test_a_model_name_with_a_slash_is_named_as_the_problem(fp32_model_path):
+    result = run_server("--model", f"bad/name={fp32_model_path}", "--port", "0")
+    assert result.returncode == 2 and result.stderr.strip().count("\n") == 0
+    assert result.stderr.strip().endswith("not found; if 'bad/name' is its name, a model name cannot contain '/'")
+
+
 def test_a_folder_as_the_model_exits_2_naming_the_model_files_in_it(tmp_path):
     (tmp_path / "fp32.onnx").write_bytes(b"")
     (tmp_path / "manifest.json").write_text("{}")
@@ -322,6 +328,8 @@ def test_wrong_input_shape_exits_2_with_one_line(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "expected [batch, 3, 224, 224]" in result.stderr
     assert "Uvicorn running" not in result.stderr + result.stdout  # refused before the port was bound
+    # a model copied without its manifest: the error says so, and what to copy
+    assert "with no manifest.json beside it (copy stage 1's there)" in result.stderr
 
 
 def test_flags_override_environment():
