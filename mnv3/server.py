@@ -15,6 +15,7 @@ With `--api-keys FILE`, `mnv3.auth` lets a request in only with a key of the sco
 import asyncio
 import gc
 import logging
+import resource
 import signal
 import socket
 import sys
@@ -28,11 +29,13 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mnv3.api_docs import docs_router
 from mnv3.auth import ApiKeyAuth, KeyFileError, exposure_warning, load_key_file, route_path
 from mnv3.batcher import ShuttingDown
 from mnv3.config import PROG, ModelSpec, ServerConfig, parse_args
+from mnv3.connections import BoundedHeadProtocol
 from mnv3.engine import Engine, ModelLoadError, Prediction
 from mnv3.errors import ACCESS_REFUSALS, ERROR_DOCS, ERRORS, body_for_path, error_response
 from mnv3.page import page_router
@@ -318,6 +321,7 @@ def create_app(config: ServerConfig, *engines: Engine) -> FastAPI:
     for exc_type in ERRORS:
         app.add_exception_handler(exc_type, reject)
     app.add_exception_handler(StarletteHTTPException, http_error_in_shape)
+    app.add_middleware(HeadAsGet)
     app.add_middleware(CloseUnreadBody, limit=config.max_upload_bytes)
     if config.api_keys:
         app.add_middleware(
@@ -326,6 +330,20 @@ def create_app(config: ServerConfig, *engines: Engine) -> FastAPI:
             on_refusal=lambda status: app.state.serving.metrics.rejections.labels(ACCESS_REFUSALS[status]).inc(),
         )
     return app
+
+
+class HeadAsGet:
+    """A HEAD request is answered as its GET, without the body (RFC 9110: a server that supports GET supports
+    HEAD), where FastAPI's GET routes answer 405: uptime checks and load balancers probe with HEAD, as
+    `curl -I` does. The app sees a GET; uvicorn, which keeps the request's own method, sends no body."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "HEAD":
+            scope = {**scope, "method": "GET"}
+        await self.app(scope, receive, send)
 
 
 class AnswerCancelledAtShutdown:
@@ -395,9 +413,28 @@ def check_can_listen(host: str, port: int) -> None:
         raise CannotListen(f"cannot listen on {host}:{port}: {reason}; pick another --port (or --host)") from None
 
 
+MAX_OPEN_FILES = 65_536  # what raise_open_file_limit asks for when the hard limit is unlimited
+
+
+def raise_open_file_limit() -> None:
+    """The soft limit on open files up to the hard one, as far as the kernel allows: every connection is a file
+    descriptor, and a soft limit of 1024 (a common default) would refuse connections long before memory or
+    CPU run out."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = hard if hard != resource.RLIM_INFINITY else MAX_OPEN_FILES
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (min(wanted, MAX_OPEN_FILES), hard))
+        except (ValueError, OSError) as exc:  # e.g. above the kernel's nr_open: keep the soft limit
+            log.warning("open-file limit stays %d: %s", soft, exc)
+
+
 def main(argv=None) -> None:
     config = parse_args(argv)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # uvicorn re-raises the SIGTERM it shut down gracefully on; a requested, completed stop is a success, and
+    # so is one while the models load.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:  # before serving: a busy port, a bad model or key file is a one-line error, exit 2
         check_can_listen(config.host, config.port)
         app = create_app(config, *load_engines(config))
@@ -409,13 +446,13 @@ def main(argv=None) -> None:
     app.add_middleware(AnswerCancelledAtShutdown)
     if not config.api_keys and (warning := exposure_warning(config.host)):
         log.warning("WARNING: %s", warning)
-    # uvicorn re-raises the SIGTERM it shut down gracefully on; a requested, completed stop is a success.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    raise_open_file_limit()
     settle_garbage_collector()
     uvicorn.run(
         app,
         host=config.host,
         port=config.port,
+        http=BoundedHeadProtocol,  # a request's head bounded in size and time (mnv3.connections)
         log_level=config.log_level,
         # typed int, but uvicorn waits with asyncio.wait_for, which takes a float
         timeout_graceful_shutdown=config.shutdown_timeout_s,  # type: ignore[arg-type]

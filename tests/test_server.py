@@ -113,6 +113,15 @@ def test_bad_input_is_a_clear_4xx_and_the_server_keeps_serving(client, images, s
     assert post_file(client, images[3]).status_code == 200
 
 
+def test_head_answers_as_get_on_every_get_endpoint(client):
+    # uptime checks and load balancers probe with HEAD (curl -I too); FastAPI's GET routes answered 405
+    for path in ("/healthz", "/readyz", "/model", "/models", "/metrics", "/stats", "/", "/v2", "/v2/health/ready"):
+        head, get = client.head(path), client.get(path)
+        assert head.status_code == get.status_code == 200, path
+        assert head.headers.get("content-type") == get.headers.get("content-type"), path
+    assert client.head("/predict").status_code == 405  # a POST route stays one
+
+
 def test_operational_endpoints(client, fp32_model_path):
     assert client.get("/healthz").json() == {"status": "ok"}
     assert client.get("/readyz").json() == {"status": "ready"}

@@ -1,0 +1,91 @@
+"""What a connection may cost before its request is known: the HTTP protocol the server runs under uvicorn.
+
+uvicorn's httptools protocol bounds neither the size of a request's head (request line and headers) nor the
+time it takes to arrive: one client sending a 100 MB header held the event loop for seconds, stalling every
+other client, and grew the process by the header's size; a connection that sends nothing, or a head a line
+every few seconds, was held open for good, each one a file descriptor until the process had none left.
+`BoundedHeadProtocol` is that protocol with both bounds:
+
+- a head over MAX_HEAD_BYTES is answered 431 and the connection closed, before the parser buffers more;
+- a head not complete HEAD_TIMEOUT_S after its first byte (or after the connection opened, for the first)
+  is answered 408 and the connection closed. Between requests uvicorn's keep-alive timeout applies as before.
+
+Both answers are `{"detail": ...}` as every other refusal of the server. Bodies are bounded elsewhere
+(`mnv3.uploads`: --max-upload-bytes, --body-timeout-s). How many connections a process holds at once is the
+file-descriptor limit's to bound (the server raises its soft limit to the hard one); a server facing the
+open internet belongs behind a proxy that limits connections per client.
+"""
+
+import asyncio
+import json
+import logging
+
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+# Far above any real head (browsers and HTTP clients send a few KB; nginx's default limit is 32 KB) and above
+# one read of the socket (256 KB), so counting whole reads never refuses a real head.
+MAX_HEAD_BYTES = 1024 * 1024
+HEAD_TIMEOUT_S = 10.0
+
+log = logging.getLogger("uvicorn.error")
+
+
+class BoundedHeadProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with a bound on a request head's size and on the time it takes to arrive."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self.head_bytes = 0
+        self.reading_head = True  # the first request's head; a connection that sends nothing times out too
+        self.head_timer: asyncio.TimerHandle | None = self.loop.call_later(HEAD_TIMEOUT_S, self.head_timed_out)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.stop_head_timer()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self.reading_head and self.head_timer is None:
+            self.head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self.head_timed_out)
+        super().data_received(data)
+        # Still in a head after the whole read: it all counts (a read that ended the last request and began
+        # this head counts whole, which MAX_HEAD_BYTES leaves room for).
+        if self.reading_head and not self.transport.is_closing():
+            self.head_bytes += len(data)
+            if self.head_bytes > MAX_HEAD_BYTES:
+                self.refuse(431, f"the request's headers are over {MAX_HEAD_BYTES} bytes")
+
+    def on_headers_complete(self) -> None:
+        self.reading_head, self.head_bytes = False, 0
+        self.stop_head_timer()
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self.reading_head = True  # the next request's head, timed from its first byte
+
+    def head_timed_out(self) -> None:
+        self.head_timer = None
+        if self.reading_head and not self.transport.is_closing():
+            self.refuse(408, f"the request's headers did not arrive within {HEAD_TIMEOUT_S:g} s")
+
+    def stop_head_timer(self) -> None:
+        if self.head_timer is not None:
+            self.head_timer.cancel()
+            self.head_timer = None
+
+    def refuse(self, status: int, detail: str) -> None:
+        """Answer `status` and close, unless an answer to an earlier request on the connection is still being
+        written (a pipelined head): then only close once it is done."""
+        self.stop_head_timer()
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.cycle.keep_alive = False
+            self.flow.pause_reading()
+            return
+        log.warning("%s: %s; closing the connection", status, detail)
+        body = json.dumps({"detail": detail}).encode()
+        self.transport.write(
+            STATUS_LINE[status]
+            + b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(body)
+            + body
+        )
+        self.transport.close()

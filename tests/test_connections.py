@@ -1,0 +1,98 @@
+"""The server's HTTP protocol bounds a request head's size and the time it takes to arrive (mnv3.connections);
+HEAD is answered as GET without a body. A real uvicorn with the protocol `python -m mnv3.server` runs."""
+
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import pytest
+import requests
+import uvicorn
+from fastapi import FastAPI
+
+from conftest import WAIT_S, wait_until
+from mnv3 import connections
+from mnv3.loadtest import free_port
+from mnv3.server import HeadAsGet
+
+pytestmark = pytest.mark.integration
+
+
+@contextmanager
+def bounded_server(monkeypatch, head_timeout_s: float = 0.5):
+    monkeypatch.setattr(connections, "HEAD_TIMEOUT_S", head_timeout_s)
+    app = FastAPI()
+    app.add_middleware(HeadAsGet)
+
+    @app.get("/healthz")
+    async def healthz():
+        return {"status": "ok"}
+
+    port = free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", http=connections.BoundedHeadProtocol)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="uvicorn")
+    thread.start()
+    try:
+        wait_until(lambda: server.started, "the server to start")
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(WAIT_S)
+
+
+def answer(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    received = b""
+    try:
+        while chunk := sock.recv(65536):
+            received += chunk
+    except ConnectionResetError:  # closed with our unsent head still arriving
+        pass
+    return received
+
+
+def test_a_head_over_the_limit_is_a_431_and_the_connection_closes(monkeypatch):
+    with bounded_server(monkeypatch) as port, socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: ")
+        try:
+            for _ in range(2 * connections.MAX_HEAD_BYTES // 65536):
+                sock.sendall(b"a" * 65536)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # refused before the client was done: what the bound is for
+        response = answer(sock)
+    assert response.startswith(b"HTTP/1.1 431 ") and b"connection: close" in response
+    assert response.endswith(b'{"detail": "the request\'s headers are over 1048576 bytes"}')
+
+
+def test_a_head_that_does_not_arrive_in_time_is_a_408_idle_or_trickled(monkeypatch):
+    with bounded_server(monkeypatch) as port:
+        with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as idle:  # opened, nothing sent
+            start = time.monotonic()
+            response = answer(idle)
+        assert response.startswith(b"HTTP/1.1 408 ") and b"did not arrive within 0.5 s" in response
+        assert time.monotonic() - start < WAIT_S / 2
+        with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as trickled:
+            trickled.sendall(b"GET /healthz HTTP/1.1\r\n")
+            try:
+                for i in range(20):  # a header line every 0.1 s: each resets no timer
+                    time.sleep(0.1)
+                    trickled.sendall(f"X-{i}: y\r\n".encode())
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+            response = answer(trickled)
+        assert response.startswith(b"HTTP/1.1 408 "), response
+
+
+def test_requests_within_the_bounds_are_served_and_keep_their_connection(monkeypatch):
+    with bounded_server(monkeypatch) as port, socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
+        time.sleep(1)  # longer than the head timeout between requests: uvicorn's keep-alive applies there
+        large = b"b" * (connections.MAX_HEAD_BYTES // 2)  # a large head, within the bound
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Mid: " + large + b"\r\n\r\n")
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
+        head = requests.head(f"http://127.0.0.1:{port}/healthz", timeout=WAIT_S)
+    # HEAD answers as GET does, with no body
+    assert head.status_code == 200 and head.headers["content-length"] == "15" and head.content == b""
