@@ -71,4 +71,4 @@ bench: $(EXTRAS_STAMP)
 	$(PY) -m mnv3.goals
 
 clean:
-	rm -rf artifacts calibration_images/generated_*
+	rm -rf artifacts calibration_images/generated_[0-9][0-9][0-9][0-9]*.jpg

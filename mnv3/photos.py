@@ -9,6 +9,7 @@ held-out images come from disjoint source photos, so accuracy is never measured 
 
 import io
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 from importlib.resources import files
 from pathlib import Path
@@ -98,27 +99,36 @@ def held_out_images(count: int = 64, seed: int = 1) -> list[Image.Image]:
 
 def list_images(folder, recursive: bool = False) -> list[Path]:
     """The images in `folder` (and, if `recursive`, in the folders within it, symbolic links followed as
-    ImageFolder follows them), in path order."""
+    ImageFolder follows them, each folder once: a link back up the tree is not a loop), in path order."""
     if recursive:
-        paths = [Path(top) / name for top, _, files in os.walk(folder, followlinks=True) for name in files]
+        paths, seen = [], set()
+        for top, folders, files in os.walk(folder, followlinks=True):
+            real = os.path.realpath(top)
+            if real in seen:  # reached again through a link: walked already
+                folders.clear()
+                continue
+            seen.add(real)
+            paths += [Path(top) / name for name in files]
     else:
         paths = list(Path(folder).iterdir())
     return sorted(p for p in paths if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
 
 
 GENERATED_PREFIX = "generated_"  # the calibration photos fill_calibration_dir writes (git-ignored)
+GENERATED_NAME = re.compile(rf"{GENERATED_PREFIX}\d{{4,}}\.jpg")  # exactly the names it writes
 
 
 def is_generated(path) -> bool:
-    """Whether `path` is a calibration photo fill_calibration_dir wrote, not one a user put there."""
-    return Path(path).name.startswith(GENERATED_PREFIX)
+    """Whether `path` is a calibration photo fill_calibration_dir wrote (generated_0000.jpg, ...), not one a
+    user put there, whatever the user's is called (generated_by_sdxl_001.png is the user's)."""
+    return GENERATED_NAME.fullmatch(Path(path).name) is not None
 
 
 def fill_calibration_dir(folder, count: int = 200, seed: int = 0) -> list[Path]:
     """Return the images in the folder and the folders within it (a dataset's folder per class); if there
     are none, first write `count` generated ones into it.
 
-    Images a user put there are used as they are. Generated files are named generated_*.jpg (git-ignored).
+    Images a user put there are used as they are. Generated files are named generated_0000.jpg, ... (git-ignored).
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

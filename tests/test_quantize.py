@@ -13,7 +13,7 @@ from PIL import Image
 from mnv3 import quantize
 from mnv3.accuracy import UnreadableLabels, agreement, labelled_summary, load_labels, sqnr_db, true_accuracy
 from mnv3.graph_rewrites import GRAPH_REWRITES
-from mnv3.photos import fill_calibration_dir, held_out_images
+from mnv3.photos import fill_calibration_dir, held_out_images, list_images
 from mnv3.preprocess import preprocess
 from mnv3.profiling import op_type_summary, profile_model
 from mnv3.quantize import (
@@ -353,6 +353,27 @@ def test_calibration_photos_regenerates_a_smaller_generated_set_but_keeps_user_i
     user.mkdir()
     held_out_images(1)[0].save(user / "mine.jpg")
     assert [p.name for p in calibration_photos(user, 5)] == ["mine.jpg"]
+
+
+def test_calibration_never_removes_a_users_photo_named_like_a_generated_one(tmp_path):
+    # only the names stage 2 writes (generated_0000.jpg, ...) are its own: these two are the user's
+    photo = held_out_images(1)[0]
+    for name in ("generated_cat.jpg", "generated_by_sdxl_001.png"):
+        photo.save(tmp_path / name)
+    assert [p.name for p in calibration_photos(tmp_path, 4)] == ["generated_by_sdxl_001.png", "generated_cat.jpg"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["generated_by_sdxl_001.png", "generated_cat.jpg"]
+
+
+def test_a_link_back_up_the_tree_is_walked_once_not_forever(tmp_path):
+    photo = held_out_images(1)[0]
+    for name in ("ant", "bee"):
+        (tmp_path / name).mkdir()
+        photo.save(tmp_path / name / "0.jpg")
+        (tmp_path / name / "up").symlink_to(tmp_path, target_is_directory=True)  # two loops: it never ended
+    assert [(p.parent.name, p.name) for p in list_images(tmp_path, recursive=True)] == [
+        ("ant", "0.jpg"),
+        ("bee", "0.jpg"),
+    ]
 
 
 def test_calibration_takes_photos_from_every_class_folder_of_a_dataset(tmp_path):
