@@ -28,6 +28,7 @@ from mnv3.artifacts import (
     TRANSFORMER_CONTROL_CSV,
     TRANSFORMER_CONTROL_PROFILE_CSV,
     file_sha256,
+    read_manifest,
     update_manifest,
     write_class_names,
 )
@@ -151,10 +152,14 @@ def run(args):
     else:
         print(f"weights: {args.arch} {provenance}, {len(class_names)} classes (names: {class_names_source})")
 
-    previous = file_sha256(artifacts_dir / FP32_ONNX)
+    # The model is its export and the preprocessing it takes (the same file may take another --resize or --mean).
+    previous = (file_sha256(artifacts_dir / FP32_ONNX), read_manifest(artifacts_dir).get("preprocessing"))
     fp32_path = export_onnx(model, artifacts_dir / FP32_ONNX, preprocessing)
-    if file_sha256(fp32_path) != previous and (removed := remove_stage_2_outputs(artifacts_dir)):
-        print(f"removed {removed}: stage 2 built them from the previous {FP32_ONNX}; rerun stage 2")
+    if (file_sha256(fp32_path), preprocessing.record()) != previous:
+        # The last model's dynamic INT8 file is rewritten below: gone now, should this run stop before then.
+        (artifacts_dir / DYNAMIC_INT8_ONNX).unlink(missing_ok=True)
+        if removed := remove_stage_2_outputs(artifacts_dir):
+            print(f"removed {removed}: stage 2 built them from the previous model; rerun stage 2")
     write_class_names(artifacts_dir, class_names)
     # Recorded with the model, before anything is measured: a later stage or a server reading these files
     # never pairs this model with another run's preprocessing.

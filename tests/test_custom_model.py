@@ -311,6 +311,14 @@ def test_stage_1_on_another_model_removes_what_stage_2_built_from_the_last(user_
     assert (artifacts / "static_int8.onnx").is_file()
     assert json.loads((artifacts / "manifest.json").read_text())["static_int8"] == built
 
+    # the same file taking another preprocessing is another model: its export is the same, not its input
+    resized = tmp_path / "resized"
+    shutil.copytree(artifacts, resized)
+    other_resize = [str(PREPROCESSING.resize + 32) if flag == PREPROCESSING.resize else flag for flag in user_model]
+    run_stage(baseline_export_quantize, *[resized if part == artifacts else part for part in stage_1], *other_resize)
+    assert "removed static_int8.onnx, " in capsys.readouterr().out
+    assert not (resized / "static_int8.onnx").exists()
+
     with offline_weights(), pytest.warns(UserWarning, match="RANDOM INIT"):
         run_stage(baseline_export_quantize, *stage_1)  # the default: another model altogether
     out = capsys.readouterr().out
