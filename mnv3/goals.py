@@ -24,12 +24,15 @@ from mnv3.artifacts import (
     STATIC_CSV,
     V2_VS_PREDICT_CSV,
 )
-from mnv3.report import markdown_table, read_csv, write_csv, write_summary
+from mnv3.report import markdown_table, of_model, read_csv, stage_1_model, write_csv, write_summary
 
 
 def _rows(results_dir: Path, name: str) -> list[dict]:
+    """The table's rows of the model stage 1 last measured: rows of an earlier one are not this model's
+    measurements (their goal says to rerun the stage)."""
     path = results_dir / name
-    return read_csv(path) if path.exists() else []
+    model = stage_1_model(results_dir)
+    return [row for row in read_csv(path) if of_model(row, model)] if path.exists() else []
 
 
 def _find(rows, **match) -> dict | None:

@@ -7,7 +7,7 @@ import platform
 from importlib import metadata
 from pathlib import Path
 
-from mnv3.artifacts import RESULTS_DIR, STAND_IN_PROVENANCE, write_atomically
+from mnv3.artifacts import BASELINE_CSV, RESULTS_DIR, STAND_IN_PROVENANCE, TRANSFORMER_CONTROL_CSV, write_atomically
 
 LIBRARIES = ("torch", "torchvision", "onnx", "onnxruntime", "openvino", "numpy", "pillow", "fastapi", "uvicorn")
 
@@ -61,6 +61,23 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# What names the model a row measured; a table has those of them its stage knows.
+MODEL_COLUMNS = ("weights", "arch", "classes")
+CONTROL_TABLES = (TRANSFORMER_CONTROL_CSV,)  # of another model by design
+
+
+def stage_1_model(results_dir) -> dict:
+    """The model stage 1 last measured in `results_dir` (its MODEL_COLUMNS), {} without stage 1's table."""
+    path = Path(results_dir) / BASELINE_CSV
+    rows = read_csv(path) if path.exists() else []
+    return {key: rows[0][key] for key in MODEL_COLUMNS if rows and rows[0].get(key)}
+
+
+def of_model(row: dict, model: dict) -> bool:
+    """Whether `row` measured `model` as far as both say (a row or a model that names nothing matches)."""
+    return all(row.get(key) in (None, "", value) for key, value in model.items())
+
+
 def write_summary(results_dir=RESULTS_DIR) -> Path:
     """Regenerate results_dir/summary.md from every CSV and PNG there, one section per file stem.
 
@@ -90,16 +107,19 @@ def write_summary(results_dir=RESULTS_DIR) -> Path:
             "were re-estimated on calibration-source photos so activations are realistic. Latency, size "
             "and INT8-vs-FP32 agreement are meaningful; predicted labels are not."
         )
+    model = stage_1_model(results_dir)
     for stem in stems:
         lines += ["", f"## {stem}", ""]
+        control = f"{stem}.csv" in CONTROL_TABLES
+        if stem in tables and not control and not all(of_model(row, model) for row in tables[stem]):
+            # stage 1 ran on another model since: these rows are the last model's until their stage reruns
+            named = ", ".join(f"{key} {value}" for key, value in model.items())
+            lines += [f"**Not of stage 1's model ({named}): rows of an earlier model; rerun this stage.**", ""]
         if stem in tables:
             lines.append(markdown_table(_without_repeated_facts(tables[stem], header_facts)))
         if (results_dir / f"{stem}.png").exists():
             lines += ["", f"![{stem}]({stem}.png)"]
-    path = results_dir / "summary.md"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return write_atomically(results_dir / "summary.md", "\n".join(lines) + "\n")
 
 
 def _without_repeated_facts(rows: list[dict], facts: dict) -> list[dict]:

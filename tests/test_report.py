@@ -52,3 +52,28 @@ def test_summary_drops_machine_columns_only_when_they_repeat_the_header(tmp_path
     here, elsewhere = text.split("## 03_here")[1].split("## 04_elsewhere")
     assert "| req_per_s |" in here and "cpu" not in here and "cores" not in here
     assert "| req_per_s | cpu |" in elsewhere and "Some Other CPU" in elsewhere
+
+
+def test_tables_of_an_earlier_model_than_stage_1s_are_marked_and_left_out_of_the_goals(tmp_path):
+    """Stage 1 on another model leaves stages 2-5's tables of the last one until they rerun: the summary says
+    so above each, and no goal reads them (their goals say to rerun the stage)."""
+    from mnv3.goals import measured_goals
+
+    model = {"weights": "file:new", "arch": "mobilenet_v3_small", "classes": 10}
+    write_csv(tmp_path / "01_baseline.csv", [{"variant": "onnx_fp32", "mean_ms": 2.0, **model}])
+    earlier = {"variant": "onnx_static_int8", "mean_ms_vs_onnx_fp32": 0.5, "weights": "file:old", "classes": 1000}
+    write_csv(tmp_path / "02_static.csv", [earlier])
+    write_csv(tmp_path / "03_serving_baseline.csv", [{"phase": "unbatched", "weights": "file:new"}])  # no arch: same
+    write_csv(tmp_path / "01_transformer_control.csv", [{"variant": "onnx_fp32", "arch": "vision_transformer"}])
+    summary = write_summary(tmp_path).read_text()
+    marked = "**Not of stage 1's model (weights file:new, arch mobilenet_v3_small, classes 10)"
+    assert summary.count(marked) == 1 and summary.index(marked) > summary.index("## 02_static")
+    goals = {row["goal"]: row for row in measured_goals(tmp_path)}
+    assert (
+        goals["static INT8 batch-1 latency / ONNX FP32"]["met"] == "not measured: run `python static_quantization.py`"
+    )
+    write_csv(tmp_path / "02_static.csv", [earlier | model])  # rerun on the new model
+    assert "Not of stage 1's model" not in write_summary(tmp_path).read_text()
+    assert {row["goal"]: row for row in measured_goals(tmp_path)}["static INT8 batch-1 latency / ONNX FP32"][
+        "measured"
+    ] == 0.5
