@@ -124,7 +124,7 @@ def get_args_parser(add_help=True):
 
 def main(args):
     cli.fill_unset(args, batch_size=cli.defaults(args).batch_size)
-    cli.run_stage(run, args, user_errors=(BadWeights, BadClassNames, UnreadableLabels))
+    cli.run_stage(run, args, (BadWeights, BadClassNames, UnreadableLabels), writes=("artifacts_dir", "results_dir"))
 
 
 def run(args):

@@ -112,7 +112,7 @@ def main(args):
         limit_batch_sizes=mode.limit_batch_sizes,
         phone_concurrency=mode.phone_concurrency,
     )
-    cli.run_stage(run, args)
+    cli.run_stage(run, args, writes=("results_dir",))
 
 
 def run(args):

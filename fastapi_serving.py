@@ -25,7 +25,7 @@ def get_args_parser():
 
 def main(args):
     cli.fill_load_defaults(args)
-    cli.run_stage(run, args)
+    cli.run_stage(run, args, writes=("results_dir",))
 
 
 def run(args):

@@ -118,7 +118,9 @@ def recipe_names(text: str) -> list[str]:
 def main(args):
     mode = cli.defaults(args)
     cli.fill_unset(args, batch_size=mode.batch_size, calibration_count=mode.calibration_images)
-    cli.run_stage(run, args, user_errors=(UnreadableLabels, InvalidImage, NotADirectoryError))
+    cli.run_stage(
+        run, args, (UnreadableLabels, InvalidImage, NotADirectoryError), writes=("artifacts_dir", "results_dir")
+    )
 
 
 def generated_calibration_note(folder, calibration: list[Path], existed: bool) -> str | None:

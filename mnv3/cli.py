@@ -9,6 +9,7 @@ through `run_stage`.
 import argparse
 import math
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -189,6 +190,19 @@ fraction = bounded(float, 0, 1, what="a fraction from 0 to 1")
 # ---------------------------------------------------------------------------------------- flags
 
 
+def check_writable(folder: Path, flag: str) -> None:
+    """`folder` exists (made if need be) and takes a new file, or UsageError naming `flag`."""
+    fix = "pass a folder you can write to"
+    if Path(folder).exists() and not Path(folder).is_dir():
+        raise UsageError(f"{flag} {folder} is a file; {fix}")
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-check-"):
+            pass
+    except OSError as exc:  # a file in the way further up, a read-only file system, no permission
+        raise UsageError(f"{flag} {folder}: cannot write there ({exc.strerror or exc}); {fix}") from None
+
+
 def add_common_args(parser, artifacts_help: str):
     """The flags every entry point takes: where things go, and --quick."""
     parser.add_argument(
@@ -348,11 +362,14 @@ def write_results(results_dir: Path, csv_name: str, rows: list[dict]) -> Path:
     return path
 
 
-def run_stage(run, args, user_errors: tuple = ()):
+def run_stage(run, args, user_errors: tuple = (), writes: tuple[str, ...] = ()):
     """`run(args)`, returning what it returns. An error the user can fix (a missing input, flag values that
-    cannot work, a server that will not start or that refuses the key, or one of `user_errors`) is one line on
-    stderr and exit code 2."""
+    cannot work, a folder in `writes` (args' names: "results_dir", ...) it cannot write to, a server that will
+    not start or that refuses the key, or one of `user_errors`) is one line on stderr and exit code 2; the
+    folders are checked first, so a run never does its work to fail at writing it down."""
     try:
+        for name in writes:
+            check_writable(getattr(args, name), f"--{name.replace('_', '-')}")
         return run(args)
     except (MissingArtifact, ServerStartError, KeyRefused, UsageError, *user_errors) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -830,7 +830,7 @@ def main(args) -> int:
         images=defaults.cluster_images,
         repeats=defaults.cluster_repeats,
     )
-    cli.run_stage(run_benchmarks, args, user_errors=(ClusterError,))
+    cli.run_stage(run_benchmarks, args, (ClusterError,), writes=("results_dir",))
     return 0
 
 

@@ -559,7 +559,7 @@ def main(args=None) -> int:
     if args.bench:
         cli.fill_unset(args, concurrency=cli.defaults(args).ray_bench_concurrency)
         cli.fill_unset(args, requests=BENCH_REQUESTS_PER_SENDER * args.concurrency)
-        cli.run_stage(run_bench, args)
+        cli.run_stage(run_bench, args, writes=("results_dir",))
         return 0
     try:
         cli.run_stage(lambda args: serve_forever(args, config), args, user_errors=(KeyFileError,))

@@ -133,7 +133,7 @@ def main(args) -> int:
         distinct=mode.soak_distinct,
         concurrency=mode.soak_concurrency,
     )
-    rows, passed = cli.run_stage(soak, args)
+    rows, passed = cli.run_stage(soak, args, writes=("results_dir",))
     cli.write_results(args.results_dir, SOAK_CSV, rows)
     return 0 if passed else 1
 

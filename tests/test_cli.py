@@ -1,5 +1,7 @@
 """The plumbing every entry point shares: --quick defaults that never override a flag, and one-line errors."""
 
+from types import SimpleNamespace
+
 import pytest
 
 import batching_loadtest
@@ -47,6 +49,20 @@ def test_an_error_the_user_can_fix_is_one_line_and_exit_2(error, capsys):
         cli.run_stage(run, None)
     assert exit_info.value.code == 2
     assert capsys.readouterr().err == f"error: {error}\n"
+
+
+def test_a_folder_the_stage_cannot_write_is_one_line_before_any_work(tmp_path, capsys):
+    ran = []
+    (tmp_path / "a_file").write_text("")
+    for folder, said in ((tmp_path / "a_file", "is a file"), (tmp_path / "a_file" / "below", "cannot write there")):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.run_stage(ran.append, SimpleNamespace(results_dir=folder), writes=("results_dir",))
+        error = capsys.readouterr().err
+        assert exit_info.value.code == 2 and error.startswith(f"error: --results-dir {folder}") and said in error
+    assert ran == []  # refused before the stage did its work (a load test ran to its end, then a traceback)
+    made = tmp_path / "new" / "results"
+    cli.run_stage(ran.append, SimpleNamespace(results_dir=made), writes=("results_dir",))
+    assert made.is_dir() and list(made.iterdir()) == [] and len(ran) == 1  # made, and the check leaves nothing
 
 
 def test_run_stage_returns_what_the_stage_returns_and_lets_bugs_through():
