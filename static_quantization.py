@@ -35,6 +35,7 @@ from mnv3.artifacts import (
     STAND_IN_PROVENANCE,
     STATIC_CSV,
     STATIC_INT8_ONNX,
+    drop_manifest_entries,
     model_preprocessing,
     read_manifest,
     require,
@@ -176,6 +177,9 @@ def run(args):
         )
     recipe = RECIPES[args.recipe]
     bench = Bench.for_stage(args, mode, preprocessing, class_names, labelled, provenance, arch)
+    # The last run's choice goes before its files are rebuilt: a run stopped midway leaves --backend auto
+    # serving the model it is given (and saying so), not a choice measured on files since replaced.
+    drop_manifest_entries(artifacts_dir, MANIFEST_KEY)
     if args.compare_recipes:
         names = list(dict.fromkeys(args.compare_recipes + [args.recipe]))
         print(

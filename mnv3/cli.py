@@ -366,7 +366,8 @@ def run_stage(run, args, user_errors: tuple = (), writes: tuple[str, ...] = ()):
     """`run(args)`, returning what it returns. An error the user can fix (a missing input, flag values that
     cannot work, a folder in `writes` (args' names: "results_dir", ...) it cannot write to, a server that will
     not start or that refuses the key, or one of `user_errors`) is one line on stderr and exit code 2; the
-    folders are checked first, so a run never does its work to fail at writing it down."""
+    folders are checked first, so a run never does its work to fail at writing it down. Ctrl-C exits 130
+    with one line, as a shell reports it."""
     try:
         for name in writes:
             check_writable(getattr(args, name), f"--{name.replace('_', '-')}")
@@ -374,3 +375,6 @@ def run_stage(run, args, user_errors: tuple = (), writes: tuple[str, ...] = ()):
     except (MissingArtifact, ServerStartError, KeyRefused, UsageError, *user_errors) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:  # Ctrl-C: what the user asked for, not a traceback (servers it started are stopped)
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)

@@ -561,11 +561,15 @@ def main(args=None) -> int:
         cli.fill_unset(args, requests=BENCH_REQUESTS_PER_SENDER * args.concurrency)
         cli.run_stage(run_bench, args, writes=("results_dir",))
         return 0
-    try:
-        cli.run_stage(lambda args: serve_forever(args, config), args, user_errors=(KeyFileError,))
-    except KeyboardInterrupt:
-        pass
+    cli.run_stage(lambda args: serve_until_stopped(args, config), args, user_errors=(KeyFileError,))
     return 0
+
+
+def serve_until_stopped(args, config: ServerConfig) -> None:
+    try:
+        serve_forever(args, config)
+    except KeyboardInterrupt:  # Ctrl-C is how a served app is stopped: a success
+        pass
 
 
 if __name__ == "__main__":

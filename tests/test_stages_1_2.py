@@ -404,3 +404,28 @@ def test_stage_2_refuses_an_empty_stage_1_table(stage_dirs, tmp_path, capsys):
     assert exit.value.code == 2
     error = capsys.readouterr().err.strip()
     assert "01_baseline.csv holds no rows: rerun stage 1" in error and "Traceback" not in error
+
+
+def test_a_stage_2_stopped_midway_leaves_no_choice_of_the_last_run(stage_dirs, tmp_path, monkeypatch):
+    """Its files are being rebuilt: --backend auto would serve the last run's choice, measured on files since
+    replaced (seen after a Ctrl-C in the first seconds of stage 2)."""
+    artifacts = tmp_path / "artifacts"
+    shutil.copytree(stage_dirs["artifacts"], artifacts)
+    manifest = json.loads((artifacts / "manifest.json").read_text())
+    # the last run's choice (the fixture's may be gone: a test before this one stopped its stage 2 too)
+    manifest["engine_choice"] = {"engine": "openvino", "file": "nncf_int8.xml", "variant": "openvino_nncf_int8_f32"}
+    (artifacts / "manifest.json").write_text(json.dumps(manifest))
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(static_quantization, "quantize_static_int8", interrupted)
+    results = tmp_path / "results"
+    shutil.copytree(stage_dirs["results"], results)
+    with pytest.raises(SystemExit) as exit_info:
+        run_stage(
+            static_quantization, "--quick", "--artifacts-dir", artifacts, "--results-dir", results,
+            "--calibration-dir", stage_dirs["calibration"],
+        )  # fmt: skip
+    assert exit_info.value.code == 130  # Ctrl-C: one line, no traceback
+    assert "engine_choice" not in json.loads((artifacts / "manifest.json").read_text())
