@@ -73,6 +73,12 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             self.head_timer.cancel()
             self.head_timer = None
 
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a request its parser refuses (duplicate Content-Length, a bad request line, ...),
+        in the server's error shape instead of plain text."""
+        log.warning("400: %s; closing the connection", msg)
+        self.write_and_close(400, f"{msg.rstrip('.')}: the request is not valid HTTP/1.1")
+
     def refuse(self, status: int, detail: str) -> None:
         """Answer `status` and close, unless an answer to an earlier request on the connection is still being
         written (a pipelined head): then only close once it is done."""
@@ -82,6 +88,9 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             self.flow.pause_reading()
             return
         log.warning("%s: %s; closing the connection", status, detail)
+        self.write_and_close(status, detail)
+
+    def write_and_close(self, status: int, detail: str) -> None:
         body = json.dumps({"detail": detail}).encode()
         self.transport.write(
             STATUS_LINE[status]

@@ -199,7 +199,7 @@ class ServerProcess:
         if wait_until_ready(self.url, self.start_timeout_s, self._raise_if_exited):
             return
         raise ServerStartError(
-            f"server not ready after {self.start_timeout_s:.0f} s (is the machine overloaded? "
+            f"server not ready after {self.start_timeout_s:g} s (is the machine overloaded? "
             f"raise --start-timeout): {' '.join(self.command)}",
             self.output_tail(),
         )

@@ -208,6 +208,8 @@ def read_class_names(path) -> list[str]:
     """A JSON list of names, or a text file of one name a line (blank lines skipped)."""
     try:
         text = Path(path).read_text(encoding="utf-8-sig")  # a byte-order mark, as Windows editors write, is no name
+    except FileNotFoundError:
+        raise BadClassNames(f"--class-names {path}: no such file") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise BadClassNames(f"--class-names {path}: cannot read it as UTF-8 text ({_first_line(exc)})") from exc
     if text.lstrip().startswith("{"):

@@ -135,10 +135,17 @@ async def _read_upload(request: Request, limit: int) -> bytes:
     form = _ImageForm()
     try:
         parser = MultipartParser(params[b"boundary"], form.callbacks())  # refuses e.g. an over-long boundary
-        async for chunk in _bounded(request.stream(), limit):
-            parser.write(chunk)
     except FormParserError as exc:
         raise BadUpload(f"malformed multipart body: {exc}") from exc
+    try:
+        async for chunk in _bounded(request.stream(), limit):
+            parser.write(chunk)
+    except FormParserError as exc:  # the parser's words are about characters and indices: say what to check
+        boundary = params[b"boundary"].decode(errors="replace")
+        raise BadUpload(
+            f"malformed multipart body ({exc}): it must begin with --{boundary}, the boundary its Content-Type "
+            "names, with no text before it"
+        ) from exc
     if not form.complete:
         raise BadUpload("malformed multipart body: it ends before its closing boundary")
     if form.file is None and "file" in form.names:

@@ -193,7 +193,7 @@ REFUSED = {
     "multipart, wrong boundary": (
         lambda c, j: post_multipart(c, multipart([("file", b"a.jpg", j)]), "other"),
         400,
-        "malformed multipart",
+        "it must begin with --other, the boundary its Content-Type names",
     ),
     "multipart, boundary over 256 bytes": (
         lambda c, j: post_multipart(c, multipart([("file", b"a.jpg", j)], "b" * 300), "b" * 300),

@@ -96,3 +96,11 @@ def test_requests_within_the_bounds_are_served_and_keep_their_connection(monkeyp
         head = requests.head(f"http://127.0.0.1:{port}/healthz", timeout=WAIT_S)
     # HEAD answers as GET does, with no body
     assert head.status_code == 200 and head.headers["content-length"] == "15" and head.content == b""
+
+
+def test_a_request_the_parser_refuses_is_a_json_400(monkeypatch):
+    with bounded_server(monkeypatch) as port, socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
+        sock.sendall(b"POST /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab")
+        response = answer(sock)
+    assert response.startswith(b"HTTP/1.1 400 ") and b"content-type: application/json" in response
+    assert response.endswith(b'{"detail": "Invalid HTTP request received: the request is not valid HTTP/1.1"}')

@@ -202,3 +202,8 @@ def test_export_check_detects_a_different_model(exported):
 
 def test_imagenet_class_names_are_torchvisions():
     assert len(IMAGENET_CLASSES) == 1000 and IMAGENET_CLASSES[207] == "golden retriever"
+
+
+def test_a_missing_class_names_file_is_named_as_missing(tmp_path):
+    with pytest.raises(BadClassNames, match=r"^--class-names .*/nope.txt: no such file$"):
+        class_names_for(mobilenet_v3_small(num_classes=3), tmp_path / "nope.txt")
