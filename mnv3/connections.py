@@ -7,8 +7,9 @@ every few seconds, was held open for good, each one a file descriptor until the 
 `BoundedHeadProtocol` is that protocol with both bounds:
 
 - a head over MAX_HEAD_BYTES is answered 431 and the connection closed, before the parser buffers more;
-- a head not complete HEAD_TIMEOUT_S after its first byte (or after the connection opened, for the first)
-  is answered 408 and the connection closed. Between requests uvicorn's keep-alive timeout applies as before.
+- a head not complete HEAD_TIMEOUT_S after its first byte is answered 408 and the connection closed; a new
+  connection that sends nothing in that time is closed without an answer, as uvicorn's keep-alive timeout
+  closes an idle one between requests.
 
 Both answers are `{"detail": ...}` as every other refusal of the server. Bodies are bounded elsewhere
 (`mnv3.uploads`: --max-upload-bytes, --body-timeout-s). How many connections a process holds at once is the
@@ -65,7 +66,13 @@ class BoundedHeadProtocol(HttpToolsProtocol):
 
     def head_timed_out(self) -> None:
         self.head_timer = None
-        if self.reading_head and not self.transport.is_closing():
+        if not self.reading_head or self.transport.is_closing():
+            return
+        if self.head_bytes == 0:
+            # Nothing of a request came: closed without an answer, as an idle keep-alive connection is. An
+            # answer nobody asked for could be read as the answer to a request a pooled client sends just then.
+            self.transport.close()
+        else:
             self.refuse(408, f"the request's headers did not arrive within {HEAD_TIMEOUT_S:g} s")
 
     def stop_head_timer(self) -> None:

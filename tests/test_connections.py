@@ -66,13 +66,13 @@ def test_a_head_over_the_limit_is_a_431_and_the_connection_closes(monkeypatch):
     assert response.endswith(b'{"detail": "the request\'s headers are over 1048576 bytes"}')
 
 
-def test_a_head_that_does_not_arrive_in_time_is_a_408_idle_or_trickled(monkeypatch):
+def test_a_head_that_does_not_arrive_in_time_is_a_408_and_an_idle_connection_is_closed(monkeypatch):
     with bounded_server(monkeypatch) as port:
         with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as idle:  # opened, nothing sent
             start = time.monotonic()
             response = answer(idle)
-        assert response.startswith(b"HTTP/1.1 408 ") and b"did not arrive within 0.5 s" in response
-        assert time.monotonic() - start < WAIT_S / 2
+        # closed without an answer to a request never made (a pooled client's next request could read it)
+        assert response == b"" and time.monotonic() - start < WAIT_S / 2
         with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as trickled:
             trickled.sendall(b"GET /healthz HTTP/1.1\r\n")
             try:
