@@ -9,7 +9,10 @@ every few seconds, was held open for good, each one a file descriptor until the 
 - a head over MAX_HEAD_BYTES is answered 431 and the connection closed, before the parser buffers more;
 - a head not complete HEAD_TIMEOUT_S after its first byte is answered 408 and the connection closed; a new
   connection that sends nothing in that time is closed without an answer, as uvicorn's keep-alive timeout
-  closes an idle one between requests.
+  closes an idle one between requests;
+- the rest of a body answered before it arrived (a 415, a busy server: `uploads.CloseUnreadBody` keeps such a
+  connection when the rest can be dropped as it arrives) must arrive within UNREAD_BODY_TIMEOUT_S, or the
+  connection is closed, as a body the app reads is bounded by --body-timeout-s.
 
 Both answers are `{"detail": ...}` as every other refusal of the server. Bodies are bounded elsewhere
 (`mnv3.uploads`: --max-upload-bytes, --body-timeout-s). How many connections a process holds at once is the
@@ -27,6 +30,10 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 # one read of the socket (256 KB), so counting whole reads never refuses a real head.
 MAX_HEAD_BYTES = 1024 * 1024
 HEAD_TIMEOUT_S = 10.0
+# After an answer sent before its request's body arrived (uploads.CloseUnreadBody kept the connection: the
+# rest is dropped as it arrives), the rest must arrive within this, as a body read by the app must within
+# --body-timeout-s (its default); trickled, it would hold the connection for good.
+UNREAD_BODY_TIMEOUT_S = 30.0
 
 log = logging.getLogger("uvicorn.error")
 
@@ -39,9 +46,11 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         self.head_bytes = 0
         self.reading_head = True  # the first request's head; a connection that sends nothing times out too
         self.head_timer: asyncio.TimerHandle | None = self.loop.call_later(HEAD_TIMEOUT_S, self.head_timed_out)
+        self.body_timer: asyncio.TimerHandle | None = None  # the rest of a body answered before it arrived
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.stop_head_timer()
+        self.stop_body_timer()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -61,8 +70,19 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
+        self.stop_body_timer()
         super().on_message_complete()
         self.reading_head = True  # the next request's head, timed from its first byte
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.cycle is not None and self.cycle.more_body and not self.transport.is_closing():
+            self.body_timer = self.loop.call_later(UNREAD_BODY_TIMEOUT_S, self.transport.close)
+
+    def stop_body_timer(self) -> None:
+        if self.body_timer is not None:
+            self.body_timer.cancel()
+            self.body_timer = None
 
     def head_timed_out(self) -> None:
         self.head_timer = None

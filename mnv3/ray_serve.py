@@ -359,7 +359,7 @@ def build_app(args: dict) -> serve.Application:
     if unknown:
         raise ValueError(f"unknown mnv3 server options {unknown}; known: {sorted(types)}")
     if isinstance(args.get("extra_models"), str):
-        args = args | {"extra_models": [text for text in args["extra_models"].split(",") if text]}
+        args = args | {"extra_models": [text.strip() for text in args["extra_models"].split(",") if text.strip()]}
     # Values from `serve run ... key=value` arrive as strings; the config file's are typed already.
     return build(ServerConfig(**{name: types[name](value) for name, value in args.items()}))
 

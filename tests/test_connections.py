@@ -104,3 +104,18 @@ def test_a_request_the_parser_refuses_is_a_json_400(monkeypatch):
         response = answer(sock)
     assert response.startswith(b"HTTP/1.1 400 ") and b"content-type: application/json" in response
     assert response.endswith(b'{"detail": "Invalid HTTP request received: the request is not valid HTTP/1.1"}')
+
+
+def test_the_rest_of_a_body_answered_before_it_arrived_cannot_be_trickled_for_good(monkeypatch):
+    monkeypatch.setattr(connections, "UNREAD_BODY_TIMEOUT_S", 0.5)
+    with bounded_server(monkeypatch) as port, socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
+        sock.sendall(b"POST /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\nab")
+        assert sock.recv(65536).startswith(b"HTTP/1.1 405 ")  # answered before its body: the rest is dropped
+        start = time.monotonic()
+        try:
+            for _ in range(40):  # a byte every 0.1 s: each resets uvicorn's keep-alive timer, not this one
+                time.sleep(0.1)
+                sock.sendall(b"x")
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        assert answer(sock) == b"" and time.monotonic() - start < 3

@@ -139,7 +139,7 @@ def test_build_app_makes_every_model_path_absolute_and_keeps_names_and_backends(
     application = ray_serve.build_app(
         {
             "model": "int8=artifacts/fp32.onnx",
-            "extra_models": "ort=artifacts/fp32.onnx@onnxruntime,artifacts/fp32.onnx",
+            "extra_models": "ort=artifacts/fp32.onnx@onnxruntime, artifacts/fp32.onnx",
         }
     )
     (config,) = application._bound_deployment.init_args  # what every replica is constructed with
