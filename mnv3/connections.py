@@ -39,7 +39,8 @@ log = logging.getLogger("uvicorn.error")
 
 
 class BoundedHeadProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with a bound on a request head's size and on the time it takes to arrive."""
+    """uvicorn's httptools protocol with bounds on a request head's size and on the time it takes to arrive, and
+    on the time the rest of a body answered before it arrived may take."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
