@@ -83,6 +83,10 @@ class ModelSpec:
             name, path = Path(spec).stem, spec
         return cls(name, Path(path), backend)
 
+    def text(self, path: Path | None = None) -> str:
+        """`NAME=PATH[@BACKEND]`, what `parse` reads back as this spec (with `path` in place of its own)."""
+        return f"{self.name}={path or self.path}" + (f"@{self.backend}" if self.backend else "")
+
     def check(self) -> None:
         head, at, tail = str(self.path).rpartition("@")
         if at and BACKEND_LIKE.fullmatch(tail) and not self.path.exists():  # a typo, not a file named so

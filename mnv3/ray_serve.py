@@ -340,9 +340,7 @@ def with_absolute_paths(config: ServerConfig) -> ServerConfig:
     """`config` with every model's file (each NAME=PATH@BACKEND keeps its name and backend) and the key file
     absolute: replicas may run in another directory, or on another node with the same layout. Links are kept
     (not resolved): a linked model file is served with the class names and manifest beside the link."""
-    model, *extra_models = (
-        f"{spec.name}={spec.path.absolute()}" + (f"@{spec.backend}" if spec.backend else "") for spec in config.models
-    )
+    model, *extra_models = (spec.text(spec.path.absolute()) for spec in config.models)
     api_keys = str(Path(config.api_keys).absolute()) if config.api_keys else config.api_keys
     return replace(config, model=Path(model), extra_models=tuple(extra_models), api_keys=api_keys)
 

@@ -290,7 +290,7 @@ def run_side_by_side(
     start_timeout_s: float,
 ) -> SideBySideResult:
     """Both models in one server; every photo to each, alternating models, through one closed loop."""
-    first, second = (f"{spec.name}={spec.path}" + (f"@{spec.backend}" if spec.backend else "") for spec in models)
+    first, second = (spec.text() for spec in models)
     server = loadtest.ServerProcess(first, start_timeout_s, extra_models=(second,), **server_options)
     names = tuple(spec.name for spec in models)
     items = [(name, index, photo) for index, photo in enumerate(photos) for name in names]
