@@ -47,7 +47,7 @@ from mnv3.photos import is_generated
 from mnv3.plots import plot_variants
 from mnv3.preprocess import InvalidImage
 from mnv3.quantize import DEFAULT_RECIPE, RECIPES, calibration_photos, quantize_static_int8
-from mnv3.report import markdown_table, read_csv, write_csv, write_summary
+from mnv3.report import markdown_table, read_csv, row_model, write_csv, write_summary
 from mnv3.variants import (
     ENGINE_TABLE_COLUMNS,
     PART_SIZE_TABLE_COLUMNS,
@@ -136,18 +136,18 @@ def generated_calibration_note(folder, calibration: list[Path], existed: bool) -
     )
 
 
-def check_same_model(baseline_rows: list[dict], model: tuple[str, str, int], args) -> None:
-    """Stage 1's rows in --results-dir must be of the model in --artifacts-dir: stage 2 tables its ratios with
-    them, and folders from two stage 1 runs would compare two models without a word."""
+def check_same_model(baseline_rows: list[dict], model: dict, args) -> None:
+    """Stage 1's rows in --results-dir must be of the model in --artifacts-dir (`model`, as report.row_model
+    gives it): stage 2 tables its ratios with them, and folders from two stage 1 runs would compare two models
+    without a word."""
     if not baseline_rows:
         raise cli.UsageError(f"{args.results_dir / BASELINE_CSV} holds no rows: rerun stage 1")
-    first = baseline_rows[0]
-    measured = (first.get("weights"), first.get("arch"), str(first.get("classes")))
-    if measured != (model[0], model[1], str(model[2])):
+    measured = row_model(baseline_rows[0])
+    if measured != row_model(model):
         raise cli.UsageError(
-            f"{args.results_dir / BASELINE_CSV} is stage 1's of another model ({', '.join(measured)}) than the one in "
-            f"{args.artifacts_dir} ({', '.join(map(str, model))}): pass the --results-dir stage 1 wrote with this "
-            "--artifacts-dir, or rerun stage 1 with both"
+            f"{args.results_dir / BASELINE_CSV} is stage 1's of another model ({', '.join(measured.values())}) than "
+            f"the one in {args.artifacts_dir} ({', '.join(row_model(model).values())}): pass the --results-dir "
+            "stage 1 wrote with this --artifacts-dir, or rerun stage 1 with both"
         )
 
 
@@ -162,7 +162,7 @@ def run(args):
         print(labelled_summary(args.labels, labelled))
     manifest = read_manifest(artifacts_dir)
     provenance, arch = weights_provenance(artifacts_dir), manifest.get("model", {}).get("arch", "unknown")
-    check_same_model(baseline_rows, (provenance, arch, len(class_names)), args)
+    check_same_model(baseline_rows, {"weights": provenance, "arch": arch, "classes": len(class_names)}, args)
     preprocessing = model_preprocessing(artifacts_dir)  # what stage 1 exported the model for
 
     existed = Path(args.calibration_dir).is_dir()

@@ -66,11 +66,16 @@ MODEL_COLUMNS = ("weights", "arch", "classes")
 CONTROL_TABLES = (TRANSFORMER_CONTROL_CSV,)  # of another model by design
 
 
+def row_model(row: dict) -> dict:
+    """The model `row` measured: those of its MODEL_COLUMNS it fills, as text (as a CSV holds them)."""
+    return {key: str(row[key]) for key in MODEL_COLUMNS if row.get(key) not in (None, "")}
+
+
 def stage_1_model(results_dir) -> dict:
-    """The model stage 1 last measured in `results_dir` (its MODEL_COLUMNS), {} without stage 1's table."""
+    """The model stage 1 last measured in `results_dir` (`row_model` of its first row), {} without its table."""
     path = Path(results_dir) / BASELINE_CSV
     rows = read_csv(path) if path.exists() else []
-    return {key: rows[0][key] for key in MODEL_COLUMNS if rows and rows[0].get(key)}
+    return row_model(rows[0]) if rows else {}
 
 
 def of_model(row: dict, model: dict) -> bool:
