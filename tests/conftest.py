@@ -11,6 +11,7 @@ from contextlib import contextmanager
 
 import pytest
 import requests
+import uvicorn
 from fastapi.testclient import TestClient
 
 from mnv3.config import ServerConfig
@@ -102,6 +103,25 @@ def wait_until(condition, what: str):
     while not condition():
         assert time.monotonic() < give_up, f"timed out waiting for {what}"
         time.sleep(0.01)
+
+
+@contextmanager
+def uvicorn_in_thread(app, **options):
+    """`app` under a real uvicorn on 127.0.0.1 (`options`: uvicorn.Config's) in a thread, for raw sockets; yields
+    its port, stops it after."""
+    from mnv3.loadtest import free_port
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, **options))
+    thread = threading.Thread(target=server.run, name="uvicorn")
+    thread.start()
+    try:
+        wait_until(lambda: server.started or not thread.is_alive(), "uvicorn to start")
+        assert server.started, "uvicorn did not start"
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(WAIT_S)
 
 
 @contextmanager

@@ -5,16 +5,14 @@ real socket that a refused 10 MiB upload is answered without being read."""
 import hashlib
 import logging
 import socket
-import threading
 import time
 
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from conftest import upload
+from conftest import upload, uvicorn_in_thread
 from mnv3.auth import (
     ApiKeyAuth,
     KeyFileError,
@@ -25,7 +23,6 @@ from mnv3.auth import (
     parse_keys,
     required_scope,
 )
-from mnv3.loadtest import free_port
 from mnv3.photos import load_images
 
 pytestmark = pytest.mark.integration
@@ -380,22 +377,9 @@ def live_server(request):
     """The protected stand-in app under uvicorn on 127.0.0.1 (with each of its HTTP parsers), inside a counter
     of the body bytes it took."""
     counter = ReceiveCounter(protected_app())
-    port = free_port()
     # log_config=None: uvicorn's access log then reaches caplog
-    server = uvicorn.Server(
-        uvicorn.Config(counter, host="127.0.0.1", port=port, http=request.param, log_config=None, lifespan="off")
-    )
-    thread = threading.Thread(target=server.run, name="uvicorn")
-    thread.start()
-    give_up = time.monotonic() + WAIT_S
-    while not server.started:
-        assert time.monotonic() < give_up and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.01)
-    try:
+    with uvicorn_in_thread(counter, http=request.param, log_config=None, lifespan="off") as port:
         yield port, counter
-    finally:
-        server.should_exit = True
-        thread.join(WAIT_S)
 
 
 def test_an_unauthenticated_10_mib_upload_is_refused_without_being_read(live_server):

@@ -2,18 +2,15 @@
 HEAD is answered as GET without a body. A real uvicorn with the protocol `python -m mnv3.server` runs."""
 
 import socket
-import threading
 import time
 from contextlib import contextmanager
 
 import pytest
 import requests
-import uvicorn
 from fastapi import FastAPI
 
-from conftest import WAIT_S, wait_until
+from conftest import WAIT_S, uvicorn_in_thread
 from mnv3 import connections
-from mnv3.loadtest import free_port
 from mnv3.server import HeadAsGet
 
 pytestmark = pytest.mark.integration
@@ -29,17 +26,8 @@ def bounded_server(monkeypatch, head_timeout_s: float = 0.5):
     async def healthz():
         return {"status": "ok"}
 
-    port = free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", http=connections.BoundedHeadProtocol)
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name="uvicorn")
-    thread.start()
-    try:
-        wait_until(lambda: server.started, "the server to start")
+    with uvicorn_in_thread(app, log_level="error", http=connections.BoundedHeadProtocol) as port:
         yield port
-    finally:
-        server.should_exit = True
-        thread.join(WAIT_S)
 
 
 def answer(sock: socket.socket) -> bytes:

@@ -5,19 +5,17 @@ with a churning cache keeps memory flat."""
 import socket
 import subprocess
 import sys
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import pytest
 import requests
-import uvicorn
 
-from conftest import WAIT_S, Gate, post, wait_until
+from conftest import WAIT_S, Gate, post, uvicorn_in_thread, wait_until
 from mnv3 import report
 from mnv3.config import ServerConfig
 from mnv3.engine import Engine
-from mnv3.loadtest import PredictClient, ServerProcess, free_port, run_closed_loop, run_open_loop
+from mnv3.loadtest import PredictClient, ServerProcess, run_closed_loop, run_open_loop
 from mnv3.photos import load_images
 from mnv3.preprocess import decode_image, preprocess
 from mnv3.server import create_app
@@ -36,20 +34,10 @@ def live_server(model_path, **settings):
     engine = Engine.load(model_path, max_batch_size=settings.get("max_batch_size", 32))
     config = ServerConfig(model=model_path, **({"cache_size": 0} | settings))
     app = create_app(config, engine)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, name="uvicorn")
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(
-            lambda: server.started and requests.get(url + "/readyz", timeout=WAIT_S).status_code == 200,
-            "the server to be ready",
-        )
+    with uvicorn_in_thread(app, log_level="warning") as port:
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: requests.get(url + "/readyz", timeout=WAIT_S).status_code == 200, "the server to be ready")
         yield url, app.state.serving
-    finally:
-        server.should_exit = True
-        thread.join(WAIT_S)
 
 
 def open_socket(
