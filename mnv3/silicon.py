@@ -4,11 +4,16 @@ its ONNX graph, against the fastest large matrix product OpenVINO runs on this C
 A variant's rate is its MACs per image over its per-image time at the benchmark's batch size; its share
 of the peak of the precision it computes in (`compute_precision`) says how much of the CPU's arithmetic
 it turns into the network's. The peak is measured, not derived from clock and vector widths: a VM's clock
-is not known, and a large GEMM is the best case of the same kernels the convolutions use. Depthwise
-convolutions, element-wise ops and memory traffic keep a network well below a GEMM's rate, so a share
+is not known, and a large product is the best case of the same kernels the convolutions use. OpenVINO runs
+a product with one of two kernel families, a MatMul's or a convolution's (the network's pointwise layers are
+1x1 convolutions), and which is faster depends on the CPU (without VNNI, the INT8 convolution kernel is far
+ahead of the INT8 MatMul's), so each shape runs in both forms and the best counts. Depthwise
+convolutions, element-wise ops and memory traffic keep a network well below a product's rate, so a share
 says how far the ceiling is, not that 1.0 is reachable.
 """
 
+import itertools
+import math
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -18,8 +23,9 @@ import numpy as np
 from mnv3.latency import warm_up_turn
 
 # Large enough to be compute bound (activations and weights of MBs, not KBs); two shapes, the best kept, as a
-# single shape can land on a slow blocking of some kernel.
+# single shape can land on a slow blocking of some kernel. M is a square number of pixels for the 1x1 convolution.
 GEMM_SHAPES = ((256, 1024, 1024), (1024, 1024, 1024))  # (M, K, N): an (M, K) input times a (K, N) weight
+GEMM_FORMS = ("matmul", "conv1x1")  # the same product through OpenVINO's MatMul and convolution kernels
 GEMM_CALLS = 5  # a timed burst; the best of GEMM_BURSTS bursts counts, as other load only ever slows a burst
 GEMM_BURSTS = 5
 # Untimed calls first, by time (not one call): after its compile's idle gap a model's first calls run markedly
@@ -79,8 +85,9 @@ def compute_precision(file: str, fp32_file: str, precision: str) -> str:
 
 
 def gemm_peaks(threads: int, precisions: Iterable[str] = PEAK_PRECISIONS) -> dict[str, float]:
-    """GMAC/s of the fastest large matrix product OpenVINO's CPU plugin runs here with `threads` threads, per
-    precision (bf16 only where the CPU computes it natively); {} without openvino."""
+    """GMAC/s of the fastest large matrix product OpenVINO's CPU plugin runs here with `threads` threads, as a
+    MatMul or as a 1x1 convolution, per precision (bf16 only where the CPU computes it natively); {} without
+    openvino."""
     try:
         import openvino as ov
 
@@ -96,12 +103,10 @@ def gemm_peaks(threads: int, precisions: Iterable[str] = PEAK_PRECISIONS) -> dic
             continue
         config = latency_config(threads, "bf16" if precision == "bf16" else "f32")
         rates = []
-        for m, k, n in GEMM_SHAPES:
-            request = core.compile_model(
-                gemm_model(m, k, n, int8=precision == "int8"), DEVICE, config
-            ).create_infer_request()
-            x = np.random.default_rng(0).uniform(0, 1, (m, k)).astype(np.float32)
-            rates.append(m * k * n / _best_seconds(request, x) / 1e9)
+        for (m, k, n), form in itertools.product(GEMM_SHAPES, GEMM_FORMS):
+            compiled = core.compile_model(gemm_model(m, k, n, int8=precision == "int8", form=form), DEVICE, config)
+            x = np.random.default_rng(0).uniform(0, 1, tuple(compiled.input(0).shape)).astype(np.float32)
+            rates.append(m * k * n / _best_seconds(compiled.create_infer_request(), x) / 1e9)
         peaks[precision] = round(max(rates), 1)
     return peaks
 
@@ -119,21 +124,36 @@ def _best_seconds(request, x: np.ndarray) -> float:
     return best
 
 
-def gemm_model(m: int, k: int, n: int, int8: bool):
-    """An OpenVINO model multiplying an (m, k) input by a constant (k, n) weight; with `int8`, both sides
-    through FakeQuantize (u8 activations, symmetric i8 weights), which the CPU plugin runs as an INT8 product,
-    as it does a quantized convolution."""
+def gemm_model(m: int, k: int, n: int, int8: bool, form: str = "matmul"):
+    """An OpenVINO model multiplying an (m, k) input by a constant (k, n) weight: a MatMul, or with `form`
+    "conv1x1" the same product as a 1x1 convolution from k to n channels over a square image of m pixels. With
+    `int8`, both sides go through FakeQuantize (u8 activations, symmetric i8 weights), which the CPU plugin runs
+    as an INT8 product, as it does a quantized convolution."""
     import openvino as ov
     import openvino.opset13 as ops
 
-    x = ops.parameter([m, k], np.float32)
-    w = ops.constant(np.random.default_rng(1).uniform(-1, 1, (k, n)).astype(np.float32))
+    weight = np.random.default_rng(1).uniform(-1, 1, (k, n)).astype(np.float32)
+    if form == "matmul":
+        x = ops.parameter([m, k], np.float32)
+        w = ops.constant(weight)
+    elif form == "conv1x1":
+        side = math.isqrt(m)
+        if side * side != m:
+            raise ValueError(f"a 1x1 convolution's product needs a square number of pixels, not {m}")
+        x = ops.parameter([1, k, side, side], np.float32)
+        w = ops.constant(np.ascontiguousarray(weight.T.reshape(n, k, 1, 1)))
+    else:
+        raise ValueError(f"form is one of {GEMM_FORMS}, not {form!r}")
     a, b = x, w
     if int8:
         zero, one = np.float32(0), np.float32(1)
         a = ops.fake_quantize(x, zero, one, zero, one, 256)
         b = ops.fake_quantize(w, -one, one, -one, one, 255)
-    return ov.Model([ops.matmul(a, b, False, False)], [x])
+    if form == "matmul":
+        product = ops.matmul(a, b, False, False)
+    else:
+        product = ops.convolution(a, b, strides=[1, 1], pads_begin=[0, 0], pads_end=[0, 0], dilations=[1, 1])
+    return ov.Model([product], [x])
 
 
 def silicon_columns(row: dict, fp32_file: str, macs: int, peaks: dict[str, float]) -> dict:

@@ -127,14 +127,33 @@ def runtime_precisions(compiled, layer_type: str) -> set[str]:
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize(("form", "layer_type"), [("matmul", "FullyConnected"), ("conv1x1", "Convolution")])
 @pytest.mark.parametrize(("int8", "expected"), [(False, {"f32"}), (True, {"u8"})])
-def test_the_peak_gemm_runs_in_the_precision_it_is_the_peak_of(openvino, int8, expected):
+def test_the_peak_gemm_runs_in_the_precision_it_is_the_peak_of(openvino, form, layer_type, int8, expected):
     from mnv3.silicon import gemm_model
 
     compiled = openvino.Core().compile_model(
-        gemm_model(64, 128, 128, int8=int8), "CPU", {"INFERENCE_PRECISION_HINT": "f32"}
+        gemm_model(64, 128, 128, int8=int8, form=form), "CPU", {"INFERENCE_PRECISION_HINT": "f32"}
     )
-    assert runtime_precisions(compiled, "FullyConnected") == expected
+    assert runtime_precisions(compiled, layer_type) == expected
+
+
+@pytest.mark.integration
+def test_the_peak_gemm_computes_the_same_product_as_a_matmul_and_as_a_1x1_convolution(openvino):
+    """The convolution form counts m * k * n MACs only if it is the same product: its pixels are the rows."""
+    from mnv3.silicon import gemm_model
+
+    core = openvino.Core()
+    x = np.random.default_rng(0).uniform(0, 1, (64, 96)).astype(np.float32)
+    config = {"INFERENCE_PRECISION_HINT": "f32"}
+    matmul = core.compile_model(gemm_model(64, 96, 32, int8=False), "CPU", config)({0: x})[0]
+    conv = core.compile_model(gemm_model(64, 96, 32, int8=False, form="conv1x1"), "CPU", config)(
+        {0: x.T.reshape(1, 96, 8, 8)}
+    )[0]
+    assert matmul.shape == (64, 32) and conv.shape == (1, 32, 8, 8)
+    np.testing.assert_allclose(conv.reshape(32, 64).T, matmul, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="square number of pixels"):
+        gemm_model(60, 96, 32, int8=False, form="conv1x1")
 
 
 @pytest.mark.integration
@@ -145,6 +164,22 @@ def test_gemm_peaks_measures_each_precision_the_cpu_runs(openvino):
     peaks = gemm_peaks(threads=2)
     assert set(peaks) == {"f32", "int8"} | ({"bf16"} if bf16_supported() else set())
     assert all(rate > 0 for rate in peaks.values())
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("faster", ["matmul", "conv1x1"])
+def test_gemm_peaks_counts_the_faster_of_the_two_forms(openvino, monkeypatch, faster):
+    """Which kernel family is faster depends on the CPU (the INT8 convolution's, without VNNI): either may set
+    the peak. A 16 x 16 x 16 product (4096 MACs) timed as 2 GMAC/s in the faster form, 0.5 in the other."""
+    import mnv3.silicon as silicon
+
+    monkeypatch.setattr(silicon, "GEMM_SHAPES", ((16, 16, 16),))
+
+    def best_seconds(request, x):
+        return 4096 / (2e9 if (x.ndim == 4) == (faster == "conv1x1") else 0.5e9)
+
+    monkeypatch.setattr(silicon, "_best_seconds", best_seconds)
+    assert silicon.gemm_peaks(threads=1, precisions=("f32", "int8")) == {"f32": 2.0, "int8": 2.0}
 
 
 class SlowAfterCompile:
