@@ -118,11 +118,15 @@ def pre_process(fp32_path, out_path, symbolic_shapes: bool = True) -> Path:
     return Path(out_path)
 
 
-def quantize_dynamic_int8(fp32_path, out_path, symbolic_shapes: bool = True) -> Path:
-    """INT8 weights, activations quantized on the fly per call (DynamicQuantizeLinear + ConvInteger)."""
+def quantize_dynamic_int8(fp32_path, out_path, symbolic_shapes: bool = True, reduce_range: bool = False) -> Path:
+    """INT8 weights, activations quantized on the fly per call (DynamicQuantizeLinear + ConvInteger, or
+    DynamicQuantizeMatMul for MatMuls); `reduce_range`: 7-bit weights, which a model whose time is in MatMuls
+    needs on CPUs without VNNI, where ORT's U8xS8 MatMul kernels saturate their int16 sums (as the static
+    recipes' do). A conv net's ConvInteger does not saturate there, and its per-tensor weights lose more to
+    the lost bit than the MatMuls' do."""
     with tempfile.TemporaryDirectory() as tmp:
         prepared = pre_process(fp32_path, Path(tmp) / "prepared.onnx", symbolic_shapes)
-        quantize_dynamic(str(prepared), str(out_path), weight_type=QuantType.QInt8)
+        quantize_dynamic(str(prepared), str(out_path), weight_type=QuantType.QInt8, reduce_range=reduce_range)
     return Path(out_path)
 
 
