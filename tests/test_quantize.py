@@ -104,15 +104,22 @@ def test_static_int8_agrees_with_fp32_on_held_out_photos(fp32_model_path, static
     assert {"QuantizeLinear", "DequantizeLinear"} <= op_types(static_model)
 
 
+# ORT's integer kernels against the same QDQ graph run in float: they round differently (fused requantization),
+# and the random-init stand-in amplifies each 1-LSB difference, so even without saturation they agree only
+# to 19.4-33 dB (the full-size recipes on an AVX2-only EPYC; the shipped one 20.0), while saturating kernels
+# there (a full-range recipe without VNNI) gave 9 dB. The bound sits between the two.
+MIN_SIMULATED_SQNR_DB = 15.0
+
+
 def test_static_int8_kernels_match_simulated_quantization(static_model, held_out):
     """With the recipe's reduce_range, ORT's integer kernels add no error of their own (no int16
-    saturation on CPUs without VNNI): they match the same QDQ graph run in float within 1 dB."""
+    saturation on CPUs without VNNI): they match the same QDQ graph run in float up to rounding."""
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     simulated = ort_runner(ort.InferenceSession(str(static_model), options, providers=["CPUExecutionProvider"]))
     integer = ort_runner(make_session(static_model))
     batch = held_out[:8]
-    assert sqnr_db(simulated(batch), integer(batch)) >= 20.0
+    assert sqnr_db(simulated(batch), integer(batch)) >= MIN_SIMULATED_SQNR_DB
 
 
 def optimized_op_types(path, tmp_path) -> list[str]:
@@ -175,7 +182,7 @@ def test_every_recipe_builds_and_agrees_with_fp32(name, fp32_model_path, build_r
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         simulated = ort_runner(ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"]))
-        assert sqnr_db(simulated(held_out[:8]), integer(held_out[:8])) >= 20.0
+        assert sqnr_db(simulated(held_out[:8]), integer(held_out[:8])) >= MIN_SIMULATED_SQNR_DB
 
 
 @pytest.mark.slow  # an export of MobileNetV3-Small of its own

@@ -255,10 +255,9 @@ def test_stage_2_says_how_far_each_engine_is_from_the_measured_peak(stage_dirs):
         assert all(row["of_peak"] == "" for row in rows)
         assert not (stage_dirs["results"] / "02_openvino_profile.csv").exists()
         return
-    for row in rows:
-        assert float(row["of_peak"]) == pytest.approx(
-            float(row["gmac_per_s"]) / float(row["peak_gmac_per_s"]), abs=1e-3
-        )
+    for row in rows:  # both from the unrounded rate: gmac_per_s is rounded to 0.1, of_peak to 0.001
+        peak = float(row["peak_gmac_per_s"])
+        assert float(row["of_peak"]) == pytest.approx(float(row["gmac_per_s"]) / peak, abs=0.05 / peak + 5e-4)
     # The layer profile is of the chosen variant where OpenVINO runs it, else of the fastest OpenVINO one.
     [chosen] = [row for row in rows if row["chosen"] == "True"]
     openvino_rows = [row for row in rows if row["engine"] == "openvino"]
