@@ -9,7 +9,9 @@ Then chooses the engine that serves: every installed engine x precision (onnxrun
 and bf16 on FP32, on the static INT8 file and on NNCF's INT8 builds) timed in turns with ONNX FP32
 (results/02_engines.csv). The fastest that agrees with FP32 (--min-agreement, with real weights) goes
 into the manifest, and the server's default `--backend auto` serves it (mnv3/backend_choice.py). If that
-is OpenVINO, the part size its batches are cut into is measured too (results/02_part_sizes.csv).
+is OpenVINO, the part size its batches are cut into is measured too (results/02_part_sizes.csv), and so is
+how many threads a server gives those batches under load: its batching server with each, in turns
+(results/02_batch_threads.csv; mnv3/batch_threads.py).
 """
 
 import argparse
@@ -18,10 +20,11 @@ import shutil
 import sys
 from pathlib import Path
 
-from mnv3 import cli, report
+from mnv3 import batch_threads, cli, report
 from mnv3.accuracy import UnreadableLabels, labelled_summary, load_labels
 from mnv3.artifacts import (
     BASELINE_CSV,
+    BATCH_THREADS_CSV,
     CALIBRATION_DIR,
     CLASS_NAMES_JSON,
     ENGINES_CSV,
@@ -43,7 +46,7 @@ from mnv3.artifacts import (
     weights_provenance,
 )
 from mnv3.backend_choice import DEFAULT_MIN_AGREEMENT, MANIFEST_KEY, choose, manifest_entry
-from mnv3.photos import is_generated
+from mnv3.photos import is_generated, load_images
 from mnv3.plots import plot_variants
 from mnv3.preprocess import InvalidImage
 from mnv3.quantize import DEFAULT_RECIPE, RECIPES, calibration_photos, quantize_static_int8
@@ -253,6 +256,10 @@ def choose_engine(args, fp32_path, calibration, bench: Bench, profile_runs: int)
             fp32_path, next(v for v in variants if v.name == chosen["variant"]), bench, args.results_dir
         )
         entry |= part_size | {"reason": f"{entry['reason']}; {why}"}
+    (args.results_dir / BATCH_THREADS_CSV).unlink(missing_ok=True)
+    if chosen["engine"] == "openvino" and len(batch_threads.candidates(args.threads)) > 1:
+        threads, why = choose_batch_threads(args, entry)
+        entry |= threads | {"reason": f"{entry['reason']}; {why}"}
     print(f"--backend auto will serve {entry['variant']}: {entry['reason']}")
     print(f"agreement guard: {entry['agreement_guard']}")
     print(silicon_summary(next(row for row in rows if row["chosen"]), bench.batch_size))
@@ -293,6 +300,32 @@ def choose_part_size(fp32_path, variant: EngineVariant, bench: Bench, results_di
         f"batches in parts of {best['part_size']} images, the fastest per image of part sizes {sizes} timed in "
         f"turns with ONNX FP32 ({best['per_image_ms_vs_onnx_fp32']}x FP32's time at batch {bench.batch_size})"
     )
+
+
+def choose_batch_threads(args, entry: dict) -> tuple[dict, str]:
+    """Time the batching server on the chosen engine with its batches on each candidate number of threads
+    (mnv3.batch_threads), write results/02_batch_threads.csv, and return the manifest keys for the one that
+    answered the most requests (its threads and each candidate's req/s) and why, for the choice's reason."""
+    mode = cli.defaults(args)
+    update_manifest(args.artifacts_dir, **{MANIFEST_KEY: entry})  # what the servers serve under --backend auto
+    requests = cli.REQUESTS_PER_SENDER * mode.concurrency
+    print(
+        f"timing the batching server's batches on {' and '.join(map(str, batch_threads.candidates(args.threads)))} "
+        f"thread(s) in turns, {requests} distinct photos at concurrency {mode.concurrency}"
+    )
+    rows = batch_threads.measure(
+        args.artifacts_dir / STATIC_INT8_ONNX,
+        args.threads,
+        load_images(requests),
+        mode.concurrency,
+        requests,
+        1 if args.quick else batch_threads.ROUNDS,
+    )
+    keys, why = batch_threads.choose(rows)
+    rows = [row | {"chosen": row["batch_threads"] == keys["batch_threads"]} for row in rows]
+    write_csv(args.results_dir / BATCH_THREADS_CSV, rows)
+    print(markdown_table(rows))
+    return keys, why
 
 
 def silicon_summary(row: dict, batch_size: int) -> str:

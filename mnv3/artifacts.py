@@ -37,6 +37,7 @@ STATIC_CSV = "02_static.csv"
 RECIPES_CSV = "02_recipes.csv"
 ENGINES_CSV = "02_engines.csv"
 PART_SIZES_CSV = "02_part_sizes.csv"  # the chosen OpenVINO variant's batches cut into parts of each size
+BATCH_THREADS_CSV = "02_batch_threads.csv"  # the batching server on the chosen OpenVINO variant, per batch threads
 OPENVINO_PROFILE_CSV = "02_openvino_profile.csv"  # OpenVINO's per-layer time split of the served (or fastest) variant
 MODEL_VARIANTS_CSV = "model_variants.csv"
 MODEL_VARIANTS_PNG = "model_variants.png"

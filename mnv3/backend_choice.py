@@ -48,6 +48,10 @@ class Choice:
     streams: int = 1
     unservable: bool = False  # a measured choice applies but cannot be served here: worth a warning
     part_size: int | None = None
+    # OpenVINO's threads for a batch in a server under load, measured by stage 2 with `measured_threads`
+    # intra-op threads (mnv3.batch_threads); None: not measured
+    batch_threads: int | None = None
+    measured_threads: int | None = None
 
     @property
     def variant(self) -> str:
@@ -103,6 +107,8 @@ def resolve_auto(model: Path) -> Choice:
         entry,
         entry["streams"],
         part_size=entry.get("part_size"),
+        batch_threads=entry.get("batch_threads"),
+        measured_threads=entry.get("threads"),
     )
 
 

@@ -142,8 +142,9 @@ class ServerConfig:
     batch_threads: int = _option(
         0,
         "OpenVINO threads for a batch of more than one image (a single image gets --intra-op-threads); "
-        "0: half of --intra-op-threads, at least 1, as under load the other cores decode the next images. "
-        "onnxruntime runs every call on --intra-op-threads",
+        "0: what stage 2 measured fastest under load for the engine --backend auto serves (with these "
+        "--intra-op-threads), else half of them, at least 1, as under load the other cores decode the next "
+        "images. onnxruntime runs every call on --intra-op-threads",
         minimum=0,
     )
     # Off by default: spinning intra-op threads steal the cores that decoding needs, so under many
@@ -230,11 +231,6 @@ class ServerConfig:
     def decoding(self) -> Decoding:
         """--jpeg-draft and --resize-crop-only: how this server turns an upload into the model's input."""
         return Decoding(bool(self.jpeg_draft), bool(self.resize_crop_only))
-
-    @property
-    def threads_per_batch(self) -> int:
-        """OpenVINO's threads for a batch of more than one image (--batch-threads, or its default)."""
-        return self.batch_threads or max(1, self.intra_op_threads // 2)
 
     @property
     def images_per_request(self) -> int:

@@ -55,6 +55,12 @@ class Prediction:
     probability: float
 
 
+def default_batch_threads(intra_op_threads: int) -> int:
+    """A server's threads for a batch without stage 2's measurement: half, so the other half decode the next
+    images meanwhile (mnv3.batch_threads measures whether every thread does better)."""
+    return max(1, intra_op_threads // 2)
+
+
 class Engine:
     def __init__(
         self,
@@ -102,8 +108,10 @@ class Engine:
         """Open, validate and name a model, or raise ModelLoadError saying what is wrong.
 
         OpenVINO's inference precision is the chosen one under backend auto, else its default.
-        `batch_threads`: OpenVINO's threads for batches of more than one (default `intra_op_threads`);
-        onnxruntime runs every call on `intra_op_threads`."""
+        `batch_threads`: OpenVINO's threads for batches of more than one (default `intra_op_threads`, as stage
+        2 and the limit time an engine alone); 0, a server's default: what stage 2 measured fastest under load
+        for the choice served, if measured with `intra_op_threads`, else half of them. onnxruntime runs every
+        call on `intra_op_threads`."""
         if backend not in BACKEND_CHOICES:
             raise ModelLoadError(f"unknown backend {backend!r}; available: {', '.join(BACKEND_CHOICES)}")
         path = Path(path)
@@ -121,6 +129,9 @@ class Engine:
             raise ModelLoadError(f"model file {path} not found{hint}")
         choice = resolve_auto(path) if backend == AUTO else explicit(path, backend)
         path, backend, precision = choice.path, choice.backend, choice.precision
+        if batch_threads == 0:
+            measured = choice.batch_threads if choice.measured_threads == intra_op_threads else None
+            batch_threads = measured or default_batch_threads(intra_op_threads)
         if path.suffix == OPENVINO_IR_SUFFIX and backend != "openvino":
             raise ModelLoadError(
                 f"{path} is an OpenVINO IR, which {backend} cannot read: serve it with openvino "

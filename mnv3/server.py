@@ -58,7 +58,7 @@ def load_engine(config: ServerConfig, spec: ModelSpec | None = None) -> Engine:
         config.inter_op_threads,
         config.max_batch_size,
         allow_spinning=bool(config.ort_spinning),
-        batch_threads=config.threads_per_batch,
+        batch_threads=config.batch_threads,  # 0: stage 2's measurement, else half (Engine.load)
     )
 
 

@@ -106,6 +106,26 @@ def test_auto_cuts_batches_into_the_part_size_stage_2_measured(models_dir, openv
     assert max(default.session._parts) == DEFAULT_PART_SIZE and default.choice.part_size is None
 
 
+def test_a_server_gives_batches_the_threads_stage_2_measured_fastest_under_load(models_dir, openvino_installed):
+    """--batch-threads 0 (Engine.load's 0): the measured threads, for the intra-op threads stage 2 measured with;
+    else, or without a measurement, half of them; a number given wins."""
+    entry = entry_for("openvino", FP32_ONNX, "f32", streams=2) | {"threads": 2}
+    update_manifest(models_dir, **{MANIFEST_KEY: entry | {"batch_threads": 2}})
+
+    def batch_threads(given: int, intra_op_threads: int = 2) -> int:
+        engine = Engine.load(
+            models_dir / STATIC_INT8_ONNX, "auto", intra_op_threads, max_batch_size=8, batch_threads=given
+        )
+        return engine.session.batch_threads
+
+    assert batch_threads(0) == 2 and batch_threads(1) == 1
+    update_manifest(models_dir, **{MANIFEST_KEY: entry | {"batch_threads": 1}})
+    assert batch_threads(0) == 1 and batch_threads(2) == 2
+    assert batch_threads(0, intra_op_threads=4) == 2  # measured with 2 threads, not 4: half of 4
+    update_manifest(models_dir, **{MANIFEST_KEY: entry})
+    assert batch_threads(0) == 1
+
+
 def test_auto_falls_back_to_onnxruntime_with_the_reason(models_dir, tmp_path, monkeypatch, caplog):
     shutil.copy(models_dir / FP32_ONNX, tmp_path / FP32_ONNX)
     no_entry = resolve_auto(tmp_path / FP32_ONNX)

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from mnv3.config import ModelSpec, ServerConfig, flag, parse_args
+from mnv3.engine import default_batch_threads
 
 pytestmark = pytest.mark.unit
 
@@ -58,16 +59,14 @@ def test_images_per_request_defaults_to_the_batch_size():
     assert ServerConfig(model="a.onnx", max_batch_size=16, max_request_images=4).images_per_request == 4
 
 
-@pytest.mark.parametrize(
-    ("intra_op_threads", "batch_threads", "expected"), [(2, 0, 1), (1, 0, 1), (8, 0, 4), (2, 2, 2), (8, 3, 3)]
-)
-def test_batches_get_half_the_threads_unless_told(intra_op_threads, batch_threads, expected):
-    config = ServerConfig(model="a.onnx", intra_op_threads=intra_op_threads, batch_threads=batch_threads)
-    assert config.threads_per_batch == expected
+@pytest.mark.parametrize(("intra_op_threads", "expected"), [(2, 1), (1, 1), (8, 4)])
+def test_batches_get_half_the_threads_without_a_measurement(intra_op_threads, expected):
+    assert ServerConfig(model="a.onnx", intra_op_threads=intra_op_threads).batch_threads == 0  # Engine.load's rule
+    assert default_batch_threads(intra_op_threads) == expected
 
 
 def test_batch_threads_flag_and_variable():
-    assert parse_args(["--model", "a.onnx", "--batch-threads", "2"], environ={}).threads_per_batch == 2
+    assert parse_args(["--model", "a.onnx", "--batch-threads", "2"], environ={}).batch_threads == 2
     assert parse_args(["--model", "a.onnx"], environ={"MNV3_BATCH_THREADS": "3"}).batch_threads == 3
     with pytest.raises(ValueError, match="--batch-threads must be at least 0"):
         ServerConfig(model="a.onnx", batch_threads=-1)

@@ -190,7 +190,8 @@ def test_build_app_reads_the_key_file_once_and_the_replicas_app_is_protected(
         assert client.get("/healthz").status_code == 200
 
 
-@pytest.mark.parametrize(("batch_threads", "cpus", "expected"), [(0, 1, 1), (0, 4, 2), (4, 1, 1), (2, 4, 2)])
+@pytest.mark.parametrize(("batch_threads", "cpus", "expected"), [(0, 1, 0), (0, 4, 0), (4, 1, 1), (2, 4, 2)])
 def test_a_replica_sizes_every_thread_count_to_its_cpus(batch_threads, cpus, expected):
+    """0 stays 0, the default: Engine.load then takes stage 2's measurement or half of the replica's threads."""
     sized = ray_serve.sized_to(ServerConfig(model="a.onnx", intra_op_threads=8, batch_threads=batch_threads), cpus)
-    assert (sized.intra_op_threads, sized.preprocess_threads, sized.threads_per_batch) == (cpus, cpus, expected)
+    assert (sized.intra_op_threads, sized.preprocess_threads, sized.batch_threads) == (cpus, cpus, expected)

@@ -242,6 +242,22 @@ def test_stage_2_measures_the_part_size_of_a_chosen_openvino_engine(stage_dirs):
     assert f"batches in parts of {entry['part_size']} images" in entry["reason"]
 
 
+def test_stage_2_measures_the_batch_threads_a_server_gives_a_chosen_openvino_engine(stage_dirs):
+    entry = json.loads((stage_dirs["artifacts"] / "manifest.json").read_text())["engine_choice"]
+    path = stage_dirs["results"] / "02_batch_threads.csv"
+    if entry["engine"] != "openvino":  # onnxruntime runs every call on the intra-op threads
+        assert not path.exists() and "batch_threads" not in entry
+        return
+    rows = read_csv(path)
+    # quick mode: one round of turns, mirrored (half the threads, then all; then all, then half), every request
+    assert [(row["batch_threads"], row["turn"]) for row in rows] == [("1", "1"), ("2", "1"), ("2", "2"), ("1", "2")]
+    assert all(row["ok"] == row["sent"] == "32" and float(row["req_per_s"]) > 0 for row in rows)
+    rates = entry["batch_threads_req_per_s"]
+    assert set(rates) == {"1", "2"} and entry["batch_threads"] == int(max(rates, key=rates.get))
+    assert {row["chosen"] for row in rows if int(row["batch_threads"]) == entry["batch_threads"]} == {"True"}
+    assert f"a server's batches on {entry['batch_threads']} thread(s)" in entry["reason"]
+
+
 def test_stage_2_says_how_far_each_engine_is_from_the_measured_peak(stage_dirs):
     rows = read_csv(stage_dirs["results"] / "02_engines.csv")
     macs = count_macs(stage_dirs["artifacts"] / "fp32.onnx")
