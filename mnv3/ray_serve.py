@@ -91,7 +91,8 @@ class ImageAffinityRouter(RequestRouter):
 def sized_to(config: ServerConfig, cpus: int) -> ServerConfig:
     """`config` with its threads sized to the CPUs Ray reserved for a replica (ray_actor_options num_cpus), so N
     replicas on a machine do not each spread over all of its cores: inference and preprocessing on `cpus`,
-    OpenVINO's batches on --batch-threads if it fits (else `cpus`; unset, its default, half of them)."""
+    OpenVINO's batches on --batch-threads if it fits (else `cpus`; unset, its default: stage 2's measurement
+    for `cpus` intra-op threads, else half of them)."""
     batch_threads = min(config.batch_threads, cpus)  # 0 stays 0: the default
     return replace(config, intra_op_threads=cpus, preprocess_threads=cpus, batch_threads=batch_threads)
 
