@@ -217,7 +217,7 @@ def add_common_args(parser, artifacts_help: str):
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="small counts (mnv3/cli.py QUICK): a smoke run of seconds to about a minute",
+        help="small counts (mnv3/cli.py QUICK): a smoke run of seconds to a minute or two",
     )
     return parser
 
