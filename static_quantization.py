@@ -302,6 +302,20 @@ def choose_part_size(fp32_path, variant: EngineVariant, bench: Bench, results_di
     )
 
 
+# The printed table's columns of 02_batch_threads.csv, which holds each run's latency and CPU columns too.
+BATCH_THREADS_TABLE_COLUMNS = (
+    "batch_threads",
+    "turn",
+    "concurrency",
+    "ok",
+    "errors",
+    "seconds",
+    "req_per_s",
+    "machine_cpu_busy",
+    "chosen",
+)
+
+
 def choose_batch_threads(args, entry: dict) -> tuple[dict, str]:
     """Time the batching server on the chosen engine with its batches on each candidate number of threads
     (mnv3.batch_threads), write results/02_batch_threads.csv, and return the manifest keys for the one that
@@ -313,7 +327,7 @@ def choose_batch_threads(args, entry: dict) -> tuple[dict, str]:
         f"timing the batching server's batches on {' and '.join(map(str, batch_threads.candidates(args.threads)))} "
         f"thread(s) in turns, {requests} distinct photos at concurrency {mode.concurrency}"
     )
-    rows = batch_threads.measure(
+    turns = batch_threads.measure(
         args.artifacts_dir / STATIC_INT8_ONNX,
         args.threads,
         load_images(requests),
@@ -321,10 +335,13 @@ def choose_batch_threads(args, entry: dict) -> tuple[dict, str]:
         requests,
         1 if args.quick else batch_threads.ROUNDS,
     )
-    keys, why = batch_threads.choose(rows)
-    rows = [row | {"chosen": row["batch_threads"] == keys["batch_threads"]} for row in rows]
+    keys, why = batch_threads.choose(turns)
+    rows = [
+        {"batch_threads": threads, "turn": turn, **run.as_row(), "chosen": threads == keys["batch_threads"]}
+        for threads, turn, run in turns
+    ]
     write_csv(args.results_dir / BATCH_THREADS_CSV, rows)
-    print(markdown_table(rows))
+    print(markdown_table([{key: row[key] for key in BATCH_THREADS_TABLE_COLUMNS} for row in rows]))
     return keys, why
 
 

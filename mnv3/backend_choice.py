@@ -48,15 +48,17 @@ class Choice:
     streams: int = 1
     unservable: bool = False  # a measured choice applies but cannot be served here: worth a warning
     part_size: int | None = None
-    # OpenVINO's threads for a batch in a server under load, measured by stage 2 with `measured_threads`
-    # intra-op threads (mnv3.batch_threads); None: not measured
-    batch_threads: int | None = None
-    measured_threads: int | None = None
 
     @property
     def variant(self) -> str:
         """Stage 2's name for this engine x file x precision, e.g. onnxruntime_static_int8, openvino_fp32_bf16."""
         return variant_name(self.backend, self.path.name, self.precision, self.streams)
+
+    def measured_batch_threads(self, intra_op_threads: int) -> int | None:
+        """OpenVINO's threads for a batch in a server under load, as stage 2 measured them for this choice
+        (mnv3.batch_threads), if it measured with `intra_op_threads` intra-op threads; else None."""
+        entry = self.manifest_entry or {}
+        return entry.get("batch_threads") if entry.get("threads") == intra_op_threads else None
 
     def describe(self) -> dict:
         """For GET /model."""
@@ -107,8 +109,6 @@ def resolve_auto(model: Path) -> Choice:
         entry,
         entry["streams"],
         part_size=entry.get("part_size"),
-        batch_threads=entry.get("batch_threads"),
-        measured_threads=entry.get("threads"),
     )
 
 

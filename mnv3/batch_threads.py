@@ -31,9 +31,10 @@ def measure(
     concurrency: int,
     requests: int,
     rounds: int = ROUNDS,
-) -> list[dict]:
-    """One row per turn: each candidate's server (batching as by default, cache off, `threads` intra-op
-    threads) answering `requests` of `bodies` at `concurrency`, all servers up at once, in `rounds` of turns."""
+) -> list[tuple[int, int, LoadResult]]:
+    """(batch threads, turn from 1, its run) per turn: each candidate's server (batching as by default, cache
+    off, `threads` intra-op threads) answering `requests` of `bodies` at `concurrency`, all servers up at
+    once, in `rounds` of turns."""
     with ExitStack() as stack:
         urls = {
             batch_threads: stack.enter_context(
@@ -43,38 +44,30 @@ def measure(
         }
         for url in urls.values():
             warm_up(url, bodies, concurrency)
-        rows = []
-        for turn in range(1, 2 * rounds + 1):
-            for batch_threads in turn_order(list(urls), turn):
-                result = run_with_metrics(
+        return [
+            (
+                batch_threads,
+                turn,
+                run_with_metrics(
                     urls[batch_threads],
                     lambda send: run_closed_loop(send, bodies, concurrency, count=requests),
                     PredictClient,
-                )
-                rows.append({"batch_threads": batch_threads, "turn": turn, **_columns(result)})
-    return rows
+                ),
+            )
+            for turn in range(1, 2 * rounds + 1)
+            for batch_threads in turn_order(list(urls), turn)
+        ]
 
 
-def _columns(result: LoadResult) -> dict:
-    return {
-        "concurrency": result.concurrency,
-        "sent": result.sent,
-        "ok": result.ok,
-        "seconds": round(result.seconds, 3),
-        "req_per_s": round(result.rps, 2),
-        "machine_cpu_busy": None if result.machine_cpu_busy is None else round(result.machine_cpu_busy, 3),
-    }
-
-
-def choose(rows: list[dict]) -> tuple[dict, str]:
+def choose(turns: list[tuple[int, int, LoadResult]]) -> tuple[dict, str]:
     """The manifest keys for the candidate whose turns, pooled, answered the most requests a second, and why."""
-    pooled = {}
-    for batch_threads in dict.fromkeys(row["batch_threads"] for row in rows):
-        turns = [row for row in rows if row["batch_threads"] == batch_threads]
-        pooled[batch_threads] = round(sum(row["ok"] for row in turns) / sum(row["seconds"] for row in turns), 1)
+    pooled = {
+        batch_threads: round(LoadResult.pooled(*(run for threads, _, run in turns if threads == batch_threads)).rps, 1)
+        for batch_threads in dict.fromkeys(threads for threads, _, _ in turns)
+    }
     best = max(pooled, key=pooled.__getitem__)
     rates = ", ".join(f"{threads} thread(s) {rate} req/s" for threads, rate in pooled.items())
     return {"batch_threads": best, "batch_threads_req_per_s": {str(k): v for k, v in pooled.items()}}, (
         f"a server's batches on {best} thread(s), which answered the most of {rates}, "
-        f"its batching server timed in turns at concurrency {rows[0]['concurrency']}"
+        f"its batching server timed in turns at concurrency {turns[0][2].concurrency}"
     )

@@ -130,8 +130,7 @@ class Engine:
         choice = resolve_auto(path) if backend == AUTO else explicit(path, backend)
         path, backend, precision = choice.path, choice.backend, choice.precision
         if batch_threads == 0:
-            measured = choice.batch_threads if choice.measured_threads == intra_op_threads else None
-            batch_threads = measured or default_batch_threads(intra_op_threads)
+            batch_threads = choice.measured_batch_threads(intra_op_threads) or default_batch_threads(intra_op_threads)
         if path.suffix == OPENVINO_IR_SUFFIX and backend != "openvino":
             raise ModelLoadError(
                 f"{path} is an OpenVINO IR, which {backend} cannot read: serve it with openvino "
