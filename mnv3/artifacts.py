@@ -12,6 +12,7 @@ CALIBRATION_DIR = Path("calibration_images")
 
 FP32_ONNX = "fp32.onnx"
 DYNAMIC_INT8_ONNX = "dynamic_int8.onnx"
+DYNAMIC_INT8_U8_WEIGHTS_ONNX = "dynamic_int8_u8_weights.onnx"
 STATIC_INT8_ONNX = "static_int8.onnx"
 # The model's class names (a JSON list, index = class id) written beside the models by stage 1, so
 # serving needs neither torchvision nor the training folders.

@@ -118,15 +118,22 @@ def pre_process(fp32_path, out_path, symbolic_shapes: bool = True) -> Path:
     return Path(out_path)
 
 
-def quantize_dynamic_int8(fp32_path, out_path, symbolic_shapes: bool = True, reduce_range: bool = False) -> Path:
+def quantize_dynamic_int8(
+    fp32_path, out_path, symbolic_shapes: bool = True, reduce_range: bool = False, unsigned_weights: bool = False
+) -> Path:
     """INT8 weights, activations quantized on the fly per call (DynamicQuantizeLinear + ConvInteger, or
     DynamicQuantizeMatMul for MatMuls); `reduce_range`: 7-bit weights, which a model whose time is in MatMuls
     needs on CPUs without VNNI, where ORT's U8xS8 MatMul kernels saturate their int16 sums (as the static
     recipes' do). A conv net's ConvInteger does not saturate there, and its per-tensor weights lose more to
-    the lost bit than the MatMuls' do."""
+    the lost bit than the MatMuls' do.
+
+    `unsigned_weights`: uint8 weights instead of `quantize_dynamic`'s default int8. ConvInteger hands its
+    weights to onnxruntime's integer GEMM (MLAS) as the left operand, and on x86 MLAS has vector kernels for
+    an unsigned left operand only (signed ones need AVX-VNNI-INT8): int8 weights run its portable C loop."""
+    weight_type = QuantType.QUInt8 if unsigned_weights else QuantType.QInt8
     with tempfile.TemporaryDirectory() as tmp:
         prepared = pre_process(fp32_path, Path(tmp) / "prepared.onnx", symbolic_shapes)
-        quantize_dynamic(str(prepared), str(out_path), weight_type=QuantType.QInt8, reduce_range=reduce_range)
+        quantize_dynamic(str(prepared), str(out_path), weight_type=weight_type, reduce_range=reduce_range)
     return Path(out_path)
 
 

@@ -162,11 +162,9 @@ def op_shares(profile: list[dict], op_types) -> str:
     )
 
 
-def int8_vs_fp32(rows: list[dict]) -> str:
-    """The same-run ratios: dynamic INT8's batch-1 mean and per-image time over FP32's."""
-    fp32, int8 = (
-        next(row for row in rows if row["variant"] == variant) for variant in ("onnx_fp32", "onnx_dynamic_int8")
-    )
+def int8_vs_fp32(rows: list[dict], int8_variant: str = "onnx_dynamic_int8") -> str:
+    """The same-run ratios: dynamic INT8's (`int8_variant`'s) batch-1 mean and per-image time over FP32's."""
+    fp32, int8 = (next(row for row in rows if row["variant"] == variant) for variant in ("onnx_fp32", int8_variant))
     return (
         f"dynamic INT8 / FP32: batch 1 {int8['mean_ms'] / fp32['mean_ms']:.2f}x, per image at batch "
         f"{int8['batch_size']} {int8['per_image_ms'] / fp32['per_image_ms']:.2f}x, "

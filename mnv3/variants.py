@@ -46,6 +46,7 @@ VARIANT_NAMES = {
     "pytorch_fp32": "PyTorch FP32",
     "onnx_fp32": "ONNX FP32",
     "onnx_dynamic_int8": "ONNX Dynamic INT8",
+    "onnx_dynamic_int8_u8_weights": "ONNX Dynamic INT8, uint8 weights",
     "onnx_static_int8": "ONNX Static INT8",
     "openvino_fp32": "OpenVINO FP32",
     "openvino_bf16": "OpenVINO BF16",

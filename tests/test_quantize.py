@@ -94,6 +94,26 @@ def test_dynamic_int8_quantizes_convs_on_the_fly_and_is_small(fp32_model_path, d
     assert dynamic_model.stat().st_size < 0.35 * fp32_model_path.stat().st_size
 
 
+def conv_integer_weight_types(path) -> set[int]:
+    model = onnx.load(str(path))
+    initializers = {tensor.name: tensor for tensor in model.graph.initializer}
+    return {initializers[node.input[1]].data_type for node in model.graph.node if node.op_type == "ConvInteger"}
+
+
+def test_dynamic_int8_with_unsigned_weights_is_the_same_network_with_uint8_conv_weights(
+    fp32_model_path, dynamic_model, held_out, tmp_path
+):
+    unsigned = quantize_dynamic_int8(fp32_model_path, tmp_path / "u8.onnx", unsigned_weights=True)
+    assert conv_integer_weight_types(dynamic_model) == {onnx.TensorProto.INT8}  # quantize_dynamic's default
+    assert conv_integer_weight_types(unsigned) == {onnx.TensorProto.UINT8}
+    assert unsigned.stat().st_size < 0.35 * fp32_model_path.stat().st_size
+    reference = ort_runner(make_session(fp32_model_path))(held_out)
+    signed_scores = agreement(reference, ort_runner(make_session(dynamic_model))(held_out))
+    unsigned_scores = agreement(reference, ort_runner(make_session(unsigned))(held_out))
+    # The same 8 bits a weight, asymmetric: as close to FP32 as int8 weights are, within rounding's luck.
+    assert unsigned_scores["sqnr_db"] >= signed_scores["sqnr_db"] - 1.5
+
+
 def test_static_int8_agrees_with_fp32_on_held_out_photos(fp32_model_path, static_model, held_out):
     reference = ort_runner(make_session(fp32_model_path))(held_out)
     scores = agreement(reference, ort_runner(make_session(static_model))(held_out))

@@ -59,15 +59,21 @@ def stage_dirs(tmp_path_factory):
 
 def test_stage_1_writes_sane_baseline_rows(stage_dirs):
     rows = {row["variant"]: row for row in read_csv(stage_dirs["results"] / "01_baseline.csv")}
-    assert set(rows) - {"openvino_fp32", "openvino_bf16"} == {"pytorch_fp32", "onnx_fp32", "onnx_dynamic_int8"}
+    assert set(rows) - {"openvino_fp32", "openvino_bf16"} == {
+        "pytorch_fp32",
+        "onnx_fp32",
+        "onnx_dynamic_int8",
+        "onnx_dynamic_int8_u8_weights",
+    }
     for row in rows.values():
         assert 0 < float(row["p50_ms"]) <= float(row["p95_ms"]) <= float(row["p99_ms"])
         assert float(row["mean_ms"]) > 0 and float(row["per_image_ms"]) > 0
         assert row["weights"] == "random-init" and int(row["bn_recalibration_images"]) > 0
         assert row["threads"] == "2" and row["batch_size"] == "8"
     assert float(rows["onnx_fp32"]["export_max_abs_diff"]) <= 1e-3
-    assert float(rows["onnx_dynamic_int8"]["size_mb"]) < 0.35 * float(rows["onnx_fp32"]["size_mb"])
-    for variant in ("pytorch_fp32", "onnx_dynamic_int8"):
+    for variant in ("onnx_dynamic_int8", "onnx_dynamic_int8_u8_weights"):
+        assert float(rows[variant]["size_mb"]) < 0.35 * float(rows["onnx_fp32"]["size_mb"])
+    for variant in ("pytorch_fp32", "onnx_dynamic_int8", "onnx_dynamic_int8_u8_weights"):
         assert 0 <= float(rows[variant]["top1_agreement"]) <= float(rows[variant]["top5_agreement"]) <= 1
     assert float(rows["pytorch_fp32"]["sqnr_db"]) > 60  # the same FP32 network in two runtimes
     profile = read_csv(stage_dirs["results"] / "01_dynamic_int8_profile.csv")
