@@ -1,15 +1,16 @@
-"""Stage 1: PyTorch FP32 baseline, ONNX FP32 export checked against PyTorch, dynamic INT8, and an
-onnxruntime profile of the dynamic model showing where its time goes. With openvino installed
-(requirements-openvino.txt) the same FP32 file also runs on OpenVINO: FP32, and BF16 where the CPU has it.
+"""Stage 1: PyTorch FP32 baseline, ONNX FP32 export checked against PyTorch, dynamic INT8 (with int8
+weights, quantize_dynamic's default, and with uint8 weights), and an onnxruntime profile of the dynamic model
+showing where its time goes. With openvino installed (requirements-openvino.txt) the same FP32 file also runs
+on OpenVINO: FP32, and BF16 where the CPU has it.
 
 The model is MobileNetV3-Large or -Small (--arch): torchvision's ImageNet weights, or your own fine-tuned
 ones (--weights, --class-names, and the preprocessing it was trained with).
 
-Writes artifacts/{fp32,dynamic_int8,dynamic_int8_u8_weights}.onnx, artifacts/class_names.json, the manifest (arch, weights,
-classes, preprocessing: every later stage and the server read them from there), results/01_baseline.csv,
-results/01_dynamic_int8_profile.csv and results/summary.md. `--transformer-control` runs the same export ->
-dynamic INT8 -> timing -> profile on a ViT as well (results/01_transformer_control*.csv): the other
-direction of the dynamic-INT8 finding.
+Writes artifacts/{fp32,dynamic_int8,dynamic_int8_u8_weights}.onnx, artifacts/class_names.json, the manifest
+(arch, weights, classes, preprocessing: every later stage and the server read them from there),
+results/01_baseline.csv, results/01_dynamic_int8_profile.csv and results/summary.md.
+`--transformer-control` runs the same export -> dynamic INT8 -> timing -> profile on a ViT as well
+(results/01_transformer_control*.csv): the other direction of the dynamic-INT8 finding.
 """
 
 import argparse
@@ -178,7 +179,9 @@ def run(args):
     # quantize_dynamic's default (int8 weights) is the write-up's row; uint8 weights reach onnxruntime's vector
     # kernels for ConvInteger (quantize_dynamic_int8 says why), so the finding is timed both ways.
     dynamic_path = quantize_dynamic_int8(fp32_path, artifacts_dir / DYNAMIC_INT8_ONNX)
-    unsigned_path = quantize_dynamic_int8(fp32_path, artifacts_dir / DYNAMIC_INT8_U8_WEIGHTS_ONNX, unsigned_weights=True)
+    unsigned_path = quantize_dynamic_int8(
+        fp32_path, artifacts_dir / DYNAMIC_INT8_U8_WEIGHTS_ONNX, unsigned_weights=True
+    )
 
     reference = predict(fp32_run, array_batches(bench.held_out, bench.batch_size))
     variants = [
