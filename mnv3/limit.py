@@ -20,13 +20,13 @@ from functools import partial
 from typing import NamedTuple
 
 import numpy as np
-from tqdm import tqdm
 
 from mnv3.artifacts import model_preprocessing
 from mnv3.backend_choice import Choice
 from mnv3.engine import open_session
 from mnv3.latency import turn_order
 from mnv3.preprocess import Decoding, Preprocessing, decode_and_preprocess
+from mnv3.progress import progress_bar
 from mnv3.runtime import DEFAULT_INTER_OP_THREADS
 from mnv3.thread_cpu import PREPROCESS, PREPROCESS_THREADS, cpu_seconds_by_role
 
@@ -195,9 +195,7 @@ def try_configurations(
     configurations = [(b, t, d) for t, d in thread_splits for b in batch_sizes]
     grid = [
         measure_limit(engine, served, bodies, decoding, batch_size, intra_op_threads, decode_threads)
-        for batch_size, intra_op_threads, decode_threads in tqdm(
-            configurations, desc=desc, leave=False, disable=desc is None
-        )
+        for batch_size, intra_op_threads, decode_threads in progress_bar(configurations, desc)
     ]
     return grid, run_off(grid, served, bodies)
 

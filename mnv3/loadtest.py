@@ -41,10 +41,10 @@ import psutil
 import requests
 import uvloop
 from prometheus_client.parser import text_string_to_metric_families
-from tqdm import tqdm
 
 from mnv3.latency import LatencyStats
 from mnv3.preprocess import DEFAULT_DECODING, Decoding
+from mnv3.progress import progress_bar
 from mnv3.thread_cpu import ROLES
 
 START_TIMEOUT_S = 120  # loading + warming an engine on a busy 2-core machine can take a while
@@ -488,7 +488,7 @@ def run_closed_loop(
 
     async def load() -> tuple[list, float]:
         numbers, samples = iter(range(count)), []
-        with tqdm(total=count, desc=desc, leave=False, disable=desc is None) as progress:
+        with progress_bar(total=count, desc=desc) as progress:
 
             async def sender():
                 for i in numbers:  # shared: each request is taken by whichever sender is free first
@@ -544,7 +544,7 @@ def run_open_loop(
                 return status, time.perf_counter() - scheduled, payload
 
         start, requests = time.perf_counter(), []
-        for i, offset in enumerate(tqdm(schedule, desc=desc, leave=False, disable=desc is None)):
+        for i, offset in enumerate(progress_bar(schedule, desc)):
             delay = start + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)

@@ -5,8 +5,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from tqdm import tqdm
-
+from mnv3.progress import progress_bar
 from mnv3.runtime import make_session, ort_runner
 
 
@@ -16,7 +15,7 @@ def profile_model(model_path, batch, runs: int, threads: int, trace_path) -> Pat
     trace_path.parent.mkdir(parents=True, exist_ok=True)
     session = make_session(model_path, threads, profile_prefix=str(trace_path.with_suffix("")))
     run = ort_runner(session)
-    for _ in tqdm(range(runs), desc="profiling", leave=False):
+    for _ in progress_bar(range(runs), desc="profiling"):
         run(batch)
     return Path(session.end_profiling()).replace(trace_path)
 
@@ -49,7 +48,7 @@ def openvino_layer_summary(model_path, batch, runs: int, threads: int, precision
     request.infer({0: batch})  # the first run allocates; not counted
     micros: defaultdict[tuple[str, str], float] = defaultdict(float)
     calls: defaultdict[tuple[str, str], int] = defaultdict(int)
-    for _ in tqdm(range(runs), desc="profiling", leave=False):
+    for _ in progress_bar(range(runs), desc="profiling"):
         request.infer({0: batch})
         for layer in request.get_profiling_info():
             if layer.real_time.total_seconds() > 0:

@@ -23,13 +23,13 @@ from onnxruntime.quantization import (
     quantize_static,
 )
 from onnxruntime.quantization.shape_inference import quant_pre_process
-from tqdm import tqdm
 
 from mnv3.accuracy import array_batches
 from mnv3.artifacts import INPUT_NAME
 from mnv3.graph_rewrites import GRAPH_REWRITES, rewritten_file
 from mnv3.photos import fill_calibration_dir, is_generated, list_images
 from mnv3.preprocess import DEFAULT_PREPROCESSING, Preprocessing, preprocess_files
+from mnv3.progress import progress_bar
 
 CALIBRATION_BATCH_SIZE = 8
 
@@ -190,7 +190,7 @@ class PhotoCalibrationReader(CalibrationDataReader):
     ):
         self.chunks = [image_paths[i : i + batch_size] for i in range(0, len(image_paths), batch_size)]
         self.preprocessing = preprocessing
-        self.progress = tqdm(total=len(image_paths), desc="calibration", unit="img", leave=False)
+        self.progress = progress_bar(total=len(image_paths), desc="calibration", unit="img")
 
     def get_next(self):
         if not self.chunks:
