@@ -60,6 +60,13 @@ from mnv3.transformer_control import INTEGER_MATMUL_OPS, control_vit, int8_vs_fp
 from mnv3.variants import Bench, Variant, baseline_rows, fastest, openvino_variants, remove_stage_2_outputs
 
 PROFILED_OPS = ("ConvInteger", "DynamicQuantizeLinear")  # dynamic INT8's own ops, named in the printed shares
+# Dynamic INT8's rows: variant -> (its file, uint8 weights). quantize_dynamic's default (int8 weights) is the
+# write-up's row; uint8 weights reach onnxruntime's vector kernels for ConvInteger (quantize_dynamic_int8 says
+# why), so the finding is timed both ways.
+DYNAMIC_INT8_VARIANTS = {
+    "onnx_dynamic_int8": (DYNAMIC_INT8_ONNX, False),
+    "onnx_dynamic_int8_u8_weights": (DYNAMIC_INT8_U8_WEIGHTS_ONNX, True),
+}
 
 
 def get_args_parser(add_help=True):
@@ -159,7 +166,7 @@ def run(args):
     fp32_path = export_onnx(model, artifacts_dir / FP32_ONNX, preprocessing)
     if (file_sha256(fp32_path), preprocessing.record()) != previous:
         # The last model's dynamic INT8 files are rewritten below: gone now, should this run stop before then.
-        for stale in (DYNAMIC_INT8_ONNX, DYNAMIC_INT8_U8_WEIGHTS_ONNX):
+        for stale, _ in DYNAMIC_INT8_VARIANTS.values():
             (artifacts_dir / stale).unlink(missing_ok=True)
         if removed := remove_stage_2_outputs(artifacts_dir):
             print(f"removed {removed}: stage 2 built them from the previous model; rerun stage 2")
@@ -176,22 +183,18 @@ def run(args):
     fp32_run = ort_runner(make_session(fp32_path, args.threads))
     export_diff = check_export(model, fp32_run, bench.held_out)
     print(f"export check: max |ONNX - PyTorch| logit = {export_diff:.2e} at batch sizes {EXPORT_CHECK_BATCHES}")
-    # quantize_dynamic's default (int8 weights) is the write-up's row; uint8 weights reach onnxruntime's vector
-    # kernels for ConvInteger (quantize_dynamic_int8 says why), so the finding is timed both ways.
-    dynamic_path = quantize_dynamic_int8(fp32_path, artifacts_dir / DYNAMIC_INT8_ONNX)
-    unsigned_path = quantize_dynamic_int8(
-        fp32_path, artifacts_dir / DYNAMIC_INT8_U8_WEIGHTS_ONNX, unsigned_weights=True
-    )
+    dynamic_paths = {
+        variant: quantize_dynamic_int8(fp32_path, artifacts_dir / file, unsigned_weights=unsigned)
+        for variant, (file, unsigned) in DYNAMIC_INT8_VARIANTS.items()
+    }
 
     reference = predict(fp32_run, array_batches(bench.held_out, bench.batch_size))
     variants = [
         Variant("pytorch_fp32", torch_runner(model), state_dict_size_mb(model)),
         Variant("onnx_fp32", fp32_run, model_size_mb(fp32_path)),
-        Variant("onnx_dynamic_int8", ort_runner(make_session(dynamic_path, args.threads)), model_size_mb(dynamic_path)),
-        Variant(
-            "onnx_dynamic_int8_u8_weights",
-            ort_runner(make_session(unsigned_path, args.threads)),
-            model_size_mb(unsigned_path),
+        *(
+            Variant(variant, ort_runner(make_session(path, args.threads)), model_size_mb(path))
+            for variant, path in dynamic_paths.items()
         ),
     ]
     if "openvino" in args.backends:
@@ -202,7 +205,11 @@ def run(args):
     print(fastest(rows))
 
     trace = profile_model(
-        dynamic_path, bench.held_out[:1], mode.profile_runs, args.threads, artifacts_dir / "dynamic_int8_profile.json"
+        dynamic_paths["onnx_dynamic_int8"],
+        bench.held_out[:1],
+        mode.profile_runs,
+        args.threads,
+        artifacts_dir / "dynamic_int8_profile.json",
     )
     profile = op_type_summary(trace, mode.profile_runs)
     write_csv(results_dir / DYNAMIC_INT8_PROFILE_CSV, profile)
