@@ -50,16 +50,14 @@ def value(row, key):
 
 
 def _fastest(results_dir: Path, key: str) -> tuple[str, float | None]:
-    """(variant, its `key` / ONNX FP32's), over every variant timed in the same run as ONNX FP32:
-    stage 1's rows against stage 1's FP32, stage 2's recipes, engine variants and, per image, the chosen one's
-    part sizes against the FP32 they took turns with. Not at batch 1: a single image never runs in parts, so
-    the part-size table's batch-1 times are the chosen variant's batch-1 call timed four more times, and the
-    lowest of those would be the luckiest draw, not a faster variant."""
-    baseline = _rows(results_dir, BASELINE_CSV)
-    fp32 = _find(baseline, variant="onnx_fp32")
+    """(variant, its `key` / ONNX FP32's), over every variant timed in the same run as ONNX FP32, each by its
+    same-run ratio column: stage 1's variants, stage 2's recipes, engine variants and, per image, the chosen
+    one's part sizes. Not at batch 1: a single image never runs in parts, so the part-size table's batch-1
+    times are the chosen variant's batch-1 call timed four more times, and the lowest of those would be the
+    luckiest draw, not a faster variant."""
     ratios = {
-        row["variant"]: _ratio(row, fp32, key)
-        for row in baseline
+        row["variant"]: value(row, f"{key}_vs_onnx_fp32")
+        for row in _rows(results_dir, BASELINE_CSV)
         if row.get("variant") not in ("pytorch_fp32", "onnx_fp32")
     }
     ratios |= {

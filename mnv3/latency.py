@@ -17,6 +17,8 @@ TURN_WARMUP_S = 0.05
 SETTLE_WINDOW_S = 0.01
 SETTLE_IDLE_SHARE = 0.2
 SETTLE_MAX_S = 1.0
+# The timed columns a model's ratios to the reference of an interleaved_benchmark are taken of.
+RATIO_KEYS = ("mean_ms", "p50_ms", "per_image_ms", "per_image_p50_ms")
 T = TypeVar("T")
 
 
@@ -83,7 +85,9 @@ def warm_up_turn(run, inputs, seconds: float) -> None:
         run(inputs)
 
 
-def interleaved_benchmark(runners: dict, images: np.ndarray, batch_size: int, timing: Timing, rounds: int = 5) -> dict:
+def interleaved_benchmark(
+    runners: dict, images: np.ndarray, batch_size: int, timing: Timing, rounds: int = 5, reference: str | None = None
+) -> dict:
     """Batch-1 latency stats and per-image ms at `batch_size` for each `run(batch) -> logits` in `runners`,
     measured in turns so that machine-load drift hits all alike (ratios between them are the result;
     `images` is a preprocessed (N, 3, H, W) array, and the batch cycles through it if N < batch_size).
@@ -97,12 +101,19 @@ def interleaved_benchmark(runners: dict, images: np.ndarray, batch_size: int, ti
     model's first calls run markedly slower on a shared VM (cold caches, most likely), by an amount that
     differs between engines (OpenVINO's INT8 more than onnxruntime's FP32). A turn of a few batch-1
     calls after a single untimed one then times the recovery, not the steady state the warm-up is for.
+
+    With a `reference` (one of `runners`), every row also has `<key>_vs_<reference>` for each of RATIO_KEYS:
+    the median over the rounds of the model's ratio to the reference in that round. Why per round: a
+    neighbour's burst that lands on a few turns moves only those rounds' ratios, which the median leaves
+    out, where the ratio of the whole run's means takes the burst in full against whichever models ran
+    during it.
     """
     single = images[:1]
     batch = np.ascontiguousarray(images[np.arange(batch_size) % len(images)])
     rounds = max(1, min(rounds, timing.batch_iters, timing.iters))
-    singles: dict[str, list[float]] = {name: [] for name in runners}
-    batches: dict[str, list[float]] = {name: [] for name in runners}
+    # each model's call times in seconds, a list per round
+    singles = {name: [[] for _ in range(rounds)] for name in runners}
+    batches = {name: [[] for _ in range(rounds)] for name in runners}
     for run in runners.values():
         for _ in range(timing.warmup):
             run(single)
@@ -114,8 +125,8 @@ def interleaved_benchmark(runners: dict, images: np.ndarray, batch_size: int, ti
             run = runners[name]
             settle()
             for inputs, seconds, iters in (
-                (single, singles[name], timing.iters),
-                (batch, batches[name], timing.batch_iters),
+                (single, singles[name][round_index], timing.iters),
+                (batch, batches[name][round_index], timing.batch_iters),
             ):
                 warm_up_turn(run, inputs, timing.turn_warmup_s)
                 for _ in range(math.ceil(iters / rounds)):
@@ -123,12 +134,32 @@ def interleaved_benchmark(runners: dict, images: np.ndarray, batch_size: int, ti
                     run(inputs)
                     seconds.append(time.perf_counter() - start)
         print(f"timing round {round_index + 1}/{rounds} done")
-    return {
-        name: LatencyStats.from_seconds(singles[name]).as_row()
-        | {
-            "batch_size": batch_size,
-            "per_image_ms": round(float(np.mean(batches[name])) * 1000 / batch_size, 3),
-            "per_image_p50_ms": round(float(np.median(batches[name])) * 1000 / batch_size, 3),
-        }
+    rows = {
+        name: LatencyStats.from_seconds(sum(singles[name], [])).as_row()
+        | {"batch_size": batch_size}
+        | {key: round(ms, 3) for key, ms in per_image_ms(sum(batches[name], []), batch_size).items()}
         for name in runners
+    }
+    if reference is None:
+        return rows
+    # RATIO_KEYS of each model in each round
+    by_round = {
+        name: [
+            {"mean_ms": 1000 * np.mean(one), "p50_ms": 1000 * np.median(one)} | per_image_ms(batched, batch_size)
+            for one, batched in zip(singles[name], batches[name], strict=True)
+        ]
+        for name in runners
+    }
+    for name, row in rows.items():
+        for key in RATIO_KEYS:
+            ratios = [own[key] / ref[key] for own, ref in zip(by_round[name], by_round[reference], strict=True)]
+            row[f"{key}_vs_{reference}"] = round(float(np.median(ratios)), 3)
+    return rows
+
+
+def per_image_ms(batch_seconds: list[float], batch_size: int) -> dict:
+    """`per_image_ms` and `per_image_p50_ms`: the mean and the median batched call's time, per image in ms."""
+    return {
+        "per_image_ms": float(np.mean(batch_seconds)) * 1000 / batch_size,
+        "per_image_p50_ms": float(np.median(batch_seconds)) * 1000 / batch_size,
     }

@@ -29,7 +29,6 @@ from mnv3.silicon import count_macs, gemm_peaks, silicon_columns
 
 FP32 = "onnx_fp32"
 STATIC_INT8 = "onnx_static_int8"
-RATIO_KEYS = ("mean_ms", "p50_ms", "per_image_ms", "per_image_p50_ms")  # timed columns compared with FP32
 FP32_COLUMNS = ("mean_ms", "p50_ms", "per_image_ms", "size_mb")  # FP32's own, beside each recipe's ratios
 COMPARISON_ROUNDS = 8  # --compare-recipes: more rounds than a stage-1 benchmark, so drift averages out
 RATIO_TABLE_COLUMNS = (
@@ -154,6 +153,7 @@ def measure_runners(
         bench.batch_size,
         bench.timing,
         rounds=rounds,
+        reference=FP32,
     )
     measured = {FP32: Measured(latency[FP32], model_size_mb(fp32_path), {})}
     for name, (run, size) in runners.items():
@@ -209,7 +209,11 @@ def baseline_rows(
     """Stage 1's rows: the variants timed in turns (a noisy neighbour slows all alike, so the ratios
     hold), each scored against ONNX FP32's `reference` logits."""
     latency = interleaved_benchmark(
-        {variant.name: variant.run for variant in variants}, bench.held_out, bench.batch_size, bench.timing
+        {variant.name: variant.run for variant in variants},
+        bench.held_out,
+        bench.batch_size,
+        bench.timing,
+        reference=FP32,
     )
     return [
         {
@@ -235,13 +239,15 @@ def baseline_rows(
 
 
 def fastest(rows: list[dict]) -> str:
-    """Which variant is fastest for one image at a time and which per image in a batch, and by how much."""
+    """Which variant is fastest for one image at a time and which per image in a batch, by their same-run
+    ratios to ONNX FP32, and how far ahead of the next."""
 
-    def verdict(column: str) -> str:
+    def verdict(key: str) -> str:
+        column = f"{key}_vs_onnx_fp32"
         first, second = sorted(rows, key=lambda row: row[column])[:2]
         return (
-            f"{first['variant']} ({first[column]} ms; next {second['variant']} at "
-            f"{second[column] / first[column]:.2f}x)"
+            f"{first['variant']} ({first[key]} ms, {first[column]}x ONNX FP32's time; next {second['variant']} "
+            f"at {second[column] / first[column]:.2f}x its time)"
         )
 
     return (
@@ -250,17 +256,11 @@ def fastest(rows: list[dict]) -> str:
     )
 
 
-def same_run_ratios(measured: dict, fp32: dict, keys=RATIO_KEYS) -> dict:
-    """`<key>_vs_onnx_fp32` columns: a variant against the ONNX FP32 timed in turns with it."""
-    return {f"{key}_vs_onnx_fp32": round(measured[key] / fp32[key], 3) for key in keys}
-
-
-def static_row(static: Measured, fp32: Measured, bench: Bench) -> dict:
+def static_row(static: Measured, bench: Bench) -> dict:
     """The 02_static.csv row of the shipped model (its recipe columns are added by the stage)."""
     return {
         "variant": STATIC_INT8,
         **static.latency,
-        **same_run_ratios(static.latency, fp32.latency),
         "size_mb": static.size_mb,
         "threads": bench.threads,
         **bench.provenance(),
@@ -271,7 +271,7 @@ def static_row(static: Measured, fp32: Measured, bench: Bench) -> dict:
 def measure_static(fp32_path: Path, static_path: Path, bench: Bench) -> dict:
     """The static INT8 model at `static_path` against FP32 in turns: its 02_static.csv row."""
     measured = measure_against_fp32(fp32_path, {STATIC_INT8: static_path}, bench)
-    return static_row(measured[STATIC_INT8], measured[FP32], bench)
+    return static_row(measured[STATIC_INT8], bench)
 
 
 def recipe_columns(name: str) -> dict:
@@ -340,7 +340,7 @@ def compare_recipes(
             "calibration_images": len(calibration),
             "build_s": build_s[name],
             **measured[name].columns(),
-            **same_run_ratios(measured[name].columns(), fp32, keys=RATIO_KEYS + ("size_mb",)),
+            "size_mb_vs_onnx_fp32": round(measured[name].size_mb / fp32["size_mb"], 3),
             **measured[name].scores,
             **{f"onnx_fp32_{key}": fp32[key] for key in FP32_COLUMNS},
             "threads": bench.threads,
@@ -348,7 +348,7 @@ def compare_recipes(
         }
         for name in names
     ]
-    return rows, static_row(measured[shipped], measured[FP32], bench)
+    return rows, static_row(measured[shipped], bench)
 
 
 def ratio_table_rows(recipe_rows: list[dict]) -> list[dict]:
@@ -370,7 +370,8 @@ def compare_variants(rows: list[dict]) -> list[dict]:
         {
             "variant": VARIANT_NAMES.get(row["variant"], row["variant"]),
             **{column: row.get(column, "") for column in COMPARISON_COLUMNS if any(r.get(column) for r in rows)},
-            # INT8's own same-run ratio where stage 2 timed it in turns with FP32, else across the two runs
+            # each row's own ratio to the FP32 it was timed in turns with (stage 1's, or stage 2's for static INT8);
+            # across the two runs only for a 01_baseline.csv written before stage 1 recorded its ratios
             "mean_vs_onnx_fp32": round(
                 float(row.get("mean_ms_vs_onnx_fp32") or float(row["mean_ms"]) / onnx_fp32_ms), 2
             ),
@@ -536,7 +537,6 @@ def engine_rows(fp32_path: Path, runners: dict[EngineVariant, Callable], bench: 
         bench,
         rounds=COMPARISON_ROUNDS,
     )
-    fp32 = measured[FP32].latency
     reference = EngineVariant(FP32, "onnxruntime", FP32_ONNX)
     variants = {variant.name: variant for variant in [reference, FP32_VARIANT, *runners]}
     rows = [
@@ -547,7 +547,6 @@ def engine_rows(fp32_path: Path, runners: dict[EngineVariant, Callable], bench: 
             "precision": variants[name].precision,
             "streams": variants[name].streams,
             **result.latency,
-            **same_run_ratios(result.latency, fp32),
             "size_mb": result.size_mb,
             # FP32_VARIANT runs the reference's file on its engine: its logits are the reference's, and the
             # infinite SQNR of identical logits is no JSON for the manifest /model shows.
@@ -599,14 +598,13 @@ def part_size_rows(fp32_path: Path, variant: EngineVariant, bench: Bench) -> lis
     fp32 = measured.pop(FP32).latency
     # Every row carries the threads and the model it measured, the reference too (as in engine_rows).
     model = {"threads": bench.threads, **bench.provenance()}
-    reference = {"variant": FP32, "part_size": "", **fp32, **same_run_ratios(fp32, fp32), **model}
+    reference = {"variant": FP32, "part_size": "", **fp32, **model}
     results = {size: measured[f"parts of {size}"] for size in sized}
     return [reference] + [
         {
             "variant": variant.name,
             "part_size": size,
             **result.latency,
-            **same_run_ratios(result.latency, fp32),
             **result.scores,
             **model,
         }

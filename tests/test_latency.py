@@ -77,3 +77,30 @@ def test_each_turn_times_the_steady_state_not_the_recovery_from_the_settle(monke
     )
     assert one_call["a"]["mean_ms"] > 1000 * slow_s / 2  # 3 of every 4 timed calls were slow
     assert by_time["a"]["mean_ms"] < 1000 * slow_s / 10
+
+
+def test_ratios_to_the_reference_are_the_median_of_the_rounds_so_one_burst_does_not_move_them(monkeypatch):
+    """A model twice as fast as the reference, slowed tenfold in one of its three turns (a neighbour's burst):
+    its ratios by round are 0.5, 5 and 0.5, so the ratio stays 0.5, where its mean over the reference's
+    would say it is slower."""
+    turns = [0]
+    monkeypatch.setattr(latency, "settle", lambda: turns.__setitem__(0, turns[0] + 1))
+
+    def sleeping(seconds):
+        def run(batch):
+            # the first round's turns are 1 (reference) and 2 (this model): the burst lands on turn 2
+            time.sleep(seconds * (10 if seconds < 0.004 and turns[0] == 2 else 1))
+            return np.zeros((len(batch), 2))
+
+        return run
+
+    images = np.zeros((4, 3, 8, 8), dtype=np.float32)
+    timing = Timing(warmup=1, iters=6, batch_warmup=1, batch_iters=3, turn_warmup_s=0)
+    rows = interleaved_benchmark(
+        {"ref": sleeping(0.004), "half": sleeping(0.002)}, images, 4, timing, rounds=3, reference="ref"
+    )
+    assert rows["half"]["mean_ms"] > rows["ref"]["mean_ms"]  # the burst, in full, in the means
+    for key in ("mean_ms", "p50_ms", "per_image_ms", "per_image_p50_ms"):
+        assert rows["half"][f"{key}_vs_ref"] == pytest.approx(0.5, abs=0.08)
+        assert rows["ref"][f"{key}_vs_ref"] == 1.0
+    assert "mean_ms_vs_ref" not in interleaved_benchmark({"ref": sleeping(0)}, images, 4, timing, rounds=1)["ref"]

@@ -131,9 +131,6 @@ def test_compare_recipes_writes_one_sane_row_per_recipe_and_ships_the_default(st
         assert 0 < float(row["p50_ms"]) <= float(row["p95_ms"]) and float(row["per_image_ms"]) > 0
         assert row["batch_size"] == "8" and row["threads"] == "2" and row["calibration_images"] == "16"
         assert 0.05 < float(row["mean_ms_vs_onnx_fp32"]) < 20 and 0.05 < float(row["per_image_ms_vs_onnx_fp32"]) < 20
-        assert float(row["mean_ms_vs_onnx_fp32"]) == pytest.approx(
-            float(row["mean_ms"]) / float(row["onnx_fp32_mean_ms"]), abs=0.01
-        )
         assert 0.2 < float(row["size_mb_vs_onnx_fp32"]) < 0.3
         assert 0 <= float(row["top1_agreement"]) <= float(row["top5_agreement"]) <= 1
         assert 0 < float(row["sqnr_db"]) < float("inf")
