@@ -112,8 +112,8 @@ def interleaved_benchmark(
     batch = np.ascontiguousarray(images[np.arange(batch_size) % len(images)])
     rounds = max(1, min(rounds, timing.batch_iters, timing.iters))
     # each model's call times in seconds, a list per round
-    singles = {name: [[] for _ in range(rounds)] for name in runners}
-    batches = {name: [[] for _ in range(rounds)] for name in runners}
+    singles: dict[str, list[list[float]]] = {name: [[] for _ in range(rounds)] for name in runners}
+    batches: dict[str, list[list[float]]] = {name: [[] for _ in range(rounds)] for name in runners}
     for run in runners.values():
         for _ in range(timing.warmup):
             run(single)
