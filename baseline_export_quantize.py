@@ -30,6 +30,7 @@ from mnv3.artifacts import (
     TRANSFORMER_CONTROL_CSV,
     TRANSFORMER_CONTROL_PROFILE_CSV,
     file_sha256,
+    model_id,
     read_manifest,
     update_manifest,
     write_class_names,
@@ -164,7 +165,9 @@ def run(args):
     # The model is its export and the preprocessing it takes (the same file may take another --resize or --mean).
     previous = (file_sha256(artifacts_dir / FP32_ONNX), read_manifest(artifacts_dir).get("preprocessing"))
     fp32_path = export_onnx(model, artifacts_dir / FP32_ONNX, preprocessing)
-    if (file_sha256(fp32_path), preprocessing.record()) != previous:
+    fp32_sha256 = file_sha256(fp32_path)
+    assert fp32_sha256 is not None  # just written
+    if (fp32_sha256, preprocessing.record()) != previous:
         # The last model's dynamic INT8 files are rewritten below: gone now, should this run stop before then.
         for stale, _ in DYNAMIC_INT8_VARIANTS.values():
             (artifacts_dir / stale).unlink(missing_ok=True)
@@ -173,13 +176,14 @@ def run(args):
     write_class_names(artifacts_dir, class_names)
     # Recorded with the model, before anything is measured: a later stage or a server reading these files
     # never pairs this model with another run's preprocessing.
-    update_manifest(
-        artifacts_dir,
-        weights=provenance,
-        preprocessing=preprocessing.record(),
-        model={"arch": args.arch, "classes": len(class_names), "class_names": class_names_source},
-    )
-    bench = Bench.for_stage(args, mode, preprocessing, class_names, labelled, provenance, args.arch)
+    model_record = {
+        "arch": args.arch,
+        "classes": len(class_names),
+        "class_names": class_names_source,
+        "id": model_id(fp32_sha256, preprocessing),
+    }
+    update_manifest(artifacts_dir, weights=provenance, preprocessing=preprocessing.record(), model=model_record)
+    bench = Bench.for_stage(args, mode, preprocessing, class_names, labelled, provenance, args.arch, model_record["id"])
     fp32_run = ort_runner(make_session(fp32_path, args.threads))
     export_diff = check_export(model, fp32_run, bench.held_out)
     print(f"export check: max |ONNX - PyTorch| logit = {export_diff:.2e} at batch sizes {EXPORT_CHECK_BATCHES}")

@@ -50,7 +50,7 @@ from mnv3.photos import is_generated, load_images
 from mnv3.plots import plot_variants
 from mnv3.preprocess import InvalidImage
 from mnv3.quantize import DEFAULT_RECIPE, RECIPES, calibration_photos, quantize_static_int8
-from mnv3.report import markdown_table, read_csv, row_model, write_csv, write_summary
+from mnv3.report import markdown_table, model_named, read_csv, row_model, write_csv, write_summary
 from mnv3.variants import (
     ENGINE_TABLE_COLUMNS,
     PART_SIZE_TABLE_COLUMNS,
@@ -148,8 +148,8 @@ def check_same_model(baseline_rows: list[dict], model: dict, args) -> None:
     measured = row_model(baseline_rows[0])
     if measured != row_model(model):
         raise cli.UsageError(
-            f"{args.results_dir / BASELINE_CSV} is stage 1's of another model ({', '.join(measured.values())}) than "
-            f"the one in {args.artifacts_dir} ({', '.join(row_model(model).values())}): pass the --results-dir "
+            f"{args.results_dir / BASELINE_CSV} is stage 1's of another model ({model_named(measured)}) than "
+            f"the one in {args.artifacts_dir} ({model_named(row_model(model))}): pass the --results-dir "
             "stage 1 wrote with this --artifacts-dir, or rerun stage 1 with both"
         )
 
@@ -165,7 +165,12 @@ def run(args):
         print(labelled_summary(args.labels, labelled))
     manifest = read_manifest(artifacts_dir)
     provenance, arch = weights_provenance(artifacts_dir), manifest.get("model", {}).get("arch", "unknown")
-    check_same_model(baseline_rows, {"weights": provenance, "arch": arch, "classes": len(class_names)}, args)
+    model_id = manifest.get("model", {}).get("id", "")
+    check_same_model(
+        baseline_rows,
+        {"weights": provenance, "arch": arch, "classes": len(class_names), "model_id": model_id},
+        args,
+    )
     preprocessing = model_preprocessing(artifacts_dir)  # what stage 1 exported the model for
 
     existed = Path(args.calibration_dir).is_dir()
@@ -179,7 +184,7 @@ def run(args):
             file=sys.stderr,
         )
     recipe = RECIPES[args.recipe]
-    bench = Bench.for_stage(args, mode, preprocessing, class_names, labelled, provenance, arch)
+    bench = Bench.for_stage(args, mode, preprocessing, class_names, labelled, provenance, arch, model_id)
     # The last run's choice goes before its files are rebuilt: a run stopped midway leaves --backend auto
     # serving the model it is given (and saying so), not a choice measured on files since replaced.
     drop_manifest_entries(artifacts_dir, MANIFEST_KEY)

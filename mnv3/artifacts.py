@@ -100,6 +100,13 @@ def file_sha256(path) -> str | None:
     return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
 
 
+def model_id(fp32_sha256: str, preprocessing: Preprocessing) -> str:
+    """The model's 12-hex-digit id in every stage's rows: its FP32 export (weights, arch, classes, the stand-in's
+    re-estimated BatchNorm) and the preprocessing it takes, which the same file may take another of."""
+    record = json.dumps([fp32_sha256, preprocessing.record()], sort_keys=True)
+    return hashlib.sha256(record.encode()).hexdigest()[:12]
+
+
 def read_manifest(artifacts_dir) -> dict:
     path = Path(artifacts_dir) / MANIFEST_JSON
     return json.loads(path.read_text()) if path.exists() else {}

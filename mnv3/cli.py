@@ -348,6 +348,7 @@ def environment_row(model: Path, provenance: str) -> dict:
         "weights": provenance,
         "arch": recorded.get("arch", ""),
         "classes": recorded.get("classes", ""),
+        "model_id": recorded.get("id", ""),
         "load_image_size": f"{width}x{height}",
         "load_image_quality": LOAD_IMAGE_QUALITY,
         **report.cpu_info(),

@@ -61,14 +61,20 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-# What names the model a row measured; a table has those of them its stage knows.
-MODEL_COLUMNS = ("weights", "arch", "classes")
+# What names the model a row measured; a table has those of them its stage knows. `model_id` (artifacts.model_id)
+# tells apart two models the others do not: the same weights with another preprocessing, say.
+MODEL_COLUMNS = ("weights", "arch", "classes", "model_id")
 CONTROL_TABLES = (TRANSFORMER_CONTROL_CSV,)  # of another model by design
 
 
 def row_model(row: dict) -> dict:
     """The model `row` measured: those of its MODEL_COLUMNS it fills, as text (as a CSV holds them)."""
     return {key: str(row[key]) for key in MODEL_COLUMNS if row.get(key) not in (None, "")}
+
+
+def model_named(model: dict) -> str:
+    """`model` (as row_model gives it) in words: "weights random-init, arch mobilenet_v3_large, ..."."""
+    return ", ".join(f"{key} {value}" for key, value in model.items())
 
 
 def stage_1_model(results_dir) -> dict:
@@ -118,8 +124,10 @@ def write_summary(results_dir=RESULTS_DIR) -> Path:
         control = f"{stem}.csv" in CONTROL_TABLES
         if stem in tables and not control and not all(of_model(row, model) for row in tables[stem]):
             # stage 1 ran on another model since: these rows are the last model's until their stage reruns
-            named = ", ".join(f"{key} {value}" for key, value in model.items())
-            lines += [f"**Not of stage 1's model ({named}): rows of an earlier model; rerun this stage.**", ""]
+            lines += [
+                f"**Not of stage 1's model ({model_named(model)}): rows of an earlier model; rerun this stage.**",
+                "",
+            ]
         if stem in tables:
             lines.append(markdown_table(_without_repeated_facts(tables[stem], header_facts)))
         if (results_dir / f"{stem}.png").exists():

@@ -80,6 +80,7 @@ class Bench:
     weights: str  # provenance
     arch: str
     classes: int
+    model_id: str  # artifacts.model_id, as stage 1 recorded it in the manifest ("" where it did not)
     preprocessing: Preprocessing  # the model's, which `held_out` already went through; `labelled` goes through it
 
     @classmethod
@@ -92,6 +93,7 @@ class Bench:
         labelled: tuple[list[Path], np.ndarray] | None,
         weights: str,
         arch: str,
+        model_id: str,
     ) -> "Bench":
         """Stage 1's or 2's bench: its --threads and --batch-size, its mode's (cli.defaults) timing and
         held-out photo count, those photos put through the model's `preprocessing`, and what its rows record."""
@@ -104,12 +106,14 @@ class Bench:
             weights=weights,
             arch=arch,
             classes=len(class_names),
+            model_id=model_id,
             preprocessing=preprocessing,
         )
 
     def provenance(self) -> dict:
-        """The columns every row records: which weights, which architecture, how many classes."""
-        return {"weights": self.weights, "arch": self.arch, "classes": self.classes}
+        """The columns every row records (report.MODEL_COLUMNS): which weights, which architecture, how many
+        classes, which model."""
+        return {"weights": self.weights, "arch": self.arch, "classes": self.classes, "model_id": self.model_id}
 
 
 @dataclass(frozen=True)

@@ -214,7 +214,7 @@ def measured_rows(models_dir, calibration, held_out):
     openvino_files = build_openvino_int8(models_dir / FP32_ONNX, calibration, models_dir, DEFAULT_PREPROCESSING)
     variants = engine_variants(STATIC_INT8_ONNX, openvino_files, 2)
     bench = Bench(
-        2, QUICK.timing, 8, held_out[:16], None, REAL_WEIGHTS, "mobilenet_v3_large", 1000, DEFAULT_PREPROCESSING
+        2, QUICK.timing, 8, held_out[:16], None, REAL_WEIGHTS, "mobilenet_v3_large", 1000, "", DEFAULT_PREPROCESSING
     )
     runners = {variant: engine_runner(variant, models_dir, 2, 8) for variant in variants}
     rng = np.random.default_rng(0)
@@ -239,7 +239,7 @@ def test_the_engine_tables_ratios_are_against_onnx_fp32_as_stage_1_times_it(mode
 
     monkeypatch.setattr(ort, "InferenceSession", RecordingSession)
     bench = Bench(
-        2, QUICK.timing, 4, held_out[:4], None, "random-init", "mobilenet_v3_large", 1000, DEFAULT_PREPROCESSING
+        2, QUICK.timing, 4, held_out[:4], None, "random-init", "mobilenet_v3_large", 1000, "", DEFAULT_PREPROCESSING
     )
     rows = engine_rows(models_dir / FP32_ONNX, {}, bench)
     assert [row["variant"] for row in rows] == ["onnx_fp32", "onnxruntime_fp32"]

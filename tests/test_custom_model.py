@@ -19,6 +19,7 @@ import baseline_export_quantize
 import static_quantization
 from conftest import offline_weights
 from mnv3 import cli
+from mnv3.artifacts import model_id
 from mnv3.loadtest import PredictClient, ServerProcess
 from mnv3.model import recalibrate_batchnorm
 from mnv3.photos import augmented_views, encode_jpeg
@@ -159,13 +160,19 @@ def test_the_fine_tune_learned_its_classes(user_run):
 def test_stage_1_records_the_users_model_and_preprocessing(user_run):
     artifacts = user_run["artifacts"]
     manifest = json.loads((artifacts / "manifest.json").read_text())
-    assert manifest["model"] == {"arch": "mobilenet_v3_small", "classes": 4, "class_names": "file:classes.txt"}
+    fp32_sha256 = hashlib.sha256((artifacts / "fp32.onnx").read_bytes()).hexdigest()
+    assert manifest["model"] == {
+        "arch": "mobilenet_v3_small",
+        "classes": 4,
+        "class_names": "file:classes.txt",
+        "id": model_id(fp32_sha256, PREPROCESSING),
+    }
     assert Preprocessing.from_record(manifest["preprocessing"]) == PREPROCESSING
     assert manifest["weights"] == f"file:{hashlib.sha256(user_run['checkpoint'].read_bytes()).hexdigest()[:12]}"
     assert json.loads((artifacts / "class_names.json").read_text()) == CLASS_NAMES
     rows = read_csv(user_run["results"] / "01_baseline.csv")
-    assert {(row["arch"], row["classes"], row["weights"]) for row in rows} == {
-        ("mobilenet_v3_small", "4", manifest["weights"])
+    assert {(row["arch"], row["classes"], row["weights"], row["model_id"]) for row in rows} == {
+        ("mobilenet_v3_small", "4", manifest["weights"], manifest["model"]["id"])
     }
     # The user's labelled folder scored against the user's classes; PyTorch and ONNX FP32 agree on it.
     accuracy = {row["variant"]: float(row["top1_accuracy"]) for row in rows}
@@ -318,6 +325,15 @@ def test_stage_1_on_another_model_removes_what_stage_2_built_from_the_last(user_
     run_stage(baseline_export_quantize, *[resized if part == artifacts else part for part in stage_1], *other_resize)
     assert "removed static_int8.onnx, " in capsys.readouterr().out
     assert not (resized / "static_int8.onnx").exists()
+    # ... and its rows say so: stage 2's tables, of the same weights, arch and classes, are now the last model's
+    new_id = json.loads((resized / "manifest.json").read_text())["model"]["id"]
+    assert new_id != json.loads((artifacts / "manifest.json").read_text())["model"]["id"]
+    assert {row["model_id"] for row in read_csv(results / "01_baseline.csv")} == {new_id}
+    sections = {
+        section.split("\n", 1)[0]: section for section in (results / "summary.md").read_text().split("\n## ")[1:]
+    }
+    assert "**Not of stage 1's model" in sections["02_static"]
+    assert "**Not of stage 1's model" not in sections["01_baseline"]
 
     with offline_weights(), pytest.warns(UserWarning, match="RANDOM INIT"):
         run_stage(baseline_export_quantize, *stage_1)  # the default: another model altogether

@@ -1,5 +1,7 @@
 """summary.md is rebuilt from whatever CSVs and PNGs are in results/, so later stages need no changes."""
 
+from dataclasses import replace
+
 import pytest
 
 from mnv3.plots import plot_variants
@@ -77,3 +79,20 @@ def test_tables_of_an_earlier_model_than_stage_1s_are_marked_and_left_out_of_the
     assert {row["goal"]: row for row in measured_goals(tmp_path)}["static INT8 batch-1 latency / ONNX FP32"][
         "measured"
     ] == 0.5
+
+
+def test_the_same_weights_with_another_preprocessing_are_another_model():
+    """model_id names the export and the preprocessing it takes: a table of the same weights, arch and classes
+    but another model_id is not stage 1's model's."""
+    from mnv3.artifacts import model_id
+    from mnv3.preprocess import DEFAULT_PREPROCESSING
+    from mnv3.report import of_model, row_model
+
+    export = "ab" * 32
+    other = replace(DEFAULT_PREPROCESSING, resize=DEFAULT_PREPROCESSING.resize + 32)
+    assert model_id(export, DEFAULT_PREPROCESSING) == model_id(export, DEFAULT_PREPROCESSING)
+    assert len({model_id(export, DEFAULT_PREPROCESSING), model_id(export, other), model_id("cd" * 32, other)}) == 3
+    same = {"weights": "file:a", "arch": "mobilenet_v3_large", "classes": "1000"}  # as a CSV holds them
+    model = row_model(same | {"model_id": model_id(export, DEFAULT_PREPROCESSING)})
+    assert not of_model(same | {"model_id": model_id(export, other)}, model)
+    assert of_model(same, model)  # a row from before model_id: as far as it says

@@ -409,8 +409,9 @@ def test_stage_2_refuses_stage_1_rows_of_another_model(stage_dirs, tmp_path, cap
         run_stage(static_quantization, "--quick", "--artifacts-dir", stage_dirs["artifacts"], "--results-dir", results)
     assert exit.value.code == 2
     error = capsys.readouterr().err.strip()
-    assert "is stage 1's of another model (random-init, mobilenet_v3_small, 3)" in error
-    assert "(random-init, mobilenet_v3_large, 1000)" in error and "Traceback" not in error
+    assert "is stage 1's of another model (weights random-init, arch mobilenet_v3_small, classes 3, model_id " in error
+    assert "(weights random-init, arch mobilenet_v3_large, classes 1000, model_id " in error
+    assert "Traceback" not in error
 
 
 def test_stage_2_refuses_an_empty_stage_1_table(stage_dirs, tmp_path, capsys):
