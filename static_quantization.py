@@ -263,7 +263,7 @@ def choose_engine(args, fp32_path, calibration, bench: Bench, profile_runs: int)
         entry |= part_size | {"reason": f"{entry['reason']}; {why}"}
     (args.results_dir / BATCH_THREADS_CSV).unlink(missing_ok=True)
     if chosen["engine"] == "openvino" and len(batch_threads.candidates(args.threads)) > 1:
-        threads, why = choose_batch_threads(args, entry)
+        threads, why = choose_batch_threads(args, entry, bench)
         entry |= threads | {"reason": f"{entry['reason']}; {why}"}
     print(f"--backend auto will serve {entry['variant']}: {entry['reason']}")
     print(f"agreement guard: {entry['agreement_guard']}")
@@ -321,10 +321,11 @@ BATCH_THREADS_TABLE_COLUMNS = (
 )
 
 
-def choose_batch_threads(args, entry: dict) -> tuple[dict, str]:
+def choose_batch_threads(args, entry: dict, bench: Bench) -> tuple[dict, str]:
     """Time the batching server on the chosen engine with its batches on each candidate number of threads
     (mnv3.batch_threads), write results/02_batch_threads.csv, and return the manifest keys for the one that
-    answered the most requests (its threads and each candidate's req/s) and why, for the choice's reason."""
+    answered the most requests (its threads and each candidate's req/s) and why, for the choice's reason. Its
+    rows name the model (`bench.provenance()`), as every stage-2 table's do."""
     mode = cli.defaults(args)
     update_manifest(args.artifacts_dir, **{MANIFEST_KEY: entry})  # what the servers serve under --backend auto
     requests = cli.REQUESTS_PER_SENDER * mode.concurrency
@@ -342,7 +343,8 @@ def choose_batch_threads(args, entry: dict) -> tuple[dict, str]:
     )
     keys, why = batch_threads.choose(turns)
     rows = [
-        {"batch_threads": threads, "turn": turn, **run.as_row(), "chosen": threads == keys["batch_threads"]}
+        {"batch_threads": threads, "turn": turn, **run.as_row(), **bench.provenance()}
+        | {"chosen": threads == keys["batch_threads"]}
         for threads, turn, run in turns
     ]
     write_csv(args.results_dir / BATCH_THREADS_CSV, rows)

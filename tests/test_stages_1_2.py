@@ -255,6 +255,8 @@ def test_stage_2_measures_the_batch_threads_a_server_gives_a_chosen_openvino_eng
     # quick mode: one round of turns, mirrored (half the threads, then all; then all, then half), every request
     assert [(row["batch_threads"], row["turn"]) for row in rows] == [("1", "1"), ("2", "1"), ("2", "2"), ("1", "2")]
     assert all(row["ok"] == row["sent"] == "32" and float(row["req_per_s"]) > 0 for row in rows)
+    model_id = json.loads((stage_dirs["artifacts"] / "manifest.json").read_text())["model"]["id"]
+    assert {row["model_id"] for row in rows} == {model_id}  # summary.md can tell when stage 1 moved on
     rates = entry["batch_threads_req_per_s"]
     assert set(rates) == {"1", "2"} and entry["batch_threads"] == int(max(rates, key=rates.get))
     assert {row["chosen"] for row in rows if int(row["batch_threads"]) == entry["batch_threads"]} == {"True"}
