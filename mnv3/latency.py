@@ -142,11 +142,9 @@ def interleaved_benchmark(
     }
     if reference is None:
         return rows
-    # RATIO_KEYS of each model in each round
     by_round = {
         name: [
-            {"mean_ms": 1000 * np.mean(one), "p50_ms": 1000 * np.median(one)} | per_image_ms(batched, batch_size)
-            for one, batched in zip(singles[name], batches[name], strict=True)
+            ratio_columns(one, batched, batch_size) for one, batched in zip(singles[name], batches[name], strict=True)
         ]
         for name in runners
     }
@@ -155,6 +153,12 @@ def interleaved_benchmark(
             ratios = [own[key] / ref[key] for own, ref in zip(by_round[name], by_round[reference], strict=True)]
             row[f"{key}_vs_{reference}"] = round(float(np.median(ratios)), 3)
     return rows
+
+
+def ratio_columns(single_seconds: list[float], batch_seconds: list[float], batch_size: int) -> dict:
+    """RATIO_KEYS (unrounded) of these batch-1 and batched calls: the same statistics as a row's."""
+    stats = LatencyStats.from_seconds(single_seconds)
+    return {"mean_ms": stats.mean_ms, "p50_ms": stats.p50_ms} | per_image_ms(batch_seconds, batch_size)
 
 
 def per_image_ms(batch_seconds: list[float], batch_size: int) -> dict:
