@@ -343,8 +343,13 @@ def choose_batch_threads(args, entry: dict, bench: Bench) -> tuple[dict, str]:
     )
     keys, why = batch_threads.choose(turns)
     rows = [
-        {"batch_threads": threads, "turn": turn, **run.as_row(), **bench.provenance()}
-        | {"chosen": threads == keys["batch_threads"]}
+        {
+            "batch_threads": threads,
+            "turn": turn,
+            **run.as_row(),
+            **bench.provenance(),
+            "chosen": threads == keys["batch_threads"],
+        }
         for threads, turn, run in turns
     ]
     write_csv(args.results_dir / BATCH_THREADS_CSV, rows)
