@@ -111,6 +111,15 @@ def verdict(measured: float | None, comparison: str, target: float, rounds: list
     return "yes" if meets(measured) else "no"
 
 
+def shown(measured: float, target: float) -> float:
+    """`measured` to 3 decimals, or as many more as it takes not to read as the target itself: a size ratio of
+    0.2705 shown as 0.27 beside "<= 0.27" and "no" would look like a wrong verdict."""
+    for digits in range(3, 16):
+        if (rounded := round(measured, digits)) != target or measured == target:
+            return rounded
+    return measured
+
+
 def measured_goals(results_dir=RESULTS_DIR) -> list[dict]:
     results_dir = Path(results_dir)
     variants = _rows(results_dir, MODEL_VARIANTS_CSV)
@@ -163,7 +172,7 @@ def measured_goals(results_dir=RESULTS_DIR) -> list[dict]:
         {
             "goal": goal,
             "target": f"{comparison} {target}",
-            "measured": "" if measured is None else round(measured, 3),
+            "measured": "" if measured is None else shown(measured, target),
             "met": verdict(measured, comparison, target, rounds.get(goal, []), stage),
         }
         for goal, comparison, target, measured, stage in goals

@@ -182,3 +182,16 @@ def test_a_stage_5_ratio_gets_no_verdict_when_its_rounds_of_turns_disagree(tmp_p
         assert row["met"] == met
     else:
         assert row["met"].startswith(f"unreliable: the rounds of turns gave {rounds[0]:g} and {rounds[1]:g}")
+
+
+@pytest.mark.parametrize(
+    ("int8_mb", "measured", "met"),
+    [(2.7049, 0.2705, "no"), (2.6951, 0.2695, "yes"), (2.7, 0.27, "yes"), (2.71, 0.271, "no")],
+)
+def test_a_ratio_next_to_its_target_is_shown_with_the_digits_that_decide_it(tmp_path, int8_mb, measured, met):
+    write_csv(
+        tmp_path / "model_variants.csv",
+        [{"variant": "ONNX FP32", "size_mb": 10}, {"variant": "ONNX Static INT8", "size_mb": int8_mb}],
+    )
+    size = {row["goal"]: row for row in measured_goals(tmp_path)}["static INT8 size / ONNX FP32"]
+    assert (size["measured"], size["met"]) == (measured, met)
