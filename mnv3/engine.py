@@ -37,6 +37,7 @@ from mnv3.runtime import DEFAULT_INTER_OP_THREADS, DEFAULT_INTRA_OP_THREADS, mak
 BACKEND_CHOICES = (AUTO, *BACKENDS)
 OPENVINO_MISSING = "backend openvino needs `pip install -r requirements-openvino.txt`"
 MODEL_SUFFIXES = (".onnx", OPENVINO_IR_SUFFIX)  # ONNX, and OpenVINO's IR (served by openvino)
+TORCH_CHECKPOINT_SUFFIXES = (".pth", ".pt", ".ckpt")  # what torch.save and training scripts name their files
 log = logging.getLogger(__name__)
 
 
@@ -135,6 +136,12 @@ class Engine:
             raise ModelLoadError(
                 f"{path} is an OpenVINO IR, which {backend} cannot read: serve it with openvino "
                 "(--backend openvino or auto, or PATH@openvino)"
+            )
+        if path.suffix in TORCH_CHECKPOINT_SUFFIXES:
+            raise ModelLoadError(
+                f"{path} is a PyTorch checkpoint, which the server does not read: export it with stage 1 "
+                f"(python baseline_export_quantize.py --weights {path}, with its --arch and --class-names), then "
+                "serve the .onnx file it writes"
             )
         sha256 = _digest(path)
         preprocessing = _preprocessing(path.parent)

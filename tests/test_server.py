@@ -321,6 +321,15 @@ def test_corrupt_model_exits_2_with_one_line(tmp_path):
     assert result.stderr.strip().count("\n") == 0 and "not a loadable ONNX model" in result.stderr
 
 
+def test_a_pytorch_checkpoint_as_the_model_exits_2_saying_to_export_it(tmp_path):
+    (tmp_path / "model_29.pth").write_bytes(b"PK\x03\x04 a zip, as torch.save writes")
+    result = run_server("--model", str(tmp_path / "model_29.pth"), "--port", "0")
+    assert result.returncode == 2 and result.stderr.strip().count("\n") == 0
+    assert (
+        "is a PyTorch checkpoint" in result.stderr and "python baseline_export_quantize.py --weights" in result.stderr
+    )
+
+
 def test_wrong_input_shape_exits_2_with_one_line(tmp_path):
     import onnx
     from onnx import TensorProto, helper
