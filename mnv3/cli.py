@@ -7,6 +7,7 @@ through `run_stage`.
 """
 
 import argparse
+import contextlib
 import math
 import sys
 import tempfile
@@ -190,17 +191,29 @@ fraction = bounded(float, 0, 1, what="a fraction from 0 to 1")
 # ---------------------------------------------------------------------------------------- flags
 
 
-def check_writable(folder: Path, flag: str) -> None:
-    """`folder` exists (made if need be) and takes a new file, or UsageError naming `flag`."""
+def check_writable(folder: Path, flag: str) -> list[Path]:
+    """`folder` exists (made if need be) and takes a new file, or UsageError naming `flag`. Returns the folders
+    it made, innermost first."""
     fix = "pass a folder you can write to"
-    if Path(folder).exists() and not Path(folder).is_dir():
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
         raise UsageError(f"{flag} {folder} is a file; {fix}")
+    made = [path for path in (folder, *folder.absolute().parents) if not path.exists()]
     try:
-        Path(folder).mkdir(parents=True, exist_ok=True)
+        folder.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-check-"):
             pass
     except OSError as exc:  # a file in the way further up, a read-only file system, no permission
         raise UsageError(f"{flag} {folder}: cannot write there ({exc.strerror or exc}); {fix}") from None
+    return made
+
+
+def remove_if_empty(folders: list[Path]) -> None:
+    """Remove those of `folders` (innermost first) that are empty: a refused run leaves no trace of a
+    mistyped path, and never a file it wrote."""
+    for folder in folders:
+        with contextlib.suppress(OSError):  # not empty (or gone): kept
+            folder.rmdir()
 
 
 def add_common_args(parser, artifacts_help: str):
@@ -368,14 +381,17 @@ def run_stage(run, args, user_errors: tuple = (), writes: tuple[str, ...] = ()):
     cannot work, a folder in `writes` (args' names: "results_dir", ...) it cannot write to, a server that will
     not start or that refuses the key, or one of `user_errors`) is one line on stderr and exit code 2; the
     folders are checked first, so a run never does its work to fail at writing it down. Ctrl-C exits 130
-    with one line, as a shell reports it."""
+    with one line, as a shell reports it. Either way the folders in `writes` it made are removed if still empty."""
+    made: list[Path] = []
     try:
         for name in writes:
-            check_writable(getattr(args, name), f"--{name.replace('_', '-')}")
+            made += check_writable(getattr(args, name), f"--{name.replace('_', '-')}")
         return run(args)
     except (MissingArtifact, ServerStartError, KeyRefused, UsageError, *user_errors) as exc:
+        remove_if_empty(made)
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:  # Ctrl-C: what the user asked for, not a traceback (servers it started are stopped)
+        remove_if_empty(made)
         print("interrupted", file=sys.stderr)
         sys.exit(130)

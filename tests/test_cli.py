@@ -65,6 +65,24 @@ def test_a_folder_the_stage_cannot_write_is_one_line_before_any_work(tmp_path, c
     assert made.is_dir() and list(made.iterdir()) == [] and len(ran) == 1  # made, and the check leaves nothing
 
 
+@pytest.mark.parametrize("stop", [cli.UsageError("no such --weights"), KeyboardInterrupt()])
+def test_a_refused_run_removes_the_folders_it_made_unless_it_wrote_there(tmp_path, stop, capsys):
+    def refused(args):
+        if args.write:
+            (args.artifacts_dir / "fp32.onnx").write_text("")
+        raise stop
+
+    (tmp_path / "mine").mkdir()
+    for write in (False, True):
+        args = SimpleNamespace(artifacts_dir=tmp_path / "typo" / "a", results_dir=tmp_path / "mine", write=write)
+        with pytest.raises(SystemExit):
+            cli.run_stage(refused, args, writes=("artifacts_dir", "results_dir"))
+        # a mistyped path leaves nothing behind; what the run wrote, and a folder that was there, stay
+        assert (tmp_path / "typo").exists() == write and (tmp_path / "mine").is_dir()
+    assert (tmp_path / "typo" / "a" / "fp32.onnx").is_file()
+    capsys.readouterr()
+
+
 def test_run_stage_returns_what_the_stage_returns_and_lets_bugs_through():
     assert cli.run_stage(lambda args: args * 2, 21) == 42
     with pytest.raises(ZeroDivisionError):
