@@ -148,7 +148,8 @@ class ModelMemoryInfo(BaseModel):
     warm_up_rss_bytes: int | None = Field(
         description="how much the process's resident memory grew while this model warmed up (batch 1 and the "
         "largest batch): mostly its runtime's buffers for the largest batch. Measured around the "
-        "warm-up, so approximate; null before warm-up or without /proc"
+        "warm-up, so approximate, and negative when the process gave back more than the warm-up took (memory "
+        "freed after the opening); null before warm-up or without /proc"
     )
 
 
