@@ -139,38 +139,56 @@ def generated_calibration_note(folder, calibration: list[Path], existed: bool) -
     )
 
 
-def check_same_model(baseline_rows: list[dict], model: dict, args) -> None:
-    """Stage 1's rows in --results-dir must be of the model in --artifacts-dir (`model`, as report.row_model
-    gives it): stage 2 tables its ratios with them, and folders from two stage 1 runs would compare two models
-    without a word."""
-    if not baseline_rows:
-        raise cli.UsageError(f"{args.results_dir / BASELINE_CSV} holds no rows: rerun stage 1")
-    measured = row_model(baseline_rows[0])
+def calibrated_on(labelled: list[Path], calibration: list[Path]) -> int:
+    """How many of the `labelled` photos are among the `calibration` photos (the same files, however named)."""
+    return len({path.resolve() for path in labelled} & {path.resolve() for path in calibration})
+
+
+# How to get stage 1's table of the model in --artifacts-dir back, in stage 2's refusals: stage 1 rerun on its
+# defaults would export its default model over the user's.
+RERUN_STAGE_1 = (
+    "or rerun stage 1 with both folders and the flags that made that model (--arch, --weights, --class-names, "
+    "--resize, --crop, --mean, --std): without them it exports its default model over it"
+)
+
+
+def stage_1_rows(model: dict, args) -> list[dict]:
+    """Stage 1's rows in --results-dir, which must be of the model in --artifacts-dir (`model`, as
+    report.row_model gives it): stage 2 tables its ratios with them, and folders from two stage 1 runs would
+    compare two models without a word."""
+    path = args.results_dir / BASELINE_CSV
+    if not path.exists():
+        raise cli.UsageError(
+            f"{path} not found: stage 1 writes it beside the model now in {args.artifacts_dir} "
+            f"({model_named(row_model(model))}): pass the --results-dir that run wrote to, {RERUN_STAGE_1}"
+        )
+    rows = read_csv(path)
+    if not rows:
+        raise cli.UsageError(f"{path} holds no rows: rerun stage 1")
+    measured = row_model(rows[0])
     if measured != row_model(model):
         raise cli.UsageError(
-            f"{args.results_dir / BASELINE_CSV} is stage 1's of another model ({model_named(measured)}) than "
-            f"the one in {args.artifacts_dir} ({model_named(row_model(model))}): pass the --results-dir "
-            "stage 1 wrote with this --artifacts-dir, or rerun stage 1 with both"
+            f"{path} is stage 1's of another model ({model_named(measured)}) than the one in {args.artifacts_dir} "
+            f"({model_named(row_model(model))}): pass the --results-dir stage 1 wrote with this --artifacts-dir, "
+            f"{RERUN_STAGE_1}"
         )
+    return rows
 
 
 def run(args):
     mode = cli.defaults(args)
     artifacts_dir, results_dir = args.artifacts_dir, args.results_dir
     fp32_path = require(artifacts_dir / FP32_ONNX, 1, artifacts_dir, results_dir)
-    baseline_rows = read_csv(require(results_dir / BASELINE_CSV, 1, artifacts_dir, results_dir))
     class_names = json.loads(require(artifacts_dir / CLASS_NAMES_JSON, 1, artifacts_dir, results_dir).read_text())
-    labelled = load_labels(args.labels, class_names) if args.labels else None
-    if labelled:
-        print(labelled_summary(args.labels, labelled))
     manifest = read_manifest(artifacts_dir)
     provenance, arch = weights_provenance(artifacts_dir), manifest.get("model", {}).get("arch", "unknown")
     model_id = manifest.get("model", {}).get("id", "")
-    check_same_model(
-        baseline_rows,
-        {"weights": provenance, "arch": arch, "classes": len(class_names), "model_id": model_id},
-        args,
+    baseline_rows = stage_1_rows(
+        {"weights": provenance, "arch": arch, "classes": len(class_names), "model_id": model_id}, args
     )
+    labelled = load_labels(args.labels, class_names) if args.labels else None
+    if labelled:
+        print(labelled_summary(args.labels, labelled, mode.held_out_images))
     preprocessing = model_preprocessing(artifacts_dir)  # what stage 1 exported the model for
 
     existed = Path(args.calibration_dir).is_dir()
@@ -181,6 +199,12 @@ def run(args):
         print(
             f"warning: {args.calibration_dir} holds only {len(calibration)} of your images, fewer than the "
             f"{args.calibration_count} asked for",
+            file=sys.stderr,
+        )
+    if labelled and (shared := calibrated_on(labelled[0], calibration)):
+        print(
+            f"warning: {shared} of the --labels photos are calibration photos too: INT8's agreement with FP32 is "
+            "measured on --labels photos, and on those it was calibrated for; keep the two folders apart",
             file=sys.stderr,
         )
     recipe = RECIPES[args.recipe]

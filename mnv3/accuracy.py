@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mnv3.photos import IMAGE_SUFFIXES, held_out_images, list_images
+from mnv3.photos import IMAGE_SUFFIXES, held_out_images, list_images, spread
 from mnv3.preprocess import DEFAULT_PREPROCESSING, InvalidImage, Preprocessing, preprocess_batch, preprocess_files
 
 
@@ -18,9 +18,22 @@ class UnreadableLabels(ValueError):
     """--labels is missing, empty, or names images/classes that cannot be used."""
 
 
-def held_out_batch(count: int, preprocessing: Preprocessing = DEFAULT_PREPROCESSING) -> np.ndarray:
-    """`count` preprocessed held-out photos: what every stage compares variants on (never calibration photos)."""
-    return preprocess_batch(held_out_images(count), preprocessing)
+def held_out_batch(
+    count: int,
+    preprocessing: Preprocessing = DEFAULT_PREPROCESSING,
+    labelled: tuple[list[Path], np.ndarray] | None = None,
+) -> np.ndarray:
+    """`count` preprocessed held-out photos: what every stage compares variants on (never calibration photos).
+
+    Views of the sample photos, or with `labelled` (--labels: the user's photos of the model's classes) up to
+    `count` of those, spread evenly over them. Why: agreement with FP32 and SQNR measure a model's INT8 error on
+    the inputs it will see, and the sample photos can lie far outside a fine-tune's classes (a 3-class model's
+    logits ran ~10x larger on them than on its own photos), where its INT8 error says little about its own
+    photos; stage 2's agreement guard decides which engine serves by these numbers."""
+    if labelled is None:
+        return preprocess_batch(held_out_images(count), preprocessing)
+    paths = spread(labelled[0], count)
+    return next(path_batches(paths, len(paths), preprocessing))  # all in one batch: an unreadable one is named
 
 
 def predict(run, batches) -> np.ndarray:
@@ -139,10 +152,13 @@ def _folder_pairs(root: Path, class_names: list[str]) -> list[tuple[Path, int]]:
     ]
 
 
-def labelled_summary(path, labelled: tuple[list[Path], np.ndarray]) -> str:
-    """What accuracy is scored on, for a stage to print."""
+def labelled_summary(path, labelled: tuple[list[Path], np.ndarray], held_out_count: int) -> str:
+    """What accuracy is scored on, and agreement with FP32 (held_out_batch's `count`), for a stage to print."""
     paths, labels = labelled
-    return f"labelled photos: {len(paths)} in {len(set(labels.tolist()))} classes from {path}"
+    return (
+        f"labelled photos: {len(paths)} in {len(set(labels.tolist()))} classes from {path}; agreement with FP32 "
+        f"on {min(held_out_count, len(paths))} of them"
+    )
 
 
 def _csv_pairs(csv_path: Path) -> list[tuple[Path, int]]:

@@ -14,6 +14,7 @@ import socket
 import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 from torchvision.models import (
     MobileNet_V3_Large_Weights,
@@ -315,8 +316,9 @@ def export_max_abs_diff(model: torch.nn.Module, onnx_run, batches) -> float:
 
 def check_export(model: torch.nn.Module, onnx_run, images, batch_sizes=EXPORT_CHECK_BATCHES) -> float:
     """`export_max_abs_diff` at each of `batch_sizes` of `images`; over EXPORT_TOLERANCE (scaled by the largest
-    |logit| when that is above 1) it raises: a wrong export is a bug, never shipped."""
-    batches = [images[:n] for n in batch_sizes]
+    |logit| when that is above 1) it raises: a wrong export is a bug, never shipped. Fewer `images` than a
+    batch size (a user's few --labels photos) are cycled to fill it."""
+    batches = [images[np.arange(n) % len(images)] for n in batch_sizes]
     diff = export_max_abs_diff(model, onnx_run, batches)
     tolerance = EXPORT_TOLERANCE * max(1.0, max(float(abs(onnx_run(batch)).max()) for batch in batches))
     if diff > tolerance:

@@ -97,6 +97,13 @@ def held_out_images(count: int = 64, seed: int = 1) -> list[Image.Image]:
     return augmented_views(HELD_OUT_SOURCES, count, seed)
 
 
+def spread(items: list, count: int) -> list:
+    """`count` of `items`, evenly spaced in their order (all of them if there are no more): of a dataset's
+    photos listed a folder per class, each class gets its share, where the first `count` would be the first
+    classes'."""
+    return [items[i * len(items) // count] for i in range(count)] if len(items) > count else list(items)
+
+
 def list_images(folder, recursive: bool = False) -> list[Path]:
     """The images in `folder` (and, if `recursive`, in the folders within it, symbolic links followed as
     ImageFolder follows them, each folder once: a link back up the tree is not a loop), in path order."""

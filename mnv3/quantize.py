@@ -27,7 +27,7 @@ from onnxruntime.quantization.shape_inference import quant_pre_process
 from mnv3.accuracy import array_batches
 from mnv3.artifacts import INPUT_NAME
 from mnv3.graph_rewrites import GRAPH_REWRITES, rewritten_file
-from mnv3.photos import fill_calibration_dir, is_generated, list_images
+from mnv3.photos import fill_calibration_dir, is_generated, list_images, spread
 from mnv3.preprocess import DEFAULT_PREPROCESSING, Preprocessing, preprocess_files
 from mnv3.progress import progress_bar
 
@@ -155,7 +155,7 @@ def calibration_photos(folder, count: int) -> list[Path]:
         for path in generated:
             path.unlink()
     photos = fill_calibration_dir(folder, count)
-    return [photos[i * len(photos) // count] for i in range(count)] if len(photos) > count else photos
+    return spread(photos, count)
 
 
 def preprocess_photos(image_paths, preprocessing: Preprocessing = DEFAULT_PREPROCESSING) -> np.ndarray:

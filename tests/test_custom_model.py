@@ -19,11 +19,12 @@ import baseline_export_quantize
 import static_quantization
 from conftest import offline_weights
 from mnv3 import cli
+from mnv3.accuracy import agreement, held_out_batch, load_labels
 from mnv3.artifacts import model_id
 from mnv3.loadtest import PredictClient, ServerProcess
 from mnv3.model import recalibrate_batchnorm
-from mnv3.photos import augmented_views, encode_jpeg
-from mnv3.preprocess import Decoding, Preprocessing, decode_image
+from mnv3.photos import augmented_views, encode_jpeg, spread
+from mnv3.preprocess import Decoding, Preprocessing, decode_image, preprocess_files
 from mnv3.report import read_csv
 from mnv3.runtime import make_session, ort_runner
 
@@ -192,6 +193,25 @@ def test_stage_2_quantizes_and_tables_the_small_model(user_run):
     table = {row["variant"]: row for row in read_csv(user_run["results"] / "model_variants.csv")}
     assert {row["arch"] for row in table.values()} == {"mobilenet_v3_small"}
     assert "ONNX Static INT8" in table and "| mobilenet_v3_small |" in (user_run["results"] / "summary.md").read_text()
+
+
+@pytest.mark.slow
+def test_agreement_with_fp32_is_measured_on_the_users_labelled_photos(user_run):
+    """With --labels, stage 2's SQNR and top-1 agreement are the INT8 model's on the user's own photos, which the
+    agreement guard decides by: the sample photos lie outside these 4 classes and give other figures."""
+    artifacts = user_run["artifacts"]
+    paths, _ = load_labels(user_run["root"] / "labelled", CLASS_NAMES)
+    photos = spread(paths, cli.QUICK.held_out_images)
+
+    def scores(inputs):
+        reference = ort_runner(make_session(artifacts / "fp32.onnx"))(inputs)
+        return agreement(reference, ort_runner(make_session(artifacts / "static_int8.onnx"))(inputs))
+
+    own, samples = scores(preprocess_files(photos, PREPROCESSING)), scores(held_out_batch(len(photos), PREPROCESSING))
+    static = read_csv(user_run["results"] / "02_static.csv")[0]
+    assert float(static["sqnr_db"]) == pytest.approx(own["sqnr_db"], abs=0.05)
+    assert float(static["top1_agreement"]) == own["top1_agreement"]
+    assert abs(samples["sqnr_db"] - own["sqnr_db"]) > 0.5  # so the sample photos' figure would fail the first
 
 
 @pytest.mark.slow

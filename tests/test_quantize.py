@@ -11,10 +11,18 @@ import pytest
 from PIL import Image
 
 from mnv3 import quantize
-from mnv3.accuracy import UnreadableLabels, agreement, labelled_summary, load_labels, sqnr_db, true_accuracy
+from mnv3.accuracy import (
+    UnreadableLabels,
+    agreement,
+    held_out_batch,
+    labelled_summary,
+    load_labels,
+    sqnr_db,
+    true_accuracy,
+)
 from mnv3.graph_rewrites import GRAPH_REWRITES
-from mnv3.photos import fill_calibration_dir, held_out_images, list_images
-from mnv3.preprocess import preprocess
+from mnv3.photos import fill_calibration_dir, held_out_images, list_images, spread
+from mnv3.preprocess import preprocess, preprocess_files
 from mnv3.profiling import op_type_summary, profile_model
 from mnv3.quantize import (
     DEFAULT_RECIPE,
@@ -349,7 +357,23 @@ def test_a_class_folders_photos_include_those_in_folders_within_it(tmp_path):
     tree = labelled_tree(tmp_path / "tree", "cat", "dog", "cat/batch2")
     paths, labels = load_labels(tree, ["cat", "dog"])
     assert sorted(str(p.relative_to(tree)) for p in paths) == ["cat/a.jpg", "cat/batch2/a.jpg", "dog/a.jpg"]
-    assert labelled_summary(tree, (paths, labels)) == f"labelled photos: 3 in 2 classes from {tree}"
+    assert labelled_summary(tree, (paths, labels), 64) == (
+        f"labelled photos: 3 in 2 classes from {tree}; agreement with FP32 on 3 of them"
+    )
+    assert labelled_summary(tree, (paths, labels), 2).endswith("agreement with FP32 on 2 of them")
+
+
+def test_held_out_photos_are_the_users_labelled_ones_spread_over_the_classes(tmp_path):
+    tree = labelled_tree(tmp_path / "tree", "cat", "dog", "cat/batch2")
+    paths, labels = load_labels(tree, ["cat", "dog"])
+    for path, photo in zip(paths, held_out_images(3), strict=True):  # three different photos
+        photo.save(path)
+    np.testing.assert_array_equal(held_out_batch(64, labelled=(paths, labels)), preprocess_files(paths))
+    np.testing.assert_array_equal(held_out_batch(2, labelled=(paths, labels)), preprocess_files(spread(paths, 2)))
+    assert spread(list(range(4)), 2) == [0, 2] and spread(list(range(3)), 5) == [0, 1, 2]
+    paths[1].write_text("not a photo")
+    with pytest.raises(UnreadableLabels, match="labelled image"):
+        held_out_batch(64, labelled=(paths, labels))
 
 
 @pytest.mark.parametrize("content", ["missing.jpg,1\n", "a.jpg,cat\n", "a.jpg,5000\n", "", b"\xff\xfe\x00bin"])

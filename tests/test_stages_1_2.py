@@ -381,6 +381,17 @@ def test_stage_2_says_when_it_calibrates_on_generated_photos(tmp_path):
     assert static_quantization.generated_calibration_note(user, calibration_photos(user, 3), existed=True) is None
 
 
+def test_labelled_photos_that_are_calibration_photos_are_counted_however_reached(tmp_path):
+    (tmp_path / "val").mkdir()
+    photos = [tmp_path / "val" / f"{i}.jpg" for i in range(3)]
+    for photo in photos:
+        photo.write_bytes(b"")
+    (tmp_path / "calibration").symlink_to(tmp_path / "val")
+    calibration = [tmp_path / "calibration" / "0.jpg", tmp_path / "calibration" / "2.jpg"]
+    assert static_quantization.calibrated_on(photos, calibration) == 2
+    assert static_quantization.calibrated_on(photos[1:2], calibration) == 0
+
+
 def test_corrupt_calibration_image_exits_2_naming_the_file(stage_dirs, tmp_path, capsys):
     calibration = tmp_path / "calibration"
     calibration.mkdir()
@@ -414,6 +425,19 @@ def test_stage_2_refuses_stage_1_rows_of_another_model(stage_dirs, tmp_path, cap
     assert "is stage 1's of another model (weights random-init, arch mobilenet_v3_small, classes 3, model_id " in error
     assert "(weights random-init, arch mobilenet_v3_large, classes 1000, model_id " in error
     assert "Traceback" not in error
+
+
+def test_stage_2_without_stage_1_table_names_the_model_a_rerun_must_remake(stage_dirs, tmp_path, capsys):
+    """The artifacts of a stage 1 run, another --results-dir: rerunning stage 1 on its defaults (what the
+    generic hint said) would export the default model over a user's fine-tune."""
+    with pytest.raises(SystemExit) as exit:
+        run_stage(static_quantization, "--quick", "--artifacts-dir", stage_dirs["artifacts"], "--results-dir", tmp_path)
+    assert exit.value.code == 2
+    error = capsys.readouterr().err.strip()
+    assert f"{tmp_path / '01_baseline.csv'} not found: stage 1 writes it beside the model now in " in error
+    assert "(weights random-init, arch mobilenet_v3_large, classes 1000, model_id " in error
+    assert "the flags that made that model (--arch, --weights, --class-names" in error
+    assert len(error.splitlines()) == 1 and not (tmp_path / "02_static.csv").exists()
 
 
 def test_stage_2_refuses_an_empty_stage_1_table(stage_dirs, tmp_path, capsys):
