@@ -198,7 +198,8 @@ def test_stage_2_quantizes_and_tables_the_small_model(user_run):
 @pytest.mark.slow
 def test_agreement_with_fp32_is_measured_on_the_users_labelled_photos(user_run):
     """With --labels, stage 2's SQNR and top-1 agreement are the INT8 model's on the user's own photos, which the
-    agreement guard decides by: the sample photos lie outside these 4 classes and give other figures."""
+    agreement guard decides by, not on the held-out views of the sample photos (half of them of none of this
+    model's classes), which give another figure."""
     artifacts = user_run["artifacts"]
     paths, _ = load_labels(user_run["root"] / "labelled", CLASS_NAMES)
     photos = spread(paths, cli.QUICK.held_out_images)
