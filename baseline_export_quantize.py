@@ -147,7 +147,7 @@ def run(args):
     class_names, class_names_source = class_names_for(model, args.class_names)
     labelled = load_labels(args.labels, class_names) if args.labels else None
     if labelled:
-        print(labelled_summary(args.labels, labelled, mode.held_out_images))
+        print(labelled_summary(args.labels, labelled, mode.held_out_count(provenance)))
     bn_images = 0
     if provenance == STAND_IN_PROVENANCE:
         # Without real BN statistics a random init's logits collapse to ~0 and INT8 comparisons are noise.

@@ -188,7 +188,7 @@ def run(args):
     )
     labelled = load_labels(args.labels, class_names) if args.labels else None
     if labelled:
-        print(labelled_summary(args.labels, labelled, mode.held_out_images))
+        print(labelled_summary(args.labels, labelled, mode.held_out_count(provenance)))
     preprocessing = model_preprocessing(artifacts_dir)  # what stage 1 exported the model for
 
     existed = Path(args.calibration_dir).is_dir()

@@ -18,6 +18,7 @@ from mnv3 import report
 from mnv3.artifacts import (
     ARTIFACTS_DIR,
     RESULTS_DIR,
+    STAND_IN_PROVENANCE,
     STATIC_INT8_ONNX,
     MissingArtifact,
     read_manifest,
@@ -48,6 +49,9 @@ class Defaults:
     timing: Timing
     batch_size: int  # for per-image throughput; batch-1 latency is always measured too
     held_out_images: int  # QUICK keeps >= 8, the largest export-check batch
+    # with real weights, where stage 2's agreement guard applies: at 0.99, 64 photos would allow not one
+    # disagreement, and a variant that flips 1% of them would pass about half the time (0.99 ** 64)
+    guarded_held_out_images: int
     bn_recalibration_images: int  # the random-init stand-in's BatchNorm statistics
     profile_runs: int
     calibration_images: int
@@ -78,11 +82,17 @@ class Defaults:
     cluster_images: int
     cluster_repeats: int
 
+    def held_out_count(self, weights: str) -> int:
+        """How many held-out photos stages 1-2 compare variants on, for a model of these `weights` (its
+        provenance): more where the agreement guard applies."""
+        return self.held_out_images if weights == STAND_IN_PROVENANCE else self.guarded_held_out_images
+
 
 FULL = Defaults(
     timing=Timing(),
     batch_size=32,
     held_out_images=64,
+    guarded_held_out_images=512,
     bn_recalibration_images=64,
     profile_runs=20,
     calibration_images=200,
@@ -112,6 +122,7 @@ QUICK = Defaults(
     timing=Timing(warmup=3, iters=10, batch_warmup=1, batch_iters=3, turn_warmup_s=0.01),
     batch_size=8,
     held_out_images=16,
+    guarded_held_out_images=16,
     bn_recalibration_images=16,
     profile_runs=3,
     calibration_images=16,

@@ -96,13 +96,13 @@ class Bench:
         model_id: str,
     ) -> "Bench":
         """Stage 1's or 2's bench: its --threads and --batch-size, its mode's (cli.defaults) timing and
-        held-out photo count, those photos (of `labelled`, with --labels) put through the model's
-        `preprocessing`, and what its rows record."""
+        held-out photo count for these `weights`, those photos (of `labelled`, with --labels) put through the
+        model's `preprocessing`, and what its rows record."""
         return cls(
             threads=args.threads,
             timing=mode.timing,
             batch_size=args.batch_size,
-            held_out=held_out_batch(mode.held_out_images, preprocessing, labelled),
+            held_out=held_out_batch(mode.held_out_count(weights), preprocessing, labelled),
             labelled=labelled,
             weights=weights,
             arch=arch,

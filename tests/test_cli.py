@@ -8,6 +8,7 @@ import batching_loadtest
 import caching
 from mnv3 import cli
 from mnv3.artifacts import MissingArtifact
+from mnv3.backend_choice import DEFAULT_MIN_AGREEMENT
 
 pytestmark = pytest.mark.unit
 
@@ -24,6 +25,14 @@ def test_quick_and_full_fill_only_what_the_user_left_unset():
     chosen = cli.fill_load_defaults(parse(caching, "--quick", "--concurrency", "5", "--requests", "7"))
     assert (chosen.concurrency, chosen.requests) == (5, 7)
     assert cli.defaults(parse(caching, "--quick")) is cli.QUICK and cli.defaults(parse(caching)) is cli.FULL
+
+
+def test_with_real_weights_agreement_is_measured_on_enough_photos_for_the_guard_to_allow_a_disagreement():
+    for weights in ("imagenet1k_v1", "file:0123456789ab"):
+        photos = cli.FULL.held_out_count(weights)
+        assert (1 - 1 / photos) >= DEFAULT_MIN_AGREEMENT  # one photo of them flipped still passes the default guard
+    assert cli.FULL.held_out_count("random-init") == cli.FULL.held_out_images  # no guard: the usual count
+    assert cli.QUICK.held_out_count("file:0123456789ab") == cli.QUICK.held_out_images
 
 
 def test_load_tests_take_the_servers_defaults():
