@@ -12,6 +12,7 @@ gives one. Every other setting applies to each model (each has its own batcher a
 """
 
 import argparse
+import difflib
 import math
 import os
 import re
@@ -94,10 +95,12 @@ class ModelSpec:
                 f"unknown backend {tail!r} after the '@' of {self.path}: one of {', '.join(BACKEND_CHOICES)}"
             )
         if not MODEL_NAME.fullmatch(self.name):
-            raise ValueError(
-                f"model name {self.name!r} is not URL-safe: name the model with NAME={self.path} (a "
-                "letter or digit, then up to 63 letters, digits, '.', '_' or '-')"
-            )
+            rule = "a letter or digit, then up to 63 letters, digits, '.', '_' or '-'"
+            if self.name == self.path.stem:  # taken from the file's name: give it one
+                raise ValueError(
+                    f"model name {self.name!r} is not URL-safe: name the model with NAME={self.path} ({rule})"
+                )
+            raise ValueError(f"model name {self.name!r} is not URL-safe: a name is {rule}")
 
 
 @dataclass(frozen=True)
@@ -243,6 +246,21 @@ class OneLineErrors(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+# MNV3_ variables that are not the server's settings: the load-test client's key (mnv3.loadtest).
+OTHER_VARIABLES = ("MNV3_API_KEY",)
+
+
+def unknown_variables(environ=os.environ) -> list[str]:
+    """A warning for each MNV3_ variable in `environ` that sets nothing, naming the closest setting's: a
+    misspelt flag is refused, a misspelt variable would be ignored without a word."""
+    known = [variable(f.name) for f in fields(ServerConfig) if f.name != "extra_models"] + list(OTHER_VARIABLES)
+    warnings = []
+    for name in sorted(env for env in environ if env.startswith("MNV3_") and env not in known):
+        close = difflib.get_close_matches(name, known, n=1)
+        warnings.append(f"{name} sets nothing, ignored" + (f" (did you mean {close[0]}?)" if close else ""))
+    return warnings
 
 
 def parse_args(argv=None, environ=os.environ, prog: str = PROG) -> ServerConfig:

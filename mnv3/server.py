@@ -34,7 +34,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from mnv3.api_docs import docs_router
 from mnv3.auth import ApiKeyAuth, KeyFileError, exposure_warning, load_key_file, route_path
 from mnv3.batcher import ShuttingDown
-from mnv3.config import PROG, ModelSpec, ServerConfig, parse_args
+from mnv3.config import PROG, ModelSpec, ServerConfig, parse_args, unknown_variables
 from mnv3.connections import BoundedHeadProtocol
 from mnv3.engine import Engine, ModelLoadError, Prediction
 from mnv3.errors import ACCESS_REFUSALS, ERROR_DOCS, ERRORS, body_for_path, error_response
@@ -188,7 +188,7 @@ class ModelInfo(BaseModel):
     batching: dict[str, int | float]
     cache: dict[str, int]
     limits: dict[str, int | float]
-    top_k: int
+    top_k: int = Field(description="predictions an answer carries: --top-k, or every class of a model with fewer")
     memory: ModelMemoryInfo
 
 
@@ -272,7 +272,7 @@ def describe(served: ServedModel) -> ModelInfo:
             "body_timeout_s": config.body_timeout_s,
             "shutdown_timeout_s": config.shutdown_timeout_s,
         },
-        top_k=config.top_k,
+        top_k=min(config.top_k, engine.num_classes),  # --top-k past the model's classes answers them all
         memory=ModelMemoryInfo(**vars(served.memory)),
     )
 
@@ -446,7 +446,9 @@ def main(argv=None) -> None:
     # build the same app, are cancelled when their client leaves, which is no reason to answer 503.
     app.add_middleware(AnswerCancelledAtShutdown)
     if not config.api_keys and (warning := exposure_warning(config.host)):
-        log.warning("WARNING: %s", warning)
+        log.warning(warning)
+    for warning in unknown_variables():
+        log.warning(warning)
     raise_open_file_limit()
     settle_garbage_collector()
     uvicorn.run(

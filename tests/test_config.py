@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from mnv3.config import ModelSpec, ServerConfig, flag, parse_args
+from mnv3.config import ModelSpec, ServerConfig, flag, parse_args, unknown_variables
 from mnv3.engine import default_batch_threads
 
 pytestmark = pytest.mark.unit
@@ -45,13 +45,21 @@ def test_the_environment_gives_one_model_and_a_flag_replaces_it():
     "models, message",
     [
         (["a.onnx", "x/a.onnx"], "two models are named 'a'"),
-        (["my model.onnx"], "not URL-safe"),
-        (["a?b=a.onnx"], "not URL-safe"),
+        (["my model.onnx"], "'my model' is not URL-safe: name the model with NAME=my model.onnx"),
+        (["a?b=a.onnx"], "'a\\?b' is not URL-safe: a name is a letter or digit"),
     ],
 )
 def test_duplicate_or_unsafe_names_are_refused(models, message):
     with pytest.raises(ValueError, match=message):
         ServerConfig(model=models[0], extra_models=tuple(models[1:]))
+
+
+def test_a_variable_that_sets_nothing_is_named_with_the_closest_setting():
+    environ = {"MNV3_MODLE": "m.onnx", "MNV3_CACHE_SIZE": "0", "MNV3_API_KEY": "the client's", "MNV3_XYZZY": "1"}
+    assert unknown_variables(environ | {"HOME": "/root"}) == [
+        "MNV3_MODLE sets nothing, ignored (did you mean MNV3_MODEL?)",
+        "MNV3_XYZZY sets nothing, ignored",
+    ]
 
 
 def test_images_per_request_defaults_to_the_batch_size():

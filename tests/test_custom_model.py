@@ -239,6 +239,7 @@ def test_server_answers_with_the_users_labels_as_the_model_does_on_the_users_pre
     assert served["preprocessing"] == PREPROCESSING.record() | decoding.record()  # the manifest's, not ImageNet's
     checkpoint_sha256 = hashlib.sha256(user_run["checkpoint"].read_bytes()).hexdigest()
     assert served["weights"] == f"file:{checkpoint_sha256[:12]}"  # the user's, as stage 1 recorded them
+    assert served["top_k"] == len(CLASS_NAMES)  # what an answer carries, not the 10 asked for
     assert [status for status, _ in answers] == ["200"] * len(answers)
     for _, body in answers:  # top_k 10 of 4 classes: all 4, each once, with the user's names for its class ids
         assert sorted(p["label"] for p in body["predictions"]) == CLASS_NAMES

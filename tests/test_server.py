@@ -297,6 +297,13 @@ def test_a_port_in_use_exits_2_with_one_line_before_loading_the_models(tmp_path)
     )
 
 
+def test_model_reports_the_predictions_an_answer_carries_when_top_k_exceeds_the_classes(fp32_model_path, images):
+    with serving_client(fp32_model_path, top_k=5000) as client:
+        reported = client.get("/model").json()["top_k"]
+        answered = len(post_file(client, images[0]).json()["predictions"])
+    assert reported == answered == 1000  # every class, not the 5000 asked for
+
+
 def test_a_model_name_with_a_slash_is_named_as_the_problem(fp32_model_path):
     result = run_server("--model", f"bad/name={fp32_model_path}", "--port", "0")
     assert result.returncode == 2 and result.stderr.strip().count("\n") == 0
