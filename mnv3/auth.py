@@ -46,6 +46,7 @@ import logging
 import math
 import re
 import secrets
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -429,10 +430,13 @@ def exposure_warning(host: str) -> str | None:
     )
 
 
-def new_key_line(scope: str = "infer") -> tuple[str, str]:
-    """A fresh random key and the key-file line that accepts it without holding it (its sha256)."""
+def new_key_line(scope: str = "infer", options: tuple[str, ...] = ()) -> tuple[str, str]:
+    """A fresh random key and the key-file line that accepts it without holding it (its sha256), with
+    `options` ("rate=50/s", ...) after the scope; a KeyFileError if the key file would refuse them."""
     key = secrets.token_urlsafe(32)
-    return key, f"{DIGEST_PREFIX}{hashlib.sha256(key.encode()).hexdigest()} {scope}"
+    line = " ".join([f"{DIGEST_PREFIX}{hashlib.sha256(key.encode()).hexdigest()}", scope, *options])
+    parse_keys(line, "the line")  # the same rules as the key file: what it prints, --api-keys takes
+    return key, line
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -444,11 +448,21 @@ def get_args_parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument("--scope", choices=tuple(KEY_SCOPES), default="infer", help="what the key may do")
+    parser.add_argument("--rate", help="requests the key may make, N/s or N/min (default: unlimited)")
+    parser.add_argument("--burst", help="how many requests above --rate at once (default: one second's worth)")
+    parser.add_argument("--name", help="what logs and metrics call the key (default: its line number)")
     return parser
 
 
 def main(args) -> None:
-    key, line = new_key_line(args.scope)
+    given = {option: value for option in ("rate", "burst", "name") if (value := getattr(args, option))}
+    try:
+        if spaced := [f"--{option} {value!r}" for option, value in given.items() if len(value.split()) != 1]:
+            raise KeyFileError(f"{', '.join(spaced)}: a value without spaces (they separate a key line's words)")
+        key, line = new_key_line(args.scope, tuple(f"{option}={value}" for option, value in given.items()))
+    except KeyFileError as exc:
+        print(f"python -m mnv3.auth: error: {str(exc).removeprefix('the line:1: ')}", file=sys.stderr)
+        raise SystemExit(2) from None
     print(f"key (give it to the client; it is not stored anywhere): {key}")
     print(f"line for the key file: {line}")
 

@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from conftest import upload, uvicorn_in_thread
+from mnv3 import auth
 from mnv3.auth import (
     ApiKeyAuth,
     KeyFileError,
@@ -341,6 +342,34 @@ def test_a_good_key_file_loads_with_its_options(tmp_path):
     ]  # without burst=, one second's worth, at least 1
     assert keys.match(ADMIN_KEY).name == "line 4" and keys.match("k" * 39) is None
     assert not any(key in repr(keys) + repr(keys.keys) for key in KEYS)
+
+
+def test_the_key_maker_prints_a_line_the_key_file_takes_with_its_options(capsys):
+    auth.main(
+        auth.get_args_parser().parse_args(["--scope", "admin", "--rate", "50/s", "--burst", "100", "--name", "ci"])
+    )
+    key_line, file_line = capsys.readouterr().out.splitlines()
+    key, line = key_line.rpartition(" ")[2], file_line.removeprefix("line for the key file: ")
+    assert line.endswith(" admin rate=50/s burst=100 name=ci") and key not in line
+    keys = parse_keys(line)
+    (made,) = keys.keys
+    assert (made.name, made.scope, made.limit.rate_per_s, made.limit.burst) == ("ci", Scope.ADMIN, 50.0, 100)
+    assert keys.match(key) is made  # the printed key is the one the line accepts
+
+
+@pytest.mark.parametrize(
+    "flags, problem",
+    [
+        (["--burst", "5"], "burst= without rate="),
+        (["--rate", "fast"], "rate=fast is not a rate"),
+        (["--name", "a b"], "without spaces"),
+    ],
+)
+def test_the_key_maker_refuses_options_the_key_file_would(flags, problem, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        auth.main(auth.get_args_parser().parse_args(flags))
+    error = capsys.readouterr().err
+    assert exit_info.value.code == 2 and error.startswith("python -m mnv3.auth: error: ") and problem in error
 
 
 @pytest.mark.parametrize(
