@@ -274,6 +274,7 @@ def choose_engine(args, fp32_path, calibration, bench: Bench, profile_runs: int)
         len(served),
         bench.weights,
         args.min_agreement,
+        len(bench.held_out),
         report.cpu_info() | {"threads": args.threads, "versions": report.library_versions()},
     )
     rows = [row | {"chosen": row is chosen} for row in rows]

@@ -139,13 +139,21 @@ def choose(rows: list[dict], min_agreement: float, guard_applies: bool) -> tuple
     raise ValueError("no variant to choose from")
 
 
-def guard_note(provenance: str, min_agreement: float) -> str:
+def guard_note(provenance: str, min_agreement: float, photos: int) -> str:
+    """What the agreement guard did, on how many held-out `photos`, and when they are too few for it to allow
+    any disagreement at all."""
     if provenance == STAND_IN_PROVENANCE:
         return (
             "not applied: the weights are the random-init stand-in, whose agreement with FP32 says nothing "
             "about a trained model's; rerun stage 1 with --weights for a guarded choice"
         )
-    return f"applied: a variant needs top-1 agreement with FP32 >= {min_agreement} on the held-out photos"
+    note = f"applied: a variant needs top-1 agreement with FP32 >= {min_agreement} on the {photos} held-out photos"
+    if photos * (1 - min_agreement) < 1:
+        note += (
+            f"; of {photos}, a single disagreement refuses a variant: give more --labels photos or a lower "
+            "--min-agreement"
+        )
+    return note
 
 
 def manifest_entry(
@@ -155,9 +163,11 @@ def manifest_entry(
     candidates: int,
     provenance: str,
     min_agreement: float,
+    photos: int,
     environment: dict,
 ) -> dict:
-    """The MANIFEST_KEY entry: what serves, its same-run ratios and agreement, and why it was chosen."""
+    """The MANIFEST_KEY entry: what serves, its same-run ratios and agreement (on `photos` held-out photos),
+    and why it was chosen."""
     columns = (
         "mean_ms_vs_onnx_fp32",
         "per_image_ms_vs_onnx_fp32",
@@ -180,7 +190,7 @@ def manifest_entry(
             f"{chosen['batch_size']} {chosen['per_image_ms_vs_onnx_fp32']}x FP32's time)"
             + (f"; passed over: {'; '.join(f'{k} ({v})' for k, v in refused.items())}" if refused else "")
         ),
-        "agreement_guard": guard_note(provenance, min_agreement),
+        "agreement_guard": guard_note(provenance, min_agreement, photos),
         "min_agreement": min_agreement,
         "guard_applied": provenance != STAND_IN_PROVENANCE,
         "weights": provenance,

@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from mnv3.artifacts import CLASS_NAMES_JSON, FP32_ONNX, STATIC_INT8_ONNX, update_manifest
-from mnv3.backend_choice import MANIFEST_KEY, choose, manifest_entry, resolve_auto
+from mnv3.backend_choice import MANIFEST_KEY, choose, guard_note, manifest_entry, resolve_auto
 from mnv3.batching_benchmark import limit_engines
 from mnv3.cli import QUICK
 from mnv3.config import ServerConfig
@@ -75,7 +75,7 @@ def entry_for(
         "batch_size": 32,
         "top1_agreement": 1.0,
     }
-    return manifest_entry(row, {}, for_model, 3, REAL_WEIGHTS, 0.99, {"cpu": "test"})
+    return manifest_entry(row, {}, for_model, 3, REAL_WEIGHTS, 0.99, 512, {"cpu": "test"})
 
 
 def test_auto_serves_the_manifest_choice_and_explicit_backend_wins(models_dir, openvino_installed):
@@ -267,6 +267,14 @@ def test_every_engine_variant_computes_the_same_network(measured_rows):
     assert measured_rows["degraded_noise"]["top1_agreement"] < INT8_TOP1  # the bound tells noise apart
 
 
+def test_the_guard_note_names_its_photos_and_says_when_they_allow_no_disagreement():
+    assert guard_note(REAL_WEIGHTS, 0.99, 512).endswith(">= 0.99 on the 512 held-out photos")
+    few = guard_note(REAL_WEIGHTS, 0.99, 50)  # a user's 50 --labels photos: 0.98 is one photo
+    assert "on the 50 held-out photos; of 50, a single disagreement refuses a variant" in few
+    assert "single disagreement" in guard_note(REAL_WEIGHTS, 1.0, 512)
+    assert guard_note("random-init", 0.99, 16).startswith("not applied")
+
+
 @pytest.mark.slow
 def test_the_guard_refuses_a_degraded_variant_with_real_weights_only(measured_rows):
     rows = candidates(list(measured_rows.values()))
@@ -277,9 +285,9 @@ def test_the_guard_refuses_a_degraded_variant_with_real_weights_only(measured_ro
     # On the stand-in the guard means nothing and is not applied: the fastest wins, here the one that skips the work.
     unguarded, none_refused = choose(rows, 0.99, guard_applies=False)
     assert unguarded["variant"] == "degraded_noise" and none_refused == {}
-    entry = manifest_entry(chosen, refused, STATIC_INT8_ONNX, len(rows), REAL_WEIGHTS, 0.99, {})
+    entry = manifest_entry(chosen, refused, STATIC_INT8_ONNX, len(rows), REAL_WEIGHTS, 0.99, 512, {})
     assert entry["guard_applied"] and "degraded_noise (top-1 agreement with FP32" in entry["reason"]
-    stand_in = manifest_entry(unguarded, {}, STATIC_INT8_ONNX, len(rows), "random-init", 0.99, {})
+    stand_in = manifest_entry(unguarded, {}, STATIC_INT8_ONNX, len(rows), "random-init", 0.99, 64, {})
     assert not stand_in["guard_applied"] and stand_in["agreement_guard"].startswith("not applied")
 
 
