@@ -18,7 +18,15 @@ import argparse
 import torch
 
 from mnv3 import cli
-from mnv3.accuracy import UnreadableLabels, array_batches, held_out_batch, labelled_summary, load_labels, predict
+from mnv3.accuracy import (
+    UnreadableLabels,
+    array_batches,
+    held_out_batch,
+    labelled_summary,
+    load_labels,
+    predict,
+    spread_labelled,
+)
 from mnv3.artifacts import (
     BASELINE_CSV,
     CLASS_NAMES_JSON,
@@ -147,7 +155,8 @@ def run(args):
     class_names, class_names_source = class_names_for(model, args.class_names)
     labelled = load_labels(args.labels, class_names) if args.labels else None
     if labelled:
-        print(labelled_summary(args.labels, labelled, mode.held_out_count(provenance)))
+        print(labelled_summary(args.labels, labelled, mode.held_out_count(provenance), args.labels_count))
+        labelled = spread_labelled(labelled, args.labels_count)
     bn_images = 0
     if provenance == STAND_IN_PROVENANCE:
         # Without real BN statistics a random init's logits collapse to ~0 and INT8 comparisons are noise.

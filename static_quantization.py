@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from mnv3 import batch_threads, cli, report
-from mnv3.accuracy import UnreadableLabels, labelled_summary, load_labels
+from mnv3.accuracy import UnreadableLabels, labelled_summary, load_labels, spread_labelled
 from mnv3.artifacts import (
     BASELINE_CSV,
     BATCH_THREADS_CSV,
@@ -188,7 +188,8 @@ def run(args):
     )
     labelled = load_labels(args.labels, class_names) if args.labels else None
     if labelled:
-        print(labelled_summary(args.labels, labelled, mode.held_out_count(provenance)))
+        print(labelled_summary(args.labels, labelled, mode.held_out_count(provenance), args.labels_count))
+        labelled = spread_labelled(labelled, args.labels_count)
     preprocessing = model_preprocessing(artifacts_dir)  # what stage 1 exported the model for
 
     existed = Path(args.calibration_dir).is_dir()

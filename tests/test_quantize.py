@@ -17,6 +17,7 @@ from mnv3.accuracy import (
     held_out_batch,
     labelled_summary,
     load_labels,
+    spread_labelled,
     sqnr_db,
     true_accuracy,
 )
@@ -361,6 +362,19 @@ def test_a_class_folders_photos_include_those_in_folders_within_it(tmp_path):
         f"labelled photos: 3 in 2 classes from {tree}; agreement with FP32 on 3 of them"
     )
     assert labelled_summary(tree, (paths, labels), 2).endswith("agreement with FP32 on 2 of them")
+
+
+def test_labels_count_keeps_an_even_spread_of_the_labelled_photos_and_says_so(tmp_path):
+    tree = labelled_tree(tmp_path / "tree", "cat", "dog", "cat/batch2", "dog/batch2")
+    labelled = load_labels(tree, ["cat", "dog"])
+    paths, labels = spread_labelled(labelled, 2)
+    assert paths == [labelled[0][0], labelled[0][2]] and labels.tolist() == [labelled[1][0], labelled[1][2]]
+    assert sorted(labels.tolist()) == [0, 1]  # a folder per class keeps each class's share
+    assert spread_labelled(labelled, 10)[0] == labelled[0] == spread_labelled(labelled, None)[0]
+    assert labelled_summary(tree, labelled, 64, 2) == (
+        f"labelled photos: 4 in 2 classes from {tree}; accuracy on 2 of them (--labels-count), "
+        "agreement with FP32 on 2 of them"
+    )
 
 
 def test_held_out_photos_are_the_users_labelled_ones_spread_over_the_classes(tmp_path):
