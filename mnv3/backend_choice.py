@@ -150,8 +150,8 @@ def guard_note(provenance: str, min_agreement: float, photos: int) -> str:
     note = f"applied: a variant needs top-1 agreement with FP32 >= {min_agreement} on the {photos} held-out photos"
     if photos * (1 - min_agreement) < 1:
         note += (
-            f"; of {photos}, a single disagreement refuses a variant: give more --labels photos or a lower "
-            "--min-agreement"
+            f"; of {photos}, a single disagreement refuses a variant: measure on more (without --quick, with "
+            "more --labels photos or a larger --labels-count) or lower --min-agreement"
         )
     return note
 
