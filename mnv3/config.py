@@ -248,14 +248,14 @@ class OneLineErrors(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-# MNV3_ variables that are not the server's settings: the load-test client's key (mnv3.loadtest).
-OTHER_VARIABLES = ("MNV3_API_KEY",)
+# The key a client sends (mnv3.loadtest reads it): an MNV3_ variable, but none of the server's settings.
+API_KEY_ENV = "MNV3_API_KEY"
 
 
 def unknown_variables(environ=os.environ) -> list[str]:
     """A warning for each MNV3_ variable in `environ` that sets nothing, naming the closest setting's: a
     misspelt flag is refused, a misspelt variable would be ignored without a word."""
-    known = [variable(f.name) for f in fields(ServerConfig) if f.name != "extra_models"] + list(OTHER_VARIABLES)
+    known = [variable(f.name) for f in fields(ServerConfig) if f.name != "extra_models"] + [API_KEY_ENV]
     warnings = []
     for name in sorted(env for env in environ if env.startswith("MNV3_") and env not in known):
         close = difflib.get_close_matches(name, known, n=1)

@@ -42,6 +42,7 @@ import requests
 import uvloop
 from prometheus_client.parser import text_string_to_metric_families
 
+from mnv3.config import API_KEY_ENV
 from mnv3.latency import LatencyStats
 from mnv3.preprocess import DEFAULT_DECODING, Decoding
 from mnv3.progress import progress_bar
@@ -56,7 +57,6 @@ OUTPUT_TAIL_LINES = 20
 # free_port's candidates start here: above Ray's default worker ports (10002-19999), which `ray start` refuses
 # to share with a port it is given, and the ports services commonly listen on.
 FREE_PORT_LOW = 20_000
-API_KEY_ENV = "MNV3_API_KEY"
 SERVER_FIELDS = ("batch_size", "queue_ms", "preprocess_ms", "inference_ms")
 TIME_HISTOGRAMS = {
     "request_ms": "mnv3_request_latency_seconds",
