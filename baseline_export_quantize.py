@@ -22,10 +22,7 @@ from mnv3.accuracy import (
     UnreadableLabels,
     array_batches,
     held_out_batch,
-    labelled_summary,
-    load_labels,
     predict,
-    spread_labelled,
 )
 from mnv3.artifacts import (
     BASELINE_CSV,
@@ -153,10 +150,7 @@ def run(args):
     preprocessing = stage_preprocessing(args)
     model, provenance = load_model(args.arch, args.weights)
     class_names, class_names_source = class_names_for(model, args.class_names)
-    labelled = load_labels(args.labels, class_names) if args.labels else None
-    if labelled:
-        print(labelled_summary(args.labels, labelled, mode.held_out_count(provenance), args.labels_count))
-        labelled = spread_labelled(labelled, args.labels_count)
+    labelled = cli.labelled_photos(args, class_names, mode.held_out_count(provenance))
     bn_images = 0
     if provenance == STAND_IN_PROVENANCE:
         # Without real BN statistics a random init's logits collapse to ~0 and INT8 comparisons are noise.

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from mnv3 import batch_threads, cli, report
-from mnv3.accuracy import UnreadableLabels, labelled_summary, load_labels, spread_labelled
+from mnv3.accuracy import UnreadableLabels
 from mnv3.artifacts import (
     BASELINE_CSV,
     BATCH_THREADS_CSV,
@@ -186,10 +186,7 @@ def run(args):
     baseline_rows = stage_1_rows(
         {"weights": provenance, "arch": arch, "classes": len(class_names), "model_id": model_id}, args
     )
-    labelled = load_labels(args.labels, class_names) if args.labels else None
-    if labelled:
-        print(labelled_summary(args.labels, labelled, mode.held_out_count(provenance), args.labels_count))
-        labelled = spread_labelled(labelled, args.labels_count)
+    labelled = cli.labelled_photos(args, class_names, mode.held_out_count(provenance))
     preprocessing = model_preprocessing(artifacts_dir)  # what stage 1 exported the model for
 
     existed = Path(args.calibration_dir).is_dir()

@@ -156,21 +156,21 @@ def spread_labelled(labelled: tuple[list[Path], np.ndarray], count: int | None) 
     """`count` of the labelled photos (all without it), spread evenly over them: a folder per class keeps every
     class's share. Every variant scores every labelled photo, so a 50,000-photo validation set costs hours."""
     paths, labels = labelled
-    kept = spread(list(range(len(paths))), count) if count else list(range(len(paths)))
+    kept = spread(list(range(len(paths))), count or len(paths))
     return [paths[i] for i in kept], labels[kept]
 
 
 def labelled_summary(
-    path, labelled: tuple[list[Path], np.ndarray], held_out_count: int, count: int | None = None
+    path, labelled: tuple[list[Path], np.ndarray], scored: tuple[list[Path], np.ndarray], held_out_count: int
 ) -> str:
-    """What accuracy is scored on (`count` of `labelled`, as spread_labelled keeps them), and agreement with
-    FP32 (held_out_batch's `count`), for a stage to print."""
+    """What accuracy is scored on (`scored`, the `labelled` photos spread_labelled kept), and agreement with
+    FP32 (held_out_batch's `count` of them), for a stage to print."""
     paths, labels = labelled
-    scored = min(count or len(paths), len(paths))
+    kept = len(scored[0])
     return (
         f"labelled photos: {len(paths)} in {len(set(labels.tolist()))} classes from {path}; "
-        + (f"accuracy on {scored} of them (--labels-count), " if scored < len(paths) else "")
-        + f"agreement with FP32 on {min(held_out_count, scored)} of them"
+        + (f"accuracy on {kept} of them (--labels-count), " if kept < len(paths) else "")
+        + f"agreement with FP32 on {min(held_out_count, kept)} of them"
     )
 
 

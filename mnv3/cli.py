@@ -14,7 +14,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from mnv3 import report
+from mnv3.accuracy import labelled_summary, load_labels, spread_labelled
 from mnv3.artifacts import (
     ARTIFACTS_DIR,
     RESULTS_DIR,
@@ -272,6 +275,17 @@ def add_model_stage_args(parser, artifacts_help: str):
         "scores each one, so a 50,000-photo validation set takes hours on a few cores)",
     )
     return parser
+
+
+def labelled_photos(args, class_names: list[str], held_out_count: int) -> tuple[list[Path], np.ndarray] | None:
+    """Stages 1-2's --labels: the photos and their class ids, --labels-count of them, once the stage has said
+    what they score (accuracy, and agreement with FP32 on `held_out_count` of them); None without --labels."""
+    if not args.labels:
+        return None
+    labelled = load_labels(args.labels, class_names)
+    scored = spread_labelled(labelled, args.labels_count)
+    print(labelled_summary(args.labels, labelled, scored, held_out_count))
+    return scored
 
 
 def add_load_args(parser, concurrency_help: str, requests_help: str):

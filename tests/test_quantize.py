@@ -358,10 +358,10 @@ def test_a_class_folders_photos_include_those_in_folders_within_it(tmp_path):
     tree = labelled_tree(tmp_path / "tree", "cat", "dog", "cat/batch2")
     paths, labels = load_labels(tree, ["cat", "dog"])
     assert sorted(str(p.relative_to(tree)) for p in paths) == ["cat/a.jpg", "cat/batch2/a.jpg", "dog/a.jpg"]
-    assert labelled_summary(tree, (paths, labels), 64) == (
+    assert labelled_summary(tree, (paths, labels), (paths, labels), 64) == (
         f"labelled photos: 3 in 2 classes from {tree}; agreement with FP32 on 3 of them"
     )
-    assert labelled_summary(tree, (paths, labels), 2).endswith("agreement with FP32 on 2 of them")
+    assert labelled_summary(tree, (paths, labels), (paths, labels), 2).endswith("agreement with FP32 on 2 of them")
 
 
 def test_labels_count_keeps_an_even_spread_of_the_labelled_photos_and_says_so(tmp_path):
@@ -371,7 +371,7 @@ def test_labels_count_keeps_an_even_spread_of_the_labelled_photos_and_says_so(tm
     assert paths == [labelled[0][0], labelled[0][2]] and labels.tolist() == [labelled[1][0], labelled[1][2]]
     assert sorted(labels.tolist()) == [0, 1]  # a folder per class keeps each class's share
     assert spread_labelled(labelled, 10)[0] == labelled[0] == spread_labelled(labelled, None)[0]
-    assert labelled_summary(tree, labelled, 64, 2) == (
+    assert labelled_summary(tree, labelled, spread_labelled(labelled, 2), 64) == (
         f"labelled photos: 4 in 2 classes from {tree}; accuracy on 2 of them (--labels-count), "
         "agreement with FP32 on 2 of them"
     )
