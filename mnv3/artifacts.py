@@ -107,9 +107,24 @@ def model_id(fp32_sha256: str, preprocessing: Preprocessing) -> str:
     return hashlib.sha256(record.encode()).hexdigest()[:12]
 
 
+class UnreadableManifest(ValueError):
+    """The manifest is there but is not the JSON object stages 1 and 2 write (cut short, edited by hand)."""
+
+
 def read_manifest(artifacts_dir) -> dict:
+    """The manifest in `artifacts_dir`, {} if there is none; UnreadableManifest if it cannot be one."""
     path = Path(artifacts_dir) / MANIFEST_JSON
-    return json.loads(path.read_text()) if path.exists() else {}
+    if not path.exists():
+        return {}
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        problem = f"is not JSON ({exc})"
+    else:
+        if isinstance(manifest, dict):
+            return manifest
+        problem = f"holds a JSON {type(manifest).__name__}, not an object"
+    raise UnreadableManifest(f"{path} {problem}: stages 1 and 2 write it; remove it and rerun them")
 
 
 def weights_provenance(model_dir) -> str:

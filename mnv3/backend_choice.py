@@ -31,6 +31,8 @@ DEFAULT_MIN_AGREEMENT = 0.99  # top-1 agreement with FP32 a variant needs to be 
 # What the choice minimises: a variant's batch-1 and per-image-at-batch-N times against FP32's, timed in
 # turns. Their geometric mean weighs a 2x gain at either end the same; the server runs both sizes.
 SPEED_COLUMNS = ("mean_ms_vs_onnx_fp32", "per_image_ms_vs_onnx_fp32")
+# What resolve_auto reads of a MANIFEST_KEY entry (manifest_entry writes them all).
+SERVED_KEYS = ("variant", "engine", "file", "precision", "streams", "for_model", "reason")
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,13 @@ def resolve_auto(model: Path) -> Choice:
     if not entry:
         return fallback(
             f"no engine choice in {model.parent}/manifest.json (stage 2, static_quantization.py, writes it)"
+        )
+    missing = [key for key in SERVED_KEYS if key not in entry] if isinstance(entry, dict) else list(SERVED_KEYS)
+    if missing:  # edited by hand, or written by another version: serve what works and say how to mend it
+        return fallback(
+            f"the engine choice in {model.parent}/manifest.json lacks {', '.join(missing)} (rerun stage 2, "
+            "static_quantization.py, to measure it again)",
+            True,
         )
     if model.name not in (entry["for_model"], entry["file"]):
         return fallback(f"stage 2 chose an engine for {entry['for_model']}, not {model.name}")

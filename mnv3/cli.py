@@ -2,8 +2,9 @@
 serves, the environment row, and the one-line error (exit code 2) for a mistake the user can fix.
 
 An entry point is `get_args_parser()` + `main(args)`, as in torchvision's references/classification;
-`main` fills the counts the user left unset from `defaults(args)` and makes one call into the package
-through `run_stage`.
+`main` runs the stage through `run_stage`, and the stage's steps (reading the last stage's artifacts, each
+measurement, writing its tables) are calls into the package, with the counts the user left unset from
+`defaults(args)`.
 """
 
 import argparse
@@ -24,6 +25,7 @@ from mnv3.artifacts import (
     STAND_IN_PROVENANCE,
     STATIC_INT8_ONNX,
     MissingArtifact,
+    UnreadableManifest,
     read_manifest,
     require,
     weights_provenance,
@@ -324,8 +326,8 @@ def add_load_test_args(
     parser.add_argument(
         "--batch-threads",
         type=positive_int,
-        help="server's OpenVINO threads for a batch of more than one image (default: server's, half of "
-        "--intra-op-threads)",
+        help="server's OpenVINO threads for a batch of more than one image (default: server's: what stage 2 "
+        "measured for this engine, else half of --intra-op-threads)",
     )
     parser.add_argument(
         "--preprocess-threads", type=positive_int, help="server's decode/preprocess threads (default: server's)"
@@ -419,7 +421,7 @@ def run_stage(run, args, user_errors: tuple = (), writes: tuple[str, ...] = ()):
         for name in writes:
             made += check_writable(getattr(args, name), f"--{name.replace('_', '-')}")
         return run(args)
-    except (MissingArtifact, ServerStartError, KeyRefused, UsageError, *user_errors) as exc:
+    except (MissingArtifact, UnreadableManifest, ServerStartError, KeyRefused, UsageError, *user_errors) as exc:
         remove_if_empty(made)
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)

@@ -162,7 +162,8 @@ class Engine:
         except ModelLoadError:
             raise
         except Exception as exc:  # both runtimes raise their own untyped errors for bad protobufs
-            raise ModelLoadError(f"{path} is not a loadable ONNX model: {_one_line(exc)}") from exc
+            kind = "OpenVINO IR" if path.suffix == OPENVINO_IR_SUFFIX else "ONNX model"
+            raise ModelLoadError(f"{path} is not a loadable {kind}: {_one_line(exc)}") from exc
         after = rss_bytes()
         _check_input(path, session.get_inputs(), max_batch_size, preprocessing.input_shape)
         if choice.requested == AUTO:  # once the model is known to load: a bad file's error stays one line
@@ -244,6 +245,8 @@ def open_session(
     OpenVINOSession)."""
     if backend == "onnxruntime":
         return make_session(path, intra_op_threads, inter_op_threads, allow_spinning=allow_spinning)
+    if backend != "openvino":
+        raise ValueError(f"no session for backend {backend!r}: one of {', '.join(BACKENDS)}")
     try:
         import openvino  # noqa: F401  (the optional dependency: imported only when this backend is chosen)
     except ImportError:

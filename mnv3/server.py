@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mnv3.api_docs import docs_router
+from mnv3.artifacts import UnreadableManifest
 from mnv3.auth import ApiKeyAuth, KeyFileError, exposure_warning, load_key_file, route_path
 from mnv3.batcher import ShuttingDown
 from mnv3.config import PROG, ModelSpec, ServerConfig, parse_args, unknown_variables
@@ -39,7 +40,6 @@ from mnv3.connections import BoundedHeadProtocol
 from mnv3.engine import Engine, ModelLoadError, Prediction
 from mnv3.errors import ACCESS_REFUSALS, ERROR_DOCS, ERRORS, body_for_path, error_response
 from mnv3.page import page_router
-from mnv3.serving import Classified as Classified  # what /predict answers with; its home before mnv3.serving
 from mnv3.serving import ServedModel, Serving, served_model, serving, unless_disconnected
 from mnv3.stats import stats_router
 from mnv3.uploads import CloseUnreadBody, read_upload
@@ -439,7 +439,7 @@ def main(argv=None) -> None:
     try:  # before serving: a busy port, a bad model or key file is a one-line error, exit 2
         check_can_listen(config.host, config.port)
         app = create_app(config, *load_engines(config))
-    except (CannotListen, ModelLoadError, KeyFileError) as exc:
+    except (CannotListen, ModelLoadError, KeyFileError, UnreadableManifest) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     # Here, not in create_app: uvicorn cancels a request only at shutdown, while Ray Serve's replicas, which

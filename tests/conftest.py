@@ -14,6 +14,8 @@ import requests
 import uvicorn
 from fastapi.testclient import TestClient
 
+from mnv3.artifacts import STATIC_INT8_ONNX
+from mnv3.backend_choice import manifest_entry
 from mnv3.config import ServerConfig
 from mnv3.engine import Engine
 from mnv3.preprocess import Decoding
@@ -28,6 +30,7 @@ def decoding_id(decoding: Decoding) -> str:
 
 
 WAIT_S = 30  # upper bound on any wait; a broken test fails instead of hanging
+REAL_WEIGHTS = "imagenet"  # any provenance but the stand-in's: stage 2's agreement guard applies
 
 
 def export_random_init(arch: str, directory):
@@ -217,6 +220,24 @@ class Gate:
         held = pool.submit(send, *args)
         assert self.entered.wait(WAIT_S), "the held request never reached the engine"
         return held
+
+
+def engine_choice_entry(
+    engine: str, file: str, precision: str = "f32", for_model: str = STATIC_INT8_ONNX, streams: int = 1
+) -> dict:
+    """A manifest's engine choice, as stage 2 writes it, of `file` on `engine` for `for_model`."""
+    row = {
+        "variant": f"{engine}_{file}",
+        "engine": engine,
+        "file": file,
+        "precision": precision,
+        "streams": streams,
+        "mean_ms_vs_onnx_fp32": 0.5,
+        "per_image_ms_vs_onnx_fp32": 0.4,
+        "batch_size": 32,
+        "top1_agreement": 1.0,
+    }
+    return manifest_entry(row, {}, for_model, 3, REAL_WEIGHTS, 0.99, 512, {"cpu": "test"})
 
 
 TIERS = ("unit", "integration", "e2e")

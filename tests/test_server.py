@@ -2,6 +2,7 @@
 
 import io
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -328,6 +329,16 @@ def test_corrupt_model_exits_2_with_one_line(tmp_path):
     assert result.stderr.strip().count("\n") == 0 and "not a loadable ONNX model" in result.stderr
 
 
+@pytest.mark.parametrize("text", ['{"weights": "random-init"', "[]"])
+def test_a_manifest_cut_short_or_not_a_record_exits_2_with_one_line(fp32_model_dir, tmp_path, text):
+    shutil.copy(fp32_model_dir / "fp32.onnx", tmp_path / "fp32.onnx")
+    (tmp_path / "manifest.json").write_text(text)  # was json's traceback
+    result = run_server("--model", str(tmp_path / "fp32.onnx"), "--port", "0")
+    assert result.returncode == 2 and result.stderr.strip().count("\n") == 0
+    assert f"error: {tmp_path}/manifest.json " in result.stderr
+    assert result.stderr.strip().endswith("stages 1 and 2 write it; remove it and rerun them")
+
+
 def test_a_pytorch_checkpoint_as_the_model_exits_2_saying_to_export_it(tmp_path):
     (tmp_path / "model_29.pth").write_bytes(b"PK\x03\x04 a zip, as torch.save writes")
     result = run_server("--model", str(tmp_path / "model_29.pth"), "--port", "0")
@@ -378,7 +389,7 @@ def test_a_cache_entry_costs_about_a_kilobyte():
 
     from mnv3.cache import ResultCache
     from mnv3.engine import Prediction
-    from mnv3.server import Classified
+    from mnv3.serving import Classified
 
     entries, labels = 500, [f"class name {i}" for i in range(5)]
 

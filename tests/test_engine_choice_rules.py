@@ -1,0 +1,92 @@
+"""The rules of `--backend auto` on their own, with no model loaded: which measured variant stage 2 chooses, what
+the agreement guard says, and what `resolve_auto` makes of the manifest beside a model. (test_backend_choice.py
+runs them with real engines.)"""
+
+import json
+
+import pytest
+
+from conftest import REAL_WEIGHTS, engine_choice_entry
+from mnv3.artifacts import FP32_ONNX, MANIFEST_JSON, STATIC_INT8_ONNX, update_manifest
+from mnv3.backend_choice import MANIFEST_KEY, SERVED_KEYS, choose, guard_note, resolve_auto
+
+pytestmark = pytest.mark.unit
+
+
+def timed(variant: str, batch_1: float, per_image: float, top1: float | None = None) -> dict:
+    """A row of stage 2's engine table: its times against ONNX FP32's and its top-1 agreement with FP32."""
+    return {
+        "variant": variant,
+        "mean_ms_vs_onnx_fp32": batch_1,
+        "per_image_ms_vs_onnx_fp32": per_image,
+        "top1_agreement": "" if top1 is None else top1,
+    }
+
+
+def test_the_choice_is_the_fastest_by_both_sizes_and_the_guard_refuses_only_when_it_applies():
+    rows = [
+        timed("onnxruntime_fp32", 1.0, 1.0),  # no agreement of its own: FP32 always qualifies
+        timed("fast_at_batch_1", 0.3, 0.9, top1=1.0),  # geometric mean 0.52
+        timed("fast_both", 0.5, 0.5, top1=1.0),  # 0.5: fastest over both sizes
+        timed("fastest_but_off", 0.2, 0.2, top1=0.98),
+    ]
+    assert choose(rows, 0.99, guard_applies=False) == (rows[3], {})
+    chosen, refused = choose(rows, 0.99, guard_applies=True)
+    assert chosen is rows[2]
+    assert refused == {"fastest_but_off": "top-1 agreement with FP32 0.9800 < 0.99"}
+    assert choose(rows, 0.98, guard_applies=True)[0] is rows[3]  # at the threshold it qualifies
+    everything_off = [timed("off", 0.5, 0.5, top1=0.5)]
+    with pytest.raises(ValueError, match="no variant"):
+        choose(everything_off, 0.99, guard_applies=True)
+
+
+def test_the_guard_note_names_its_photos_and_says_when_they_allow_no_disagreement():
+    assert guard_note(REAL_WEIGHTS, 0.99, 512).endswith(">= 0.99 on the 512 held-out photos")
+    few = guard_note(REAL_WEIGHTS, 0.99, 50)  # a user's 50 --labels photos: 0.98 is one photo
+    assert "on the 50 held-out photos; of 50, a single disagreement refuses a variant" in few
+    assert "single disagreement" in guard_note(REAL_WEIGHTS, 1.0, 512)
+    assert guard_note("random-init", 0.99, 16).startswith("not applied")
+
+
+@pytest.fixture
+def models(tmp_path):
+    """A folder with the two files stage 2 leaves (their contents are never read here)."""
+    for name in (FP32_ONNX, STATIC_INT8_ONNX):
+        (tmp_path / name).write_bytes(b"")
+    return tmp_path
+
+
+def test_auto_serves_the_choice_for_its_model_and_falls_back_otherwise(models):
+    no_manifest = resolve_auto(models / STATIC_INT8_ONNX)
+    assert (no_manifest.backend, no_manifest.fallback, no_manifest.unservable) == ("onnxruntime", True, False)
+    assert "no engine choice" in no_manifest.reason and "static_quantization.py" in no_manifest.reason
+
+    update_manifest(models, **{MANIFEST_KEY: engine_choice_entry("onnxruntime", STATIC_INT8_ONNX)})
+    chosen = resolve_auto(models / STATIC_INT8_ONNX)
+    assert (chosen.path, chosen.backend, chosen.fallback) == (models / STATIC_INT8_ONNX, "onnxruntime", False)
+    assert chosen.reason.startswith("fastest of 3 engine x precision variants")
+
+    other = resolve_auto(models / FP32_ONNX)  # nothing measured FP32 as the served file
+    assert (other.path, other.fallback, other.unservable) == (models / FP32_ONNX, True, False)
+    assert f"for {STATIC_INT8_ONNX}, not {FP32_ONNX}" in other.reason
+
+    update_manifest(models, **{MANIFEST_KEY: engine_choice_entry("openvino", "gone.xml")})
+    missing = resolve_auto(models / STATIC_INT8_ONNX)
+    assert (missing.backend, missing.unservable) == ("onnxruntime", True) and "gone.xml is missing" in missing.reason
+
+
+@pytest.mark.parametrize("lacks", SERVED_KEYS)
+def test_an_engine_choice_edited_by_hand_is_served_around_and_named(models, lacks):
+    entry = engine_choice_entry("onnxruntime", STATIC_INT8_ONNX)
+    del entry[lacks]
+    update_manifest(models, **{MANIFEST_KEY: entry})
+    choice = resolve_auto(models / STATIC_INT8_ONNX)  # was a KeyError's traceback at the server's start
+    assert (choice.path, choice.backend, choice.unservable) == (models / STATIC_INT8_ONNX, "onnxruntime", True)
+    assert f"manifest.json lacks {lacks} (rerun stage 2" in choice.reason
+
+
+def test_an_engine_choice_that_is_not_a_record_is_named(models):
+    manifest = models / MANIFEST_JSON
+    manifest.write_text(json.dumps({MANIFEST_KEY: "openvino"}))
+    choice = resolve_auto(models / STATIC_INT8_ONNX)
+    assert choice.unservable and f"lacks {', '.join(SERVED_KEYS)}" in choice.reason
