@@ -1,7 +1,8 @@
 # Two commands do all set-up on a fresh machine: `make run` (all five stages) and `make test`.
-# `make bench` regenerates every benchmark in results/ (stages, INT8 recipes, Ray Serve, soak) and
-# prints the performance goals against what it measured. `make test-fast` is the unit and integration
-# tiers without the slow tests (no Ray, no OpenVINO); `make lint` is ruff and mypy.
+# `make bench` regenerates every benchmark in results/ (stages, INT8 recipes, Ray Serve, the local Ray
+# cluster's loss, cache and autoscaling runs, soak) and prints the performance goals against what it
+# measured. `make test-fast` is the unit and integration tiers without the slow tests (no Ray, no
+# OpenVINO); `make lint` is ruff and mypy.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python

@@ -7,8 +7,9 @@ value out of bounds is a one-line error before any model is loaded, never a serv
 
 One server serves one model or several: `--model` may be repeated, each as `PATH`, `NAME=PATH`,
 `PATH@BACKEND` or `NAME=PATH@BACKEND` (`ModelSpec`); the first is the default model. `MNV3_MODEL`
-gives one. Every other setting applies to each model (each has its own batcher and cache of
-`--cache-size` entries).
+gives one. The batching and cache settings apply to each model (each has its own batcher and cache of
+`--cache-size` entries); the rest are the server's: one address, log, key file, `--max-in-flight` and
+decode pool (`--preprocess-threads`) for every model.
 """
 
 import argparse

@@ -2,9 +2,10 @@
 
 `OpenVINOSession` answers the few calls `Engine` makes of an onnxruntime session (`run`, `get_inputs`,
 `get_outputs`, `get_providers`), so the engine's validation, softmax and error handling are the same for
-both runtimes. Only this module imports openvino, and it is imported lazily, only where OpenVINO runs
-(an engine or a session with backend "openvino", stage 2's variants, profiles and peaks): onnxruntime
-stays the one hard dependency.
+both runtimes. This module imports openvino at its top, so it is itself imported lazily (by
+`engine.open_session` with backend "openvino"); the other modules that use openvino (stage 2's NNCF builds
+in openvino_int8, its profiles and peaks in profiling and silicon) import it inside the functions that
+need it: onnxruntime stays the one hard dependency.
 
 Batch sizes: every model is compiled for a static shape; a dynamic batch axis is not, as OpenVINO's CPU
 plugin runs a dynamic shape noticeably slower than a static one, most of all for INT8 files. A batch of

@@ -13,7 +13,7 @@ With `api_keys` (a key file, in the config file's `args:` or as --api-keys) ever
 as the plain server does (`mnv3.auth`); the file is read once when the application is built, so a bad
 one fails `serve run` at once, and each replica reads it again for its own rate-limit buckets.
 
-Ray is an optional dependency (requirements-ray.txt): nothing else in mnv3 imports this module.
+Ray is an optional dependency (requirements-ray.txt): only mnv3.ray_cluster, Ray's other module, imports this one.
 """
 
 import argparse
