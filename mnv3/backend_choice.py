@@ -56,15 +56,22 @@ class Choice:
         """Stage 2's name for this engine x file x precision, e.g. onnxruntime_static_int8, openvino_fp32_bf16."""
         return variant_name(self.backend, self.path.name, self.precision, self.streams)
 
-    def measured_batch_threads(self, intra_op_threads: int) -> int | None:
-        """OpenVINO's threads for a batch in a server under load, as stage 2 measured them for this choice
-        (mnv3.batch_threads), if it measured with `intra_op_threads` intra-op threads; else None."""
+    def batch_threads(self, intra_op_threads: int) -> int:
+        """OpenVINO's threads for a batch in a server under load: as stage 2 measured them for this choice
+        (mnv3.batch_threads), if it measured with `intra_op_threads` intra-op threads; else the default."""
         entry = self.manifest_entry or {}
-        return entry.get("batch_threads") if entry.get("threads") == intra_op_threads else None
+        measured = entry.get("batch_threads") if entry.get("threads") == intra_op_threads else None
+        return measured or default_batch_threads(intra_op_threads)
 
     def describe(self) -> dict:
         """For GET /model."""
         return asdict(self) | {"path": self.path.name}
+
+
+def default_batch_threads(intra_op_threads: int) -> int:
+    """A server's threads for a batch without stage 2's measurement: half, so the other half decode the next
+    images meanwhile (mnv3.batch_threads measures whether every thread does better)."""
+    return max(1, intra_op_threads // 2)
 
 
 def explicit(path: Path, backend: str, precision: str = "auto") -> Choice:

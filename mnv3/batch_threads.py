@@ -12,7 +12,7 @@ records the one that answered more requests in the manifest, which `--batch-thre
 from contextlib import ExitStack
 from pathlib import Path
 
-from mnv3.engine import default_batch_threads
+from mnv3.backend_choice import default_batch_threads
 from mnv3.latency import turn_order
 from mnv3.loadtest import LoadResult, PredictClient, ServerProcess, run_closed_loop, run_with_metrics, warm_up
 

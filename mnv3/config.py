@@ -24,7 +24,7 @@ from typing import Any, NoReturn, cast
 
 from mnv3.auth import GRAMMAR as KEY_FILE_GRAMMAR
 from mnv3.engine import BACKEND_CHOICES
-from mnv3.preprocess import DEFAULT_MAX_PIXELS, PILLOW_MAX_PIXELS, Decoding
+from mnv3.preprocess import DEFAULT_DECODING, DEFAULT_MAX_PIXELS, PILLOW_MAX_PIXELS, Decoding
 from mnv3.runtime import DEFAULT_INTER_OP_THREADS, DEFAULT_INTRA_OP_THREADS
 
 # Pillow's decode/resize and numpy's normalisation release the GIL, so two threads keep both cores
@@ -172,7 +172,7 @@ class ServerConfig:
     # four times the model's resize size (preprocess.jpeg_draft_reduction), and every other format, decodes
     # exactly as with 0.
     jpeg_draft: int = _option(
-        1,
+        int(DEFAULT_DECODING.jpeg_draft),
         "1 decodes large JPEGs at a reduced DCT scale (1/2-1/8) that still leaves twice the "
         "resize size; 0 always decodes in full",
         choices=(0, 1),
@@ -181,7 +181,7 @@ class ServerConfig:
     # the pixels the crop keeps, moving about one preprocessed value in a thousand by one grey level (README,
     # "Limits and errors"). With both this and --jpeg-draft at 0, preprocessing equals torchvision's.
     resize_crop_only: int = _option(
-        1,
+        int(DEFAULT_DECODING.resize_crop_only),
         "1 resizes only the part of the image the centre crop keeps; 0 resizes the whole image, then crops",
         choices=(0, 1),
     )

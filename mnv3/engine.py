@@ -56,12 +56,6 @@ class Prediction:
     probability: float
 
 
-def default_batch_threads(intra_op_threads: int) -> int:
-    """A server's threads for a batch without stage 2's measurement: half, so the other half decode the next
-    images meanwhile (mnv3.batch_threads measures whether every thread does better)."""
-    return max(1, intra_op_threads // 2)
-
-
 class Engine:
     def __init__(
         self,
@@ -131,7 +125,7 @@ class Engine:
         choice = resolve_auto(path) if backend == AUTO else explicit(path, backend)
         path, backend, precision = choice.path, choice.backend, choice.precision
         if batch_threads == 0:
-            batch_threads = choice.measured_batch_threads(intra_op_threads) or default_batch_threads(intra_op_threads)
+            batch_threads = choice.batch_threads(intra_op_threads)
         if path.suffix == OPENVINO_IR_SUFFIX and backend != "openvino":
             raise ModelLoadError(
                 f"{path} is an OpenVINO IR, which {backend} cannot read: serve it with openvino "

@@ -127,7 +127,10 @@ class ImageTooLarge(InvalidImage):
 
 
 def resize_and_crop(
-    image: Image.Image, size: int = RESIZE_SIZE, crop: int = CROP_SIZE, crop_only: bool = True
+    image: Image.Image,
+    size: int = RESIZE_SIZE,
+    crop: int = CROP_SIZE,
+    crop_only: bool = DEFAULT_DECODING.resize_crop_only,
 ) -> Image.Image:
     """Shorter side to `size`, then the centre `crop` x `crop`, as torchvision does.
 
@@ -156,7 +159,9 @@ def resize_and_crop(
 
 
 def preprocess(
-    image: Image.Image, preprocessing: Preprocessing = DEFAULT_PREPROCESSING, resize_crop_only: bool = True
+    image: Image.Image,
+    preprocessing: Preprocessing = DEFAULT_PREPROCESSING,
+    resize_crop_only: bool = DEFAULT_DECODING.resize_crop_only,
 ) -> np.ndarray:
     """PIL image -> float32 array of shape (3, crop, crop), ready to stack into an NCHW batch; resized as
     `resize_and_crop` does with `crop_only=resize_crop_only`."""
@@ -184,7 +189,10 @@ def jpeg_draft_reduction(width: int, height: int, resize_size: int = RESIZE_SIZE
 
 
 def decode_image(
-    data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS, jpeg_draft: bool = True, resize_size: int = RESIZE_SIZE
+    data: bytes,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+    jpeg_draft: bool = DEFAULT_DECODING.jpeg_draft,
+    resize_size: int = RESIZE_SIZE,
 ) -> Image.Image:
     """Decode untrusted bytes into an RGB PIL image, or raise InvalidImage with a clear reason.
 

@@ -74,13 +74,13 @@ class ServedModel:
         self.cache = ResultCache(
             config.cache_size, engine.model_id, leader_only_errors=(DeadlineExceeded, QueueFull, ClientDisconnect)
         )
-        self.preprocessing = 0  # this model's requests being decoded: its batcher's window waits only for these
+        self.being_decoded = 0  # this model's requests being decoded: its batcher's window waits only for these
         self.batcher = DynamicBatcher(
             self._run_batch,
             config.max_batch_size,
             config.batch_window_ms,
             config.queue_limit,
-            incoming=lambda: self.preprocessing,
+            incoming=lambda: self.being_decoded,
         )
         self.metrics = metrics.for_model(self.name, self.cache, self.batcher)
         self.warmed_up = False
@@ -99,7 +99,7 @@ class ServedModel:
     async def preprocessed(self, data: bytes, deadline: float) -> tuple[np.ndarray, float]:
         """The image decoded and preprocessed in the shared pool, and the seconds that took."""
         started = time.perf_counter()
-        self.preprocessing += 1  # only ever changed on the event loop, so no lock
+        self.being_decoded += 1  # only ever changed on the event loop, so no lock
         try:
             # Cancelling a decode that has not started yet removes it from the pool's queue.
             async with asyncio.timeout_at(deadline):
@@ -114,7 +114,7 @@ class ServedModel:
         except TimeoutError:
             raise DeadlineExceeded("deadline passed while waiting to decode the image") from None
         finally:
-            self.preprocessing -= 1
+            self.being_decoded -= 1
         preprocess_s = time.perf_counter() - started
         self.metrics.preprocess.observe(preprocess_s)
         return array, preprocess_s

@@ -5,7 +5,6 @@ from pathlib import Path
 import pytest
 
 from mnv3.config import ModelSpec, ServerConfig, flag, parse_args, unknown_variables
-from mnv3.engine import default_batch_threads
 
 pytestmark = pytest.mark.unit
 
@@ -67,10 +66,9 @@ def test_images_per_request_defaults_to_the_batch_size():
     assert ServerConfig(model="a.onnx", max_batch_size=16, max_request_images=4).images_per_request == 4
 
 
-@pytest.mark.parametrize(("intra_op_threads", "expected"), [(2, 1), (1, 1), (8, 4)])
-def test_batches_get_half_the_threads_without_a_measurement(intra_op_threads, expected):
-    assert ServerConfig(model="a.onnx", intra_op_threads=intra_op_threads).batch_threads == 0  # Engine.load's rule
-    assert default_batch_threads(intra_op_threads) == expected
+def test_batch_threads_are_left_to_the_engine_by_default():
+    # 0: Engine.load asks its Choice (stage 2's measurement, else half: test_engine_choice_rules.py)
+    assert ServerConfig(model="a.onnx", intra_op_threads=8).batch_threads == 0
 
 
 def test_batch_threads_flag_and_variable():

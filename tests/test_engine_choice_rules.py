@@ -3,12 +3,13 @@ the agreement guard says, and what `resolve_auto` makes of the manifest beside a
 runs them with real engines.)"""
 
 import json
+from pathlib import Path
 
 import pytest
 
 from conftest import REAL_WEIGHTS, engine_choice_entry
 from mnv3.artifacts import FP32_ONNX, MANIFEST_JSON, STATIC_INT8_ONNX, update_manifest
-from mnv3.backend_choice import MANIFEST_KEY, SERVED_KEYS, choose, guard_note, resolve_auto
+from mnv3.backend_choice import MANIFEST_KEY, SERVED_KEYS, Choice, choose, guard_note, resolve_auto
 
 pytestmark = pytest.mark.unit
 
@@ -90,3 +91,20 @@ def test_an_engine_choice_that_is_not_a_record_is_named(models):
     manifest.write_text(json.dumps({MANIFEST_KEY: "openvino"}))
     choice = resolve_auto(models / STATIC_INT8_ONNX)
     assert choice.unservable and f"lacks {', '.join(SERVED_KEYS)}" in choice.reason
+
+
+@pytest.mark.parametrize(
+    ("measured_on", "serving_on", "expected"),
+    [
+        (2, 2, 2),  # stage 2 measured every thread fastest for a server on 2 threads
+        (2, 8, 4),  # measured on 2, not for 8: half
+        (None, 1, 1),  # nothing measured, a single thread: at least 1
+        (None, 8, 4),
+    ],
+)
+def test_batches_get_the_threads_stage_2_measured_for_these_threads_else_half(measured_on, serving_on, expected):
+    entry = engine_choice_entry("openvino", STATIC_INT8_ONNX) | (
+        {} if measured_on is None else {"threads": measured_on, "batch_threads": measured_on}
+    )
+    choice = Choice(Path(STATIC_INT8_ONNX), "openvino", "f32", "auto", "test", manifest_entry=entry)
+    assert choice.batch_threads(serving_on) == expected
