@@ -30,7 +30,7 @@ from mnv3.artifacts import (
     require,
     weights_provenance,
 )
-from mnv3.config import ServerConfig
+from mnv3.config import ServerConfig, flag
 from mnv3.latency import Timing
 from mnv3.limit import BATCH_SIZES, CONFIRM_PASSES, THREAD_SPLITS
 from mnv3.loadtest import REQUEST_TIMEOUT_S, START_TIMEOUT_S, KeyRefused, ServerStartError
@@ -419,7 +419,7 @@ def run_stage(run, args, user_errors: tuple = (), writes: tuple[str, ...] = ()):
     made: list[Path] = []
     try:
         for name in writes:
-            made += check_writable(getattr(args, name), f"--{name.replace('_', '-')}")
+            made += check_writable(getattr(args, name), flag(name))
         return run(args)
     except (MissingArtifact, UnreadableManifest, ServerStartError, KeyRefused, UsageError, *user_errors) as exc:
         remove_if_empty(made)

@@ -42,7 +42,7 @@ import requests
 import uvloop
 from prometheus_client.parser import text_string_to_metric_families
 
-from mnv3.config import API_KEY_ENV
+from mnv3.config import API_KEY_ENV, flag
 from mnv3.latency import LatencyStats
 from mnv3.preprocess import DEFAULT_DECODING, Decoding
 from mnv3.progress import progress_bar
@@ -174,7 +174,7 @@ class ServerProcess:
         ]
         for name, value in (options | {"log_level": log_level}).items():
             if value is not None:
-                self.command += [f"--{name.replace('_', '-')}", str(value)]
+                self.command += [flag(name), str(value)]
         self.start_timeout_s = start_timeout_s
         self.process: subprocess.Popen | None = None
         self._log: IO[bytes] | None = None
