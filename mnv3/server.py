@@ -21,7 +21,6 @@ import socket
 import sys
 import time
 from contextlib import asynccontextmanager
-from dataclasses import replace
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -125,8 +124,8 @@ async def predict(
             )
     finally:
         model.metrics.request_latency.observe(time.perf_counter() - started)
-    if hit:  # this request ran nothing: report no batch and no stage times
-        result = replace(result, batch_size=0, queue_ms=0.0, preprocess_ms=0.0, inference_ms=0.0)
+    if hit:
+        result = result.as_cache_hit()
     # vars, not asdict: asdict deep-copies the predictions, and a cache hit has little else to do.
     return PredictResponse(model=model.engine.model_id, cache_hit=hit, **vars(result))
 

@@ -48,6 +48,11 @@ class Classified:
     preprocess_ms: float
     inference_ms: float
 
+    def as_cache_hit(self) -> "Classified":
+        """What a request answered from the cache reports: these predictions, and no batch and no stage
+        times, since it ran nothing."""
+        return replace(self, batch_size=0, queue_ms=0.0, preprocess_ms=0.0, inference_ms=0.0)
+
 
 @dataclass(frozen=True)
 class ModelMemory:
