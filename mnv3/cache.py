@@ -61,6 +61,8 @@ class ResultCache:
                 if not shared.cancelled() or asyncio.current_task().cancelling():  # type: ignore[union-attr]
                     raise  # this request itself was cancelled
                 continue  # the leader was cancelled, not us: try again, perhaps as leader
+            finally:
+                del shared  # the leader's exception, raised here, would hold this frame in a cycle (_lead)
             self.hits += 1
             return result, True
 
@@ -84,3 +86,8 @@ class ResultCache:
             return result
         finally:
             del self._in_flight[key]
+            # The future holds the exception, whose traceback holds this frame, which holds the future: a
+            # cycle only the garbage collector frees, and with it every frame the exception passed through,
+            # the request's body among their locals. Held until a collection, a failed upload's megabytes
+            # add up under a stream of them.
+            del future

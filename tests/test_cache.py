@@ -1,4 +1,6 @@
 import asyncio
+import gc
+import weakref
 
 import pytest
 
@@ -90,6 +92,41 @@ def test_leader_failure_reaches_followers_and_is_not_cached():
         assert await cache.get_or_compute(b"x", Computation("fixed")) == ("fixed", False)
 
     run(scenario())
+
+
+class Upload:
+    """What a request's frames hold (its body, a half-decoded image), as an object a weak reference can follow."""
+
+
+@pytest.mark.parametrize("requests", [1, 3], ids=["leader", "leader and followers"])
+def test_a_failed_computation_leaves_no_cycle_holding_the_request(requests):
+    # A failed upload's body sits in the frames its exception went through. Kept in a reference cycle, it stays
+    # until the garbage collector runs, which the server makes rare (server.settle_garbage_collector): a
+    # stream of bad 6 MB uploads grew a server by a gigabyte.
+    async def scenario():
+        cache = ResultCache(maxsize=8, model_id="m")
+        upload = Upload()
+        release = asyncio.Event()
+
+        async def compute(held_in_this_frame=upload):
+            await release.wait()
+            raise ValueError("corrupt or truncated image")
+
+        tasks = [asyncio.create_task(cache.get_or_compute(b"image", compute)) for _ in range(requests)]
+        await asyncio.sleep(0)
+        release.set()
+        outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+        assert all(isinstance(outcome, ValueError) for outcome in outcomes)
+        freed = weakref.ref(upload)
+        del upload, compute, tasks, outcomes
+        return freed
+
+    gc.disable()
+    try:
+        freed = run(scenario())
+        assert freed() is None, "the upload outlived its request: a cycle holds it until a collection"
+    finally:
+        gc.enable()
 
 
 def test_cancelled_leader_hands_over_to_a_follower():
