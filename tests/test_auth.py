@@ -449,6 +449,16 @@ def test_a_refused_photo_upload_keeps_its_connection_without_being_read(live_ser
         assert response.startswith(b"HTTP/1.1 401") and b"connection: close" in response.lower(), headers
 
 
+def test_a_refused_request_without_a_body_keeps_its_connection(live_server):
+    # A poller of /metrics with a wrong key was made to reconnect for every refusal.
+    port, _ = live_server
+    with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
+        for _ in range(2):
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            response = sock.recv(65536)
+            assert response.startswith(b"HTTP/1.1 401") and b"connection: close" not in response.lower(), response
+
+
 def test_a_key_in_the_url_does_not_reach_the_access_log(live_server, caplog):
     port, _ = live_server
     caplog.set_level(logging.INFO, logger="uvicorn.access")
