@@ -119,6 +119,18 @@ def required_scope(method: str, path: str) -> Scope:
     return Scope.ADMIN
 
 
+def meant_instead(method: str, path: str, held: Scope) -> str | None:
+    """For a request a key of scope `held` may not make: the request it may make that this one most likely
+    meant (another method on the same path, or the path without a trailing slash), if there is one. Under
+    default-deny `GET /predict` needs admin; an infer key's user is better told that /predict takes POST."""
+    candidates = [(other, path) for other in ("POST", "GET") if other != method]
+    if path != "/" and path.endswith("/"):
+        candidates.insert(0, (method, path.rstrip("/")))
+    return next(
+        (f"{other} {to}" for other, to in candidates if Scope.OPEN < required_scope(other, to) <= held), None
+    )
+
+
 # ----------------------------------------------------------------------------------------- rate limits
 
 
@@ -345,9 +357,11 @@ class ApiKeyAuth:
             scope_name = needed.name.lower()
             log.info("refused %s %s to key %s: it needs scope %s", scope["method"], scope["path"], key.name, scope_name)
             challenge = f'Bearer realm="mnv3", error="insufficient_scope", scope="{scope_name}"'
+            instead = meant_instead(scope["method"], route_path(scope), key.scope)
             return (
                 403,
-                f"this API key's scope does not include this path: it needs a key of scope {scope_name}",
+                f"this API key's scope does not include this path: it needs a key of scope {scope_name}"
+                + (f"; this key may make {instead}" if instead else ""),
                 [(b"www-authenticate", challenge.encode())],
             )
         wait_s = self.keys.wait_s(key)

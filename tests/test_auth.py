@@ -157,6 +157,25 @@ def test_each_path_needs_its_scope(client, method, path, needed):
     assert call(client, method, path, bearer(ADMIN_KEY)).status_code == 200  # admin includes infer
 
 
+@pytest.mark.parametrize(
+    "method, path, instead",
+    [
+        ("GET", "/predict", "POST /predict"),  # a wrong method on an infer path
+        ("POST", "/predict/", "POST /predict"),  # a trailing slash
+        ("POST", "/models", "GET /models"),
+        ("GET", "/metrics", None),  # admin's own: nothing else was meant
+    ],
+)
+def test_an_infer_key_refused_a_near_miss_is_told_what_it_may_make(client, method, path, instead):
+    # Default-deny answers GET /predict with "needs admin", which sent users off changing keys.
+    refused = call(client, method, path, bearer(INFER_KEY))
+    assert refused.status_code == 403 and "it needs a key of scope admin" in reason(refused)
+    if instead:
+        assert reason(refused).endswith(f"; this key may make {instead}")
+    else:
+        assert "this key may make" not in reason(refused)
+
+
 def reason(response) -> str:
     body = response.json()
     assert len(body) == 1
