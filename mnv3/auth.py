@@ -126,9 +126,7 @@ def meant_instead(method: str, path: str, held: Scope) -> str | None:
     candidates = [(other, path) for other in ("POST", "GET") if other != method]
     if path != "/" and path.endswith("/"):
         candidates.insert(0, (method, path.rstrip("/")))
-    return next(
-        (f"{other} {to}" for other, to in candidates if Scope.OPEN < required_scope(other, to) <= held), None
-    )
+    return next((f"{other} {to}" for other, to in candidates if Scope.OPEN < required_scope(other, to) <= held), None)
 
 
 # ----------------------------------------------------------------------------------------- rate limits

@@ -65,12 +65,12 @@ def declared_length(request: Request) -> int | None:
 def refusal_keeps_connection(request: Request, limit: int) -> bool:
     """Whether an answer sent before the request's body is read may leave the connection open.
 
-    Yes when the request has no body, or its body announces a length of at most `limit`: uvicorn then drops the rest of it as it
-    arrives (nothing is buffered) and reads the connection's next request. Closing the connection with the
-    body still on its way would reset it under a client still sending, and clients (aiohttp, requests)
-    report that reset instead of the answer. No for a body of unknown or larger length, which is not worth
-    receiving, or one the client waits to be invited to send (`Expect: 100-continue`): it may never come,
-    and its next request would be read as that body."""
+    Yes when the request has no body, or its body announces a length of at most `limit`: uvicorn then drops
+    the rest of it as it arrives (nothing is buffered) and reads the connection's next request. Closing the
+    connection with the body still on its way would reset it under a client still sending, and clients
+    (aiohttp, requests) report that reset instead of the answer. No for a body of unknown or larger length,
+    which is not worth receiving, or one the client waits to be invited to send (`Expect: 100-continue`): it
+    may never come, and its next request would be read as that body."""
     if "transfer-encoding" not in request.headers and "content-length" not in request.headers:
         return True  # no body at all (RFC 9112, 6.3): a refused GET keeps its connection
     declared = declared_length(request)
