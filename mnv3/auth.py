@@ -156,9 +156,10 @@ class TokenBucket:
 class RateLimit:
     rate_per_s: float
     burst: int
+    rate: str  # as the key file writes it (30/min), for messages
 
     def __str__(self):
-        return f"{self.rate_per_s:g}/s, burst {self.burst}"
+        return f"{self.rate}, burst {self.burst}"
 
 
 # ------------------------------------------------------------------------------------------------ keys
@@ -279,12 +280,12 @@ def _options(options: list[str], error) -> tuple[str | None, RateLimit | None]:
         if not given["burst"].isdigit() or int(given["burst"]) < 1:
             raise error(f"burst={given['burst']} is not a whole number of requests of at least 1, e.g. burst=100")
         if rate is None:
-            raise error("burst= without rate=: add rate=N/s (the burst is how far above the rate a key may go)")
+            raise error("burst= without rate=: add rate=N/s (the burst is how many requests a key may make at once)")
         burst = int(given["burst"])
     if "name" in given and not NAME.fullmatch(given["name"]):
         raise error("name= takes 1 to 64 letters, digits, '.', '_' or '-', e.g. name=ci-bot")
     # Without burst=, a key may spend one second's worth of its rate at once (at least one request).
-    limit = RateLimit(rate, burst or max(1, math.ceil(rate))) if rate else None
+    limit = RateLimit(rate, burst or max(1, math.ceil(rate)), given["rate"]) if rate else None
     return given.get("name"), limit
 
 
@@ -461,7 +462,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--scope", choices=tuple(KEY_SCOPES), default="infer", help="what the key may do")
     parser.add_argument("--rate", help="requests the key may make, N/s or N/min (default: unlimited)")
-    parser.add_argument("--burst", help="how many requests above --rate at once (default: one second's worth)")
+    parser.add_argument(
+        "--burst", help="the most requests the key may make at once (default: one second's worth of --rate, at least 1)"
+    )
     parser.add_argument("--name", help="what logs and metrics call the key (default: its line number)")
     return parser
 

@@ -231,7 +231,7 @@ def test_rate_limit_hit_then_recovered(client, clock):
     assert [client.post("/predict", headers=limited).status_code for _ in range(2)] == [200, 200]
     refused = client.post("/predict", headers=limited)
     assert refused.status_code == 429 and refused.headers["retry-after"] == "2"
-    assert "rate limit of 0.5/s, burst 2" in reason(refused)
+    assert "rate limit of 30/min, burst 2" in reason(refused)  # the rate as the key file has it
     assert client.post("/predict", headers=bearer(INFER_KEY)).status_code == 200  # other keys are not limited
 
     clock.now += 1.5  # 0.75 of a token: the wait, 0.5 s, rounds up to 1
