@@ -66,7 +66,9 @@ MIN_KEY_CHARS = 16  # secrets.token_urlsafe(32) gives 43; anything this short is
 MAX_KEY_CHARS = 512
 KEY_HEADER = b"x-api-key"
 # Query parameters that clients and other servers use for keys: a request carrying one is refused.
-QUERY_KEY_NAMES = frozenset({"api_key", "apikey", "api-key", "key", "token", "access_token", "x-api-key"})
+QUERY_KEY_NAMES = frozenset(
+    {"api_key", "apikey", "api-key", "key", "token", "access_token", "x-api-key", "auth", "authorization", "bearer"}
+)
 RATE_UNITS_S = {"s": 1.0, "min": 60.0}
 PLAIN_KEY = re.compile(r"[\x21-\x7e]+")  # what an HTTP header value can carry without quoting or spaces
 HEX_DIGEST = re.compile(r"[0-9a-fA-F]{64}")

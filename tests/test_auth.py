@@ -214,7 +214,9 @@ def test_a_wrong_key_is_a_401_with_its_reason(client, headers, why):
     assert "connection" not in response.headers  # a body of announced small length: uvicorn drops it
 
 
-@pytest.mark.parametrize("query", ["api_key", "key", "token", "access_token", "API_KEY"])
+@pytest.mark.parametrize(
+    "query", ["api_key", "key", "token", "access_token", "API_KEY", "auth", "Authorization", "bearer"]
+)
 def test_a_key_in_the_query_string_is_refused_even_a_valid_one(client, query):
     for path in ("/predict", "/healthz"):
         response = (
