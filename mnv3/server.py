@@ -94,6 +94,7 @@ UPLOAD_BODY = {
                 }
             },
             "image/*": {"schema": {"type": "string", "format": "binary"}},
+            "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
         },
     }
 }
@@ -106,7 +107,7 @@ predict_router = APIRouter(tags=["predict"])
     response_model=PredictResponse,
     responses=ERROR_DOCS,
     openapi_extra=UPLOAD_BODY,
-    summary="Classify one image (multipart field 'file', or a raw image/* body) with the "
+    summary="Classify one image (multipart field 'file', or a raw image/* or octet-stream body) with the "
     "default model, or the one ?model= names",
 )
 async def predict(

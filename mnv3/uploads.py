@@ -1,7 +1,7 @@
 """Reading an uploaded image from a request: bounded in size and in time, streamed.
 
-`read_upload` returns the bytes of a multipart field 'file' or of a raw image/* body, `read_body` a whole
-body of any type (the Open Inference Protocol's JSON or binary requests). Either never holds
+`read_upload` returns the bytes of a multipart field 'file' or of a raw image/* (or octet-stream) body,
+`read_body` a whole body of any type (the Open Inference Protocol's JSON or binary requests). Either never holds
 more than `limit` bytes of a body (a Content-Length over it is refused before reading; a chunked or
 lying one is cut off as it arrives) and never waits past `timeout_s` for them, so one slow or huge
 client cannot hold memory or an admission slot for long. Every refusal is a `BadUpload` subclass from
@@ -16,6 +16,7 @@ thread pool, and hold every other field too, none of which an image upload needs
 """
 
 import asyncio
+import re
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from typing import TYPE_CHECKING
 
@@ -33,8 +34,8 @@ if TYPE_CHECKING:
 
 
 async def read_upload(request: Request, limit: int, timeout_s: float) -> bytes:
-    """The image bytes of a multipart 'file' field or a raw image/* body, never reading past `limit` bytes
-    nor waiting past `timeout_s` for them: a stalled client would otherwise hold its slot forever."""
+    """The image bytes of a multipart 'file' field or a raw image/* or octet-stream body, never reading past
+    `limit` bytes nor waiting past `timeout_s` for them: a stalled client would otherwise hold its slot forever."""
     return await _within(timeout_s, _read_upload(request, limit))
 
 
@@ -120,15 +121,28 @@ def _check_declared_length(request: Request, limit: int) -> None:
         raise BodyTooLarge(f"body of {declared} bytes is over the limit of {limit}")
 
 
+def is_image_type(media_type: bytes | str) -> bool:
+    """A raw body or a multipart part of this media type is taken as image bytes: image/*, or the generic
+    application/octet-stream many upload libraries send (the decoder tells the format from the bytes)."""
+    media_type = (media_type.decode("latin-1") if isinstance(media_type, bytes) else media_type).strip().lower()
+    return media_type.startswith("image/") or media_type == "application/octet-stream"
+
+
 async def _read_upload(request: Request, limit: int) -> bytes:
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding != "identity":  # the body would reach the decoder still compressed, and fail as "not an image"
+        raise UnsupportedMediaType(
+            f"Content-Encoding {encoding!r} not accepted: send the image's bytes as they are (JPEG, PNG and WebP "
+            "are compressed already)"
+        )
     content_type = request.headers.get("content-type", "")
     media_type = content_type.partition(";")[0].strip().lower()
-    if media_type != "multipart/form-data" and not media_type.startswith("image/"):
+    if media_type != "multipart/form-data" and not is_image_type(media_type):
         raise UnsupportedMediaType(
             f"content type {content_type or '(none)'!r} not accepted: send multipart/form-data "
-            "with the image in field 'file', or the raw image with an image/* content type"
+            "with the image in field 'file', or the raw image as image/* or application/octet-stream"
         )
-    if media_type.startswith("image/"):
+    if media_type != "multipart/form-data":
         return await _read_body(request, limit)
     _check_declared_length(request, limit)
     _, params = parse_options_header(content_type)
@@ -152,12 +166,17 @@ async def _read_upload(request: Request, limit: int) -> bytes:
         raise BadUpload("malformed multipart body: it ends before its closing boundary")
     if form.file is None and "file" in form.names:
         raise BadUpload(
-            "multipart field 'file' came as a text field (no filename in its Content-Disposition): send the image "
-            "as a file, e.g. curl -F file=@photo.jpg"
+            "multipart field 'file' came as a text field (no filename in its Content-Disposition, no image/* "
+            "Content-Type): send the image as a file, e.g. curl -F file=@photo.jpg, or in Python requests "
+            "files={'file': ('photo.jpg', data)}"
         )
     if form.file is None:
         raise BadUpload(f"expected the image as multipart file field 'file'; got fields {sorted(form.names)}")
     return form.file
+
+
+# RFC 5987's extended filename parameter in a Content-Disposition: filename*=UTF-8''%D1%84.jpg
+EXTENDED_FILENAME = re.compile(rb";\s*filename\*\s*=", re.IGNORECASE)
 
 
 class _ImageForm:
@@ -171,7 +190,7 @@ class _ImageForm:
         self.files = 0
         self.file: bytes | None = None
         self.complete = False  # the closing boundary was read
-        self._header_name = self._header_value = self._disposition = b""
+        self._header_name = self._header_value = self._disposition = self._part_type = b""
         self._keeping: list[bytes] | None = None  # the 'file' part's chunks while it is read
 
     def callbacks(self) -> "MultipartCallbacks":
@@ -195,16 +214,22 @@ class _ImageForm:
     def on_header_end(self) -> None:
         if self._header_name.lower() == b"content-disposition":
             self._disposition = self._header_value
+        elif self._header_name.lower() == b"content-type":
+            self._part_type = self._header_value.partition(b";")[0]
         self._header_name = self._header_value = b""
 
     def on_headers_finished(self) -> None:
         _, options = parse_options_header(self._disposition)
-        self._disposition = b""
+        named_file = b"filename" in options or EXTENDED_FILENAME.search(self._disposition) is not None
+        part_type, self._disposition, self._part_type = self._part_type, b"", b""
         if b"name" not in options:
             raise BadUpload("malformed multipart body: a part's Content-Disposition has no name")
         name = options[b"name"].decode("utf-8", "replace")
         self.names.append(name)
-        if b"filename" in options:  # a file part, as a browser or an HTTP client sends a file
+        # A file part, as a browser or an HTTP client sends a file: with a filename (or only its RFC 5987
+        # form, filename*=UTF-8''..., which parse_options_header drops), or without one but typed as image
+        # bytes, as some clients send bytes.
+        if named_file or is_image_type(part_type):
             self.files += 1
             if self.files > 1:
                 raise BadUpload("more than one file in the multipart body: send one image, in field 'file'")

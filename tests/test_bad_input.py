@@ -10,6 +10,7 @@ and JPEG scan data that libjpeg can conceal (garbage in, garbage out, as in any 
 """
 
 import asyncio
+import gzip
 import io
 import socket
 import struct
@@ -220,6 +221,13 @@ REFUSED = {
     "missing content type": (lambda c, j: post_raw(c, j, None), 415, "content type"),
     "wrong content type": (lambda c, j: post_raw(c, j, "text/plain"), 415, "content type"),
     "json content type": (lambda c, j: c.post("/predict", json={"file": "aGVsbG8="}), 415, "content type"),
+    "gzip content encoding": (  # was 400 'not a recognised image format', blaming the image
+        lambda c, j: c.post(
+            "/predict", content=gzip.compress(j), headers={"Content-Type": "image/jpeg", "Content-Encoding": "gzip"}
+        ),
+        415,
+        "Content-Encoding 'gzip' not accepted: send the image's bytes as they are",
+    ),
     "body over the limit": (lambda c, j: post_raw(c, bytes(UPLOAD_LIMIT + 1)), 413, "over the limit"),
     "chunked body over the limit": (
         lambda c, j: post_raw(c, iter([bytes(UPLOAD_LIMIT // 2)] * 3)),
@@ -292,6 +300,21 @@ def test_odd_filename_and_query_string_are_ignored(client, jpeg):
     assert same_predictions(predictions(post_multipart(client, non_utf8_name)), expected)
     junk = "/predict?x=%ZZ&&=&a[]=1;drop%00table&" + "q" * 2000
     assert same_predictions(predictions(client.post(junk, files={"file": ("a.jpg", jpeg, "image/jpeg")})), expected)
+
+
+def test_an_image_arrives_as_upload_libraries_send_one(client, jpeg):
+    # Mobile and S3-style clients send raw bytes as application/octet-stream; some send a file part typed as an
+    # image but with no filename, or with only RFC 5987's filename*.
+    expected = predictions(post_file(client, jpeg))
+    assert same_predictions(predictions(post_raw(client, jpeg, "application/octet-stream")), expected)
+    typed_part = multipart([("file", None, jpeg)]).replace(
+        b'name="file"\r\n', b'name="file"\r\nContent-Type: image/jpeg\r\n'
+    )
+    assert same_predictions(predictions(post_multipart(client, typed_part)), expected)
+    extended_name = multipart([("file", None, jpeg)]).replace(
+        b'name="file"', b"name=\"file\"; filename*=UTF-8''%D1%84.jpg"
+    )
+    assert same_predictions(predictions(post_multipart(client, extended_name)), expected)
 
 
 def test_text_fields_beside_the_multipart_file_are_ignored(client, jpeg):
