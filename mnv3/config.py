@@ -191,6 +191,14 @@ class ServerConfig:
     shutdown_timeout_s: float = _option(
         30.0, "on SIGTERM, how long in-flight requests may take before they are cancelled", minimum=0
     )
+    # uvicorn's own default. A load balancer that keeps connections open longer (AWS ALB: 60 s idle) can send
+    # a request down one the server is closing just then, and answers its client 502.
+    keep_alive_s: float = _option(
+        5.0,
+        "seconds an idle kept-alive connection stays open for the client's next request; behind a load "
+        "balancer that reuses connections, set it above the balancer's idle timeout",
+        minimum=0.001,
+    )
     top_k: int = _option(5, "predictions per response", minimum=1)
     max_request_images: int = _option(0, "images in one /v2 infer request (400 above); 0: --max-batch-size", minimum=0)
     log_level: str = _option(

@@ -459,6 +459,7 @@ def main(argv=None) -> None:
         log_level=config.log_level,
         # typed int, but uvicorn waits with asyncio.wait_for, which takes a float
         timeout_graceful_shutdown=config.shutdown_timeout_s,  # type: ignore[arg-type]
+        timeout_keep_alive=config.keep_alive_s,  # type: ignore[arg-type]
     )
 
 

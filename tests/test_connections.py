@@ -11,6 +11,7 @@ from fastapi import FastAPI
 
 from conftest import WAIT_S, uvicorn_in_thread
 from mnv3 import connections
+from mnv3.loadtest import ServerProcess
 from mnv3.server import HeadAsGet
 
 pytestmark = pytest.mark.integration
@@ -107,3 +108,16 @@ def test_the_rest_of_a_body_answered_before_it_arrived_cannot_be_trickled_for_go
         except (BrokenPipeError, ConnectionResetError):
             pass
         assert answer(sock) == b"" and time.monotonic() - start < 3
+
+
+def test_keep_alive_s_sets_how_long_an_idle_connection_stays_open(fp32_model_path):
+    # Behind a load balancer that keeps idle connections longer than the server, a request sent as the server
+    # closes one gets its client a 502: --keep-alive-s lets an operator set it above the balancer's.
+    with ServerProcess(fp32_model_path, keep_alive_s=0.5) as url:
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+            idle_from = time.monotonic()
+            assert sock.recv(1) == b""  # closed by the server, idle
+            assert 0.4 < time.monotonic() - idle_from < 4  # not uvicorn's 5 s
