@@ -40,6 +40,7 @@ PROG = "python -m mnv3.server"  # how its errors begin, from argparse or from lo
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 # What follows a model file's '@' when it was meant as a backend: a word, no file suffix or folder.
 BACKEND_LIKE = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
+ORIGIN = re.compile(r"https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?")  # what a browser sends in Origin: no path
 
 
 def flag(name: str) -> str:
@@ -209,6 +210,11 @@ class ServerConfig:
         f"key file (one '{KEY_FILE_GRAMMAR}' a line; python -m mnv3.auth makes one): every path but the "
         "probes, the page and the docs then needs a key; empty: no keys",
     )
+    cors_origins: str = _option(
+        "",
+        "origins whose web pages may call the API from a browser (comma-separated, e.g. "
+        "https://app.example.com, or * for any); empty: only pages the server serves itself",
+    )
 
     def __post_init__(self):
         for f in fields(self):
@@ -223,12 +229,22 @@ class ServerConfig:
             choices = f.metadata.get("choices")
             if choices is not None and value not in choices:
                 raise SettingError(f.name, f"must be one of {', '.join(map(str, choices))}, got {value!r}")
+        for origin in self.cors_origin_list:
+            if origin != "*" and not ORIGIN.fullmatch(origin):
+                raise SettingError(
+                    "cors_origins",
+                    f"{origin!r} is not an origin: write scheme://host[:port], e.g. https://app.example.com",
+                )
         names = set()
         for spec in self.models:
             spec.check()
             if spec.name in names:
                 raise ValueError(f"two models are named {spec.name!r}: name each --model with NAME=PATH")
             names.add(spec.name)
+
+    @property
+    def cors_origin_list(self) -> list[str]:
+        return [origin.strip().rstrip("/") for origin in self.cors_origins.split(",") if origin.strip()]
 
     @property
     def models(self) -> tuple[ModelSpec, ...]:

@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mnv3.api_docs import docs_router
@@ -329,6 +330,17 @@ def create_app(config: ServerConfig, *engines: Engine) -> FastAPI:
             ApiKeyAuth,
             keys=load_key_file(config.api_keys),
             on_refusal=lambda status: app.state.serving.metrics.rejections.labels(ACCESS_REFUSALS[status]).inc(),
+        )
+    if config.cors_origins:
+        # Outside access control: a browser's preflight (OPTIONS) carries no key, and its answer is all that
+        # lets the page send the real request, key and all. Only the listed pages' scripts may read answers.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=config.cors_origin_list,
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "X-API-Key", "Content-Type"],
+            expose_headers=["Retry-After"],  # for the page's own backing off after a 503 or 429
+            max_age=600,
         )
     return app
 

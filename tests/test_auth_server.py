@@ -12,7 +12,7 @@ import tritonclient.http as triton
 from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
-from conftest import WAIT_S, upload
+from conftest import WAIT_S, serving_client, upload
 from mnv3 import server
 from mnv3.auth import KeyFileError, Scope, required_scope
 from mnv3.config import ServerConfig
@@ -205,3 +205,44 @@ def test_access_refusals_are_counted_by_reason(protected):
     }
     stats = requests.get(url + "/stats", headers=bearer(ADMIN_KEY), timeout=WAIT_S).json()
     assert stats["rejected"]["no_valid_key"] >= 2
+
+
+PAGE = "https://app.example.com"
+
+
+def preflight(client, origin: str = PAGE):
+    return client.options(
+        "/predict",
+        headers={
+            "Origin": origin,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization",
+        },
+    )
+
+
+def test_a_listed_origins_page_may_call_a_protected_server_and_no_other(fp32_model_path, key_file):
+    # A browser app on another origin needs the preflight answered, with no key (browsers send none with it),
+    # and its answers marked as readable, or it cannot send the key or read the predictions.
+    with serving_client(fp32_model_path, api_keys=str(key_file), cors_origins=f"{PAGE}, http://localhost:3000") as c:
+        allowed = preflight(c)
+        assert allowed.status_code == 200
+        assert allowed.headers["access-control-allow-origin"] == PAGE
+        assert "authorization" in allowed.headers["access-control-allow-headers"].lower()
+        photo = load_images(1, seed=6)[0]
+        answer = c.post(
+            "/predict", content=photo, headers={"Content-Type": "image/jpeg", "Origin": PAGE, **bearer(INFER_KEY)}
+        )
+        assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == PAGE
+        refused = c.post("/predict", content=photo, headers={"Content-Type": "image/jpeg", "Origin": PAGE})
+        assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == PAGE  # readable
+        other = preflight(c, "https://elsewhere.example.com")
+        assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+    with serving_client(fp32_model_path) as c:  # the default: no page but the server's own
+        assert "access-control-allow-origin" not in preflight(c).headers
+
+
+@pytest.mark.parametrize("origins", ["app.example.com", "https://app.example.com/page", "ftp://x"])
+def test_an_origin_that_is_not_one_is_refused_at_start_up(origins):
+    with pytest.raises(ValueError, match="is not an origin: write scheme://host"):
+        ServerConfig(model="a.onnx", cors_origins=origins)
