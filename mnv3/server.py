@@ -71,7 +71,11 @@ def load_engines(config: ServerConfig) -> list[Engine]:
 
 
 class PredictResponse(BaseModel):
-    model: str = Field(description="model file name and the first 12 hex digits of its sha256")
+    model: str = Field(
+        description="the file that answered and the first 12 hex digits of its sha256 (under --backend auto, the "
+        "build stage 2 chose, which may not be the file the server was given)"
+    )
+    name: str = Field(description="the served model's name: what ?model= picks and GET /models lists")
     predictions: list[Prediction] = Field(description="top-k classes, most probable first")
     cache_hit: bool = Field(
         description="answered without running inference for this request: from the cache, "
@@ -129,7 +133,7 @@ async def predict(
     if hit:
         result = result.as_cache_hit()
     # vars, not asdict: asdict deep-copies the predictions, and a cache hit has little else to do.
-    return PredictResponse(model=model.engine.model_id, cache_hit=hit, **vars(result))
+    return PredictResponse(model=model.engine.model_id, name=model.name, cache_hit=hit, **vars(result))
 
 
 class Status(BaseModel):

@@ -57,6 +57,7 @@ def test_predict_multipart_and_raw_body(client, images, fp32_model_dir):
     assert multipart.status_code == 200, multipart.text
     body = multipart.json()
     assert body["model"].startswith("fp32.onnx:") and len(body["model"].split(":")[1]) == 12
+    assert body["name"] == "fp32"  # the file's stem, without NAME= (GET /models lists it)
     assert len(body["predictions"]) == 5
     assert [p["label"] for p in body["predictions"]] == [names[p["class_id"]] for p in body["predictions"]]
     probabilities = [p["probability"] for p in body["predictions"]]

@@ -88,6 +88,7 @@ def assert_same_as_predict(url: str, model: str, photos: list[bytes], probabilit
     for photo, row in zip(photos, probabilities, strict=True):
         response = predict(url, photo, model)
         assert response.status_code == 200, response.text
+        assert response.json()["name"] == model  # which served model answered, as /v2's model_name says
         top = response.json()["predictions"]
         assert [p["class_id"] for p in top] == list(np.argsort(row, kind="stable")[::-1][: len(top)])
         np.testing.assert_allclose(
