@@ -377,6 +377,34 @@ class ApiKeyAuth:
         return None
 
 
+KEY_REFUSALS = {  # answered in front of the app, in the error shape of the path (mnv3.errors)
+    401: "no API key, or not a valid one (WWW-Authenticate: Bearer)",
+    403: "the key's scope does not include this operation",
+    429: "the key is over its rate limit (Retry-After)",
+}
+SECURITY_SCHEMES = {
+    "bearer": {"type": "http", "scheme": "bearer", "description": "Authorization: Bearer KEY"},
+    "x_api_key": {"type": "apiKey", "in": "header", "name": "X-API-Key"},
+}
+
+
+def document_keys(schema: dict) -> dict:
+    """`schema` (an OpenAPI document) saying which operations need a key and of what scope, by the RULES the
+    middleware applies: Swagger UI's Authorize button then sends the key with "Try it out"."""
+    schema.setdefault("components", {})["securitySchemes"] = SECURITY_SCHEMES
+    for path, operations in schema["paths"].items():
+        for method, operation in operations.items():
+            needed = required_scope(method.upper(), path)
+            if needed is not Scope.OPEN:
+                operation["security"] = [{name: []} for name in SECURITY_SCHEMES]
+                operation["description"] = (
+                    operation.get("description", "") + f"\n\nNeeds an API key of scope {needed.name.lower()}."
+                ).strip()
+                for status, why in KEY_REFUSALS.items():
+                    operation.setdefault("responses", {}).setdefault(str(status), {"description": why})
+    return schema
+
+
 def route_path(scope) -> str:
     """The path the app routes on: without the root_path a proxy mounted the app under (as Starlette does)."""
     path, root = scope["path"], scope.get("root_path", "")

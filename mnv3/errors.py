@@ -51,13 +51,22 @@ class Busy(QueueFull):
 
 # exception -> (HTTP status, mnv3_rejections_total reason or None, what it means for the API docs)
 ERRORS: dict[type[Exception], tuple[int, str | None, str]] = {
-    BadUpload: (400, "bad_input", "no multipart field 'file', or a malformed multipart body"),
+    BadUpload: (
+        400,
+        "bad_input",
+        "no multipart field 'file' (or it came as a text field), more than one file or more than 16 other "
+        "fields, or a malformed multipart body",
+    ),
     InvalidImage: (400, "bad_input", "empty body, not an image, or a corrupt/truncated image"),
     SlowUpload: (408, "slow_upload", "the body did not arrive within --body-timeout-s"),
     BodyTooLarge: (413, "too_large", "body over --max-upload-bytes (refused by its Content-Length before reading)"),
     ImageTooLarge: (413, "too_large", "image over --max-pixels, or a decompression bomb"),
     UnknownModel: (404, "unknown_model", "no model of that name is served (the message lists them)"),
-    UnsupportedMediaType: (415, "bad_input", "content type is neither multipart/form-data nor image/*"),
+    UnsupportedMediaType: (
+        415,
+        "bad_input",
+        "content type is neither multipart/form-data, image/* nor application/octet-stream, or a Content-Encoding",
+    ),
     InferenceError: (500, None, "inference failed for the batch this request ran in"),
     QueueFull: (503, "queue_full", "--queue-limit requests already wait for inference"),
     Busy: (503, "busy", "--max-in-flight requests already admitted (refused before reading the body)"),

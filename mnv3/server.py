@@ -33,7 +33,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mnv3.api_docs import docs_router
 from mnv3.artifacts import UnreadableManifest
-from mnv3.auth import ApiKeyAuth, KeyFileError, exposure_warning, load_key_file, route_path
+from mnv3.auth import ApiKeyAuth, KeyFileError, document_keys, exposure_warning, load_key_file, route_path
 from mnv3.batcher import ShuttingDown
 from mnv3.config import PROG, ModelSpec, ServerConfig, parse_args, unknown_variables
 from mnv3.connections import BoundedHeadProtocol
@@ -335,6 +335,8 @@ def create_app(config: ServerConfig, *engines: Engine) -> FastAPI:
             keys=load_key_file(config.api_keys),
             on_refusal=lambda status: app.state.serving.metrics.rejections.labels(ACCESS_REFUSALS[status]).inc(),
         )
+    if config.api_keys:
+        app.openapi_schema = document_keys(app.openapi())  # what the docs serve from now on
     if config.cors_origins:
         # Outside access control: a browser's preflight (OPTIONS) carries no key, and its answer is all that
         # lets the page send the real request, key and all. Only the listed pages' scripts may read answers.

@@ -246,3 +246,17 @@ def test_a_listed_origins_page_may_call_a_protected_server_and_no_other(fp32_mod
 def test_an_origin_that_is_not_one_is_refused_at_start_up(origins):
     with pytest.raises(ValueError, match="is not an origin: write scheme://host"):
         ServerConfig(model="a.onnx", cors_origins=origins)
+
+
+def test_the_api_description_says_which_operations_need_a_key(key_file):
+    # Swagger UI's Authorize button, and generated clients, need the schemes; each operation says its scope.
+    document = create_app(ServerConfig(model="unused.onnx", api_keys=str(key_file))).openapi()
+    assert set(document["components"]["securitySchemes"]) == {"bearer", "x_api_key"}
+    paths = document["paths"]
+    assert paths["/predict"]["post"]["security"] == [{"bearer": []}, {"x_api_key": []}]
+    assert paths["/predict"]["post"]["description"].endswith("Needs an API key of scope infer.")
+    assert paths["/metrics"]["get"]["description"].endswith("Needs an API key of scope admin.")
+    assert "security" not in paths["/healthz"]["get"]
+    assert {"401", "403", "429"} <= set(paths["/v2/models/{name}/infer"]["post"]["responses"])
+    unprotected = create_app(ServerConfig(model="unused.onnx")).openapi()
+    assert "securitySchemes" not in unprotected.get("components", {})
