@@ -5,7 +5,8 @@ A subclass not in the table answers as its nearest listed base. `ERROR_DOCS` is 
 FastAPI `responses=`, so the OpenAPI document cannot drift from what the server answers.
 `error_response` builds the answer; the body's shape is a small function of the message, so a router
 with another error convention reuses the table as it is.
-A 503 carries Retry-After; a 408 or 413 closes the connection (the rest of the body is unread and unwanted),
+A 503 carries Retry-After; a body too slow (408) or too large (413) closes the connection (the rest of it is
+unread and unwanted; an image over --max-pixels, also 413, arrived whole and keeps it),
 as does any other answer sent before its request's body arrived, unless the rest may be dropped as it
 arrives (`mnv3.uploads.CloseUnreadBody`).
 """
@@ -114,6 +115,6 @@ def error_response(exc: Exception, body: Callable[[str], dict] = detail_body) ->
     """The answer to `exc`: its status and headers from the table, its message in `body`'s shape."""
     status, _, _ = error_entry(exc)
     headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else {}
-    if status in (408, 413):
+    if isinstance(exc, (SlowUpload, BodyTooLarge)):
         headers["Connection"] = "close"  # the rest of the body is unread: do not take it as the next request
     return JSONResponse(body(str(exc) or "client disconnected"), status, headers=headers)

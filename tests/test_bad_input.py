@@ -250,6 +250,14 @@ def test_refused_with_a_clear_documented_4xx_and_the_server_serves_on(client, jp
     assert post_file(client, jpeg).status_code == 200
 
 
+def test_an_image_over_the_pixel_limit_keeps_the_connection_a_body_over_the_byte_limit_does_not(client):
+    # The whole image arrived before its pixels were counted: nothing is left unread on the connection.
+    too_many_pixels = post_file(client, encode(Image.new("L", (2100, 2000)), "PNG"))
+    assert too_many_pixels.status_code == 413 and "connection" not in too_many_pixels.headers
+    too_many_bytes = post_raw(client, bytes(UPLOAD_LIMIT + 1))
+    assert too_many_bytes.status_code == 413 and too_many_bytes.headers["connection"] == "close"
+
+
 @pytest.mark.parametrize(
     "method, path, status",
     [
