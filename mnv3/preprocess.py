@@ -50,6 +50,9 @@ PILLOW_MAX_PIXELS = 2 * Image.MAX_IMAGE_PIXELS if Image.MAX_IMAGE_PIXELS is not 
 # Raster formats only, opened by Pillow's own decoders: EPS, for one, would run Ghostscript on the upload.
 # "JPEG" also opens MPO, the multi-frame JPEG many phone cameras write.
 ACCEPTED_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
+# HEIF's file brands (ISO/IEC 23008-12, AV1's avif/avis): what phones upload that ACCEPTED_FORMATS leaves out, told
+# apart by the file's first box (`ftyp`) so its refusal can say what it is.
+HEIF_BRANDS = frozenset({b"heic", b"heix", b"hevc", b"hevx", b"heim", b"heis", b"mif1", b"msf1", b"avif", b"avis"})
 
 
 @dataclass(frozen=True)
@@ -233,6 +236,12 @@ def decode_image(
         size = f"{pixels[1]} pixels" if pixels else f"over {PILLOW_MAX_PIXELS} pixels"
         raise ImageTooLarge(f"image is {size}, over the limit of {max_pixels} (refused before decoding)") from exc
     except Image.UnidentifiedImageError as exc:
+        if data[4:8] == b"ftyp" and data[8:12] in HEIF_BRANDS:
+            raise InvalidImage(
+                f"a HEIC/AVIF image ({data[8:12].decode()}), a format not accepted here: send it as JPEG or PNG "
+                "(an iPhone saves JPEG with Settings > Camera > Formats > Most Compatible); accepted: "
+                f"{', '.join(ACCEPTED_FORMATS)}"
+            ) from exc
         raise InvalidImage(f"not a recognised image format; accepted: {', '.join(ACCEPTED_FORMATS)}") from exc
     except (OSError, SyntaxError, ValueError, EOFError) as exc:
         raise InvalidImage(f"corrupt or truncated image: {exc}") from exc

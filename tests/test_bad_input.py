@@ -142,6 +142,11 @@ REFUSED = {
         400,
         "not a recognised image format",
     ),
+    "an iPhone's HEIC": (  # its first box, as an iPhone writes it; Pillow reads no HEIC
+        lambda c, j: post_raw(c, b"\x00\x00\x00\x18ftypheic\x00\x00\x00\x00mif1heic" + bytes(200), "image/heic"),
+        400,
+        "a HEIC/AVIF image (heic), a format not accepted here: send it as JPEG or PNG",
+    ),
     "pdf as image": (
         lambda c, j: post_file(c, b"%PDF-1.7\n1 0 obj <<>> endobj\ntrailer <<>>\n%%EOF\n"),
         400,
