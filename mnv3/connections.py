@@ -6,7 +6,8 @@ other client, and grew the process by the header's size; a connection that sends
 every few seconds, was held open for good, each one a file descriptor until the process had none left.
 `BoundedHeadProtocol` is that protocol with both bounds:
 
-- a head over MAX_HEAD_BYTES is answered 431 and the connection closed, before the parser buffers more;
+- a head over MAX_HEAD_BYTES is answered 431 and the connection closed, before the parser buffers more (a URL
+  over MAX_URL_BYTES, which uvicorn cannot parse, 414);
 - a head not complete HEAD_TIMEOUT_S after its first byte is answered 408 and the connection closed; a new
   connection that sends nothing in that time is closed without an answer, as uvicorn's keep-alive timeout
   closes an idle one between requests;
@@ -30,6 +31,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 # one read of the socket (256 KB), so counting whole reads never refuses a real head.
 MAX_HEAD_BYTES = 1024 * 1024
 HEAD_TIMEOUT_S = 10.0
+MAX_URL_BYTES = 65_535  # the longest URL uvicorn can parse: httptools.parse_url counts in 16 bits
 # After an answer sent before its request's body arrived (uploads.CloseUnreadBody kept the connection: the
 # rest is dropped as it arrives), the rest must arrive within this, as a body read by the app must within
 # --body-timeout-s (its default); trickled, it would hold the connection for good.
@@ -104,6 +106,10 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to a request its parser refuses (duplicate Content-Length, a bad request line, ...),
         in the server's error shape instead of plain text."""
+        if len(getattr(self, "url", b"")) > MAX_URL_BYTES:  # httptools.parse_url's offsets are 16-bit
+            log.warning("414: a URL of %d bytes; closing the connection", len(self.url))
+            self.write_and_close(414, f"the URL is over {MAX_URL_BYTES} bytes: send long data in the request's body")
+            return
         log.warning("400: %s; closing the connection", msg)
         self.write_and_close(400, f"{msg.rstrip('.')}: the request is not valid HTTP/1.1")
 
