@@ -53,3 +53,15 @@ async def redoc(request: Request) -> HTMLResponse:
         redoc_favicon_url=root + FAVICON_PATH,
         with_google_fonts=False,
     )
+
+
+def without_validation_errors(schema: dict) -> dict:
+    """`schema` (the app's OpenAPI document) without FastAPI's 422 answers. FastAPI lists one for every
+    operation with a parameter, but every parameter here is a string the handlers read themselves, so no
+    request gets one: a generated client would expect a shape (`detail` as a list) that no answer has."""
+    for operations in schema["paths"].values():
+        for operation in operations.values():
+            operation.get("responses", {}).pop("422", None)
+    for unused in ("HTTPValidationError", "ValidationError"):
+        schema.get("components", {}).get("schemas", {}).pop(unused, None)
+    return schema

@@ -31,7 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from mnv3.api_docs import docs_router
+from mnv3.api_docs import docs_router, without_validation_errors
 from mnv3.artifacts import UnreadableManifest
 from mnv3.auth import ApiKeyAuth, KeyFileError, document_keys, exposure_warning, load_key_file, route_path
 from mnv3.batcher import ShuttingDown
@@ -335,8 +335,14 @@ def create_app(config: ServerConfig, *engines: Engine) -> FastAPI:
             keys=load_key_file(config.api_keys),
             on_refusal=lambda status: app.state.serving.metrics.rejections.labels(ACCESS_REFUSALS[status]).inc(),
         )
-    if config.api_keys:
-        app.openapi_schema = document_keys(app.openapi())  # what the docs serve from now on
+
+    def openapi() -> dict:  # FastAPI's document, built once on first use, made true of this server
+        if app.openapi_schema is None:
+            schema = without_validation_errors(FastAPI.openapi(app))
+            app.openapi_schema = document_keys(schema) if config.api_keys else schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     if config.cors_origins:
         # Outside access control: a browser's preflight (OPTIONS) carries no key, and its answer is all that
         # lets the page send the real request, key and all. Only the listed pages' scripts may read answers.
