@@ -89,12 +89,6 @@ class V2Client(PredictClient):
         )
 
 
-def v2_top_classes(answer: dict) -> list[int]:
-    """The class indices of a /v2 classification answer for one image, most probable first."""
-    [output] = answer["outputs"]
-    return [int(text.split(":")[1]) for text in output["data"]]
-
-
 def predict_top_classes(answer: dict) -> list[int]:
     """The class ids of a /predict answer, most probable first."""
     return [prediction["class_id"] for prediction in answer["predictions"]]

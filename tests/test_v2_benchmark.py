@@ -22,7 +22,6 @@ from mnv3.v2_benchmark import (
     run_v2_vs_predict,
     side_by_side_models,
     v2_request,
-    v2_top_classes,
 )
 from mnv3.v2_protocol import HEADER_LENGTH, PROBABILITIES_OUTPUT, ModelDescription, RequestedOutput, parse_infer_request
 
@@ -67,8 +66,10 @@ def test_v2_client_answers_as_predict_does(fp32_model_path, photos):
             top = requests.post(
                 url + "/predict", files={"file": ("p.jpg", photo, "image/jpeg")}, timeout=WAIT_S
             ).json()["predictions"]
-            assert v2_top_classes(answer) == [p["class_id"] for p in top]
-            probabilities = [float(text.split(":")[0]) for text in answer["outputs"][0]["data"]]
+            # Triton's classification strings, "probability:class_id:label", most probable first
+            classifications = [text.split(":")[:2] for text in answer["outputs"][0]["data"]]
+            assert [int(class_id) for _, class_id in classifications] == [p["class_id"] for p in top]
+            probabilities = [float(probability) for probability, _ in classifications]
             np.testing.assert_allclose(probabilities, [p["probability"] for p in top], atol=PROBABILITY_TOLERANCE)
         with V2Client(url, "no_such_model") as unknown:
             assert unknown.request(v2_request(photos[0])) == ("404", None)
