@@ -174,7 +174,9 @@ def test_a_non_image_shows_the_servers_reason(page, server):
     answer = requests.post(server + "/predict", files={"file": ("notes.txt", body, "text/plain")})
     assert answer.status_code == 400
     assert error.inner_text() == f"400: {answer.json()['detail']}"
-    assert error.get_attribute("role") == "alert"
+    # Said once by the page's status line, not as an alert per card (a batch of bad files fired one each).
+    assert error.get_attribute("role") is None
+    assert page.locator("#announce").inner_text() == f"notes.txt: 400: {answer.json()['detail']}"
 
 
 def test_downscale_sends_a_smaller_copy_and_says_so(page, server, photos, tmp_path):
@@ -447,16 +449,28 @@ def test_the_header_says_what_is_served_and_when_batching_or_the_cache_is_off(pa
 def test_advice_for_a_photo_over_the_upload_limit_is_advice_that_helps(page):
     page.wait_for_function("server.models.length > 0")
     errors = page.evaluate("""async () => {
-        const limits = server.models[0].limits, kept = limits.max_upload_bytes;
-        limits.max_upload_bytes = 1000;  // a 700-byte file is over it once multipart's own bytes are counted
-        const blob = new Blob([new Uint8Array(700)], {type: "image/png"});
+        const photo = async (width, height) => {  // a PNG of that size, drawn by the browser
+            const canvas = new OffscreenCanvas(width, height);
+            canvas.getContext("2d").fillRect(0, 0, 1, 1);
+            return canvas.convertToBlob({type: "image/png"});
+        };
+        const limits = server.models[0].limits, kept = {...limits};
+        limits.max_upload_bytes = 100;  // every PNG here is over it once multipart's own bytes are counted
+        limits.max_pixels = 1_000_000;
+        const name = server.models[0].name, ask = (blob, shrunk) => predict(blob, "a.png", name, shrunk, () => {});
         try {
-            return [await predict(blob, "a.png", server.models[0].name, false, () => {}),
-                    await predict(blob, "a.png", server.models[0].name, true, () => {})].map((r) => r.error);
-        } finally { limits.max_upload_bytes = kept; }
+            const large = await photo(2000, 1500), small = await photo(400, 300), tall = await photo(600, 4000);
+            return [await ask(large, false), await ask(large, true), await ask(small, false), await ask(tall, false),
+                    await ask(new Blob([new Uint8Array(700)]), false)].map((r) => r.error);
+        } finally { Object.assign(limits, kept); }
     }""")
-    assert "tick “Shrink large photos” to send a smaller copy of a photo over 512 px" in errors[0]
-    assert errors[1].endswith("save it smaller (say, as a JPEG) to send it")  # shrinking already failed to help
+    assert errors[0].endswith(
+        "tick “Shrink large photos” to send a smaller copy of a photo over 512 px on its short side, or save it smaller"
+    )
+    assert errors[1].endswith("; save it smaller (say, as a JPEG) to send it")  # shrinking already failed to help
+    assert errors[2].endswith("; “Shrink large photos” leaves a 400×300 photo as it is: save it smaller")
+    assert errors[3].endswith("; even shrunk to 512×3413 it is over the server's limit of 1000000 pixels: crop it")
+    assert errors[4].endswith("is over the server's upload limit of 100 B")  # not a picture: no advice
 
 
 def test_busy_answers_are_sent_again_after_retry_after(browser, fp32_model_path, photos, tmp_path):
@@ -519,3 +533,32 @@ def test_agreement_starts_again_when_the_served_models_change_and_batches_show_b
         return [kept, agreement.photos, $("agreement").hidden, rows];
     }""")
     assert state == [2, 0, True, 1]  # the histogram was empty while GET /models had not answered
+
+
+def test_agreement_starts_again_when_a_model_runs_another_file_under_its_name(page):
+    page.wait_for_function("server.models.length > 0")
+    photos = page.evaluate("""() => {
+        describeModels();
+        agreement.photos = 2; agreement.sameTop1 = {other: 1};
+        server.models = [{...server.models[0], model: "dynamic_int8.onnx:0123456789ab", backend: "onnxruntime"}];
+        describeModels();  // restarted with another file under the same name: its counts are another model's
+        return agreement.photos;
+    }""")
+    assert photos == 0
+
+
+def test_the_page_asks_again_what_is_served_when_the_live_panel_sees_other_models(page):
+    # A server restarted with other models while the page was open kept its old header, selector and default:
+    # the page asked GET /models again only after a 404.
+    page.wait_for_function("server.models.length > 0")
+    served = page.evaluate("server.models.map((m) => m.name)")
+    page.evaluate("""() => {
+        server.models = [{...server.models[0], name: "from_before_a_restart"}];
+        server.defaultModel = "from_before_a_restart";
+        describeModels();
+    }""")
+    page.wait_for_function(
+        "names => JSON.stringify(server.models.map((m) => m.name)) === JSON.stringify(names)", arg=served
+    )
+    assert page.locator("#model-line").inner_text().startswith("Serving ")
+    assert "from_before_a_restart" not in page.locator("#model-line").inner_text()

@@ -28,6 +28,7 @@ const server = {
 // Compare mode: per model, photos whose top-1 is the default's, for the models `served` (default first).
 const agreement = {served: null, photos: 0, sameTop1: {}};
 const rpsHistory = [];
+let statsFailed = false;  // the last GET /stats failed: the server may have restarted with other models
 
 // ----------------------------------------------------------------------------------------- formatting
 
@@ -99,6 +100,7 @@ function askForKey(reason) {
         sessionStorage.setItem(KEY_STORAGE, key);
         $("key-input").value = "";
         form.hidden = true;
+        $("file-input").focus();  // the form's controls are gone: on to the next thing to do, not <body>
         keyEntered = null;
         resolve();
       };
@@ -110,9 +112,17 @@ function askForKey(reason) {
 
 // ------------------------------------------------------------------------------------- what is served
 
-async function loadModels() {
+let loadingModels = null;  // the GET /models in progress: callers that ask meanwhile share it
+
+function loadModels() {
+  loadingModels ??= askForModels().finally(() => { loadingModels = null; });
+  return loadingModels;
+}
+
+async function askForModels() {
   // GET /models: {"default": NAME, "models": [what GET /model says of each, the default first]}. Asked again
-  // until it answers; and again whenever the server says a model is not served (it was restarted with others).
+  // until it answers; and again whenever the server may serve others: a model it named is not served (404),
+  // the live panel's models are not these, or the server answers again after it stopped (a restart).
   for (;;) {
     try {
       const response = await api("models");
@@ -131,8 +141,9 @@ async function loadModels() {
 }
 
 function describeModels() {
-  // Agreement counted against other models, or another default, says nothing of these: start again.
-  const served = JSON.stringify([server.defaultModel, ...server.models.map((m) => m.name)]);
+  // Agreement counted against other models, another default, or the same names on other files or engines,
+  // says nothing of these: start again.
+  const served = JSON.stringify([server.defaultModel, ...server.models.map((m) => `${m.name}=${m.model}@${m.backend}`)]);
   if (served !== agreement.served) {
     Object.assign(agreement, {served, photos: 0, sameTop1: {}});
     $("agreement").hidden = true;
@@ -178,14 +189,20 @@ async function classifyAll(files) {
   if (!photos.length) return;
   $("empty").hidden = true;
   const cards = photos.map(addCard);
-  let next = 0;
+  let next = 0, answered = 0;
   const worker = async () => {
     while (next < photos.length) {
       const i = next++;
-      await classifyPhoto(photos[i], cards[i]);
+      if (await classifyPhoto(photos[i], cards[i])) answered += 1;
     }
   };
   await Promise.all(Array.from({length: Math.min(UPLOADS_AT_ONCE, photos.length)}, worker));
+  // Each photo said its own outcome as it came; for several, the last word is the whole batch's.
+  if (photos.length > 1) {
+    const failed = photos.length - answered;
+    $("announce").textContent = `${photos.length} photos done: ${answered} classified` +
+      (failed ? `, ${failed} not (see each photo)` : "");
+  }
 }
 
 function addCard(file) {
@@ -212,7 +229,7 @@ async function classifyPhoto(file, card) {
   const names = comparing ? server.models.map((m) => m.name) : [$("model-select").value || server.defaultModel];
   const shrunk = $("downscale").checked;
   const waiting = (text) => outcomes.querySelector(".pending")?.replaceChildren(text);
-  const results = await Promise.all(names.map((name) => predict(blob, file.name, name, shrunk, waiting)));
+  const results = await Promise.all(names.map((name) => predict(blob, file.name, name, shrunk, waiting, file)));
   // With several models served, every answer says whose it is, compared or not.
   const nodes = results.map((result, i) => renderResult(result, server.models.length > 1 ? names[i] : null));
   outcomes.replaceChildren(...(comparing ? [element("div", {className: "compare"}, ...nodes)] : nodes));
@@ -223,6 +240,7 @@ async function classifyPhoto(file, card) {
   $("announce").textContent = first.error
     ? `${file.name}: ${first.error}`
     : `${file.name}: most likely ${first.predictions[0].label}, ${formatPercent(first.predictions[0].probability)}`;
+  return !results.some((result) => result.error);
 }
 
 // Multipart's part headers and boundaries around the file: what the server's upload limit counts besides it.
@@ -230,12 +248,13 @@ const MULTIPART_OVERHEAD_BYTES = 512;
 const SHRINK_ADVICE = "tick “Shrink large photos” to send a smaller copy of a photo over 512 px on its short " +
   "side, or save it smaller";
 
-async function predict(blob, filename, modelName, shrunk, waiting) {
-  const limit = modelNamed(modelName)?.limits?.max_upload_bytes;
+// `original`: the photo chosen, of which `blob` may be the shrunk copy (for advice on a refusal).
+async function predict(blob, filename, modelName, shrunk, waiting, original = blob) {
+  const limits = modelNamed(modelName)?.limits ?? {};
+  const limit = limits.max_upload_bytes;
   if (limit && blob.size + MULTIPART_OVERHEAD_BYTES + filename.length > limit) {
-    // Shrinking only helps a photo larger than it shrinks to; otherwise the file itself must get smaller.
-    const advice = shrunk ? "save it smaller (say, as a JPEG) to send it" : SHRINK_ADVICE;
-    return {error: `${formatBytes(blob.size)} is over the server's upload limit of ${formatBytes(limit)}; ${advice}`};
+    const advice = await shrinkAdvice(original, shrunk, limits.max_pixels);
+    return {error: `${formatBytes(blob.size)} is over the server's upload limit of ${formatBytes(limit)}${advice}`};
   }
   const form = new FormData();
   form.append("file", blob, filename);
@@ -262,11 +281,32 @@ async function predict(blob, filename, modelName, shrunk, waiting) {
   if (!response.ok) {
     const reason = body && typeof body.detail === "string" ? body.detail : text.slice(0, 300) || response.statusText;
     if (response.status === 404 && reason.startsWith("no model named")) loadModels();  // what is served changed
-    const advice = response.status === 413 && !shrunk ? `; ${SHRINK_ADVICE}` : "";
+    const advice = response.status === 413 ? await shrinkAdvice(original, shrunk, limits.max_pixels) : "";
     const tries = RETRIED_STATUSES.includes(response.status) && sent > 1 ? ` (sent ${sent} times)` : "";
     return {error: `${response.status}: ${reason}${advice}${tries}`};
   }
   return {...body, roundTripMs};
+}
+
+async function shrinkAdvice(original, shrunk, maxPixels) {
+  // For a photo over the upload or pixel limit: whether "Shrink large photos" helps. It sends a copy
+  // DOWNSCALE_SHORT_SIDE px on its short side, so it helps a photo larger than that whose copy fits the pixel
+  // limit; a photo the browser cannot decode gets no advice (the server says what it is).
+  let width, height;
+  try {
+    const bitmap = await createImageBitmap(original);
+    ({width, height} = bitmap);
+    bitmap.close();
+  } catch {
+    return "";
+  }
+  const scale = DOWNSCALE_SHORT_SIDE / Math.min(width, height);
+  if (scale >= 1) return `; “Shrink large photos” leaves a ${width}×${height} photo as it is: save it smaller`;
+  const [w, h] = [Math.round(width * scale), Math.round(height * scale)];
+  if (maxPixels && w * h > maxPixels) {
+    return `; even shrunk to ${w}×${h} it is over the server's limit of ${maxPixels} pixels: crop it`;
+  }
+  return shrunk ? "; save it smaller (say, as a JPEG) to send it" : `; ${SHRINK_ADVICE}`;
 }
 
 function retryAfterS(response) {
@@ -281,7 +321,7 @@ function renderResult(result, heading) {
   const box = element("div", {className: "result"});
   if (heading) box.append(element("h3", {}, heading));
   if (result.error) {
-    box.append(element("p", {className: "error", role: "alert"}, result.error));
+    box.append(element("p", {className: "error"}, result.error));  // announced by #announce, once a batch
     return box;
   }
   const count = result.predictions.length;
@@ -406,6 +446,7 @@ async function refreshStats() {
     if (!response.ok) throw new Error(`GET /stats answered ${response.status}`);
     stats = await response.json();
   } catch (error) {
+    statsFailed = true;
     // Figures from before would read as the server's now: blank them.
     $("live-window").textContent = `No stats: ${error.message}. The figures return when the server answers.`;
     for (const figure of document.querySelectorAll(".live dd")) figure.textContent = "–";
@@ -417,6 +458,11 @@ async function refreshStats() {
     $("rps-spark").querySelector("polyline").setAttribute("points", "");
     $("spark-peak").textContent = "";
     return STATS_EVERY_MS;
+  }
+  const names = Object.keys(stats.models);
+  if (statsFailed || names.join() !== server.models.map((m) => m.name).join()) {
+    if (server.models.length) loadModels();  // back after it stopped, or other models: what is served now?
+    statsFailed = false;
   }
   renderStats(stats);
   return STATS_EVERY_MS;
@@ -469,11 +515,12 @@ function renderBatchSizes(batches) {
     const range = b.largest === null ? `${b.smallest}+` : b.largest === b.smallest ? `${b.smallest}` : `${b.smallest}–${b.largest}`;
     const bar = element("span", {className: "bar", "aria-hidden": "true"}, element("span"));
     bar.firstChild.style.width = `${(100 * b.inferences) / most}%`;
+    // Read aloud as "batch size 3–4, 2 inference calls" (an aria-label on a span is not read).
     return element("div", {className: "histogram-row"},
-      element("span", {className: "range"}, range),
+      element("span", {className: "range"}, element("span", {className: "visually-hidden"}, "batch size "), range),
       bar,
-      element("span", {className: "count", "aria-label": `${b.inferences} inference calls with batch size ${range}`},
-        String(b.inferences)));
+      element("span", {className: "count"}, String(b.inferences)),
+      element("span", {className: "visually-hidden"}, " inference calls"));
   }));
 }
 
