@@ -86,9 +86,10 @@ class ErrorDetail(BaseModel):
 
 
 # typed as FastAPI's `responses=` takes it
+# 499 is only counted: its client has gone, so no answer is sent and the document lists none.
 ERROR_DOCS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorDetail, "description": "; ".join(doc for s, _, doc in ERRORS.values() if s == status)}
-    for status in sorted({status for status, _, _ in ERRORS.values()})
+    for status in sorted({status for status, _, _ in ERRORS.values()} - {499})
 }
 ERROR_DOCS[503]["headers"] = {
     "Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "integer"}}

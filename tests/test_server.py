@@ -174,6 +174,7 @@ def test_operational_endpoints(client, fp32_model_path):
     assert {"multipart/form-data", "image/*", "application/octet-stream"} <= set(predict_doc["requestBody"]["content"])
     # No request gets FastAPI's 422 (every parameter is a string): the document does not promise one.
     assert all("422" not in op["responses"] for ops in document["paths"].values() for op in ops.values())
+    assert "499" not in predict_doc["responses"]  # counted, never sent: its client has gone
     assert "HTTPValidationError" not in document["components"]["schemas"]
 
 

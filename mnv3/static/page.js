@@ -448,7 +448,8 @@ async function refreshStats() {
   } catch (error) {
     statsFailed = true;
     // Figures from before would read as the server's now: blank them.
-    $("live-window").textContent = `No stats: ${error.message}. The figures return when the server answers.`;
+    const why = error instanceof TypeError ? `the server does not answer (${error.message})` : error.message;
+    $("live-window").textContent = `No stats: ${why}. The figures return when the server answers.`;
     for (const figure of document.querySelectorAll(".live dd")) figure.textContent = "–";
     $("batch-sizes").replaceChildren();
     $("batch-mean").textContent = "";
