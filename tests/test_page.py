@@ -403,14 +403,16 @@ def test_a_protected_server_gets_a_key_from_the_page_for_this_tab_only(browser, 
             key_input.fill("not-the-key-0123456789")
             page.get_by_role("button", name="Use this key").click()
             page.get_by_text("did not accept this tab's API key").wait_for()
+            path = tmp_path / "street.jpg"
+            path.write_bytes(photos[0])
+            page.get_by_label("Choose photos").set_input_files(path)  # chosen before the key: it waits for one
+            page.locator("#photos .pending").get_by_text("Waiting for an API key…").wait_for()
 
             key_input.fill(key)
             page.get_by_role("button", name="Use this key").click()
             page.get_by_text("Serving fp32.onnx").wait_for()  # GET /models went through with the key
             assert page.locator("#key-form").is_hidden()
-            path = tmp_path / "street.jpg"
-            path.write_bytes(photos[0])
-            page.get_by_label("Choose photos").set_input_files(path)
+            assert page.evaluate("document.activeElement.id") == "file-input"  # not <body>: on to the photos
             shown = shown_predictions(page.locator("#photos .photo").first)
             answer = requests.post(
                 url + "/predict",

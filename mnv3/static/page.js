@@ -76,8 +76,11 @@ async function api(url, options = {}) {
     const key = sessionStorage.getItem(KEY_STORAGE);
     const response = await fetch(url, key ? {...options, headers: {Authorization: `Bearer ${key}`}} : options);
     if (response.status !== 401) return response;
+    // Photos sent meanwhile wait for the key too: say so on their cards rather than "Classifying…".
+    for (const pending of document.querySelectorAll("#photos .pending")) pending.textContent = "Waiting for an API key…";
     await askForKey(key ? "The server did not accept this tab's API key: enter another."
                         : "This server needs an API key.");
+    for (const pending of document.querySelectorAll("#photos .pending")) pending.textContent = "Classifying…";
   }
 }
 
