@@ -39,6 +39,7 @@ from mnv3.artifacts import RAY_SERVE_CSV
 from mnv3.auth import KeyFileError, exposure_warning, load_key_file
 from mnv3.config import ServerConfig
 from mnv3.config import parse_args as parse_server_args
+from mnv3.engine import ModelLoadError
 from mnv3.errors import RETRY_AFTER_S
 from mnv3.photos import load_images
 
@@ -326,6 +327,12 @@ def build(
     else:
         scaling = {"num_replicas": replicas}
     config = with_absolute_paths(config)
+    # Checked here, once, where `serve deploy` can still refuse the update: found only by the replicas, a
+    # mistake stopped the running version's replicas (Ray replaces them before it starts the new ones on a
+    # full cluster) and left none.
+    for spec in config.models:
+        if not spec.path.is_file():
+            raise ModelLoadError(f"model file {spec.path} not found (on the node that builds the app)")
     if config.api_keys:
         load_key_file(config.api_keys)  # a KeyFileError here, once, rather than in every replica
     # serve.deployment made the class a Deployment, which mypy cannot see through the decorator.
@@ -359,8 +366,20 @@ def build_app(args: dict) -> serve.Application:
         raise ValueError(f"unknown mnv3 server options {unknown}; known: {sorted(types)}")
     if isinstance(args.get("extra_models"), str):
         args = args | {"extra_models": [text.strip() for text in args["extra_models"].split(",") if text.strip()]}
-    # Values from `serve run ... key=value` arrive as strings; the config file's are typed already.
-    return build(ServerConfig(**{name: types[name](value) for name, value in args.items()}))
+    return build(ServerConfig(**{name: typed(name, types[name], value) for name, value in args.items()}))
+
+
+def typed(name: str, kind, value):
+    """A config file's or `serve run ... key=value`'s value (strings from the command line) as the field's type,
+    or an error naming the field: `int('lots')` alone names neither, and int(2.9) would be a silent 2."""
+    if kind is int and isinstance(value, float) and not value.is_integer():
+        raise ValueError(f"{name}: {value} is not a whole number")
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"{name}: {value!r} is not {'a whole number' if kind is int else 'a ' + kind.__name__}"
+        ) from None
 
 
 # ---------------------------------------------------------------------------------------- local cluster
@@ -464,28 +483,33 @@ def get_args_parser():
         requests_help=f"--bench: default {BENCH_REQUESTS_PER_SENDER}x concurrency",
     )
     parser.add_argument(
-        "--replicas", type=cli.positive_int, default=1, help="replicas (with --max-replicas: the initial and minimum)"
+        "--replicas",
+        type=cli.positive_int,
+        default=1,
+        help="replicas (with --max-replicas: the initial and minimum; default %(default)s)",
     )
-    parser.add_argument("--num-cpus", type=cli.positive_float, default=1, help="CPUs Ray reserves per replica")
+    parser.add_argument(
+        "--num-cpus", type=cli.positive_float, default=1, help="CPUs Ray reserves per replica (default %(default)s)"
+    )
     parser.add_argument("--min-replicas", type=cli.positive_int, help="autoscaling floor (default --replicas)")
     parser.add_argument("--max-replicas", type=cli.positive_int, help="autoscale between --min-replicas and this")
     parser.add_argument(
         "--target-ongoing-requests",
         type=cli.positive_float,
         default=DEFAULT_TARGET_ONGOING_REQUESTS,
-        help="autoscaling aims at this many requests in flight per replica",
+        help="autoscaling aims at this many requests in flight per replica (default %(default)s)",
     )
     parser.add_argument(
         "--max-ongoing-requests",
         type=cli.positive_int,
         default=DEFAULT_MAX_ONGOING_REQUESTS,
-        help="requests one replica holds at once (needs >= --max-batch-size for full batches)",
+        help="requests one replica holds at once (needs >= --max-batch-size for full batches; default %(default)s)",
     )
     parser.add_argument(
         "--max-queued-requests",
         type=int,
         default=DEFAULT_MAX_QUEUED_REQUESTS,
-        help="requests Ray queues for busy replicas; beyond it: 503 + Retry-After",
+        help="requests Ray queues for busy replicas; beyond it: 503 + Retry-After (default %(default)s; -1: no limit)",
     )
     parser.add_argument("--address", help="an existing Ray cluster (e.g. auto); default: start a local one")
     parser.add_argument("--bench", action="store_true", help="plain vs Ray Serve (1, 2 replicas) -> " + RAY_SERVE_CSV)
@@ -532,7 +556,11 @@ def serve_forever(args, config: ServerConfig) -> None:
     if args.address:
         ray.init(address=args.address)
         serve.start(http_options={"host": config.host, "port": config.port})
+        if taken := app_name_taken(args.address):
+            ray.shutdown()
+            raise cli.UsageError(taken)
     else:
+        server.check_can_listen(config.host, config.port)  # Ray's proxy would share a busy port (SO_REUSEPORT)
         start_local_cluster(host=config.host, port=config.port)
     if not config.api_keys and (warning := exposure_warning(config.host)):
         print(f"WARNING: {warning}", file=sys.stderr, flush=True)
@@ -551,6 +579,17 @@ def serve_forever(args, config: ServerConfig) -> None:
             stop_local_cluster()
 
 
+def app_name_taken(address: str) -> str | None:
+    """With --address, why this app cannot be deployed there: the cluster's Serve already runs an app of its
+    name (`serve deploy`ed, or another mnv3-ray-serve), which deploying would replace and leaving delete."""
+    if APP_NAME not in serve.status().applications:
+        return None
+    return (
+        f"the Ray cluster at {address} already runs an app named {APP_NAME}: update it with serve deploy, or "
+        f"remove it first (serve delete {APP_NAME}); --host/--port apply only where Serve is not running yet"
+    )
+
+
 def main(args=None) -> int:
     """`args` from parse_args; the command line's without (the `mnv3-ray-serve` command calls it so)."""
     args = parse_args() if args is None else args
@@ -560,7 +599,11 @@ def main(args=None) -> int:
         cli.fill_unset(args, requests=BENCH_REQUESTS_PER_SENDER * args.concurrency)
         cli.run_stage(run_bench, args, writes=("results_dir",))
         return 0
-    cli.run_stage(lambda args: serve_until_stopped(args, config), args, user_errors=(KeyFileError,))
+    cli.run_stage(
+        lambda args: serve_until_stopped(args, config),
+        args,
+        user_errors=(KeyFileError, ModelLoadError, server.CannotListen),
+    )
     return 0
 
 

@@ -5,6 +5,7 @@ One local Ray cluster (127.0.0.1 only, 2 CPUs) for the module; it is shut down a
 
 import os
 import re
+import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -195,3 +196,35 @@ def test_a_replica_sizes_every_thread_count_to_its_cpus(batch_threads, cpus, exp
     """0 stays 0, the default: Engine.load then takes stage 2's measurement or half of the replica's threads."""
     sized = ray_serve.sized_to(ServerConfig(model="a.onnx", intra_op_threads=8, batch_threads=batch_threads), cpus)
     assert (sized.intra_op_threads, sized.preprocess_threads, sized.batch_threads) == (cpus, cpus, expected)
+
+
+def test_an_app_already_on_the_cluster_is_not_replaced(ray_url):
+    # mnv3-ray-serve --address auto replaced a serve-deployed mnv3 app, then deleted it on the way out.
+    assert "already runs an app named mnv3: update it with serve deploy" in ray_serve.app_name_taken("auto")
+
+
+def test_a_busy_port_is_one_line_before_any_ray_process(fp32_model_path, capsys):
+    # Ray's proxy binds with SO_REUSEPORT: a second cluster shared the port with the first, each answering some.
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(SystemExit) as exit_info:
+            ray_serve.main(ray_serve.parse_args(["--model", str(fp32_model_path), "--port", str(port)]))
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: ") and str(port) in error and error.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "args, problem",
+    [
+        ({"model": "artifacts/nope.onnx"}, "model file .*nope.onnx not found"),
+        ({"cache_size": "lots"}, "cache_size: 'lots' is not a whole number"),
+        ({"max_batch_size": 2.9}, "max_batch_size: 2.9 is not a whole number"),
+    ],
+)
+def test_a_config_files_mistake_fails_the_build_not_the_replicas(fp32_model_path, args, problem):
+    # Found only by the replicas, a bad model path in `serve deploy` stopped the running version and left none.
+    with pytest.raises(ValueError if "whole" in problem else server.ModelLoadError, match=problem):
+        ray_serve.build_app({"model": str(fp32_model_path)} | args)
