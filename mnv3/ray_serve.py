@@ -10,8 +10,9 @@ start) inside the replica. Ray adds an HTTP proxy in front that routes each requ
 free capacity, queues up to `max_queued_requests` when all are busy, and refuses beyond that with 503.
 
 With `api_keys` (a key file, in the config file's `args:` or as --api-keys) every replica protects its app
-as the plain server does (`mnv3.auth`); the file is read once when the application is built, so a bad
-one fails `serve run` at once, and each replica reads it again for its own rate-limit buckets.
+as the plain server does (`mnv3.auth`); the file is read once when the application is built (and the model
+paths checked), so a bad one fails the build, not the replicas, and each replica reads it again for its own
+rate-limit buckets.
 
 Ray is an optional dependency (requirements-ray.txt): only mnv3.ray_cluster, Ray's other module, imports this one.
 """
