@@ -109,19 +109,7 @@ class Engine:
         call on `intra_op_threads`."""
         if backend not in BACKEND_CHOICES:
             raise ModelLoadError(f"unknown backend {backend!r}; available: {', '.join(BACKEND_CHOICES)}")
-        path = Path(path)
-        if path.is_dir():
-            models = sorted(p.name for p in path.iterdir() if p.suffix in MODEL_SUFFIXES)
-            raise ModelLoadError(
-                f"{path} is a folder: pass a model file in it"
-                + (f" ({', '.join(models)})" if models else f" (it holds no {' or '.join(MODEL_SUFFIXES)} file)")
-            )
-        if not path.is_file():
-            name, equals, rest = str(path).partition("=")
-            hint = (  # NAME=PATH whose NAME has a '/' reads as one path (config.ModelSpec.parse)
-                f"; if {name!r} is its name, a model name cannot contain '/'" if equals and Path(rest).is_file() else ""
-            )
-            raise ModelLoadError(f"model file {path} not found{hint}")
+        path = check_model_file(path)
         choice = resolve_auto(path) if backend == AUTO else explicit(path, backend)
         path, backend, precision = choice.path, choice.backend, choice.precision
         if batch_threads == 0:
@@ -218,6 +206,25 @@ class Engine:
         """Run each batch size once so the first requests do not pay for the runtime's allocations."""
         for size in batch_sizes:
             self.predict(np.zeros((size, *self.preprocessing.input_shape), dtype=np.float32))
+
+
+def check_model_file(path) -> Path:
+    """`path` as a Path if it is a file, else a ModelLoadError saying what it is instead (a folder, with the
+    models in it; missing, with a hint when NAME=PATH was read as one path)."""
+    path = Path(path)
+    if path.is_dir():
+        models = sorted(p.name for p in path.iterdir() if p.suffix in MODEL_SUFFIXES)
+        raise ModelLoadError(
+            f"{path} is a folder: pass a model file in it"
+            + (f" ({', '.join(models)})" if models else f" (it holds no {' or '.join(MODEL_SUFFIXES)} file)")
+        )
+    if not path.is_file():
+        name, equals, rest = str(path).partition("=")
+        hint = (  # NAME=PATH whose NAME has a '/' reads as one path (config.ModelSpec.parse)
+            f"; if {name!r} is its name, a model name cannot contain '/'" if equals and Path(rest).is_file() else ""
+        )
+        raise ModelLoadError(f"model file {path} not found{hint}")
+    return path
 
 
 def open_session(

@@ -40,7 +40,7 @@ from mnv3.artifacts import RAY_SERVE_CSV
 from mnv3.auth import KeyFileError, exposure_warning, load_key_file
 from mnv3.config import ServerConfig
 from mnv3.config import parse_args as parse_server_args
-from mnv3.engine import ModelLoadError
+from mnv3.engine import ModelLoadError, check_model_file
 from mnv3.errors import RETRY_AFTER_S
 from mnv3.photos import load_images
 
@@ -332,8 +332,7 @@ def build(
     # mistake stopped the running version's replicas (Ray replaces them before it starts the new ones on a
     # full cluster) and left none.
     for spec in config.models:
-        if not spec.path.is_file():
-            raise ModelLoadError(f"model file {spec.path} not found (on the node that builds the app)")
+        check_model_file(spec.path)
     if config.api_keys:
         load_key_file(config.api_keys)  # a KeyFileError here, once, rather than in every replica
     # serve.deployment made the class a Deployment, which mypy cannot see through the decorator.
