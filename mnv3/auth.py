@@ -27,8 +27,9 @@ Guarantees:
 - No key, digest or fragment of either is ever put in a response, a log record or a metric; a key is
   named by its `name=` option or its line number.
 - Rate limits are token buckets per key and per process (each worker or replica has its own buckets).
-  Past a limit: 429 with Retry-After, before the body is read. The event loop runs one check at a time;
-  the lock makes a bucket safe to share between threads as well.
+  Past a limit: 429 with Retry-After, before the body is read. Every answer to a rate-limited key, the 429
+  too, carries the draft RateLimit-Policy and RateLimit fields (what is left, when it is whole). The event
+  loop runs one check at a time; the lock makes a bucket safe to share between threads as well.
 
 Key file: one key a line, `KEY SCOPE [rate=N/s|N/min] [burst=N] [name=LABEL]`; blank lines and lines
 starting with `#` are ignored. KEY is 16 to 512 visible ASCII characters, or `sha256:` and the 64 hex
@@ -142,16 +143,25 @@ class TokenBucket:
         self.tokens, self.updated = float(burst), clock()
         self.lock = threading.Lock()
 
-    def take(self) -> float:
-        """0 if a token was taken, else the seconds until one will be there (nothing is taken)."""
+    def take(self) -> "Taken":
+        """A token if there is one (else nothing is taken), and the bucket as it is then."""
         with self.lock:
             now = self.clock()
             self.tokens = min(self.burst, self.tokens + (now - self.updated) * self.rate_per_s)
             self.updated = now
+            wait_s = 0.0
             if self.tokens >= 1:
                 self.tokens -= 1
-                return 0.0
-            return (1 - self.tokens) / self.rate_per_s
+            else:
+                wait_s = (1 - self.tokens) / self.rate_per_s
+            return Taken(wait_s, int(self.tokens), (self.burst - self.tokens) / self.rate_per_s)
+
+
+@dataclasses.dataclass(frozen=True)
+class Taken:
+    wait_s: float  # 0 if a token was taken, else the seconds until one will be there
+    remaining: int  # whole tokens left: requests the key may make at once now
+    full_in_s: float  # seconds until the bucket holds its whole burst again
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +172,16 @@ class RateLimit:
 
     def __str__(self):
         return f"{self.rate}, burst {self.burst}"
+
+    def headers(self, taken: Taken) -> list[tuple[bytes, bytes]]:
+        """The IETF draft's RateLimit-Policy and RateLimit fields (draft-ietf-httpapi-ratelimit-headers):
+        the key's burst as the quota of a window its rate refills, and what is left of it now, so a client
+        (the page's live panel) can pace itself instead of learning the limit from 429s."""
+        window_s = math.ceil(self.burst / self.rate_per_s)
+        return [
+            (b"ratelimit-policy", f'"key";q={self.burst};w={window_s}'.encode()),
+            (b"ratelimit", f'"key";r={taken.remaining};t={math.ceil(taken.full_in_s)}'.encode()),
+        ]
 
 
 # ------------------------------------------------------------------------------------------------ keys
@@ -197,10 +217,11 @@ class Keys:
                 found = key
         return found
 
-    def wait_s(self, key: ApiKey) -> float:
-        """0 if `key` may make a request now (and it is counted), else the seconds until it may."""
+    def take(self, key: ApiKey) -> Taken | None:
+        """None for a key without a rate limit; else whether it may make a request now (and it is counted:
+        `wait_s` 0) or in how long, and its bucket then."""
         bucket = self.buckets.get(key.digest)
-        return bucket.take() if bucket else 0.0
+        return bucket.take() if bucket else None
 
 
 def parse_keys(text: str, source: str = "key file", clock: Callable[[], float] = time.monotonic) -> Keys:
@@ -306,10 +327,19 @@ class ApiKeyAuth:
             return await self.app(scope, receive, send)
         if scope["type"] != "http":  # the server has no websocket routes: nothing else is let in
             return await send({"type": "websocket.close", "code": 1008})
-        refusal = self.refusal(scope)
+        refusal, limit_headers = self.decide(scope)
         if refusal is None:
-            return await self.app(scope, receive, send)
+            if not limit_headers:
+                return await self.app(scope, receive, send)
+
+            async def send_with_limit(message):
+                if message["type"] == "http.response.start":
+                    message = {**message, "headers": [*message.get("headers", []), *limit_headers]}
+                await send(message)
+
+            return await self.app(scope, receive, send_with_limit)
         status, reason, headers = refusal
+        headers = [*headers, *limit_headers]
         if self.on_refusal is not None:
             self.on_refusal(status)
         if not refusal_keeps_connection(Request(scope), KEEP_CONNECTION_BYTES):
@@ -328,53 +358,46 @@ class ApiKeyAuth:
         )
         await send({"type": "http.response.body", "body": body})
 
-    def refusal(self, scope) -> tuple[int, str, list] | None:
-        """None to let the request in, else (status, reason, extra headers). Reads only the request line
-        and headers."""
+    def decide(self, scope) -> tuple[tuple[int, str, list] | None, list]:
+        """(None to let the request in, else (status, reason, extra headers); the rate-limit headers its
+        answer carries, for a key with a rate). Reads only the request line and headers."""
         if _blank_query_keys(scope):
-            return (
-                400,
-                (
-                    "an API key in the URL is not accepted (URLs are written to logs): send it as the header "
-                    "Authorization: Bearer KEY or X-API-Key: KEY (and if that was a real key, replace it: "
-                    "it has been exposed)"
-                ),
-                [],
+            reason = (
+                "an API key in the URL is not accepted (URLs are written to logs): send it as the header "
+                "Authorization: Bearer KEY or X-API-Key: KEY (and if that was a real key, replace it: "
+                "it has been exposed)"
             )
+            return (400, reason, []), []
         needed = required_scope(scope["method"], route_path(scope))
         if needed is Scope.OPEN:
-            return None
+            return None, []
         presented, problem = _presented_key(scope["headers"])
         if presented is None:
-            return 401, problem, [(b"www-authenticate", b'Bearer realm="mnv3"')]
+            return (401, problem, [(b"www-authenticate", b'Bearer realm="mnv3"')]), []
         key = self.keys.match(presented)
         if key is None:
-            return (
-                401,
-                "the API key is not valid",
-                [(b"www-authenticate", b'Bearer realm="mnv3", error="invalid_token"')],
-            )
+            challenge = b'Bearer realm="mnv3", error="invalid_token"'
+            return (401, "the API key is not valid", [(b"www-authenticate", challenge)]), []
         if key.scope < needed:
             scope_name = needed.name.lower()
             log.info("refused %s %s to key %s: it needs scope %s", scope["method"], scope["path"], key.name, scope_name)
-            challenge = f'Bearer realm="mnv3", error="insufficient_scope", scope="{scope_name}"'
+            challenge = f'Bearer realm="mnv3", error="insufficient_scope", scope="{scope_name}"'.encode()
             instead = meant_instead(scope["method"], route_path(scope), key.scope)
-            return (
-                403,
-                f"this API key's scope does not include this path: it needs a key of scope {scope_name}"
-                + (f"; this key may make {instead}" if instead else ""),
-                [(b"www-authenticate", challenge.encode())],
+            reason = f"this API key's scope does not include this path: it needs a key of scope {scope_name}" + (
+                f"; this key may make {instead}" if instead else ""
             )
-        wait_s = self.keys.wait_s(key)
-        if wait_s:
-            retry_after = max(1, math.ceil(wait_s))
-            log.info("rate-limited key %s (%s)", key.name, key.limit)
-            return (
-                429,
-                f"this API key is over its rate limit of {key.limit}: retry in {retry_after} s",
-                [(b"retry-after", str(retry_after).encode())],
-            )
-        return None
+            return (403, reason, [(b"www-authenticate", challenge)]), []
+        taken = self.keys.take(key)
+        if taken is None:
+            return None, []
+        assert key.limit is not None  # a key with a bucket has a rate
+        limit_headers = key.limit.headers(taken)
+        if not taken.wait_s:
+            return None, limit_headers
+        retry_after = max(1, math.ceil(taken.wait_s))
+        log.info("rate-limited key %s (%s)", key.name, key.limit)
+        reason = f"this API key is over its rate limit of {key.limit}: retry in {retry_after} s"
+        return (429, reason, [(b"retry-after", str(retry_after).encode())]), limit_headers
 
 
 KEY_REFUSALS = {  # answered in front of the app, in the error shape of the path (mnv3.errors)

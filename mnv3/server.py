@@ -351,7 +351,8 @@ def create_app(config: ServerConfig, *engines: Engine) -> FastAPI:
             allow_origins=config.cors_origin_list,
             allow_methods=["GET", "POST"],
             allow_headers=["Authorization", "X-API-Key", "Content-Type"],
-            expose_headers=["Retry-After"],  # for the page's own backing off after a 503 or 429
+            # for a page's own pacing: backing off after a 503 or 429, a rate-limited key's budget
+            expose_headers=["Retry-After", "RateLimit", "RateLimit-Policy"],
             max_age=600,
         )
     return app

@@ -245,6 +245,22 @@ def test_rate_limit_hit_then_recovered(client, clock):
     assert [client.post("/predict", headers=limited).status_code for _ in range(3)] == [200, 200, 429]
 
 
+def test_a_rate_limited_key_is_told_its_budget(client, clock):
+    # The IETF draft's fields: the burst as the quota of the window the rate refills (2 at 30/min: 4 s),
+    # what is left of it and when it is whole again, on answers and on the 429 alike.
+    limited = bearer(LIMITED_KEY)
+    first = client.post("/predict", headers=limited)
+    assert first.headers["ratelimit-policy"] == '"key";q=2;w=4' and first.headers["ratelimit"] == '"key";r=1;t=2'
+    assert client.post("/predict", headers=limited).headers["ratelimit"] == '"key";r=0;t=4'
+    refused = client.post("/predict", headers=limited)
+    assert refused.status_code == 429 and refused.headers["ratelimit"] == '"key";r=0;t=4'
+    clock.now += 3  # 1.5 tokens back; the request takes one
+    assert client.post("/predict", headers=limited).headers["ratelimit"] == '"key";r=0;t=3'
+    assert "ratelimit" not in client.get("/metrics", headers=limited).headers  # a 403 spends nothing
+    assert "ratelimit" not in client.post("/predict", headers=bearer(INFER_KEY)).headers  # a key without a rate
+    assert "ratelimit" not in client.get("/healthz").headers
+
+
 def test_refused_requests_do_not_spend_tokens(client, clock):
     limited = bearer(LIMITED_KEY)
     for _ in range(5):

@@ -234,6 +234,8 @@ def test_a_listed_origins_page_may_call_a_protected_server_and_no_other(fp32_mod
             "/predict", content=photo, headers={"Content-Type": "image/jpeg", "Origin": PAGE, **bearer(INFER_KEY)}
         )
         assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == PAGE
+        exposed = answer.headers["access-control-expose-headers"].lower().split(", ")
+        assert {"retry-after", "ratelimit", "ratelimit-policy"} <= set(exposed)  # a page may pace itself
         refused = c.post("/predict", content=photo, headers={"Content-Type": "image/jpeg", "Origin": PAGE})
         assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == PAGE  # readable
         other = preflight(c, "https://elsewhere.example.com")

@@ -29,6 +29,11 @@ const server = {
 const agreement = {served: null, photos: 0, sameTop1: {}};
 const rpsHistory = [];
 let statsFailed = false;  // the last GET /stats failed: the server may have restarted with other models
+// A rate-limited key's budget, from the last answer's RateLimit-Policy and RateLimit fields (mnv3.auth):
+// {perS, burst, remaining}, or null for a key without a rate (or no key).
+let keyBudget = null;
+const STATS_SHARE_OF_RATE = 0.25;  // the live panel spends at most this much of a rate-limited key's rate...
+const BURST_KEPT_FOR_PHOTOS = 0.5;  // ...and nothing while photos have left less than this much of its burst
 
 // ----------------------------------------------------------------------------------------- formatting
 
@@ -75,13 +80,31 @@ async function api(url, options = {}) {
   for (;;) {
     const key = sessionStorage.getItem(KEY_STORAGE);
     const response = await fetch(url, key ? {...options, headers: {Authorization: `Bearer ${key}`}} : options);
-    if (response.status !== 401) return response;
+    if (response.status !== 401) {
+      noteKeyBudget(response);
+      return response;
+    }
     // Photos sent meanwhile wait for the key too: say so on their cards rather than "Classifying…".
     for (const pending of document.querySelectorAll("#photos .pending")) pending.textContent = "Waiting for an API key…";
     await askForKey(key ? "The server did not accept this tab's API key: enter another."
                         : "This server needs an API key.");
     for (const pending of document.querySelectorAll("#photos .pending")) pending.textContent = "Classifying…";
   }
+}
+
+function noteKeyBudget(response) {
+  const policy = /;q=(\d+);w=(\d+)/.exec(response.headers.get("RateLimit-Policy"));
+  const now = /;r=(\d+)/.exec(response.headers.get("RateLimit"));
+  keyBudget = policy && now ? {perS: policy[1] / policy[2], burst: Number(policy[1]), remaining: Number(now[1])} : null;
+}
+
+// How long the live panel waits before asking for GET /stats again: its refresh interval, or longer for a
+// rate-limited key, whose budget is the photos' first (a 30/min key would otherwise go on the panel alone).
+function statsDelayMs() {
+  if (!keyBudget) return STATS_EVERY_MS;
+  const kept = Math.ceil(BURST_KEPT_FOR_PHOTOS * keyBudget.burst);
+  const untilKept = Math.max(0, kept - keyBudget.remaining) / keyBudget.perS;
+  return Math.max(STATS_EVERY_MS, 1000 / (STATS_SHARE_OF_RATE * keyBudget.perS), 1000 * untilKept);
 }
 
 function askForKey(reason) {
@@ -444,7 +467,7 @@ async function refreshStats() {
     if (response.status === 429) {  // this key's rate: keep the figures, and spend none of its budget for a while
       const waitS = retryAfterS(response);
       $("live-window").textContent = `Figures from before: this key is over its rate; asking again in ${waitS} s.`;
-      return Math.max(STATS_EVERY_MS, 1000 * waitS);
+      return Math.max(statsDelayMs(), 1000 * waitS);
     }
     if (!response.ok) throw new Error(`GET /stats answered ${response.status}`);
     stats = await response.json();
@@ -468,12 +491,14 @@ async function refreshStats() {
     if (server.models.length) loadModels();  // back after it stopped, or other models: what is served now?
     statsFailed = false;
   }
-  renderStats(stats);
-  return STATS_EVERY_MS;
+  const delayMs = statsDelayMs();
+  renderStats(stats, delayMs);
+  return delayMs;
 }
 
-function renderStats(stats) {
-  $("live-window").textContent = `${windowLabel(stats.window_s)} Refreshed every ${STATS_EVERY_MS / 1000} s. ` +
+function renderStats(stats, delayMs) {
+  const paced = delayMs > STATS_EVERY_MS ? " (this key's rate goes to photos first)" : "";
+  $("live-window").textContent = `${windowLabel(stats.window_s)} Refreshed every ${Number((delayMs / 1000).toFixed(1))} s${paced}. ` +
     "Quantiles are estimated from histogram buckets; counts and means are exact.";
   $("stat-rps").textContent = stats.requests_per_s.toFixed(1);
   $("stat-requests").textContent = String(stats.requests);
