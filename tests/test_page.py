@@ -422,6 +422,16 @@ def test_a_protected_server_gets_a_key_from_the_page_for_this_tab_only(browser, 
             ).json()
             assert [p["class_id"] for p in shown] == [p["class_id"] for p in answer["predictions"]]
             page.wait_for_function("() => Number(document.getElementById('stat-requests').textContent) >= 1")
+            # The metrics link sends the tab's key (a plain link would open a 401): an infer key is refused.
+            with browser.context.expect_page() as opened_tab:
+                page.get_by_role("link", name="Prometheus metrics").click()
+            metrics_tab = opened_tab.value
+            try:
+                metrics_tab.wait_for_url("blob:**")
+                shown = metrics_tab.locator("body").inner_text()
+                assert shown.startswith("GET /metrics answered 403 to this tab's API key") and "scope admin" in shown
+            finally:
+                metrics_tab.close()
 
             # Kept in this tab's sessionStorage, nowhere else: a new tab asks again.
             assert page.evaluate("[sessionStorage.getItem('mnv3-api-key'), localStorage.length]") == [key, 0]

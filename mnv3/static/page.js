@@ -456,6 +456,22 @@ function wireInputs() {
   });
 }
 
+// With keys on, the plain link would open /metrics without the key (a navigation sends no header): a 401.
+// With this tab's key the page fetches them and opens the text, or the refusal (an infer key's 403).
+function wireMetricsLink() {
+  $("metrics-link").addEventListener("click", async (event) => {
+    const key = sessionStorage.getItem(KEY_STORAGE);
+    if (!key) return;  // no key in use: the link as it is
+    event.preventDefault();
+    const tab = window.open("", "_blank");  // opened during the click, so no popup blocker stops it
+    if (!tab) return;
+    const response = await fetch("metrics", {headers: {Authorization: `Bearer ${key}`}, cache: "no-store"});
+    const text = await response.text();
+    const shown = response.ok ? text : `GET /metrics answered ${response.status} to this tab's API key:\n\n${text}\n`;
+    tab.location = URL.createObjectURL(new Blob([shown], {type: "text/plain"}));
+  });
+}
+
 // ------------------------------------------------------------------------------------------ live panel
 
 // Returns how long to wait before asking again: the refresh interval, or a 429's Retry-After.
@@ -587,5 +603,6 @@ document.addEventListener("visibilitychange", () => {
 
 if (!KEY_CHARACTERS.test(sessionStorage.getItem(KEY_STORAGE) ?? "-")) sessionStorage.removeItem(KEY_STORAGE);
 wireInputs();
+wireMetricsLink();
 loadModels();
 statsLoop();
