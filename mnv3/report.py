@@ -28,7 +28,7 @@ def cpu_info() -> dict:
 
 
 def library_versions() -> dict:
-    versions = {}
+    versions = {"python": platform.python_version()}
     for name in LIBRARIES:
         try:
             versions[name] = metadata.version(name)
