@@ -527,10 +527,16 @@ def server_config(args) -> ServerConfig:
     """The replicas' ServerConfig from --model (or stage 2's) and the server flags."""
     model, _ = cli.serving_model(args)
     config = parse_server_args(["--model", str(model), *args.server_flags], prog=PROG)
-    if not (args.address or args.bench) and args.replicas * args.num_cpus > os.cpu_count():
-        # Ray would wait forever for CPUs this machine does not have.
+    if args.max_replicas is None and args.min_replicas is not None:
+        raise cli.UsageError("--min-replicas is autoscaling's floor: give --max-replicas too")
+    floor = args.replicas if args.min_replicas is None else args.min_replicas
+    if args.max_replicas is not None and floor > args.max_replicas:
+        raise cli.UsageError(f"--max-replicas {args.max_replicas} is below the autoscaling floor {floor}")
+    most, flag = (args.max_replicas, "--max-replicas") if args.max_replicas else (args.replicas, "--replicas")
+    if not (args.address or args.bench) and most * args.num_cpus > os.cpu_count():
+        # Ray would wait forever for CPUs this machine does not have (autoscaling: for replicas it never starts).
         raise cli.UsageError(
-            f"--replicas {args.replicas} x --num-cpus {args.num_cpus:g} is more than this "
+            f"{flag} {most} x --num-cpus {args.num_cpus:g} is more than this "
             f"machine's {os.cpu_count()} CPUs; lower --num-cpus (fractions such as 0.5 work)"
         )
     return config

@@ -132,6 +132,23 @@ def test_more_cpus_than_the_machine_has_is_one_line_and_exit_2(fp32_model_path, 
     assert error.startswith("error: --replicas") and "lower --num-cpus" in error and error.count("\n") == 1
 
 
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--max-replicas", str(os.cpu_count() + 1)], "--max-replicas"),  # autoscaling towards CPUs not there
+        (["--min-replicas", "2"], "give --max-replicas too"),  # a floor without autoscaling
+        (["--replicas", "2", "--max-replicas", "1"], "below the autoscaling floor 2"),
+        (["--min-replicas", "2", "--max-replicas", "1"], "below the autoscaling floor 2"),  # was pydantic's traceback
+    ],
+)
+def test_replica_counts_that_cannot_work_are_one_line_and_exit_2(fp32_model_path, capsys, flags, says):
+    with pytest.raises(SystemExit) as exit_info:
+        ray_serve.main(ray_serve.parse_args(["--model", str(fp32_model_path), "--num-cpus", "1", *flags]))
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: ") and says in error and error.count("\n") == 1
+
+
 def test_build_app_makes_every_model_path_absolute_and_keeps_names_and_backends(fp32_model_path, tmp_path, monkeypatch):
     (tmp_path / "artifacts").mkdir()
     for name in ("fp32.onnx", "class_names.json"):
