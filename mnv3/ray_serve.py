@@ -10,8 +10,8 @@ start) inside the replica. Ray adds an HTTP proxy in front that routes each requ
 free capacity, queues up to `max_queued_requests` when all are busy, and refuses beyond that with 503.
 
 With `api_keys` (a key file, in the config file's `args:` or as --api-keys) every replica protects its app
-as the plain server does (`mnv3.auth`); the file is read once when the application is built (and the model
-paths checked), so a bad one fails the build, not the replicas, and each replica reads it again for its own
+as the plain server does (`mnv3.auth`); the file is read once when the application is built (and every model
+opened once), so a bad one fails the build, not the replicas, and each replica reads it again for its own
 rate-limit buckets.
 
 Ray is an optional dependency (requirements-ray.txt): only mnv3.ray_cluster, Ray's other module, imports this one.
@@ -40,7 +40,7 @@ from mnv3.artifacts import RAY_SERVE_CSV
 from mnv3.auth import KeyFileError, exposure_warning, load_key_file
 from mnv3.config import ServerConfig
 from mnv3.config import parse_args as parse_server_args
-from mnv3.engine import ModelLoadError, check_model_file
+from mnv3.engine import Engine, ModelLoadError
 from mnv3.errors import RETRY_AFTER_S
 from mnv3.photos import load_images
 
@@ -328,11 +328,11 @@ def build(
     else:
         scaling = {"num_replicas": replicas}
     config = with_absolute_paths(config)
-    # Checked here, once, where `serve deploy` can still refuse the update: found only by the replicas, a
-    # mistake stopped the running version's replicas (Ray replaces them before it starts the new ones on a
-    # full cluster) and left none.
+    # Opened here, once, where `serve deploy` can still refuse the update: found only by the replicas, a
+    # missing or unloadable model stopped the running version's replicas (Ray replaces them before it starts
+    # the new ones on a full cluster) and left none; under mnv3-ray-serve it was Ray's page of tracebacks.
     for spec in config.models:
-        check_model_file(spec.path)
+        Engine.load(spec.path, config.backend_of(spec), intra_op_threads=1)
     if config.api_keys:
         load_key_file(config.api_keys)  # a KeyFileError here, once, rather than in every replica
     # serve.deployment made the class a Deployment, which mypy cannot see through the decorator.

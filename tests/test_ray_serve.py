@@ -237,11 +237,16 @@ def test_a_busy_port_is_one_line_before_any_ray_process(fp32_model_path, capsys)
     "args, problem",
     [
         ({"model": "artifacts/nope.onnx"}, "model file .*nope.onnx not found"),
+        ({"model": "CORRUPT"}, "corrupt.onnx is not a loadable ONNX model"),
         ({"cache_size": "lots"}, "cache_size: 'lots' is not a whole number"),
         ({"max_batch_size": 2.9}, "max_batch_size: 2.9 is not a whole number"),
     ],
 )
-def test_a_config_files_mistake_fails_the_build_not_the_replicas(fp32_model_path, args, problem):
+def test_a_config_files_mistake_fails_the_build_not_the_replicas(fp32_model_path, tmp_path, args, problem):
     # Found only by the replicas, a bad model path in `serve deploy` stopped the running version and left none.
+    if args.get("model") == "CORRUPT":
+        corrupt = tmp_path / "corrupt.onnx"
+        corrupt.write_bytes(fp32_model_path.read_bytes()[:100_000])  # a copy cut short
+        args = {"model": str(corrupt)}
     with pytest.raises(ValueError if "whole" in problem else server.ModelLoadError, match=problem):
         ray_serve.build_app({"model": str(fp32_model_path)} | args)
