@@ -137,6 +137,29 @@ def test_onnxruntime_serving_never_imports_openvino(fp32_model_path):
     assert result.stdout.strip().endswith("openvino imported: False")
 
 
+def test_openvino_sends_no_telemetry_from_mnv3(fp32_model_path, openvino_installed, tmp_path):
+    # With no consent file in ~/intel, `import openvino` (its model converter) and NNCF count as consent and
+    # send usage events to Google Analytics: importing mnv3 leaves both on their no-op stubs.
+    code = (
+        "import sys; from mnv3.engine import Engine; Engine.load(sys.argv[1], 'openvino'); import nncf; "
+        "import openvino.tools.ovc.telemetry_utils as ovc; from nncf.telemetry import wrapper; "
+        "print(ovc.tm.__name__, type(wrapper.telemetry).__name__)"
+    )
+    home = tmp_path / "home"  # a fresh home: no consent file, as on a new machine or container
+    home.mkdir()
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(fp32_model_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "HOME": str(home)},
+    )
+    assert result.returncode == 0, result.stderr
+    # (without mnv3: openvino_telemetry and NNCFTelemetry, and ~/intel holding a client id and stats)
+    assert result.stdout.split() == ["openvino.tools.ovc.telemetry_stub", "MagicMock"]  # NNCF's stub is a MagicMock
+    assert list(home.iterdir()) == []
+
+
 def nncf_build(fp32_model_path, out_path, graph_rewrites=(), quantize_logits=False) -> tuple[Path, np.ndarray]:
     """An NNCF INT8 build of the fixture, and the 8 photos it was calibrated on."""
     pytest.importorskip("nncf", reason="optional: pip install -r requirements-openvino.txt")
