@@ -109,6 +109,8 @@ class OpenVINOSession:
         shape = model.inputs[0].partial_shape  # Engine refuses files with other than one input, after this
         self._alone: ov.InferRequest | None = None
         self._parts: dict[int, ov.AsyncInferQueue] = {}
+        self._compiled: dict[int, ov.CompiledModel] = {}  # each part size's, to build its queue anew
+        self._jobs = jobs
         if shape.rank.is_static and shape.rank.get_length() > 0 and shape[0].is_dynamic:
             self._alone = core.compile_model(at_batch(model, 1), DEVICE, latency).create_infer_request()
             part_size = part_size or DEFAULT_PART_SIZE  # None: stage 2 measured none for this file
@@ -121,9 +123,8 @@ class OpenVINOSession:
             # A file fixed at one image is the single-image path: every thread, as the batch-1 model.
             config = parts if self._alone or size > 1 else latency
             compiled = core.compile_model(at_batch(model, size) if self._alone else model, DEVICE, config)
-            queue = ov.AsyncInferQueue(compiled, jobs)
-            queue.set_callback(self._copy_out)
-            self._parts[size] = queue
+            self._compiled[size] = compiled
+            self._parts[size] = self._queue(compiled)
             self._output_rows = [(tuple(o.get_shape())[1:], o.get_element_type().to_dtype()) for o in compiled.outputs]
         if not any(size > 1 for size in sizes):  # nothing but single images: they run on every thread
             self.batch_threads = threads
@@ -147,13 +148,28 @@ class OpenVINOSession:
             sizes = split_batch(len(batch), self._parts, self.streams)
             self._out = [np.empty((len(batch), *shape), dtype) for shape, dtype in self._output_rows]
             offset = 0
-            for size in sizes:
-                # Each part is a view of the batch (contiguous rows), read in place by its request.
-                self._parts[size].start_async({0: batch[offset : offset + size]}, offset, share_inputs=True)
-                offset += size
+            try:
+                for size in sizes:
+                    # Each part is a view of the batch (contiguous rows), read in place by its request.
+                    self._parts[size].start_async({0: batch[offset : offset + size]}, offset, share_inputs=True)
+                    offset += size
+            except Exception:
+                # A request whose start_async raised never goes back to its queue's idle requests (OpenVINO's
+                # AsyncInferQueue), so after as many failures as the queue has requests every later call would
+                # wait forever. The parts already started finish (none writes into a later call's outputs), and
+                # the failed part's queue is built anew.
+                for started in set(sizes):
+                    self._parts[started].wait_all()
+                self._parts[size] = self._queue(self._compiled[size])
+                raise
             for size in set(sizes):
                 self._parts[size].wait_all()
             return self._out
+
+    def _queue(self, compiled: ov.CompiledModel) -> ov.AsyncInferQueue:
+        queue = ov.AsyncInferQueue(compiled, self._jobs)
+        queue.set_callback(self._copy_out)
+        return queue
 
     def _copy_out(self, request: ov.InferRequest, offset: int) -> None:
         """A part's callback: its rows of every output, copied out of the request's reused buffers."""

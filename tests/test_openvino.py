@@ -3,6 +3,7 @@
 import hashlib
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -135,6 +136,58 @@ def test_onnxruntime_serving_never_imports_openvino(fp32_model_path):
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().endswith("openvino imported: False")
+
+
+def run_within(session, rows: np.ndarray, timeout_s: float = 30) -> np.ndarray:
+    """`session.run` on a daemon thread: a call that hangs fails the test instead of hanging it."""
+    outcome: list = []
+
+    def call():
+        try:
+            outcome.append(session.run(None, {"input": rows})[0])
+        except Exception as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    assert outcome, f"the engine did not answer within {timeout_s} s"
+    if isinstance(outcome[0], Exception):
+        raise outcome[0]
+    return outcome[0]
+
+
+def test_batches_that_fail_to_start_leave_the_engine_serving(fp32_model_path, openvino_installed):
+    # OpenVINO's AsyncInferQueue keeps a request whose start_async raised busy for good: after as many failures
+    # as a queue has requests, every later batch waited for ever (a server answering 504 to everything).
+    session = Engine.load(fp32_model_path, "openvino", max_batch_size=8).session
+    rows = np.stack([preprocess(decode_image(data)) for data in load_images(8, seed=3)])
+    expected = run_within(session, rows)
+    wrong_shape = np.zeros((8, 3, 200, 224), np.float32)
+    for _ in range(2 * sum(len(queue) for queue in session._parts.values()) + 1):
+        with pytest.raises(RuntimeError):
+            run_within(session, wrong_shape)
+
+    class FailsSecondStart:  # a batch whose first part started and whose second did not
+        calls = 0
+
+        def __init__(self, queue):
+            self.queue = queue
+
+        def start_async(self, *args, **kwargs):
+            FailsSecondStart.calls += 1
+            if FailsSecondStart.calls == 2:
+                raise RuntimeError("injected")
+            return self.queue.start_async(*args, **kwargs)
+
+        def wait_all(self):
+            self.queue.wait_all()
+
+    session._parts = {size: FailsSecondStart(queue) for size, queue in session._parts.items()}
+    with pytest.raises(RuntimeError, match="injected"):
+        run_within(session, rows)
+    for _ in range(3):
+        np.testing.assert_array_equal(run_within(session, rows), expected)
 
 
 def test_openvino_sends_no_telemetry_from_mnv3(fp32_model_path, openvino_installed, tmp_path):
