@@ -68,7 +68,9 @@ class Metrics:
             buckets=(1, 2, 4, 8, 16, 32, 64, 128),
             registry=registry,
         )
-        self.rejections = Counter("mnv3_rejections", "requests refused, by reason", ["reason"], registry=registry)
+        self.rejections = Counter(
+            "mnv3_rejections", "requests refused or failed, by reason", ["reason"], registry=registry
+        )
         for reason in REJECTION_REASONS:
             self.rejections.labels(reason)  # exported as 0 before the first rejection
         self._live = _LiveCounts(self.labelled, in_flight)

@@ -151,7 +151,11 @@ class ServedModel:
     def _run_batch(self, batch: np.ndarray) -> np.ndarray:
         with self.inference_lock:
             started = time.perf_counter()
-            probabilities = self.engine.predict(batch)
+            try:
+                probabilities = self.engine.predict(batch)
+            except InferenceError as exc:  # its requests get a 500 each; the log says why, once a batch
+                log.error("model %s: %s (its %d requests get 500)", self.name, exc, len(batch))
+                raise
             self.metrics.inference.observe(time.perf_counter() - started)
         self.metrics.batch_size.observe(len(batch))
         return probabilities

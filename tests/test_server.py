@@ -260,7 +260,7 @@ class FailingSession:
         return getattr(self.session, name)
 
 
-def test_onnxruntime_error_fails_only_its_batch_and_the_server_serves_on(fp32_model_path, images):
+def test_onnxruntime_error_fails_only_its_batch_and_the_server_serves_on(fp32_model_path, images, caplog):
     with (
         serving_client(fp32_model_path, max_batch_size=4, batch_window_ms=100, cache_size=0) as client,
         ThreadPoolExecutor(3) as pool,
@@ -278,6 +278,10 @@ def test_onnxruntime_error_fails_only_its_batch_and_the_server_serves_on(fp32_mo
             assert "onnxruntime failed on a batch of 2" in failed.result().json()["detail"]
         assert gate.batch_sizes == [1, 2]
         assert post_file(client, images[3]).status_code == 200
+        # The operator sees it: one ERROR line for the batch, and the failures counted.
+        failures = [r for r in caplog.records if r.levelname == "ERROR" and "failed on a batch" in r.getMessage()]
+        assert len(failures) == 1 and "its 2 requests get 500" in failures[0].getMessage()
+        assert 'mnv3_rejections_total{reason="inference_failed"} 2.0' in client.get("/metrics").text
 
 
 def run_server(*args):
