@@ -41,6 +41,7 @@ MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 # What follows a model file's '@' when it was meant as a backend: a word, no file suffix or folder.
 BACKEND_LIKE = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
 ORIGIN = re.compile(r"https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?")  # what a browser sends in Origin: no path
+ROOT_PATH = re.compile(r"(/[A-Za-z0-9._~-]+)+")  # a URL path of one or more segments, no trailing slash
 
 
 def flag(name: str) -> str:
@@ -216,7 +217,23 @@ class ServerConfig:
         "https://app.example.com, or * for any); empty: only pages the server serves itself",
     )
 
+    # Behind a reverse proxy that serves the app under a prefix and strips it (nginx: location /mnv3/ {
+    # proxy_pass http://backend/; }), the API docs' URLs need the prefix; the page's are relative already.
+    root_path: str = _option(
+        "", "the path prefix a reverse proxy serves the app under and strips, e.g. /mnv3 (for the API docs' URLs)"
+    )
+    forwarded_allow_ips: str = _option(
+        "",
+        "addresses of proxies whose X-Forwarded-For and X-Forwarded-Proto are trusted, so the access log "
+        "names the client (comma-separated IPs or networks, or *); empty: uvicorn's FORWARDED_ALLOW_IPS, "
+        "else 127.0.0.1",
+    )
+
     def __post_init__(self):
+        if self.root_path and not ROOT_PATH.fullmatch(self.root_path):
+            raise SettingError(
+                "root_path", f"{self.root_path!r} is not a path prefix: write /NAME[/NAME...], e.g. /mnv3"
+            )
         for f in fields(self):
             value, minimum, maximum = getattr(self, f.name), f.metadata.get("minimum"), f.metadata.get("maximum")
             # NaN passes every comparison below (NaN < 1 is False), and infinity is no duration or size.

@@ -485,6 +485,8 @@ def main(argv=None) -> None:
         # typed int, but uvicorn waits with asyncio.wait_for, which takes a float
         timeout_graceful_shutdown=config.shutdown_timeout_s,  # type: ignore[arg-type]
         timeout_keep_alive=config.keep_alive_s,  # type: ignore[arg-type]
+        root_path=config.root_path,
+        forwarded_allow_ips=config.forwarded_allow_ips or None,  # None: uvicorn's own default
     )
 
 

@@ -85,6 +85,13 @@ def test_a_port_past_65535_is_refused_not_wrapped():
         ServerConfig(model="a.onnx", port=99999)
 
 
+@pytest.mark.parametrize("prefix", ["mnv3", "/mnv3/", "/", "https://x/mnv3", "/a b"])
+def test_a_root_path_that_is_not_a_path_prefix_is_refused(prefix):
+    assert ServerConfig(model="a.onnx", root_path="/api/mnv3").root_path == "/api/mnv3"
+    with pytest.raises(ValueError, match="is not a path prefix: write /NAME"):
+        ServerConfig(model="a.onnx", root_path=prefix)
+
+
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
 @pytest.mark.parametrize("setting", ["deadline_ms", "batch_window_ms", "body_timeout_s", "shutdown_timeout_s"])
 def test_a_duration_that_is_not_a_finite_number_is_refused(setting, value, capsys):

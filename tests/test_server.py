@@ -10,13 +10,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+import requests
 from PIL import Image
 
 from conftest import WAIT_S, Gate, post_file, post_raw, serving_client, wait_until
 from mnv3.artifacts import CLASS_NAMES_JSON
 from mnv3.config import parse_args
 from mnv3.engine import Engine
-from mnv3.loadtest import parse_metrics
+from mnv3.loadtest import ServerProcess, parse_metrics
 from mnv3.photos import load_images
 from mnv3.preprocess import decode_image, preprocess
 from mnv3.thread_cpu import EVENT_LOOP, INFERENCE, PREPROCESS, ROLES
@@ -282,6 +283,23 @@ def test_onnxruntime_error_fails_only_its_batch_and_the_server_serves_on(fp32_mo
         failures = [r for r in caplog.records if r.levelname == "ERROR" and "failed on a batch" in r.getMessage()]
         assert len(failures) == 1 and "its 2 requests get 500" in failures[0].getMessage()
         assert 'mnv3_rejections_total{reason="inference_failed"} 2.0' in client.get("/metrics").text
+
+
+@pytest.mark.parametrize("trusted", ["", "10.0.0.1"])
+def test_behind_a_proxy_the_docs_carry_its_prefix_and_the_log_its_client(fp32_model_path, trusted):
+    # A reverse proxy on 127.0.0.1 serving the app under /mnv3 and stripping it: the page's URLs are relative,
+    # the API docs' need the prefix; the client's address comes from X-Forwarded-For if the proxy is trusted.
+    server = ServerProcess(fp32_model_path, log_level="info", root_path="/mnv3", forwarded_allow_ips=trusted or None)
+    with server as url:
+        docs = requests.get(url + "/docs", timeout=WAIT_S).text
+        assert "url: '/mnv3/openapi.json'" in docs and 'src="/mnv3/docs/swagger-ui-bundle.js"' in docs
+        assert requests.get(url + "/openapi.json", timeout=WAIT_S).json()["servers"] == [{"url": "/mnv3"}]
+        assert requests.get(url + "/healthz", headers={"X-Forwarded-For": "203.0.113.8"}, timeout=WAIT_S).ok
+        wait_until(
+            lambda: "GET /mnv3/healthz" in server.output_tail(), "the access-log line"
+        )  # the path as the client asked
+        client = "203.0.113.8" if not trusted else "127.0.0.1"  # by default uvicorn trusts 127.0.0.1 only
+        assert f"{client}:" in next(line for line in server.output_tail().splitlines() if "GET /mnv3/healthz" in line)
 
 
 def run_server(*args):
