@@ -1,9 +1,10 @@
 """Reading an uploaded image from a request: bounded in size and in time, streamed.
 
 `read_upload` returns the bytes of a multipart field 'file' or of a raw image/* (or octet-stream) body,
-`read_body` a whole body of any type (the Open Inference Protocol's JSON or binary requests). Either never holds
-more than `limit` bytes of a body (a Content-Length over it is refused before reading; a chunked or
-lying one is cut off as it arrives) and never waits past `timeout_s` for them, so one slow or huge
+`read_body` a whole body of any type (the Open Inference Protocol's JSON or binary requests; gzip or deflate
+compressed too, as Triton takes them). Either never holds more than `limit` bytes of a body, compressed or
+inflated (a Content-Length over it is refused before reading; a chunked or lying one is cut off as it
+arrives) and never waits past `timeout_s` for them, so one slow or huge
 client cannot hold memory or an admission slot for long. Every refusal is a `BadUpload` subclass from
 `mnv3.errors`, which gives its status. `CloseUnreadBody` closes the connection after an answer sent before
 its request's body arrived in full (a wrong content type, an unknown model, a busy server), unless the rest
@@ -17,6 +18,7 @@ thread pool, and hold every other field too, none of which an image upload needs
 
 import asyncio
 import re
+import zlib
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from typing import TYPE_CHECKING
 
@@ -52,9 +54,43 @@ async def _within(timeout_s: float, reading: Awaitable[bytes]) -> bytes:
         raise SlowUpload(f"the request body did not arrive within {timeout_s:g} s") from None
 
 
+# Content codings a whole body (read_body: the Open Inference Protocol's requests) may come in, as Triton takes
+# them (tritonclient's request_compression_algorithm), with zlib's window bits for each. HTTP's "deflate" is
+# zlib's format (RFC 9110, 8.4.1.2), which is what tritonclient sends.
+CONTENT_CODINGS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+
+
 async def _read_body(request: Request, limit: int) -> bytes:
     _check_declared_length(request, limit)
-    return b"".join([chunk async for chunk in _bounded(request.stream(), limit)])
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    chunks = _bounded(request.stream(), limit)
+    if encoding == "identity":
+        return b"".join([chunk async for chunk in chunks])
+    if encoding not in CONTENT_CODINGS:
+        raise UnsupportedMediaType(
+            f"Content-Encoding {encoding!r} not accepted: send the body as it is, gzip or deflate"
+        )
+    return await _inflated(chunks, encoding, limit)
+
+
+async def _inflated(chunks: AsyncIterator[bytes], encoding: str, limit: int) -> bytes:
+    """A gzip or deflate body decompressed, never to more than `limit` bytes: a few kilobytes of it can
+    inflate to gigabytes."""
+    inflater = zlib.decompressobj(CONTENT_CODINGS[encoding])
+    parts: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in chunks:
+            part = inflater.decompress(chunk, limit + 1 - size)  # one byte past the limit at most
+            size += len(part)
+            if size > limit:
+                raise BodyTooLarge(f"the {encoding} body inflates to over the limit of {limit} bytes")
+            parts.append(part)
+        if not inflater.eof:
+            raise BadUpload(f"the {encoding} body ends before its compressed data does")
+    except zlib.error as exc:
+        raise BadUpload(f"the body is not valid {encoding} ({exc})") from None
+    return b"".join(parts)
 
 
 def declared_length(request: Request) -> int | None:

@@ -159,6 +159,25 @@ def parse_infer_request(body: bytes, header_length: str | None, model: ModelDesc
     return InferRequest(request_id, images, pixels, _requested_outputs(header.get("outputs")), binary_output)
 
 
+# Triton's extensions this server does not offer, by the paths their clients call, and what to do instead:
+# a 404 there names the extension rather than a model called "stats" or a bare "Not Found".
+UNOFFERED_EXTENSIONS = [
+    (r"/models(/[^/]+(/versions/[^/]+)?)?/stats", "statistics", "read GET /metrics (Prometheus) or GET /stats"),
+    (r"/repository(/.*)?", "model repository", "the models are the --model flags the server started with"),
+    (r"/(system|cuda)sharedmemory(/.*)?", "shared memory", "send tensors in the request, binary or JSON"),
+    (r"(/models/[^/]+(/versions/[^/]+)?)?/trace(/.*)?", "trace", "GET /metrics times every stage"),
+    (r"/logging", "logging", "the server's --log-level sets it at start-up"),
+]
+
+
+def unoffered_extension(path: str) -> str | None:
+    """For a path of a Triton extension this server does not offer, the 404's message saying so."""
+    for pattern, extension, instead in UNOFFERED_EXTENSIONS:
+        if re.fullmatch(re.escape(PATH_PREFIX) + pattern, path):
+            return f"this server does not offer Triton's {extension} extension (GET /v2 lists those it does): {instead}"
+    return None
+
+
 def is_protocol_path(path: str) -> bool:
     """Whether a request path is the protocol's, so that any error on it answers in `error_body`'s shape."""
     return path == PATH_PREFIX or path.startswith(PATH_PREFIX + "/")
@@ -216,7 +235,8 @@ def _the_one_input(inputs) -> dict:
     if len(inputs) > 1:
         raise _bad(
             f"send one input, not {len(inputs)} ({', '.join(names)}): {IMAGE_INPUT} for encoded "
-            f"images or {PIXELS_INPUT} for a preprocessed tensor"
+            f"images or {PIXELS_INPUT} for a preprocessed tensor (perf_analyzer sends every input unless its "
+            "--input-data file holds one: python -m mnv3.perf_analyzer_setup writes one of photos)"
         )
     return inputs[0]
 
@@ -249,6 +269,7 @@ def _batch_size(name: str, shape: list[int], model: ModelDescription) -> int:
 def _input_bytes(tensor: dict, body: bytes, json_end: int) -> bytes | None:
     """The tensor's binary section, or None if its data is in the JSON; the body holds nothing else."""
     name, parameters = tensor["name"], _object(tensor.get("parameters", {}), f"{tensor['name']}'s parameters")
+    _refuse_shared_memory(name, parameters)
     size = parameters.get("binary_data_size")
     if size is None:
         if "data" not in tensor:
@@ -344,12 +365,21 @@ def _requested_outputs(outputs) -> tuple[RequestedOutput, ...]:
         if any(seen.name == name for seen in requested):
             raise _bad(f"output {name} is requested twice")
         parameters = _object(output.get("parameters", {}), f"output {name}'s parameters")
+        _refuse_shared_memory(f"output {name}", parameters)  # else answered inline while the client reads its region
         binary = parameters.get("binary_data")
         k = parameters.get("classification")
         if k is not None and (type(k) is not int or k < 1):
             raise _bad(f"classification must be a positive integer (the top k), got {k!r}")
         requested.append(RequestedOutput(name, None if binary is None else _flag(binary, "binary_data"), k))
     return tuple(requested)
+
+
+def _refuse_shared_memory(what: str, parameters: dict) -> None:
+    if "shared_memory_region" in parameters:
+        raise _bad(
+            f"{what} names a shared memory region, and this server has no shared memory extension (GET /v2 "
+            "lists its extensions): send the tensor in the request, binary or JSON"
+        )
 
 
 def _object(value, what: str) -> dict:

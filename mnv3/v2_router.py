@@ -13,6 +13,7 @@ deadline...), and is counted in `mnv3_rejections_total` as /predict's are.
 """
 
 import asyncio
+import math
 import time
 from collections.abc import Callable, Coroutine
 from typing import Annotated, Any
@@ -26,13 +27,15 @@ from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mnv3.auth import route_path
-from mnv3.errors import ERRORS, error_response
+from mnv3.errors import ERRORS, BodyTooLarge, error_response
 from mnv3.preprocess import InvalidImage
 from mnv3.serving import ServedModel, Serving, serving, unless_disconnected
 from mnv3.uploads import read_body
 from mnv3.v2_protocol import (
     HEADER_LENGTH,
+    IMAGE_INPUT,
     PATH_PREFIX,
+    PIXELS_INPUT,
     InferRequest,
     ModelDescription,
     V2Error,
@@ -43,6 +46,7 @@ from mnv3.v2_protocol import (
     model_metadata,
     parse_infer_request,
     server_metadata,
+    unoffered_extension,
 )
 
 MODEL_VERSION = "1"  # one version per model: the file it was started with
@@ -101,8 +105,10 @@ async def http_error_in_shape(request: Request, exc: Exception) -> Response:
     """The app's handler of Starlette's HTTP errors (404 no such path, 405 wrong method): `{"error": ...}`
     under /v2, where Triton's clients read nothing else, and FastAPI's `{"detail": ...}` elsewhere."""
     assert isinstance(exc, StarletteHTTPException)  # the only class it is registered for
-    if is_protocol_path(route_path(request.scope)):
-        return JSONResponse(error_body(str(exc.detail)), exc.status_code, headers=exc.headers)
+    path = route_path(request.scope)
+    if is_protocol_path(path):
+        message = (exc.status_code == 404 and unoffered_extension(path)) or str(exc.detail)
+        return JSONResponse(error_body(message), exc.status_code, headers=exc.headers)
     return await http_exception_handler(request, exc)
 
 
@@ -165,7 +171,8 @@ async def named_model(
 ) -> ServedModel:
     s: Serving = request.app.state.serving
     if name not in s.models:
-        raise V2Error(404, f"unknown model {name!r}; this server serves {', '.join(s.models)}")
+        unoffered = unoffered_extension(route_path(request.scope))  # GET /v2/models/stats: all models' statistics
+        raise V2Error(404, unoffered or f"unknown model {name!r}; this server serves {', '.join(s.models)}")
     return s.models[name]
 
 
@@ -303,8 +310,16 @@ async def _infer(request: Request, model: ServedModel, s: Serving) -> Response:
     deadline = asyncio.get_running_loop().time() + s.config.deadline_ms / 1000
     try:
         with s.admit():
-            body = await read_body(request, s.config.max_upload_bytes, s.config.body_timeout_s)
             described = description(model)
+            try:
+                body = await read_body(request, s.config.max_upload_bytes, s.config.body_timeout_s)
+            except BodyTooLarge as exc:  # /config's max_batch_size rows of PIXELS may not fit the body limit
+                row = 4 * math.prod(described.input_shape)
+                raise BodyTooLarge(
+                    f"{exc} (--max-upload-bytes): {PIXELS_INPUT} takes {row} bytes a row in binary, so "
+                    f"{s.config.max_upload_bytes // row} rows fit; send fewer a request, encoded images as "
+                    f"{IMAGE_INPUT}, or raise the limit"
+                ) from None
             parsed = parse_infer_request(body, request.headers.get(HEADER_LENGTH), described)
             probabilities = np.stack(await unless_disconnected(request, _rows(model, parsed, deadline)))
     finally:

@@ -263,6 +263,18 @@ def tritonclient_body(*inputs, outputs=None):
     return request_body(list(inputs), outputs=outputs)
 
 
+def _in_shared_memory() -> InferInput:
+    tensor = InferInput(IMAGE_INPUT, [1], "BYTES")
+    tensor.set_shared_memory("region0", 1024)
+    return tensor
+
+
+def _output_in_shared_memory() -> InferRequestedOutput:
+    output = InferRequestedOutput(PROBABILITIES_OUTPUT)
+    output.set_shared_memory("region1", 4000)
+    return output
+
+
 def _fp32_named(name) -> InferInput:
     tensor = InferInput(name, [1], "FP32")
     tensor.set_data_from_numpy(np.zeros(1, np.float32))
@@ -426,6 +438,11 @@ BAD_REQUESTS = {
         'neither "data" nor',
     ),
     "deeply nested header": (lambda: (b"[" * 100_000 + b"]" * 100_000, None), "not JSON"),
+    "input in shared memory": (lambda: tritonclient_body(_in_shared_memory()), "no shared memory extension"),
+    "output in shared memory": (  # answered inline, the client would read a region the server never wrote
+        lambda: tritonclient_body(image_input(PAYLOADS[:1]), outputs=[_output_in_shared_memory()]),
+        "output PROBABILITIES names a shared memory region",
+    ),
     "classification on the request": (  # answered with the whole tensor, it looked ignored
         lambda: json_request(_BASE64_IMAGE, parameters={"classification": 3}),
         'classification is a parameter of the requested output, not of the request: "outputs": [{"name"',

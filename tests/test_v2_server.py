@@ -1,6 +1,7 @@
 """A real server process with two models, driven by Triton's own client (tritonclient.http) over the Open
 Inference Protocol, and by /predict: the two paths must give the same answers for the same photos."""
 
+import gzip
 import json
 import struct
 import subprocess
@@ -137,6 +138,17 @@ def test_a_preprocessed_fp32_tensor_answers_as_the_encoded_photo(server, client,
     assert_same_as_predict(server, "large", photos[:2], from_pixels)
 
 
+@pytest.mark.parametrize("compression", ["gzip", "deflate"])
+def test_a_compressed_request_answers_as_the_plain_one(client, photos, compression):
+    # tritonclient's request_compression_algorithm, which Triton takes: the answer comes uncompressed, as the
+    # client accepts
+    plain = client.infer("large", [image_input(photos[:2])]).as_numpy("PROBABILITIES")
+    packed = client.infer("large", [image_input(photos[:2])], request_compression_algorithm=compression).as_numpy(
+        "PROBABILITIES"
+    )
+    np.testing.assert_array_equal(packed, plain)
+
+
 def test_classification_extension_gives_predicts_top_k(server, client, photos, fp32_model_path):
     names = class_names(fp32_model_path)
     outputs = [triton.InferRequestedOutput("PROBABILITIES", class_count=3)]
@@ -168,11 +180,20 @@ def test_unknown_model_or_version_is_404(client, photos):
 def test_paths_and_methods_the_server_lacks_answer_in_the_protocols_shape(server, client):
     """Triton's client reads only `error` from a failed call: its calls for extensions this server does
     not implement must surface the server's message, not a KeyError of the client's own."""
-    for call in (client.get_model_repository_index, lambda: client.get_inference_statistics("large")):
+    for call, extension in (
+        (client.get_model_repository_index, "model repository"),
+        (lambda: client.get_inference_statistics("large"), "statistics"),
+        (client.get_inference_statistics, "statistics"),  # GET /v2/models/stats: not a model called "stats"
+        (lambda: client.get_system_shared_memory_status(), "shared memory"),
+        (lambda: client.get_trace_settings("large"), "trace"),
+        (client.get_log_settings, "logging"),
+    ):
         with pytest.raises(InferenceServerException) as failure:
             call()
         assert failure.value.status() == "404"
-        assert "Not Found" in failure.value.message()
+        assert f"does not offer Triton's {extension} extension" in failure.value.message()
+    nowhere = requests.get(server + "/v2/nowhere", timeout=WAIT_S)
+    assert (nowhere.status_code, nowhere.json()) == (404, {"error": "Not Found"})
     wrong_method = requests.get(server + "/v2/models/large/infer", timeout=WAIT_S)
     assert (wrong_method.status_code, wrong_method.json()) == (405, {"error": "Method Not Allowed"})
     assert wrong_method.headers["allow"] == "POST"
@@ -255,7 +276,12 @@ def bad_requests(photo: bytes) -> dict[str, tuple[bytes, dict, int, str]]:
             f"limit is {MAX_BATCH_SIZE}",
         ),
         "not an image": (*binary_request(image_header(1, 8), struct.pack("<I", 4) + b"abcd"), 400, "image 0"),
-        "body over the limit": (b"x" * (UPLOAD_LIMIT + 1), {}, 413, "over the limit"),
+        "body over the limit": (b"x" * (UPLOAD_LIMIT + 1), {}, 413, "PIXELS takes 602112 bytes a row in binary, so 13 rows fit"),
+        # a few kilobytes that inflate past the limit: refused as they inflate, never held
+        "gzip bomb": (gzip.compress(b"\0" * (UPLOAD_LIMIT * 8)), {"Content-Encoding": "gzip"}, 413, "inflates to over"),
+        "gzip cut short": (gzip.compress(b"{}")[:-4], {"Content-Encoding": "gzip"}, 400, "ends before"),
+        "not gzip": (b"{}", {"Content-Encoding": "gzip"}, 400, "not valid gzip"),
+        "unknown coding": (b"{}", {"Content-Encoding": "br"}, 415, "'br' not accepted"),
     }
 
 
