@@ -41,6 +41,10 @@ JPEG_DRAFT_REDUCTIONS = (8, 4, 2)  # the DCT scalings libjpeg offers, largest fi
 
 MAX_RESIZED_SIDE = 4096  # longer side of the full resize; beyond it, resample only the crop (aspect > 16:1)
 DEFAULT_MAX_PIXELS = 40_000_000  # ~ a 7300x5500 photo; larger is refused before decoding
+# A progressive JPEG is decoded scan by scan, each over the whole image: a few hundred kilobytes of tiny scans
+# kept a decode thread busy for minutes (libjpeg's djpeg has -maxscans for it). Encoders write about 10 (libjpeg's
+# progressive script), rarely over 20; every start-of-scan marker is counted, an EXIF thumbnail's too.
+MAX_JPEG_SCANS = 100
 # Pillow refuses an image of more than twice its MAX_IMAGE_PIXELS outright (DecompressionBombError), whatever
 # the caller allows; below that, `max_pixels` alone decides: Pillow's warning at MAX_IMAGE_PIXELS is ignored.
 # (None: the process turned Pillow's check off, and `max_pixels` alone decides.)
@@ -201,7 +205,8 @@ def decode_image(
 
     - Opens only ACCEPTED_FORMATS; any image mode they carry (1-bit to 16-bit, CMYK, alpha, palette...)
       becomes RGB.
-    - Refuses images over `max_pixels` from the header alone (decompression bombs never decode).
+    - Refuses images over `max_pixels` from the header alone (decompression bombs never decode), and JPEGs of
+      more than MAX_JPEG_SCANS scans (each decoded over the whole image).
     - Animated GIF/WebP/PNG: the first frame is classified.
     - EXIF orientation is honoured, as a phone camera intends.
     - With `jpeg_draft`, a JPEG at least 2 x JPEG_DRAFT_MARGIN x `resize_size` on its shorter side is
@@ -219,6 +224,11 @@ def decode_image(
             if w * h > max_pixels:
                 raise ImageTooLarge(
                     f"image is {w}x{h} = {w * h} pixels, over the limit of {max_pixels} (refused before decoding)"
+                )
+            if image.format in JPEG_DRAFT_FORMATS and (scans := data.count(b"\xff\xda")) > MAX_JPEG_SCANS:
+                raise InvalidImage(
+                    f"a JPEG of {scans} scans, over the limit of {MAX_JPEG_SCANS} (an ordinary progressive JPEG "
+                    "has about 10; refused before decoding): save it again as an ordinary JPEG"
                 )
             if jpeg_draft and image.format in JPEG_DRAFT_FORMATS:
                 reduction = jpeg_draft_reduction(w, h, resize_size)
@@ -247,20 +257,44 @@ def decode_image(
         raise InvalidImage(f"corrupt or truncated image: {exc}") from exc
 
 
+WIDE_GREY_MODES = ("I;16", "I;16B", "I;16L", "I", "F")
+WIDE_GREY_ROWS = 256  # rows scaled at a time: a 40 Mpixel image then needs a few MB of float32, not 160 MB a copy
+
+
 def _to_rgb(image: Image.Image) -> Image.Image:
-    if image.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
+    if image.mode in WIDE_GREY_MODES:
         # 16/32-bit integer and float grayscale: Pillow's convert('RGB') clips instead of scaling, so scale to 8
         # bits, integers from 0 (or their minimum, if negative) to their peak, floats from their minimum to their
         # maximum. NaN and infinities have no place on that scale: they take its ends, the finite values keep it.
-        array = np.asarray(image, dtype=np.float32)  # float32: a 40 Mpixel image stays at 160 MB
-        finite = np.isfinite(array)
-        values = array if finite.all() else array[finite]
-        low, high = (float(values.min()), float(values.max())) if values.size else (0.0, 0.0)
+        # In float32, a block of rows at a time: whole-image float copies held 0.5 GB for a 40 Mpixel upload.
+        width, height = image.size
+        tops = range(0, height, WIDE_GREY_ROWS)
+
+        def rows_from(top: int) -> np.ndarray:  # a copy of those rows alone, where np.asarray(image) copies all
+            return np.array(image.crop((0, top, width, min(top + WIDE_GREY_ROWS, height))), dtype=np.float32)
+
+        low, high, all_finite = math.inf, -math.inf, True
+        for top in tops:
+            rows = rows_from(top)
+            finite = np.isfinite(rows)
+            if not finite.all():
+                all_finite, rows = False, rows[finite]
+            if rows.size:
+                low, high = min(low, float(rows.min())), max(high, float(rows.max()))
+        if low > high:  # no finite value at all
+            low = high = 0.0
         if image.mode != "F":
             low = min(low, 0.0)
-        if values is not array:
-            array = np.nan_to_num(array, nan=low, posinf=high, neginf=low)
-        image = Image.fromarray(((array - low) * (255.0 / ((high - low) or 1.0))).astype(np.uint8), mode="L")
+        scale = 255.0 / ((high - low) or 1.0)
+        grey = np.empty((height, width), np.uint8)
+        for top in tops:
+            rows = rows_from(top)
+            if not all_finite:
+                np.nan_to_num(rows, copy=False, nan=low, posinf=high, neginf=low)
+            rows -= low
+            rows *= scale
+            grey[top : top + len(rows)] = rows  # truncated, as astype(np.uint8) does
+        image = Image.fromarray(grey, mode="L")
     return image if image.mode == "RGB" else image.convert("RGB")
 
 

@@ -16,6 +16,7 @@ import socket
 import struct
 import tempfile
 import time
+import tracemalloc
 import warnings
 import zlib
 
@@ -29,7 +30,15 @@ from conftest import WAIT_S, post_file, post_raw, serving_client, wait_until
 from mnv3.config import ServerConfig
 from mnv3.loadtest import ServerProcess
 from mnv3.photos import load_images
-from mnv3.preprocess import ACCEPTED_FORMATS, PILLOW_MAX_PIXELS, ImageTooLarge, decode_image
+from mnv3.preprocess import (
+    ACCEPTED_FORMATS,
+    MAX_JPEG_SCANS,
+    PILLOW_MAX_PIXELS,
+    ImageTooLarge,
+    InvalidImage,
+    _to_rgb,
+    decode_image,
+)
 from mnv3.uploads import read_upload
 
 pytestmark = pytest.mark.integration
@@ -83,6 +92,43 @@ def decompression_bomb() -> bytes:
     """~250 KB that inflate to 10000x10000 = 100 Mpixel of zeros."""
     rows = zlib.compress(bytes(10_001) * 10_000, 9)
     return png_declaring(10_000, 10_000, rows)
+
+
+def progressive_jpeg_of_scans(side: int, refinements: int) -> bytes:
+    """A grey progressive JPEG: its DC scan, then `refinements` AC scans of one end-of-band run each, every
+    one decoded over the whole image (a few bytes a scan that cost the decoder a pass over every block)."""
+
+    def segment(marker: int, payload: bytes) -> bytes:
+        return bytes([0xFF, marker]) + struct.pack(">H", len(payload) + 2) + payload
+
+    def entropy(bits: str) -> bytes:
+        bits += "1" * (-len(bits) % 8)  # padded with ones, as JPEG's entropy-coded data is
+        data = bytes(int(bits[i : i + 8], 2) for i in range(0, len(bits), 8))
+        return data.replace(b"\xff", b"\xff\x00")  # byte stuffing
+
+    blocks = ((side + 7) // 8) ** 2
+    one_code = bytes([1] + [0] * 15)  # a Huffman table of one 1-bit code
+    jpeg = b"\xff\xd8" + segment(0xDB, b"\x00" + b"\x01" * 64)
+    jpeg += segment(0xC2, struct.pack(">BHHB", 8, side, side, 1) + b"\x01\x11\x00")  # progressive, 1 component
+    jpeg += segment(0xC4, b"\x00" + one_code + b"\x00")  # DC: difference 0
+    jpeg += segment(0xC4, b"\x10" + one_code + b"\xe0")  # AC: an end-of-band run of 2^14 blocks
+    jpeg += segment(0xDA, b"\x01\x01\x00\x00\x00\x00") + entropy("0" * blocks)
+    ac_scan = segment(0xDA, b"\x01\x01\x00\x01\x3f\x00") + entropy("0" + "1" * 14)
+    return jpeg + ac_scan * refinements + b"\xff\xd9"
+
+
+def test_a_jpeg_of_too_many_scans_is_refused_before_decoding():
+    # 2000 tiny scans of a 6320x6320 image kept a decode thread busy 11 s (95,000 fit the upload limit): the
+    # deadline's 504 cannot stop a decode once it runs.
+    assert decode_image(progressive_jpeg_of_scans(64, MAX_JPEG_SCANS - 1)).size == (64, 64)  # a real JPEG
+    many = progressive_jpeg_of_scans(6320, 5000)
+    started = time.perf_counter()
+    with pytest.raises(InvalidImage, match=f"a JPEG of 5001 scans, over the limit of {MAX_JPEG_SCANS}"):
+        decode_image(many)
+    assert time.perf_counter() - started < 1.0
+    ordinary = io.BytesIO()
+    Image.new("RGB", (640, 480), "teal").save(ordinary, "JPEG", progressive=True)
+    assert decode_image(ordinary.getvalue()).size == (640, 480)  # Pillow's progressive JPEG: about 10 scans
 
 
 def test_max_pixels_alone_decides_up_to_where_pillow_refuses_every_image():
@@ -377,6 +423,24 @@ def test_16_bit_png_is_scaled_not_clipped(client, jpeg):
     sixteen, eight = sixteen_bit_and_eight_bit(jpeg)
     assert Image.open(io.BytesIO(sixteen)).mode == "I;16"
     assert same_predictions(predictions(post_file(client, sixteen)), predictions(post_file(client, eight)))
+
+
+@pytest.mark.parametrize("mode", ["I;16", "F"])
+def test_a_wide_grey_image_is_scaled_a_block_of_rows_at_a_time(mode):
+    # Whole-image float32 copies held about 13 B a pixel besides the image (0.5 GB for a 40 Mpixel upload of
+    # 78 KB); numpy's allocations, which tracemalloc sees, now stay a fraction of a byte a pixel.
+    side = 2000
+    values = np.random.default_rng(5).random((side, side)) * 60_000
+    image = Image.fromarray(values.astype(np.uint16 if mode == "I;16" else np.float32))
+    assert image.mode == mode
+    tracemalloc.start()
+    try:
+        decoded = _to_rgb(image)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert decoded.mode == "RGB" and decoded.size == (side, side)
+    assert peak < 3 * side * side, f"{peak / side**2:.1f} B a pixel"  # the 8-bit result and its image: 2 B a pixel
 
 
 def full_range_gray(jpeg: bytes) -> np.ndarray:

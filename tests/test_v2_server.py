@@ -276,7 +276,12 @@ def bad_requests(photo: bytes) -> dict[str, tuple[bytes, dict, int, str]]:
             f"limit is {MAX_BATCH_SIZE}",
         ),
         "not an image": (*binary_request(image_header(1, 8), struct.pack("<I", 4) + b"abcd"), 400, "image 0"),
-        "body over the limit": (b"x" * (UPLOAD_LIMIT + 1), {}, 413, "PIXELS takes 602112 bytes a row in binary, so 13 rows fit"),
+        "body over the limit": (
+            b"x" * (UPLOAD_LIMIT + 1),
+            {},
+            413,
+            "PIXELS takes 602112 bytes a row in binary, so 13 rows fit",
+        ),
         # a few kilobytes that inflate past the limit: refused as they inflate, never held
         "gzip bomb": (gzip.compress(b"\0" * (UPLOAD_LIMIT * 8)), {"Content-Encoding": "gzip"}, 413, "inflates to over"),
         "gzip cut short": (gzip.compress(b"{}")[:-4], {"Content-Encoding": "gzip"}, 400, "ends before"),
