@@ -6,8 +6,13 @@ other client, and grew the process by the header's size; a connection that sends
 every few seconds, was held open for good, each one a file descriptor until the process had none left.
 `BoundedHeadProtocol` is that protocol with both bounds:
 
-- a head over MAX_HEAD_BYTES is answered 431 and the connection closed, before the parser buffers more (a URL
-  over MAX_URL_BYTES, which uvicorn cannot parse, 414);
+- a head over MAX_HEAD_BYTES, or of more than MAX_HEADERS fields, is answered 431 and the connection closed,
+  before the parser buffers or parses more (a URL over MAX_URL_BYTES, which uvicorn cannot parse, 414): a head
+  of a megabyte in 200,000 tiny fields cost the event loop 90 ms, a Python call a field;
+- at most MAX_PIPELINED requests wait behind the one being answered on a connection (HTTP/1.1 pipelining):
+  uvicorn parses a whole read at once and queues every request in it, about 2 KB each, so 250 KB of pipelined
+  GETs grew the process by 14 MB. The requests past that are not read: the connection closes once those
+  queued are answered, and the client sends the rest again on a new one, as pipelining clients do;
 - a head not complete HEAD_TIMEOUT_S after its first byte is answered 408 and the connection closed; a new
   connection that sends nothing in that time is closed without an answer, as uvicorn's keep-alive timeout
   closes an idle one between requests;
@@ -32,6 +37,8 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 MAX_HEAD_BYTES = 1024 * 1024
 HEAD_TIMEOUT_S = 10.0
 MAX_URL_BYTES = 65_535  # the longest URL uvicorn can parse: httptools.parse_url counts in 16 bits
+MAX_HEADERS = 100  # Apache's LimitRequestFields default; browsers and HTTP clients send about 10-20
+MAX_PIPELINED = 32  # requests waiting on one connection; pipelining clients (wrk's scripts) send about 16
 # After an answer sent before its request's body arrived (uploads.CloseUnreadBody kept the connection: the
 # rest is dropped as it arrives), the rest must arrive within this, as a body read by the app must within
 # --body-timeout-s (its default); trickled, it would hold the connection for good.
@@ -50,6 +57,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         self.reading_head = True  # the first request's head; a connection that sends nothing times out too
         self.head_timer: asyncio.TimerHandle | None = self.loop.call_later(HEAD_TIMEOUT_S, self.head_timed_out)
         self.body_timer: asyncio.TimerHandle | None = None  # the rest of a body answered before it arrived
+        self.stopped_parsing: tuple[int, str] | None = None  # why a parser callback stopped the parser
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.stop_head_timer()
@@ -67,10 +75,23 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             if self.head_bytes > MAX_HEAD_BYTES:
                 self.refuse(431, f"the request's headers are over {MAX_HEAD_BYTES} bytes")
 
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if len(self.headers) >= MAX_HEADERS:
+            self.stop_parsing(431, f"the request has more than {MAX_HEADERS} header fields")
+        super().on_header(name, value)
+
     def on_headers_complete(self) -> None:
+        if len(self.pipeline) >= MAX_PIPELINED:
+            self.stop_parsing(503, f"more than {MAX_PIPELINED} pipelined requests wait on the connection")
         self.reading_head, self.head_bytes = False, 0
         self.stop_head_timer()
         super().on_headers_complete()
+
+    def stop_parsing(self, status: int, detail: str) -> None:
+        """Stop the parser in the middle of a read (a callback's exception ends `feed_data`, which uvicorn
+        answers through `send_400_response`): the rest of the read is neither parsed nor queued."""
+        self.stopped_parsing = (status, detail)
+        raise ValueError(detail)
 
     def on_message_complete(self) -> None:
         self.stop_body_timer()
@@ -106,6 +127,9 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to a request its parser refuses (duplicate Content-Length, a bad request line, ...),
         in the server's error shape instead of plain text."""
+        if self.stopped_parsing is not None:
+            self.refuse(*self.stopped_parsing)
+            return
         if len(getattr(self, "url", b"")) > MAX_URL_BYTES:  # httptools.parse_url's offsets are 16-bit
             log.warning("414: a URL of %d bytes; closing the connection", len(self.url))
             self.write_and_close(414, f"the URL is over {MAX_URL_BYTES} bytes: send long data in the request's body")
@@ -115,10 +139,11 @@ class BoundedHeadProtocol(HttpToolsProtocol):
 
     def refuse(self, status: int, detail: str) -> None:
         """Answer `status` and close, unless an answer to an earlier request on the connection is still being
-        written (a pipelined head): then only close once it is done."""
+        written (a pipelined head): then only close once it and those queued behind it are done."""
         self.stop_head_timer()
         if self.cycle is not None and not self.cycle.response_complete:
-            self.cycle.keep_alive = False
+            log.warning("%s: %s; closing the connection after the answers under way", status, detail)
+            self.cycle.keep_alive = False  # the newest cycle: the last queued, or the one being answered
             self.flow.pause_reading()
             return
         log.warning("%s: %s; closing the connection", status, detail)

@@ -55,6 +55,41 @@ def test_a_head_over_the_limit_is_a_431_and_the_connection_closes(monkeypatch):
     assert response.endswith(b'{"detail": "the request\'s headers are over 1048576 bytes"}')
 
 
+def test_a_head_of_too_many_fields_is_a_431(monkeypatch):
+    # 200,000 fields of 5 bytes fit the size bound and cost the event loop 90 ms, a Python call a field
+    fields = b"".join(b"X-%d: y\r\n" % i for i in range(connections.MAX_HEADERS))  # with Host, one too many
+    with bounded_server(monkeypatch) as port, socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + fields + b"\r\n")
+        response = answer(sock)
+    assert response.startswith(b"HTTP/1.1 431 ") and b"connection: close" in response
+    assert response.endswith(b'{"detail": "the request has more than 100 header fields"}')
+    with bounded_server(monkeypatch) as port:  # exactly the bound: served
+        headers = {f"X-{i}": "y" for i in range(connections.MAX_HEADERS - 5)}  # requests adds a few of its own
+        assert requests.get(f"http://127.0.0.1:{port}/healthz", headers=headers, timeout=WAIT_S).status_code == 200
+
+
+def test_pipelined_requests_past_the_bound_are_not_read(monkeypatch):
+    # uvicorn parsed a whole read and queued every request in it: 250 KB of pipelined GETs grew it by 14 MB
+    request = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+    with bounded_server(monkeypatch) as port:
+        with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
+            sock.sendall(request * 10)  # within the bound: every one answered, and the connection kept
+            received = b""
+            while received.count(b"HTTP/1.1 200 ") < 10:
+                received += sock.recv(65536)
+            sock.sendall(request)
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
+        with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
+            try:
+                sock.sendall(request * 1000)
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+            received = answer(sock)
+    # the one answered first, the queue behind it, then the connection closed: the rest were never parsed
+    assert received.count(b"HTTP/1.1 200 ") == 1 + connections.MAX_PIPELINED
+    assert received.count(b"HTTP/1.1") == 1 + connections.MAX_PIPELINED
+
+
 def test_a_head_that_does_not_arrive_in_time_is_a_408_and_an_idle_connection_is_closed(monkeypatch):
     with bounded_server(monkeypatch) as port:
         with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as idle:  # opened, nothing sent
