@@ -50,6 +50,7 @@ import secrets
 import sys
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -69,6 +70,7 @@ KEY_HEADER = b"x-api-key"
 # Query parameters that clients and other servers use for keys: a request carrying one is refused.
 QUERY_KEY_NAMES = frozenset(
     {"api_key", "apikey", "api-key", "key", "token", "access_token", "x-api-key", "auth", "authorization", "bearer"}
+    | {"api_token", "apitoken", "access_key", "accesskey"}
 )
 RATE_UNITS_S = {"s": 1.0, "min": 60.0}
 PLAIN_KEY = re.compile(r"[\x21-\x7e]+")  # what an HTTP header value can carry without quoting or spaces
@@ -361,7 +363,7 @@ class ApiKeyAuth:
     def decide(self, scope) -> tuple[tuple[int, str, list] | None, list]:
         """(None to let the request in, else (status, reason, extra headers); the rate-limit headers its
         answer carries, for a key with a rate). Reads only the request line and headers."""
-        if _blank_query_keys(scope):
+        if _blank_query_keys(scope, self.keys):
             reason = (
                 "an API key in the URL is not accepted (URLs are written to logs): send it as the header "
                 "Authorization: Bearer KEY or X-API-Key: KEY (and if that was a real key, replace it: "
@@ -380,7 +382,9 @@ class ApiKeyAuth:
             return (401, "the API key is not valid", [(b"www-authenticate", challenge)]), []
         if key.scope < needed:
             scope_name = needed.name.lower()
-            log.info("refused %s %s to key %s: it needs scope %s", scope["method"], scope["path"], key.name, scope_name)
+            # The path percent-encoded again, as uvicorn's access log has it: decoded, a %0a in it wrote a log line
+            path = urllib.parse.quote(scope["path"], safe="/:@!$&'()*+,;=-._~")
+            log.info("refused %s %s to key %s: it needs scope %s", scope["method"], path, key.name, scope_name)
             challenge = f'Bearer realm="mnv3", error="insufficient_scope", scope="{scope_name}"'.encode()
             instead = meant_instead(scope["method"], route_path(scope), key.scope)
             reason = f"this API key's scope does not include this path: it needs a key of scope {scope_name}" + (
@@ -454,16 +458,21 @@ def _presented_key(headers) -> tuple[str | None, str]:
     return bearer or other, ""
 
 
-def _blank_query_keys(scope) -> bool:
-    """Whether the query string carries a key; if so its value is blanked in `scope` (the access log reads it)."""
+def _blank_query_keys(scope, keys: Keys) -> bool:
+    """Whether the query string carries a key, under a name clients give keys or as any value that is one of
+    `keys` (whatever its name); if so its value is blanked in `scope` (the access log reads it)."""
     query = scope.get("query_string", b"")
     if not query:
         return False
     pairs = parse_qsl(query.decode("latin-1"), keep_blank_values=True)
-    if not any(name.lower() in QUERY_KEY_NAMES for name, _ in pairs):
+    found = [
+        name.lower() in QUERY_KEY_NAMES or (MIN_KEY_CHARS <= len(value) <= MAX_KEY_CHARS and keys.match(value))
+        for name, value in pairs
+    ]
+    if not any(found):
         return False
     scope["query_string"] = urlencode(
-        [(name, "REDACTED" if name.lower() in QUERY_KEY_NAMES else value) for name, value in pairs]
+        [(name, "REDACTED" if key else value) for (name, value), key in zip(pairs, found, strict=True)]
     ).encode("latin-1")
     return True
 

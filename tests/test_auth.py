@@ -215,7 +215,9 @@ def test_a_wrong_key_is_a_401_with_its_reason(client, headers, why):
 
 
 @pytest.mark.parametrize(
-    "query", ["api_key", "key", "token", "access_token", "API_KEY", "auth", "Authorization", "bearer"]
+    # the names clients give keys, and any name at all for a value that is a key of the file ("model" too)
+    "query",
+    ["api_key", "key", "token", "access_token", "API_KEY", "auth", "Authorization", "bearer", "apiToken", "model"],
 )
 def test_a_key_in_the_query_string_is_refused_even_a_valid_one(client, query):
     for path in ("/predict", "/healthz"):
@@ -266,6 +268,14 @@ def test_refused_requests_do_not_spend_tokens(client, clock):
     for _ in range(5):
         assert client.get("/metrics", headers=limited).status_code == 403
     assert [client.post("/predict", headers=limited).status_code for _ in range(3)] == [200, 200, 429]
+
+
+def test_a_path_cannot_write_a_log_line_of_its_own(client, caplog):
+    caplog.set_level(logging.INFO)
+    forged = "/model%0d%0a2026-12-05 07:00:00,000 INFO mnv3.auth: key ops granted admin"
+    assert client.get(forged, headers=bearer(INFER_KEY)).status_code == 403
+    (refusal,) = [record.getMessage() for record in caplog.records if record.name == "mnv3.auth"]
+    assert "\n" not in refusal and "\r" not in refusal and "/model%0D%0A2026-12-05%2007" in refusal
 
 
 def test_no_key_material_in_bodies_or_logs(client, clock, caplog):
