@@ -193,6 +193,8 @@ async def _read_upload(request: Request, limit: int) -> bytes:
         async for chunk in _bounded(request.stream(), limit):
             parser.write(chunk)
     except FormParserError as exc:  # the parser's words are about characters and indices: say what to check
+        if "boundary" not in str(exc).lower():  # a part's own fault, e.g. "Maximum header size exceeded"
+            raise BadUpload(f"malformed multipart body ({exc})") from exc
         boundary = params[b"boundary"].decode(errors="replace")
         raise BadUpload(
             f"malformed multipart body ({exc}): it must begin with --{boundary}, the boundary its Content-Type "

@@ -252,6 +252,11 @@ REFUSED = {
         400,
         "malformed multipart body: Boundary length 300",
     ),
+    "multipart part headers over the parser's limit": (  # not a boundary's fault, as the message said it was
+        lambda c, j: post_multipart(c, multipart([("file", b"a" * 20_000 + b".jpg", j)])),
+        400,
+        "malformed multipart body (Maximum header size exceeded)",
+    ),
     "multipart, cut before its closing boundary": (
         lambda c, j: post_multipart(c, multipart([("file", b"a.jpg", j)])[:-30]),
         400,
