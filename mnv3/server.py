@@ -13,6 +13,7 @@ With `--api-keys FILE`, `mnv3.auth` lets a request in only with a key of the sco
 """
 
 import asyncio
+import copy
 import gc
 import logging
 import resource
@@ -455,9 +456,23 @@ def raise_open_file_limit() -> None:
             log.warning("open-file limit stays %d: %s", soft, exc)
 
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def uvicorn_log_config() -> dict:
+    """uvicorn's logging, in the format of the server's own lines: its lifecycle and access lines had no time
+    and a format of their own, so a log shipper saw three formats in one process. Access lines stay on stdout,
+    the rest on stderr, as uvicorn has them."""
+    config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    config["formatters"]["default"]["fmt"] = LOG_FORMAT
+    access = '%(client_addr)s - "%(request_line)s" %(status_code)s'
+    config["formatters"]["access"]["fmt"] = LOG_FORMAT.replace("%(message)s", access)
+    return config
+
+
 def main(argv=None) -> None:
     config = parse_args(argv)
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT)
     # uvicorn re-raises the SIGTERM it shut down gracefully on; a requested, completed stop is a success, and
     # so is one while the models load.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
@@ -482,6 +497,7 @@ def main(argv=None) -> None:
         port=config.port,
         http=BoundedHeadProtocol,  # a request's head bounded in size and time (mnv3.connections)
         log_level=config.log_level,
+        log_config=uvicorn_log_config(),
         # typed int, but uvicorn waits with asyncio.wait_for, which takes a float
         timeout_graceful_shutdown=config.shutdown_timeout_s,  # type: ignore[arg-type]
         timeout_keep_alive=config.keep_alive_s,  # type: ignore[arg-type]

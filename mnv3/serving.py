@@ -208,10 +208,14 @@ class Serving:
 
     async def warm_up(self) -> None:
         """Warm every model up, one after the other, then start batching. Requests queue meanwhile."""
+        started = time.perf_counter()
         try:
             for served in self.models.values():
                 await asyncio.to_thread(served.warm_up)
             self.not_ready_reason = None
+            log.info(
+                "ready (GET /readyz 200): %s warmed up in %.1f s", ", ".join(self.models), time.perf_counter() - started
+            )
         except InferenceError as exc:
             log.error("warm-up failed: %s", exc)
             self.not_ready_reason = f"warm-up failed: {exc}"
