@@ -117,7 +117,10 @@ class ServedModel:
                     self.engine.preprocessing,
                 )
         except TimeoutError:
-            raise DeadlineExceeded("deadline passed while waiting to decode the image") from None
+            # Waiting for a decode thread, or decoding: a decode that has started runs to its end regardless.
+            raise DeadlineExceeded(
+                "deadline passed while the image waited for a decode thread or was decoded"
+            ) from None
         finally:
             self.being_decoded -= 1
         preprocess_s = time.perf_counter() - started
