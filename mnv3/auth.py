@@ -26,12 +26,14 @@ Guarantees:
   `hmac.compare_digest` against every stored digest, with no early exit.
 - No key, digest or fragment of either is ever put in a response, a log record or a metric; a key is
   named by its `name=` option or its line number.
+- A key's `in_flight=N` bounds the requests it has in the server at once (429 past it, before the rate is
+  checked), so one key's stalled uploads cannot hold every --max-in-flight slot.
 - Rate limits are token buckets per key and per process (each worker or replica has its own buckets).
   Past a limit: 429 with Retry-After, before the body is read. Every answer to a rate-limited key, the 429
   too, carries the draft RateLimit-Policy and RateLimit fields (what is left, when it is whole). The event
   loop runs one check at a time; the lock makes a bucket safe to share between threads as well.
 
-Key file: one key a line, `KEY SCOPE [rate=N/s|N/min] [burst=N] [name=LABEL]`; blank lines and lines
+Key file: one key a line, `KEY SCOPE [rate=N/s|N/min] [burst=N] [in_flight=N] [name=LABEL]`; blank lines and lines
 starting with `#` are ignored. KEY is 16 to 512 visible ASCII characters, or `sha256:` and the 64 hex
 digits of its digest (`printf %s KEY | sha256sum`), so the file need not hold the key itself.
 """
@@ -77,7 +79,7 @@ PLAIN_KEY = re.compile(r"[\x21-\x7e]+")  # what an HTTP header value can carry w
 HEX_DIGEST = re.compile(r"[0-9a-fA-F]{64}")
 RATE = re.compile(r"(\d+(?:\.\d+)?)/(s|min)")
 NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
-GRAMMAR = "KEY SCOPE [rate=N/s|N/min] [burst=N] [name=LABEL]"
+GRAMMAR = "KEY SCOPE [rate=N/s|N/min] [burst=N] [in_flight=N] [name=LABEL]"
 # The largest body a refused request may announce and keep its connection (uvicorn drops it as it arrives): a
 # phone photo fits; more from a client without a valid key is not worth receiving, and its connection closes.
 KEEP_CONNECTION_BYTES = 4 * 1024 * 1024
@@ -197,6 +199,7 @@ class ApiKey:
     scope: Scope
     name: str
     limit: RateLimit | None = None
+    in_flight: int | None = None  # requests the key may have in the server at once (None: no bound of its own)
 
 
 class Keys:
@@ -207,6 +210,7 @@ class Keys:
         self.buckets = {
             key.digest: TokenBucket(key.limit.rate_per_s, key.limit.burst, clock) for key in keys if key.limit
         }
+        self.in_flight = {key.digest: 0 for key in keys if key.in_flight}  # changed on the event loop only
 
     def __repr__(self):
         return f"Keys({len(self.keys)} keys)"
@@ -244,8 +248,8 @@ def parse_keys(text: str, source: str = "key file", clock: Callable[[], float] =
         if digest in lines_of:
             raise error(f"the same key as line {lines_of[digest]}: give each key one line")
         lines_of[digest] = number
-        name, limit = _options(options, error)
-        keys.append(ApiKey(digest, KEY_SCOPES[scope_word], name or f"line {number}", limit))
+        name, limit, in_flight = _options(options, error)
+        keys.append(ApiKey(digest, KEY_SCOPES[scope_word], name or f"line {number}", limit, in_flight))
     if not keys:
         raise KeyFileError(f"{source}: no keys: add a line {GRAMMAR}; python -m mnv3.auth makes a key and its line")
     return Keys(keys, clock)
@@ -286,12 +290,12 @@ def _digest(written: str, error) -> bytes:
     return hashlib.sha256(written.encode()).digest()
 
 
-def _options(options: list[str], error) -> tuple[str | None, RateLimit | None]:
+def _options(options: list[str], error) -> tuple[str | None, RateLimit | None, int | None]:
     given = {}
     for option in options:
         option_name, sep, value = option.partition("=")
-        if not sep or option_name not in ("rate", "burst", "name"):
-            raise error(f"unknown option {option!r}: options are rate=N/s or N/min, burst=N, name=LABEL")
+        if not sep or option_name not in ("rate", "burst", "in_flight", "name"):
+            raise error(f"unknown option {option!r}: options are rate=N/s or N/min, burst=N, in_flight=N, name=LABEL")
         if option_name in given:
             raise error(f"{option_name}= given twice: give it once")
         given[option_name] = value
@@ -307,11 +311,15 @@ def _options(options: list[str], error) -> tuple[str | None, RateLimit | None]:
         if rate is None:
             raise error("burst= without rate=: add rate=N/s (the burst is how many requests a key may make at once)")
         burst = int(given["burst"])
+    if "in_flight" in given and (not given["in_flight"].isdigit() or int(given["in_flight"]) < 1):
+        raise error(
+            f"in_flight={given['in_flight']} is not a whole number of requests of at least 1, e.g. in_flight=64"
+        )
     if "name" in given and not NAME.fullmatch(given["name"]):
         raise error("name= takes 1 to 64 letters, digits, '.', '_' or '-', e.g. name=ci-bot")
     # Without burst=, a key may spend one second's worth of its rate at once (at least one request).
     limit = RateLimit(rate, burst or max(1, math.ceil(rate)), given["rate"]) if rate else None
-    return given.get("name"), limit
+    return given.get("name"), limit, int(given["in_flight"]) if "in_flight" in given else None
 
 
 # ---------------------------------------------------------------------------------------------- middleware
@@ -329,17 +337,15 @@ class ApiKeyAuth:
             return await self.app(scope, receive, send)
         if scope["type"] != "http":  # the server has no websocket routes: nothing else is let in
             return await send({"type": "websocket.close", "code": 1008})
-        refusal, limit_headers = self.decide(scope)
+        refusal, limit_headers, key = self.decide(scope)
         if refusal is None:
-            if not limit_headers:
-                return await self.app(scope, receive, send)
-
-            async def send_with_limit(message):
-                if message["type"] == "http.response.start":
-                    message = {**message, "headers": [*message.get("headers", []), *limit_headers]}
-                await send(message)
-
-            return await self.app(scope, receive, send_with_limit)
+            if key is None or key.digest not in self.keys.in_flight:
+                return await self.pass_on(scope, receive, send, limit_headers)
+            self.keys.in_flight[key.digest] += 1
+            try:
+                return await self.pass_on(scope, receive, send, limit_headers)
+            finally:
+                self.keys.in_flight[key.digest] -= 1
         status, reason, headers = refusal
         headers = [*headers, *limit_headers]
         if self.on_refusal is not None:
@@ -360,26 +366,38 @@ class ApiKeyAuth:
         )
         await send({"type": "http.response.body", "body": body})
 
-    def decide(self, scope) -> tuple[tuple[int, str, list] | None, list]:
+    async def pass_on(self, scope, receive, send, limit_headers: list) -> None:
+        if not limit_headers:
+            return await self.app(scope, receive, send)
+
+        async def send_with_limit(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *limit_headers]}
+            await send(message)
+
+        return await self.app(scope, receive, send_with_limit)
+
+    def decide(self, scope) -> tuple[tuple[int, str, list] | None, list, ApiKey | None]:
         """(None to let the request in, else (status, reason, extra headers); the rate-limit headers its
-        answer carries, for a key with a rate). Reads only the request line and headers."""
+        answer carries, for a key with a rate; the key, if it is let in with one). Reads only the request line
+        and headers."""
         if _blank_query_keys(scope, self.keys):
             reason = (
                 "an API key in the URL is not accepted (URLs are written to logs): send it as the header "
                 "Authorization: Bearer KEY or X-API-Key: KEY (and if that was a real key, replace it: "
                 "it has been exposed)"
             )
-            return (400, reason, []), []
+            return (400, reason, []), [], None
         needed = required_scope(scope["method"], route_path(scope))
         if needed is Scope.OPEN:
-            return None, []
+            return None, [], None
         presented, problem = _presented_key(scope["headers"])
         if presented is None:
-            return (401, problem, [(b"www-authenticate", b'Bearer realm="mnv3"')]), []
+            return (401, problem, [(b"www-authenticate", b'Bearer realm="mnv3"')]), [], None
         key = self.keys.match(presented)
         if key is None:
             challenge = b'Bearer realm="mnv3", error="invalid_token"'
-            return (401, "the API key is not valid", [(b"www-authenticate", challenge)]), []
+            return (401, "the API key is not valid", [(b"www-authenticate", challenge)]), [], None
         if key.scope < needed:
             scope_name = needed.name.lower()
             # The path percent-encoded again, as uvicorn's access log has it: decoded, a %0a in it wrote a log line
@@ -390,24 +408,32 @@ class ApiKeyAuth:
             reason = f"this API key's scope does not include this path: it needs a key of scope {scope_name}" + (
                 f"; this key may make {instead}" if instead else ""
             )
-            return (403, reason, [(b"www-authenticate", challenge)]), []
+            return (403, reason, [(b"www-authenticate", challenge)]), [], None
+        if key.in_flight is not None and self.keys.in_flight[key.digest] >= key.in_flight:
+            # Checked before the rate, so a refusal spends no token. One key's slow or stalled uploads would
+            # otherwise hold every --max-in-flight slot and starve every other key.
+            log.info("key %s has %d requests in flight, its limit", key.name, key.in_flight)
+            reason = (
+                f"this API key already has {key.in_flight} requests in flight, its limit: retry when one is answered"
+            )
+            return (429, reason, [(b"retry-after", b"1")]), [], None
         taken = self.keys.take(key)
         if taken is None:
-            return None, []
+            return None, [], key
         assert key.limit is not None  # a key with a bucket has a rate
         limit_headers = key.limit.headers(taken)
         if not taken.wait_s:
-            return None, limit_headers
+            return None, limit_headers, key
         retry_after = max(1, math.ceil(taken.wait_s))
         log.info("rate-limited key %s (%s)", key.name, key.limit)
         reason = f"this API key is over its rate limit of {key.limit}: retry in {retry_after} s"
-        return (429, reason, [(b"retry-after", str(retry_after).encode())]), limit_headers
+        return (429, reason, [(b"retry-after", str(retry_after).encode())]), limit_headers, None
 
 
 KEY_REFUSALS = {  # answered in front of the app, in the error shape of the path (mnv3.errors)
     401: "no API key, or not a valid one (WWW-Authenticate: Bearer)",
     403: "the key's scope does not include this operation",
-    429: "the key is over its rate limit (Retry-After)",
+    429: "the key is over its rate limit, or has its in_flight requests under way (Retry-After)",
 }
 SECURITY_SCHEMES = {
     "bearer": {"type": "http", "scheme": "bearer", "description": "Authorization: Bearer KEY"},
@@ -527,14 +553,19 @@ def get_args_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--burst", help="the most requests the key may make at once (default: one second's worth of --rate, at least 1)"
     )
+    parser.add_argument(
+        "--in-flight", help="the most requests the key may have in the server at once (default: no bound of its own)"
+    )
     parser.add_argument("--name", help="what logs and metrics call the key (default: its line number)")
     return parser
 
 
 def main(args) -> None:
-    given = {option: value for option in ("rate", "burst", "name") if (value := getattr(args, option))}
+    given = {option: value for option in ("rate", "burst", "in_flight", "name") if (value := getattr(args, option))}
     try:
-        if spaced := [f"--{option} {value!r}" for option, value in given.items() if len(value.split()) != 1]:
+        if spaced := [
+            f"--{option.replace('_', '-')} {value!r}" for option, value in given.items() if len(value.split()) != 1
+        ]:
             raise KeyFileError(f"{', '.join(spaced)}: a value without spaces (they separate a key line's words)")
         key, line = new_key_line(args.scope, tuple(f"{option}={value}" for option, value in given.items()))
     except KeyFileError as exc:

@@ -2,17 +2,22 @@
 what refusals say, rate limits on an injected clock, bad key files, no key material anywhere, and over a
 real socket that a refused 10 MiB upload is answered without being read."""
 
+import asyncio
 import hashlib
 import logging
 import socket
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import pytest
+import requests
 from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from conftest import upload, uvicorn_in_thread
+from conftest import WAIT_S, upload, uvicorn_in_thread, wait_until
 from mnv3 import auth
 from mnv3.auth import (
     ApiKeyAuth,
@@ -28,7 +33,6 @@ from mnv3.photos import load_images
 
 pytestmark = pytest.mark.integration
 
-WAIT_S = 30  # upper bound on any wait; a broken test fails instead of hanging
 INFER_KEY = "infer-key-0123456789abcdef"
 ADMIN_KEY = "admin-key-0123456789abcdef"  # given in the file as its sha256 only
 LIMITED_KEY = "limited-key-0123456789abcdef"
@@ -263,6 +267,34 @@ def test_a_rate_limited_key_is_told_its_budget(client, clock):
     assert "ratelimit" not in client.get("/healthz").headers
 
 
+def test_a_key_with_in_flight_holds_at_most_that_many_requests_at_once():
+    # One key's slow or stalled uploads held every --max-in-flight slot and starved every other key.
+    held = threading.Event()
+    app = FastAPI()
+
+    @app.post("/predict")
+    async def predict():
+        await asyncio.to_thread(held.wait, WAIT_S)  # an upload still arriving, or a long inference
+        return {}
+
+    bounded, other = "bounded-key-0123456789abcdef", "other-key-0123456789abcdef"
+    keys = parse_keys(f"{bounded} infer in_flight=2 name=bounded\n{other} infer\n")
+    app.add_middleware(ApiKeyAuth, keys=keys)
+    with uvicorn_in_thread(app, log_config=None) as port, ThreadPoolExecutor(4) as pool:
+        url = f"http://127.0.0.1:{port}/predict"
+        post = partial(requests.post, url, timeout=WAIT_S)
+        holding = [pool.submit(post, headers=bearer(bounded)) for _ in range(2)]
+        wait_until(lambda: keys.in_flight[hashlib.sha256(bounded.encode()).digest()] == 2, "two requests in flight")
+        third = post(headers=bearer(bounded))
+        assert third.status_code == 429 and third.headers["retry-after"] == "1"
+        assert "already has 2 requests in flight" in third.json()["detail"]
+        others = pool.submit(post, headers=bearer(other))  # another key is not held back
+        held.set()
+        assert [r.result().status_code for r in (*holding, others)] == [200, 200, 200]
+        assert post(headers=bearer(bounded)).status_code == 200  # answered: its slots are free again
+    assert keys.in_flight[hashlib.sha256(bounded.encode()).digest()] == 0
+
+
 def test_refused_requests_do_not_spend_tokens(client, clock):
     limited = bearer(LIMITED_KEY)
     for _ in range(5):
@@ -351,6 +383,8 @@ def test_open_paths_are_open_to_reads_only():
         (f"{INFER_KEY} infer rate=5/s burst=0\n", 1, "at least 1"),
         (f"{INFER_KEY} infer rate=5/s rate=6/s\n", 1, "given twice"),
         (f"{INFER_KEY} infer limit=5\n", 1, "unknown option 'limit=5'"),
+        (f"{INFER_KEY} infer in_flight=0\n", 1, "in_flight=0 is not a whole number of requests of at least 1"),
+        (f"{INFER_KEY} infer in_flight=many\n", 1, "e.g. in_flight=64"),
         (f"{INFER_KEY} infer name=a/b\n", 1, "name= takes"),
     ],
 )
