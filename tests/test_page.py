@@ -511,6 +511,23 @@ def test_advice_for_a_photo_over_the_upload_limit_is_advice_that_helps(page):
     assert errors[4].endswith("is over the server's upload limit of 100 B")  # not a picture: no advice
 
 
+def test_a_failed_photo_can_be_sent_again_with_the_options_as_they_are_now(page, photos, tmp_path):
+    page.wait_for_function("server.models.length > 0")
+    large = Image.open(io.BytesIO(photos[0])).resize((2000, 1500))
+    path = tmp_path / "large.jpg"
+    large.save(path, quality=95)
+    page.evaluate("server.models[0].limits.max_upload_bytes = 150000")  # over it as it is, under it shrunk
+    page.locator("#file-input").set_input_files(path)
+    card = page.locator("#photos .photo").first
+    card.locator(".error").wait_for()
+    assert "over the server's upload limit" in card.locator(".error").inner_text()
+    page.get_by_label("Shrink large photos in the browser before upload").check()
+    card.get_by_role("button", name="Send again").click()  # the same file, not chosen again
+    assert len(shown_predictions(card)) == 5
+    assert card.locator(".error").count() == 0 and card.get_by_role("button", name="Send again").count() == 0
+    assert "2000×1500 → 683×512" in card.locator(".outcomes > .hint").inner_text()
+
+
 def test_busy_answers_are_sent_again_after_retry_after(browser, fp32_model_path, photos, tmp_path):
     with ServerProcess(fp32_model_path, max_in_flight=1, cache_size=0) as url, opened(browser, url) as page:
         paths = []

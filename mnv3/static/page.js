@@ -266,7 +266,21 @@ async function classifyPhoto(file, card) {
   $("announce").textContent = first.error
     ? `${file.name}: ${first.error}`
     : `${file.name}: most likely ${first.predictions[0].label}, ${formatPercent(first.predictions[0].probability)}`;
-  return !results.some((result) => result.error);
+  const failed = results.some((result) => result.error);
+  if (failed) outcomes.append(sendAgainButton(file, card));
+  return !failed;
+}
+
+// A failed photo can be sent again as it is, with the options as they are now (a server back up, "Shrink large
+// photos" ticked after a 413, another model chosen), without choosing the file again.
+function sendAgainButton(file, card) {
+  const again = element("button", {type: "button", className: "send-again"}, "Send again");
+  again.addEventListener("click", () => {
+    card.querySelector(".outcomes").replaceChildren(element("p", {className: "pending"}, "Classifying…"));
+    card.setAttribute("aria-busy", "true");
+    classifyPhoto(file, card);
+  });
+  return again;
 }
 
 // Multipart's part headers and boundaries around the file: what the server's upload limit counts besides it.
