@@ -427,42 +427,17 @@ class CannotListen(OSError):
     """--host/--port cannot be listened on (a port in use, a host that is not this machine's)."""
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A socket bound to (host, port) as uvicorn binds one, not yet listening, or CannotListen: bound before the
-    models load, so a port in use is a one-line error at once rather than uvicorn's after every model has
-    loaded, and kept, so no other process can take the port meanwhile (two servers started together both
-    loaded their models, then one died on the bind)."""
+def check_can_listen(host: str, port: int) -> None:
+    """Bind (host, port) as uvicorn will, then let go, or raise CannotListen: before the models load, so a port
+    in use is a one-line error at once rather than uvicorn's, after every model has loaded and warmed up."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        listener = socket.socket(family, kind, proto)
-        try:
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
-            listener.bind(address)
-        except OSError:
-            listener.close()
-            raise
-        return listener
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+            probe.bind(address)
     except OSError as exc:  # socket.gaierror too: a host that does not resolve
         reason = exc.strerror or str(exc)
         raise CannotListen(f"cannot listen on {host}:{port}: {reason}; pick another --port (or --host)") from None
-
-
-class ServerOnBoundSocket(uvicorn.Server):
-    """uvicorn's server, run on a socket `bind_socket` bound, saying where it listens as uvicorn.run does (given
-    sockets, uvicorn says nothing: it expects a process manager that has said so)."""
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets)
-        if self.started and sockets:
-            host, port = sockets[0].getsockname()[:2]
-            url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-            logging.getLogger("uvicorn.error").info("Uvicorn running on %s (Press CTRL+C to quit)", url)
-
-
-def check_can_listen(host: str, port: int) -> None:
-    """Whether (host, port) can be bound now (for a server that binds it later itself: Ray's proxy), or
-    CannotListen."""
-    bind_socket(host, port).close()
 
 
 MAX_OPEN_FILES = 65_536  # what raise_open_file_limit asks for when the hard limit is unlimited
@@ -502,7 +477,7 @@ def main(argv=None) -> None:
     # so is one while the models load.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:  # before serving: a busy port, a bad model or key file is a one-line error, exit 2
-        listener = bind_socket(config.host, config.port)
+        check_can_listen(config.host, config.port)
         app = create_app(config, *load_engines(config))
     except (CannotListen, ModelLoadError, KeyFileError, UnreadableManifest) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
@@ -516,27 +491,19 @@ def main(argv=None) -> None:
         log.warning(warning)
     raise_open_file_limit()
     settle_garbage_collector()
-    server = ServerOnBoundSocket(
-        uvicorn.Config(
-            app,
-            host=config.host,
-            port=config.port,
-            http=BoundedHeadProtocol,  # a request's head bounded in size and time (mnv3.connections)
-            log_level=config.log_level,
-            log_config=uvicorn_log_config(),
-            # typed int, but uvicorn waits with asyncio.wait_for, which takes a float
-            timeout_graceful_shutdown=config.shutdown_timeout_s,  # type: ignore[arg-type]
-            timeout_keep_alive=config.keep_alive_s,  # type: ignore[arg-type]
-            root_path=config.root_path,
-            forwarded_allow_ips=config.forwarded_allow_ips or None,  # None: uvicorn's own default
-        )
+    uvicorn.run(
+        app,
+        host=config.host,
+        port=config.port,
+        http=BoundedHeadProtocol,  # a request's head bounded in size and time (mnv3.connections)
+        log_level=config.log_level,
+        log_config=uvicorn_log_config(),
+        # typed int, but uvicorn waits with asyncio.wait_for, which takes a float
+        timeout_graceful_shutdown=config.shutdown_timeout_s,  # type: ignore[arg-type]
+        timeout_keep_alive=config.keep_alive_s,  # type: ignore[arg-type]
+        root_path=config.root_path,
+        forwarded_allow_ips=config.forwarded_allow_ips or None,  # None: uvicorn's own default
     )
-    try:
-        server.run(sockets=[listener])  # uvicorn.run, on the socket bound above
-    except KeyboardInterrupt:
-        pass
-    if not server.started:
-        raise SystemExit(3)  # uvicorn.run's exit status for a server that never started
 
 
 if __name__ == "__main__":

@@ -14,11 +14,10 @@ import requests
 from PIL import Image
 
 from conftest import WAIT_S, Gate, post_file, post_raw, serving_client, wait_until
-from mnv3 import server as mnv3_server
 from mnv3.artifacts import CLASS_NAMES_JSON
 from mnv3.config import parse_args
-from mnv3.engine import Engine, ModelLoadError
-from mnv3.loadtest import ServerProcess, free_port, parse_metrics
+from mnv3.engine import Engine
+from mnv3.loadtest import ServerProcess, parse_metrics
 from mnv3.photos import load_images
 from mnv3.preprocess import decode_image, preprocess
 from mnv3.thread_cpu import EVENT_LOOP, INFERENCE, PREPROCESS, ROLES
@@ -325,32 +324,6 @@ def test_a_port_in_use_exits_2_with_one_line_before_loading_the_models(tmp_path)
         f"python -m mnv3.server: error: cannot listen on 127.0.0.1:{port}: Address already in use; "
         "pick another --port (or --host)"
     )
-
-
-def test_the_port_is_held_while_the_models_load(fp32_model_path, monkeypatch):
-    # Two servers started together on one port both passed a bind-and-let-go check, loaded their models, and
-    # then one died on uvicorn's bind (exit 3): the port is now held from the check on.
-    port = free_port()
-    taken_while_loading = []
-
-    def load_engines(config):
-        with socket.socket() as other:
-            taken_while_loading.append(_cannot_bind(other, port))
-        raise ModelLoadError("stop before serving")
-
-    monkeypatch.setattr(mnv3_server, "load_engines", load_engines)
-    monkeypatch.setattr(mnv3_server.signal, "signal", lambda *args: None)  # main's SIGTERM handler, not pytest's
-    with pytest.raises(SystemExit) as exit_info:
-        mnv3_server.main(["--model", str(fp32_model_path), "--port", str(port)])
-    assert exit_info.value.code == 2 and taken_while_loading == [True]
-
-
-def _cannot_bind(sock: socket.socket, port: int) -> bool:
-    try:
-        sock.bind(("127.0.0.1", port))
-    except OSError:
-        return True
-    return False
 
 
 def test_model_reports_the_predictions_an_answer_carries_when_top_k_exceeds_the_classes(fp32_model_path, images):
