@@ -41,10 +41,13 @@ JPEG_DRAFT_REDUCTIONS = (8, 4, 2)  # the DCT scalings libjpeg offers, largest fi
 
 MAX_RESIZED_SIDE = 4096  # longer side of the full resize; beyond it, resample only the crop (aspect > 16:1)
 DEFAULT_MAX_PIXELS = 40_000_000  # ~ a 7300x5500 photo; larger is refused before decoding
-# A progressive JPEG is decoded scan by scan, each over the whole image: a few hundred kilobytes of tiny scans
-# kept a decode thread busy for minutes (libjpeg's djpeg has -maxscans for it). Encoders write about 10 (libjpeg's
-# progressive script), rarely over 20; every start-of-scan marker is counted, an EXIF thumbnail's too.
+# A progressive JPEG is decoded scan by scan, each over the whole image, so thousands of tiny scans keep a decode
+# thread busy out of all proportion to the file's bytes (libjpeg's djpeg has -maxscans for it). libjpeg's
+# progressive script writes 10 scans, and encoders rarely write more than a few dozen.
 MAX_JPEG_SCANS = 100
+# A marker: 0xFF and a code other than 0x00 (a stuffed 0xFF in coded data), 0xFF (fill) and RST0-7 (no length)
+JPEG_MARKER = re.compile(rb"\xff[\x01-\xcf\xd8-\xfe]")
+JPEG_END_OF_IMAGE, JPEG_START_OF_SCAN, JPEG_START_OF_IMAGE, JPEG_TEM = 0xD9, 0xDA, 0xD8, 0x01
 # Pillow refuses an image of more than twice its MAX_IMAGE_PIXELS outright (DecompressionBombError), whatever
 # the caller allows; below that, `max_pixels` alone decides: Pillow's warning at MAX_IMAGE_PIXELS is ignored.
 # (None: the process turned Pillow's check off, and `max_pixels` alone decides.)
@@ -225,7 +228,7 @@ def decode_image(
                 raise ImageTooLarge(
                     f"image is {w}x{h} = {w * h} pixels, over the limit of {max_pixels} (refused before decoding)"
                 )
-            if image.format in JPEG_DRAFT_FORMATS and (scans := data.count(b"\xff\xda")) > MAX_JPEG_SCANS:
+            if image.format in JPEG_DRAFT_FORMATS and (scans := jpeg_scans(data)) > MAX_JPEG_SCANS:
                 raise InvalidImage(
                     f"a JPEG of {scans} scans, over the limit of {MAX_JPEG_SCANS} (an ordinary progressive JPEG "
                     "has about 10; refused before decoding): save it again as an ordinary JPEG"
@@ -255,6 +258,23 @@ def decode_image(
         raise InvalidImage(f"not a recognised image format; accepted: {', '.join(ACCEPTED_FORMATS)}") from exc
     except (OSError, SyntaxError, ValueError, EOFError) as exc:
         raise InvalidImage(f"corrupt or truncated image: {exc}") from exc
+
+
+def jpeg_scans(data: bytes) -> int:
+    """The scans of the JPEG `data` begins with, up to its end-of-image marker: what comes after it (a phone's
+    motion-photo video, an MPO's next frame) is not this image's, and a segment's payload (an EXIF thumbnail,
+    an ICC profile) is skipped by its length, so their bytes are never taken for markers."""
+    scans, position = 0, 2  # after the start-of-image marker
+    while match := JPEG_MARKER.search(data, position):
+        code = match[0][1]
+        if code == JPEG_END_OF_IMAGE:
+            break
+        if code in (JPEG_START_OF_IMAGE, JPEG_TEM):  # no length follows these
+            position = match.end()
+            continue
+        scans += code == JPEG_START_OF_SCAN
+        position = match.end() + int.from_bytes(data[match.end() : match.end() + 2], "big")
+    return scans
 
 
 WIDE_GREY_MODES = ("I;16", "I;16B", "I;16L", "I", "F")

@@ -129,6 +129,14 @@ def test_a_jpeg_of_too_many_scans_is_refused_before_decoding():
     ordinary = io.BytesIO()
     Image.new("RGB", (640, 480), "teal").save(ordinary, "JPEG", progressive=True)
     assert decode_image(ordinary.getvalue()).size == (640, 480)  # Pillow's progressive JPEG: about 10 scans
+    # Start-of-scan bytes that are not this image's markers: in a segment's payload (an ICC profile, an EXIF
+    # thumbnail), or after its end, where a phone's motion photo keeps its video. They were counted as scans.
+    in_payload = io.BytesIO()
+    Image.new("RGB", (64, 48), "teal").save(in_payload, "JPEG", icc_profile=b"\xff\xda" * 30_000)
+    video = np.random.default_rng(3).integers(0, 256, 8_000_000, dtype=np.uint8).tobytes()
+    assert video.count(b"\xff\xda") > MAX_JPEG_SCANS
+    for data in (in_payload.getvalue(), ordinary.getvalue() + video):
+        assert decode_image(data).size in ((64, 48), (640, 480))
 
 
 def test_max_pixels_alone_decides_up_to_where_pillow_refuses_every_image():
