@@ -56,7 +56,7 @@ import urllib.parse
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from urllib.parse import parse_qsl, urlencode
+from urllib.parse import unquote_to_bytes
 
 from starlette.requests import Request
 
@@ -74,6 +74,14 @@ QUERY_KEY_NAMES = frozenset(
     {"api_key", "apikey", "api-key", "key", "token", "access_token", "x-api-key", "auth", "authorization", "bearer"}
     | {"api_token", "apitoken", "access_key", "accesskey"}
 )
+QUERY_SEPARATOR = re.compile(rb"[&;]")  # ';' as well: servers and clients have read it as one
+QUERY_KEY_NAME = re.compile(
+    rb"(?:^|[&;])(?:" + b"|".join(re.escape(name.encode()) for name in sorted(QUERY_KEY_NAMES)) + rb")(?:=|[&;]|$)",
+    re.IGNORECASE,
+)
+# Query parameters compared with the keys: the place a key is pasted by mistake; a URL of thousands must not
+# cost a hash each, before any key is checked.
+QUERY_PIECES_CHECKED = 64
 RATE_UNITS_S = {"s": 1.0, "min": 60.0}
 PLAIN_KEY = re.compile(r"[\x21-\x7e]+")  # what an HTTP header value can carry without quoting or spaces
 HEX_DIGEST = re.compile(r"[0-9a-fA-F]{64}")
@@ -211,6 +219,7 @@ class Keys:
             key.digest: TokenBucket(key.limit.rate_per_s, key.limit.burst, clock) for key in keys if key.limit
         }
         self.in_flight = {key.digest: 0 for key in keys if key.in_flight}  # changed on the event loop only
+        self.digests = frozenset(key.digest for key in keys)  # to spot a key where none belongs, not to admit one
 
     def __repr__(self):
         return f"Keys({len(self.keys)} keys)"
@@ -485,22 +494,43 @@ def _presented_key(headers) -> tuple[str | None, str]:
 
 
 def _blank_query_keys(scope, keys: Keys) -> bool:
-    """Whether the query string carries a key, under a name clients give keys or as any value that is one of
-    `keys` (whatever its name); if so its value is blanked in `scope` (the access log reads it)."""
+    """Whether the query string carries a key: under a name clients give keys, or (in its first
+    QUERY_PIECES_CHECKED parameters) as any name or value that is one of `keys`, so `?KEY`, `?x=KEY;y=1` and
+    `?model=KEY` too; if so it is blanked in `scope` (the access log reads it). This runs before any key is
+    checked, for anyone: a regular expression finds the names, and a candidate is looked up by its digest,
+    not compared with every key."""
     query = scope.get("query_string", b"")
     if not query:
         return False
-    pairs = parse_qsl(query.decode("latin-1"), keep_blank_values=True)
-    found = [
-        name.lower() in QUERY_KEY_NAMES or (MIN_KEY_CHARS <= len(value) <= MAX_KEY_CHARS and keys.match(value))
-        for name, value in pairs
-    ]
-    if not any(found):
+    pieces = QUERY_SEPARATOR.split(query)
+    redacted = [_redacted(piece, keys) for piece in pieces[:QUERY_PIECES_CHECKED]]
+    if redacted == pieces[:QUERY_PIECES_CHECKED] and not QUERY_KEY_NAME.search(query):
         return False
-    scope["query_string"] = urlencode(
-        [(name, "REDACTED" if key else value) for (name, value), key in zip(pairs, found, strict=True)]
-    ).encode("latin-1")
+    named = [_redacted_name(piece) for piece in pieces[QUERY_PIECES_CHECKED:]]  # past those: by their name only
+    scope["query_string"] = b"&".join(redacted + named)
     return True
+
+
+def _redacted(piece: bytes, keys: Keys) -> bytes:
+    """A query parameter with its name and its value each replaced by REDACTED if it is one of `keys`
+    (percent-decoded, as a client may send it), or by name if a name clients give keys."""
+    name, equals, value = piece.partition(b"=")
+    if (by_name := _redacted_name(piece)) is not piece:
+        return by_name
+    return b"".join(
+        (b"REDACTED" if _is_key(name, keys) else name, equals, b"REDACTED" if _is_key(value, keys) else value)
+    )
+
+
+def _redacted_name(piece: bytes) -> bytes:
+    name = piece.partition(b"=")[0]
+    return name + b"=REDACTED" if QUERY_KEY_NAME.fullmatch(name + b"=") else piece
+
+
+def _is_key(text: bytes, keys: Keys) -> bool:
+    if b"%" in text or b"+" in text:
+        text = unquote_to_bytes(text.replace(b"+", b" "))
+    return MIN_KEY_CHARS <= len(text) <= MAX_KEY_CHARS and hashlib.sha256(text).digest() in keys.digests
 
 
 # ---------------------------------------------------------------------------------------------- start-up

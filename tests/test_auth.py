@@ -234,6 +234,23 @@ def test_a_key_in_the_query_string_is_refused_even_a_valid_one(client, query):
     assert client.post("/predict", params={"model": "fp32"}, headers=bearer(INFER_KEY)).status_code == 200
 
 
+@pytest.mark.parametrize("query", ["{key}", "{key}=1", "x={key};y=1", "model=fp32&{key}", "m={quoted}"])
+def test_a_key_anywhere_in_the_first_parameters_is_refused_and_blanked(query):
+    written = query.format(key=INFER_KEY, quoted=INFER_KEY.replace("-", "%2D"))
+    scope = {"type": "http", "method": "GET", "path": "/stats", "query_string": written.encode(), "headers": []}
+    refusal, _, _ = ApiKeyAuth(None, parse_keys(KEY_FILE)).decide(scope)
+    assert refusal is not None and refusal[0] == 400
+    assert INFER_KEY.encode() not in scope["query_string"] and b"REDACTED" in scope["query_string"]
+
+
+def test_a_query_of_many_parameters_costs_no_hash_past_the_first_ones(monkeypatch):
+    keys, hashed = parse_keys(KEY_FILE), []
+    monkeypatch.setattr(auth.hashlib, "sha256", lambda data: hashed.append(data) or hashlib.new("sha256", data))
+    scope = {"query_string": b"&".join([b"v=" + b"x" * 20] * 3000)}
+    assert not auth._blank_query_keys(scope, keys)
+    assert len(hashed) == auth.QUERY_PIECES_CHECKED  # one value each, the names too short to be keys
+
+
 def test_rate_limit_hit_then_recovered(client, clock):
     limited = bearer(LIMITED_KEY)  # 30/min = one token every 2 s, burst 2
     assert [client.post("/predict", headers=limited).status_code for _ in range(2)] == [200, 200]
