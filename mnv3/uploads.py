@@ -57,7 +57,7 @@ async def _within(timeout_s: float, reading: Awaitable[bytes]) -> bytes:
 # Content codings a whole body (read_body: the Open Inference Protocol's requests) may come in, as Triton takes
 # them (tritonclient's request_compression_algorithm), with zlib's window bits for each. HTTP's "deflate" is
 # zlib's format (RFC 9110, 8.4.1.2), which is what tritonclient sends.
-CONTENT_CODINGS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+CONTENT_CODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -76,16 +76,24 @@ async def _read_body(request: Request, limit: int) -> bytes:
 async def _inflated(chunks: AsyncIterator[bytes], encoding: str, limit: int) -> bytes:
     """A gzip or deflate body decompressed, never to more than `limit` bytes: a few kilobytes of it can
     inflate to gigabytes."""
-    inflater = zlib.decompressobj(CONTENT_CODINGS[encoding])
+    wbits = CONTENT_CODINGS[encoding]
+    inflater = zlib.decompressobj(wbits)
     parts: list[bytes] = []
     size = 0
     try:
         async for chunk in chunks:
-            part = inflater.decompress(chunk, limit + 1 - size)  # one byte past the limit at most
-            size += len(part)
-            if size > limit:
-                raise BodyTooLarge(f"the {encoding} body inflates to over the limit of {limit} bytes")
-            parts.append(part)
+            pending = chunk
+            while pending:
+                part = inflater.decompress(pending, limit + 1 - size)  # one byte past the limit at most
+                size += len(part)
+                if size > limit:
+                    raise BodyTooLarge(f"the {encoding} body inflates to over the limit of {limit} bytes")
+                parts.append(part)
+                pending = inflater.unconsumed_tail
+                if inflater.eof and inflater.unused_data:  # a gzip body may be several members (RFC 1952, 2.2)
+                    if wbits == CONTENT_CODINGS["deflate"]:
+                        raise BadUpload("data follows the end of the deflate body")
+                    pending, inflater = inflater.unused_data + pending, zlib.decompressobj(wbits)
         if not inflater.eof:
             raise BadUpload(f"the {encoding} body ends before its compressed data does")
     except zlib.error as exc:

@@ -16,6 +16,7 @@ import asyncio
 import math
 import time
 from collections.abc import Callable, Coroutine
+from functools import partial
 from typing import Annotated, Any
 
 import numpy as np
@@ -305,6 +306,9 @@ _add_model_routes("/models/{name}", named_model)
 _add_model_routes("/models/{name}/versions/{version}", versioned_model)
 
 
+PARSED_IN_THREAD_BYTES = 256 * 1024  # smaller ones, the common case, parse on the loop: no thread hop to wait for
+
+
 async def _infer(request: Request, model: ServedModel, s: Serving) -> Response:
     started = time.perf_counter()
     deadline = asyncio.get_running_loop().time() + s.config.deadline_ms / 1000
@@ -313,14 +317,19 @@ async def _infer(request: Request, model: ServedModel, s: Serving) -> Response:
             described = description(model)
             try:
                 body = await read_body(request, s.config.max_upload_bytes, s.config.body_timeout_s)
-            except BodyTooLarge as exc:  # /config's max_batch_size rows of PIXELS may not fit the body limit
-                row = 4 * math.prod(described.input_shape)
+            except BodyTooLarge as exc:
+                if "content-encoding" in request.headers:  # an inflated body's limit: rows are not the point
+                    raise
+                row = 4 * math.prod(described.input_shape)  # /config's max_batch_size rows may not fit the limit
                 raise BodyTooLarge(
                     f"{exc} (--max-upload-bytes): {PIXELS_INPUT} takes {row} bytes a row in binary, so "
                     f"{s.config.max_upload_bytes // row} rows fit; send fewer a request, encoded images as "
                     f"{IMAGE_INPUT}, or raise the limit"
                 ) from None
-            parsed = parse_infer_request(body, request.headers.get(HEADER_LENGTH), described)
+            parse = partial(parse_infer_request, body, request.headers.get(HEADER_LENGTH), described)
+            # A large body (a PIXELS tensor written as JSON numbers) is slow to parse: on the event loop it would
+            # stall every other client meanwhile.
+            parsed = await asyncio.to_thread(parse) if len(body) > PARSED_IN_THREAD_BYTES else parse()
             probabilities = np.stack(await unless_disconnected(request, _rows(model, parsed, deadline)))
     finally:
         model.metrics.request_latency.observe(time.perf_counter() - started)
