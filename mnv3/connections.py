@@ -7,12 +7,14 @@ every few seconds, was held open for good, each one a file descriptor until the 
 `BoundedHeadProtocol` is that protocol with both bounds:
 
 - a head over MAX_HEAD_BYTES, or of more than MAX_HEADERS fields, is answered 431 and the connection closed,
-  before the parser buffers or parses more (a URL over MAX_URL_BYTES, which uvicorn cannot parse, 414): a head
-  of a megabyte in 200,000 tiny fields cost the event loop 90 ms, a Python call a field;
+  before the parser buffers or parses more (a URL over MAX_URL_BYTES, which uvicorn cannot parse, 414): the
+  parser calls Python once a field, so a head of many tiny fields held the event loop; so do a chunked body's
+  trailer fields, and a body in more than MAX_BODY_PIECES pieces (one-byte chunks: a Python call a byte) is
+  answered 413;
 - at most MAX_PIPELINED requests wait behind the one being answered on a connection (HTTP/1.1 pipelining):
-  uvicorn parses a whole read at once and queues every request in it, about 2 KB each, so 250 KB of pipelined
-  GETs grew the process by 14 MB. The requests past that are not read: the connection closes once those
-  queued are answered, and the client sends the rest again on a new one, as pipelining clients do;
+  uvicorn parses a whole read at once and queues every request in it, so a read of pipelined GETs grew the
+  process by far more than its own size. The requests past that are not read: the connection closes once
+  those queued are answered, and the client sends the rest again on a new one, as pipelining clients do;
 - a head not complete HEAD_TIMEOUT_S after its first byte is answered 408 and the connection closed; a new
   connection that sends nothing in that time is closed without an answer, as uvicorn's keep-alive timeout
   closes an idle one between requests;
@@ -38,7 +40,10 @@ MAX_HEAD_BYTES = 1024 * 1024
 HEAD_TIMEOUT_S = 10.0
 MAX_URL_BYTES = 65_535  # the longest URL uvicorn can parse: httptools.parse_url counts in 16 bits
 MAX_HEADERS = 100  # Apache's LimitRequestFields default; browsers and HTTP clients send about 10-20
-MAX_PIPELINED = 32  # requests waiting on one connection; pipelining clients (wrk's scripts) send about 16
+MAX_PIPELINED = 32  # requests waiting on one connection; pipelining clients send far fewer
+# A body's pieces as the parser hands them over: a chunk each, or a read of a larger one. A chunked body of
+# one-byte chunks costs a Python call a byte; any client sending real chunks or plain bodies is far below.
+MAX_BODY_PIECES = 65_536
 # After an answer sent before its request's body arrived (uploads.CloseUnreadBody kept the connection: the
 # rest is dropped as it arrives), the rest must arrive within this, as a body read by the app must within
 # --body-timeout-s (its default); trickled, it would hold the connection for good.
@@ -58,6 +63,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         self.head_timer: asyncio.TimerHandle | None = self.loop.call_later(HEAD_TIMEOUT_S, self.head_timed_out)
         self.body_timer: asyncio.TimerHandle | None = None  # the rest of a body answered before it arrived
         self.stopped_parsing: tuple[int, str] | None = None  # why a parser callback stopped the parser
+        self.body_pieces = 0  # of the request being read
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.stop_head_timer()
@@ -83,9 +89,15 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         if len(self.pipeline) >= MAX_PIPELINED:
             self.stop_parsing(503, f"more than {MAX_PIPELINED} pipelined requests wait on the connection")
-        self.reading_head, self.head_bytes = False, 0
+        self.reading_head, self.head_bytes, self.body_pieces = False, 0, 0
         self.stop_head_timer()
         super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        self.body_pieces += 1
+        if self.body_pieces > MAX_BODY_PIECES:
+            self.stop_parsing(413, f"the request's body came in more than {MAX_BODY_PIECES} pieces (chunks)")
+        super().on_body(body)
 
     def stop_parsing(self, status: int, detail: str) -> None:
         """Stop the parser in the middle of a read (a callback's exception ends `feed_data`, which uvicorn
@@ -141,6 +153,15 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         """Answer `status` and close, unless an answer to an earlier request on the connection is still being
         written (a pipelined head): then only close once it and those queued behind it are done."""
         self.stop_head_timer()
+        if self.cycle is not None and not self.cycle.response_complete and not self.reading_head:
+            # In the body or trailers of the request under way, which can then never end: answered now, if its
+            # answer has not begun and no earlier one is still being written, else the connection is closed.
+            log.warning("%s: %s; closing the connection", status, detail)
+            if self.pipeline or self.cycle.response_started:
+                self.transport.close()
+            else:
+                self.write_and_close(status, detail)
+            return
         if self.cycle is not None and not self.cycle.response_complete:
             log.warning("%s: %s; closing the connection after the answers under way", status, detail)
             self.cycle.keep_alive = False  # the newest cycle: the last queued, or the one being answered

@@ -7,7 +7,7 @@ from contextlib import contextmanager
 
 import pytest
 import requests
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 
 from conftest import WAIT_S, uvicorn_in_thread
 from mnv3 import connections
@@ -26,6 +26,10 @@ def bounded_server(monkeypatch, head_timeout_s: float = 0.5):
     @app.get("/healthz")
     async def healthz():
         return {"status": "ok"}
+
+    @app.post("/echo")
+    async def echo(request: Request):
+        return {"bytes": len(await request.body())}
 
     with uvicorn_in_thread(app, log_level="error", http=connections.BoundedHeadProtocol) as port:
         yield port
@@ -76,18 +80,47 @@ def test_pipelined_requests_past_the_bound_are_not_read(monkeypatch):
             sock.sendall(request * 10)  # within the bound: every one answered, and the connection kept
             received = b""
             while received.count(b"HTTP/1.1 200 ") < 10:
-                received += sock.recv(65536)
+                chunk = sock.recv(65536)
+                assert chunk, f"closed after {received.count(b'HTTP/1.1 200 ')} answers"
+                received += chunk
             sock.sendall(request)
             assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
         with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
             try:
-                sock.sendall(request * 1000)
+                sock.sendall(request * 1000)  # 34 KB: on loopback, a read or two of the server's
             except (BrokenPipeError, ConnectionResetError):
                 pass
             received = answer(sock)
     # the one answered first, the queue behind it, then the connection closed: the rest were never parsed
     assert received.count(b"HTTP/1.1 200 ") == 1 + connections.MAX_PIPELINED
     assert received.count(b"HTTP/1.1") == 1 + connections.MAX_PIPELINED
+
+
+def test_a_body_in_too_many_pieces_is_a_413(monkeypatch):
+    # A chunked body of one-byte chunks cost the event loop a Python call a byte
+    monkeypatch.setattr(connections, "MAX_BODY_PIECES", 100)
+    head = b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    with bounded_server(monkeypatch) as port:
+        with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
+            sock.sendall(head + b"1\r\nx\r\n" * 99 + b"0\r\n\r\n")  # within the bound: served
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
+        with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
+            started = time.monotonic()
+            sock.sendall(head + b"1\r\nx\r\n" * 200 + b"0\r\n\r\n")
+            response = answer(sock)
+    assert response.startswith(b"HTTP/1.1 413 ") and b"more than 100 pieces" in response
+    assert time.monotonic() - started < WAIT_S / 2
+
+
+def test_too_many_trailer_fields_are_a_prompt_431(monkeypatch):
+    # The body had arrived, but the request never ended: it waited out the body timeout, a 408 after 30 s
+    trailers = b"".join(b"X-%d: y\r\n" % i for i in range(connections.MAX_HEADERS + 1))
+    head = b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    with bounded_server(monkeypatch) as port, socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
+        started = time.monotonic()
+        sock.sendall(head + b"5\r\nhello\r\n0\r\n" + trailers + b"\r\n")
+        response = answer(sock)
+    assert response.startswith(b"HTTP/1.1 431 ") and time.monotonic() - started < WAIT_S / 2
 
 
 def test_a_head_that_does_not_arrive_in_time_is_a_408_and_an_idle_connection_is_closed(monkeypatch):
