@@ -54,6 +54,7 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable
+from fractions import Fraction
 from functools import partial
 from pathlib import Path
 from urllib.parse import unquote_to_bytes
@@ -155,17 +156,18 @@ class TokenBucket:
         self.tokens, self.updated = float(burst), clock()
         self.lock = threading.Lock()
 
-    def take(self) -> "Taken":
-        """A token if there is one (else nothing is taken), and the bucket as it is then."""
+    def take(self, take: bool = True) -> "Taken":
+        """A token if there is one (else nothing is taken; with `take` False, nothing either way), and the
+        bucket as it is then."""
         with self.lock:
             now = self.clock()
             self.tokens = min(self.burst, self.tokens + (now - self.updated) * self.rate_per_s)
             self.updated = now
             wait_s = 0.0
-            if self.tokens >= 1:
-                self.tokens -= 1
-            else:
+            if self.tokens < 1:
                 wait_s = (1 - self.tokens) / self.rate_per_s
+            elif take:
+                self.tokens -= 1
             return Taken(wait_s, int(self.tokens), (self.burst - self.tokens) / self.rate_per_s)
 
 
@@ -186,12 +188,14 @@ class RateLimit:
         return f"{self.rate}, burst {self.burst}"
 
     def headers(self, taken: Taken) -> list[tuple[bytes, bytes]]:
-        """The IETF draft's RateLimit-Policy and RateLimit fields (draft-ietf-httpapi-ratelimit-headers):
-        the key's burst as the quota of a window its rate refills, and what is left of it now, so a client
-        (the page's live panel) can pace itself instead of learning the limit from 429s."""
-        window_s = math.ceil(self.burst / self.rate_per_s)
+        """The IETF draft's RateLimit-Policy and RateLimit fields (draft-ietf-httpapi-ratelimit-headers): the
+        key's rate as q requests each w seconds, exactly (30/min: q=1;w=2), and what the key may make at once
+        now and in how many seconds its whole burst is back, so a client (the page's live panel) can pace
+        itself instead of learning the limit from 429s."""
+        number, unit = self.rate.split("/")
+        rate = Fraction(number) / int(RATE_UNITS_S[unit])
         return [
-            (b"ratelimit-policy", f'"key";q={self.burst};w={window_s}'.encode()),
+            (b"ratelimit-policy", f'"key";q={rate.numerator};w={rate.denominator}'.encode()),
             (b"ratelimit", f'"key";r={taken.remaining};t={math.ceil(taken.full_in_s)}'.encode()),
         ]
 
@@ -232,11 +236,11 @@ class Keys:
                 found = key
         return found
 
-    def take(self, key: ApiKey) -> Taken | None:
-        """None for a key without a rate limit; else whether it may make a request now (and it is counted:
-        `wait_s` 0) or in how long, and its bucket then."""
+    def take(self, key: ApiKey, take: bool = True) -> Taken | None:
+        """None for a key without a rate limit; else whether it may make a request now (and, with `take`, it is
+        counted: `wait_s` 0) or in how long, and its bucket then."""
         bucket = self.buckets.get(key.digest)
-        return bucket.take() if bucket else None
+        return bucket.take(take) if bucket else None
 
 
 def parse_keys(text: str, source: str = "key file", clock: Callable[[], float] = time.monotonic) -> Keys:
@@ -334,11 +338,27 @@ def _options(options: list[str], error) -> tuple[str | None, RateLimit | None, i
 # ---------------------------------------------------------------------------------------------- middleware
 
 
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    status: int
+    reason: str  # for the client
+    label: str  # mnv3_rejections_total's reason (mnv3.errors.ACCESS_REFUSALS)
+    headers: list = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    refusal: Refusal | None  # None: let the request in
+    limit_headers: list  # the RateLimit fields its answer carries, for a key with a rate
+    key: ApiKey | None = None  # the key a request let in carries
+
+
 class ApiKeyAuth:
     """ASGI middleware: a request reaches `app` only with a key of the scope its path needs (see the module).
-    `on_refusal(status)` is called for each request it refuses (the server counts them by reason)."""
+    `on_refusal(label)` is called for each request it refuses, with its mnv3.errors.ACCESS_REFUSALS label (the
+    server counts them by it)."""
 
-    def __init__(self, app, keys: Keys, on_refusal: Callable[[int], None] | None = None):
+    def __init__(self, app, keys: Keys, on_refusal: Callable[[str], None] | None = None):
         self.app, self.keys, self.on_refusal = app, keys, on_refusal
 
     async def __call__(self, scope, receive, send):
@@ -346,7 +366,8 @@ class ApiKeyAuth:
             return await self.app(scope, receive, send)
         if scope["type"] != "http":  # the server has no websocket routes: nothing else is let in
             return await send({"type": "websocket.close", "code": 1008})
-        refusal, limit_headers, key = self.decide(scope)
+        decision = self.decide(scope)
+        refusal, limit_headers, key = decision.refusal, decision.limit_headers, decision.key
         if refusal is None:
             if key is None or key.digest not in self.keys.in_flight:
                 return await self.pass_on(scope, receive, send, limit_headers)
@@ -355,17 +376,16 @@ class ApiKeyAuth:
                 return await self.pass_on(scope, receive, send, limit_headers)
             finally:
                 self.keys.in_flight[key.digest] -= 1
-        status, reason, headers = refusal
-        headers = [*headers, *limit_headers]
+        headers = [*refusal.headers, *limit_headers]
         if self.on_refusal is not None:
-            self.on_refusal(status)
+            self.on_refusal(refusal.label)
         if not refusal_keeps_connection(Request(scope), KEEP_CONNECTION_BYTES):
             headers = [(b"connection", b"close"), *headers]
-        body = json.dumps(body_for_path(route_path(scope))(reason)).encode()
+        body = json.dumps(body_for_path(route_path(scope))(refusal.reason)).encode()
         await send(
             {
                 "type": "http.response.start",
-                "status": status,
+                "status": refusal.status,
                 "headers": [
                     (b"content-type", b"application/json"),
                     (b"content-length", str(len(body)).encode()),
@@ -386,27 +406,27 @@ class ApiKeyAuth:
 
         return await self.app(scope, receive, send_with_limit)
 
-    def decide(self, scope) -> tuple[tuple[int, str, list] | None, list, ApiKey | None]:
-        """(None to let the request in, else (status, reason, extra headers); the rate-limit headers its
-        answer carries, for a key with a rate; the key, if it is let in with one). Reads only the request line
-        and headers."""
+    def decide(self, scope) -> Decision:
+        """Whether to let the request in, from its request line and headers alone."""
         if _blank_query_keys(scope, self.keys):
             reason = (
                 "an API key in the URL is not accepted (URLs are written to logs): send it as the header "
                 "Authorization: Bearer KEY or X-API-Key: KEY (and if that was a real key, replace it: "
                 "it has been exposed)"
             )
-            return (400, reason, []), [], None
+            return Decision(Refusal(400, reason, "key_in_url"), [])
         needed = required_scope(scope["method"], route_path(scope))
         if needed is Scope.OPEN:
-            return None, [], None
+            return Decision(None, [])
         presented, problem = _presented_key(scope["headers"])
         if presented is None:
-            return (401, problem, [(b"www-authenticate", b'Bearer realm="mnv3"')]), [], None
+            return Decision(Refusal(401, problem, "no_valid_key", [(b"www-authenticate", b'Bearer realm="mnv3"')]), [])
         key = self.keys.match(presented)
         if key is None:
             challenge = b'Bearer realm="mnv3", error="invalid_token"'
-            return (401, "the API key is not valid", [(b"www-authenticate", challenge)]), [], None
+            return Decision(
+                Refusal(401, "the API key is not valid", "no_valid_key", [(b"www-authenticate", challenge)]), []
+            )
         if key.scope < needed:
             scope_name = needed.name.lower()
             # The path percent-encoded again, as uvicorn's access log has it: decoded, a %0a in it wrote a log line
@@ -417,7 +437,7 @@ class ApiKeyAuth:
             reason = f"this API key's scope does not include this path: it needs a key of scope {scope_name}" + (
                 f"; this key may make {instead}" if instead else ""
             )
-            return (403, reason, [(b"www-authenticate", challenge)]), [], None
+            return Decision(Refusal(403, reason, "out_of_scope", [(b"www-authenticate", challenge)]), [])
         if key.in_flight is not None and self.keys.in_flight[key.digest] >= key.in_flight:
             # Checked before the rate, so a refusal spends no token. One key's slow or stalled uploads would
             # otherwise hold every --max-in-flight slot and starve every other key.
@@ -425,18 +445,22 @@ class ApiKeyAuth:
             reason = (
                 f"this API key already has {key.in_flight} requests in flight, its limit: retry when one is answered"
             )
-            return (429, reason, [(b"retry-after", b"1")]), [], None
+            peeked = self.keys.take(key, take=False)
+            limit_headers = key.limit.headers(peeked) if key.limit and peeked else []
+            return Decision(Refusal(429, reason, "key_in_flight", [(b"retry-after", b"1")]), limit_headers)
         taken = self.keys.take(key)
         if taken is None:
-            return None, [], key
+            return Decision(None, [], key)
         assert key.limit is not None  # a key with a bucket has a rate
         limit_headers = key.limit.headers(taken)
         if not taken.wait_s:
-            return None, limit_headers, key
+            return Decision(None, limit_headers, key)
         retry_after = max(1, math.ceil(taken.wait_s))
         log.info("rate-limited key %s (%s)", key.name, key.limit)
         reason = f"this API key is over its rate limit of {key.limit}: retry in {retry_after} s"
-        return (429, reason, [(b"retry-after", str(retry_after).encode())]), limit_headers, None
+        return Decision(
+            Refusal(429, reason, "rate_limited", [(b"retry-after", str(retry_after).encode())]), limit_headers
+        )
 
 
 KEY_REFUSALS = {  # answered in front of the app, in the error shape of the path (mnv3.errors)

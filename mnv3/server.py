@@ -39,7 +39,7 @@ from mnv3.batcher import ShuttingDown
 from mnv3.config import PROG, ModelSpec, ServerConfig, parse_args, unknown_variables
 from mnv3.connections import BoundedHeadProtocol
 from mnv3.engine import Engine, ModelLoadError, Prediction
-from mnv3.errors import ACCESS_REFUSALS, ERROR_DOCS, ERRORS, body_for_path, error_response
+from mnv3.errors import ERROR_DOCS, ERRORS, body_for_path, error_response
 from mnv3.page import page_router
 from mnv3.serving import ServedModel, Serving, served_model, serving, unless_disconnected
 from mnv3.stats import stats_router
@@ -334,7 +334,7 @@ def create_app(config: ServerConfig, *engines: Engine) -> FastAPI:
         app.add_middleware(
             ApiKeyAuth,
             keys=load_key_file(config.api_keys),
-            on_refusal=lambda status: app.state.serving.metrics.rejections.labels(ACCESS_REFUSALS[status]).inc(),
+            on_refusal=lambda label: app.state.serving.metrics.rejections.labels(label).inc(),
         )
 
     def openapi() -> dict:  # FastAPI's document, built once on first use, made true of this server

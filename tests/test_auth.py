@@ -23,6 +23,7 @@ from mnv3.auth import (
     ApiKeyAuth,
     KeyFileError,
     Scope,
+    Taken,
     exposure_warning,
     is_loopback,
     load_key_file,
@@ -238,8 +239,8 @@ def test_a_key_in_the_query_string_is_refused_even_a_valid_one(client, query):
 def test_a_key_anywhere_in_the_first_parameters_is_refused_and_blanked(query):
     written = query.format(key=INFER_KEY, quoted=INFER_KEY.replace("-", "%2D"))
     scope = {"type": "http", "method": "GET", "path": "/stats", "query_string": written.encode(), "headers": []}
-    refusal, _, _ = ApiKeyAuth(None, parse_keys(KEY_FILE)).decide(scope)
-    assert refusal is not None and refusal[0] == 400
+    refusal = ApiKeyAuth(None, parse_keys(KEY_FILE)).decide(scope).refusal
+    assert refusal is not None and (refusal.status, refusal.label) == (400, "key_in_url")
     assert INFER_KEY.encode() not in scope["query_string"] and b"REDACTED" in scope["query_string"]
 
 
@@ -269,11 +270,11 @@ def test_rate_limit_hit_then_recovered(client, clock):
 
 
 def test_a_rate_limited_key_is_told_its_budget(client, clock):
-    # The IETF draft's fields: the burst as the quota of the window the rate refills (2 at 30/min: 4 s),
-    # what is left of it and when it is whole again, on answers and on the 429 alike.
+    # The IETF draft's fields: the rate as q requests each w seconds (30/min: 1 each 2 s), what the key may
+    # make at once now and when its whole burst (2) is back, on answers and on the 429 alike.
     limited = bearer(LIMITED_KEY)
     first = client.post("/predict", headers=limited)
-    assert first.headers["ratelimit-policy"] == '"key";q=2;w=4' and first.headers["ratelimit"] == '"key";r=1;t=2'
+    assert first.headers["ratelimit-policy"] == '"key";q=1;w=2' and first.headers["ratelimit"] == '"key";r=1;t=2'
     assert client.post("/predict", headers=limited).headers["ratelimit"] == '"key";r=0;t=4'
     refused = client.post("/predict", headers=limited)
     assert refused.status_code == 429 and refused.headers["ratelimit"] == '"key";r=0;t=4'
@@ -282,6 +283,10 @@ def test_a_rate_limited_key_is_told_its_budget(client, clock):
     assert "ratelimit" not in client.get("/metrics", headers=limited).headers  # a 403 spends nothing
     assert "ratelimit" not in client.post("/predict", headers=bearer(INFER_KEY)).headers  # a key without a rate
     assert "ratelimit" not in client.get("/healthz").headers
+    for rate, policy in (("1.5/s", "q=3;w=2"), ("50/min", "q=5;w=6"), ("10/s", "q=10;w=1")):  # exact, never rounded
+        key_line = f"{INFER_KEY} infer rate={rate} burst=1\n"
+        (key,) = parse_keys(key_line).keys
+        assert key.limit.headers(Taken(0, 1, 0))[0] == (b"ratelimit-policy", f'"key";{policy}'.encode())
 
 
 def test_a_key_with_in_flight_holds_at_most_that_many_requests_at_once():
@@ -295,8 +300,8 @@ def test_a_key_with_in_flight_holds_at_most_that_many_requests_at_once():
         return {}
 
     bounded, other = "bounded-key-0123456789abcdef", "other-key-0123456789abcdef"
-    keys = parse_keys(f"{bounded} infer in_flight=2 name=bounded\n{other} infer\n")
-    app.add_middleware(ApiKeyAuth, keys=keys)
+    keys, refusals = parse_keys(f"{bounded} infer rate=100/s in_flight=2 name=bounded\n{other} infer\n"), []
+    app.add_middleware(ApiKeyAuth, keys=keys, on_refusal=refusals.append)
     with uvicorn_in_thread(app, log_config=None) as port, ThreadPoolExecutor(4) as pool:
         url = f"http://127.0.0.1:{port}/predict"
         post = partial(requests.post, url, timeout=WAIT_S)
@@ -305,6 +310,7 @@ def test_a_key_with_in_flight_holds_at_most_that_many_requests_at_once():
         third = post(headers=bearer(bounded))
         assert third.status_code == 429 and third.headers["retry-after"] == "1"
         assert "already has 2 requests in flight" in third.json()["detail"]
+        assert third.headers["ratelimit-policy"] == '"key";q=100;w=1' and refusals == ["key_in_flight"]
         others = pool.submit(post, headers=bearer(other))  # another key is not held back
         held.set()
         assert [r.result().status_code for r in (*holding, others)] == [200, 200, 200]

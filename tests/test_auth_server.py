@@ -191,17 +191,18 @@ def test_access_refusals_are_counted_by_reason(protected):
             if sample.name == "mnv3_rejections_total" and sample.labels == {"reason": reason}
         )
 
-    before = {reason: refused(reason) for reason in ACCESS_REFUSALS.values()}
+    before = {reason: refused(reason) for reason in ACCESS_REFUSALS}
     assert requests.get(url + "/model", timeout=WAIT_S).status_code == 401
     assert requests.get(url + "/model", headers=bearer("not-a-key-of-this-server"), timeout=WAIT_S).status_code == 401
     assert requests.get(url + "/model", headers=bearer(INFER_KEY), timeout=WAIT_S).status_code == 403
     assert requests.get(url + "/model?api_key=x", headers=bearer(ADMIN_KEY), timeout=WAIT_S).status_code == 400
-    after = {reason: refused(reason) for reason in ACCESS_REFUSALS.values()}
+    after = {reason: refused(reason) for reason in ACCESS_REFUSALS}
     assert {reason: after[reason] - before[reason] for reason in after} == {
         "key_in_url": 1,
         "no_valid_key": 2,
         "out_of_scope": 1,
         "rate_limited": 0,
+        "key_in_flight": 0,
     }
     stats = requests.get(url + "/stats", headers=bearer(ADMIN_KEY), timeout=WAIT_S).json()
     assert stats["rejected"]["no_valid_key"] >= 2

@@ -29,11 +29,10 @@ const server = {
 const agreement = {served: null, photos: 0, sameTop1: {}};
 const rpsHistory = [];
 let statsFailed = false;  // the last GET /stats failed: the server may have restarted with other models
-// A rate-limited key's budget, from the last answer's RateLimit-Policy and RateLimit fields (mnv3.auth):
-// {perS, burst, remaining}, or null for a key without a rate (or no key).
-let keyBudget = null;
-const STATS_SHARE_OF_RATE = 0.25;  // the live panel spends at most this much of a rate-limited key's rate...
-const BURST_KEPT_FOR_PHOTOS = 0.5;  // ...and nothing while photos have left less than this much of its burst
+// A rate-limited key's requests a second, from the last answer's RateLimit-Policy field (mnv3.auth: q requests
+// each w seconds), or null for a key without a rate (or no key).
+let keyRatePerS = null;
+const STATS_SHARE_OF_RATE = 0.25;  // the live panel spends at most this much of a rate-limited key's rate
 
 // ----------------------------------------------------------------------------------------- formatting
 
@@ -81,7 +80,7 @@ async function api(url, options = {}) {
     const key = sessionStorage.getItem(KEY_STORAGE);
     const response = await fetch(url, key ? {...options, headers: {Authorization: `Bearer ${key}`}} : options);
     if (response.status !== 401) {
-      noteKeyBudget(response);
+      noteKeyRate(response);
       return response;
     }
     // Photos sent meanwhile wait for the key too: say so on their cards rather than "Classifying…".
@@ -92,19 +91,16 @@ async function api(url, options = {}) {
   }
 }
 
-function noteKeyBudget(response) {
+function noteKeyRate(response) {
   const policy = /;q=(\d+);w=(\d+)/.exec(response.headers.get("RateLimit-Policy"));
-  const now = /;r=(\d+)/.exec(response.headers.get("RateLimit"));
-  keyBudget = policy && now ? {perS: policy[1] / policy[2], burst: Number(policy[1]), remaining: Number(now[1])} : null;
+  keyRatePerS = policy ? policy[1] / policy[2] : null;
 }
 
 // How long the live panel waits before asking for GET /stats again: its refresh interval, or longer for a
-// rate-limited key, whose budget is the photos' first (a 30/min key would otherwise go on the panel alone).
+// rate-limited key, whose rate is the photos' first (a 30/min key would otherwise go on the panel alone).
 function statsDelayMs() {
-  if (!keyBudget) return STATS_EVERY_MS;
-  const kept = Math.ceil(BURST_KEPT_FOR_PHOTOS * keyBudget.burst);
-  const untilKept = Math.max(0, kept - keyBudget.remaining) / keyBudget.perS;
-  return Math.max(STATS_EVERY_MS, 1000 / (STATS_SHARE_OF_RATE * keyBudget.perS), 1000 * untilKept);
+  if (!keyRatePerS) return STATS_EVERY_MS;
+  return Math.max(STATS_EVERY_MS, 1000 / (STATS_SHARE_OF_RATE * keyRatePerS));
 }
 
 function askForKey(reason) {
