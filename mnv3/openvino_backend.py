@@ -157,10 +157,14 @@ class OpenVINOSession:
                 # A request whose start_async raised never goes back to its queue's idle requests (OpenVINO's
                 # AsyncInferQueue), so after as many failures as the queue has requests every later call would
                 # wait forever. The parts already started finish (none writes into a later call's outputs), and
-                # the failed part's queue is built anew.
-                for started in set(sizes):
-                    self._parts[started].wait_all()
-                self._parts[size] = self._queue(self._compiled[size])
+                # the failed part's queue is built anew (and warmed up, as every queue is at start), even if waiting
+                # for the others fails too.
+                try:
+                    for queued in set(sizes):
+                        self._parts[queued].wait_all()
+                finally:
+                    self._parts[size] = queue = self._queue(self._compiled[size])
+                    self._warm(queue[j] for j in range(len(queue)))
                 raise
             for size in set(sizes):
                 self._parts[size].wait_all()
@@ -180,7 +184,11 @@ class OpenVINOSession:
     def _warm_up(self) -> None:
         """One run on every infer request, so no request pays for the plugin's first allocations."""
         alone = [self._alone] if self._alone is not None else []
-        for request in alone + [queue[j] for queue in self._parts.values() for j in range(len(queue))]:
+        self._warm(alone + [queue[j] for queue in self._parts.values() for j in range(len(queue))])
+
+    @staticmethod
+    def _warm(requests) -> None:
+        for request in requests:
             tensor = request.get_input_tensor()
             request.infer({0: np.zeros(tensor.shape, dtype=tensor.element_type.to_dtype())})
 

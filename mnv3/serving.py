@@ -157,7 +157,9 @@ class ServedModel:
             try:
                 probabilities = self.engine.predict(batch)
             except InferenceError as exc:  # its requests get a 500 each; the log says why, once a batch
-                log.error("model %s: %s (its %d requests get 500)", self.name, exc, len(batch))
+                log.error(
+                    "model %s: %s (a batch of %d images: each request in it gets 500)", self.name, exc, len(batch)
+                )
                 raise
             self.metrics.inference.observe(time.perf_counter() - started)
         self.metrics.batch_size.observe(len(batch))

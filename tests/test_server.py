@@ -281,7 +281,7 @@ def test_onnxruntime_error_fails_only_its_batch_and_the_server_serves_on(fp32_mo
         assert post_file(client, images[3]).status_code == 200
         # The operator sees it: one ERROR line for the batch, and the failures counted.
         failures = [r for r in caplog.records if r.levelname == "ERROR" and "failed on a batch" in r.getMessage()]
-        assert len(failures) == 1 and "its 2 requests get 500" in failures[0].getMessage()
+        assert len(failures) == 1 and "a batch of 2 images: each request in it gets 500" in failures[0].getMessage()
         assert 'mnv3_rejections_total{reason="inference_failed"} 2.0' in client.get("/metrics").text
 
 
