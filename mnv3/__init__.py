@@ -1,11 +1,29 @@
 """mnv3: MobileNetV3 (Large or Small, ImageNet or your own fine-tune) made fast on CPUs and served over HTTP.
 
-Importing mnv3 keeps OpenVINO's and NNCF's usage telemetry out of the process: `import openvino` imports its
-model converter, which, with no consent file in ~/intel, counts as consent and sends usage events to Google
-Analytics (and writes ~/intel/stats) on every start of a server, replica or stage. Both libraries fall back to
-their own no-op stubs when `openvino_telemetry` cannot be imported, which a None in sys.modules makes so.
+Importing mnv3 (before openvino or nncf) keeps their usage telemetry out of the process unless its user said
+yes to it. `import openvino` imports its model converter, which counts a missing answer (no consent file in
+~/intel) as consent and sends usage events to Google Analytics (and writes ~/intel/stats) from every server,
+replica and stage that imports it; mnv3 counts a missing answer as no. Both libraries fall back to their own
+no-op stubs when `openvino_telemetry` cannot be imported, which a None in sys.modules makes so. A consent file
+saying yes (`opt_in_out --opt_in`) leaves them as they are, and so does a program that imported openvino or
+nncf before mnv3 (their import has sent its event by then).
 """
 
+import os
 import sys
+from pathlib import Path
 
-sys.modules.setdefault("openvino_telemetry", None)  # type: ignore[arg-type]
+
+def _said_yes_to_openvino_telemetry() -> bool:
+    """Whether openvino_telemetry's consent file (where its opt_in_out tool writes it) holds a yes."""
+    try:
+        base = (
+            Path(os.environ["LOCALAPPDATA"], "Intel Corporation") if sys.platform == "win32" else Path.home() / "intel"
+        )
+        return (base / "openvino_telemetry").read_text().partition("\n")[0].strip() == "1"  # as the tool reads it
+    except (KeyError, OSError, RuntimeError):  # no home, no file, unreadable: no answer
+        return False
+
+
+if not _said_yes_to_openvino_telemetry():
+    sys.modules.setdefault("openvino_telemetry", None)  # type: ignore[arg-type]

@@ -211,6 +211,15 @@ def test_openvino_sends_no_telemetry_from_mnv3(fp32_model_path, openvino_install
     # (without mnv3: openvino_telemetry and NNCFTelemetry, and ~/intel holding a client id and stats)
     assert result.stdout.split() == ["openvino.tools.ovc.telemetry_stub", "MagicMock"]  # NNCF's stub is a MagicMock
     assert list(home.iterdir()) == []
+    # A user who said yes (opt_in_out --opt_in writes 1 there) keeps it; only mnv3's choice is checked here, as
+    # importing openvino would then send its event.
+    (home / "intel").mkdir()
+    (home / "intel" / "openvino_telemetry").write_text("1\n")
+    blocked = "import sys, mnv3; print(sys.modules.get('openvino_telemetry', 'importable') is None)"
+    result = subprocess.run(
+        [sys.executable, "-c", blocked], capture_output=True, text=True, timeout=60, env={"HOME": str(home)}
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "False", result.stderr
 
 
 def nncf_build(fp32_model_path, out_path, graph_rewrites=(), quantize_logits=False) -> tuple[Path, np.ndarray]:
