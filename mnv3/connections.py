@@ -39,7 +39,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 MAX_HEAD_BYTES = 1024 * 1024
 HEAD_TIMEOUT_S = 10.0
 MAX_URL_BYTES = 65_535  # the longest URL uvicorn can parse: httptools.parse_url counts in 16 bits
-MAX_HEADERS = 100  # Apache's LimitRequestFields default; browsers and HTTP clients send about 10-20
+MAX_HEADERS = 100  # Apache's LimitRequestFields default; browsers and HTTP clients send far fewer
 MAX_PIPELINED = 32  # requests waiting on one connection; pipelining clients send far fewer
 # A body's pieces as the parser hands them over: a chunk each, or a read of a larger one. A chunked body of
 # one-byte chunks costs a Python call a byte; any client sending real chunks or plain bodies is far below.
@@ -88,6 +88,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         if len(self.pipeline) >= MAX_PIPELINED:
+            # Logged, never sent: answers are still under way, so the connection closes after them (refuse).
             self.stop_parsing(503, f"more than {MAX_PIPELINED} pipelined requests wait on the connection")
         self.reading_head, self.head_bytes, self.body_pieces = False, 0, 0
         self.stop_head_timer()

@@ -278,7 +278,7 @@ def jpeg_scans(data: bytes) -> int:
 
 
 WIDE_GREY_MODES = ("I;16", "I;16B", "I;16L", "I", "F")
-WIDE_GREY_ROWS = 256  # rows scaled at a time: a 40 Mpixel image then needs a few MB of float32, not 160 MB a copy
+WIDE_GREY_ROWS = 256  # rows scaled at a time: float32 copies of a block, never of the whole image
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:
@@ -286,7 +286,7 @@ def _to_rgb(image: Image.Image) -> Image.Image:
         # 16/32-bit integer and float grayscale: Pillow's convert('RGB') clips instead of scaling, so scale to 8
         # bits, integers from 0 (or their minimum, if negative) to their peak, floats from their minimum to their
         # maximum. NaN and infinities have no place on that scale: they take its ends, the finite values keep it.
-        # In float32, a block of rows at a time: whole-image float copies held 0.5 GB for a 40 Mpixel upload.
+        # In float32, a block of rows at a time: whole-image float copies held several times the image's size.
         width, height = image.size
         tops = range(0, height, WIDE_GREY_ROWS)
 

@@ -470,15 +470,21 @@ function wireInputs() {
 // With this tab's key the page fetches them and opens the text, or the refusal (an infer key's 403).
 function wireMetricsLink() {
   $("metrics-link").addEventListener("click", async (event) => {
-    const key = sessionStorage.getItem(KEY_STORAGE);
-    if (!key) return;  // no key in use: the link as it is
+    if (!sessionStorage.getItem(KEY_STORAGE)) return;  // no key in use: the link as it is
     event.preventDefault();
     const tab = window.open("", "_blank");  // opened during the click, so no popup blocker stops it
     if (!tab) return;
-    const response = await fetch("metrics", {headers: {Authorization: `Bearer ${key}`}, cache: "no-store"});
-    const text = await response.text();
-    const shown = response.ok ? text : `GET /metrics answered ${response.status} to this tab's API key:\n\n${text}\n`;
-    tab.location = URL.createObjectURL(new Blob([shown], {type: "text/plain"}));
+    let shown;
+    try {
+      const response = await api("metrics", {cache: "no-store"});
+      const text = await response.text();
+      shown = response.ok ? text : `GET /metrics answered ${response.status} to this tab's API key:\n\n${text}\n`;
+    } catch (error) {
+      shown = `GET /metrics failed: the server does not answer (${error.message})\n`;
+    }
+    const url = URL.createObjectURL(new Blob([shown], {type: "text/plain"}));
+    tab.location = url;
+    setTimeout(() => URL.revokeObjectURL(url), 60_000);  // the tab has loaded it by then
   });
 }
 
