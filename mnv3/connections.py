@@ -9,8 +9,8 @@ every few seconds, was held open for good, each one a file descriptor until the 
 - a head over MAX_HEAD_BYTES, or of more than MAX_HEADERS fields, is answered 431 and the connection closed,
   before the parser buffers or parses more (a URL over MAX_URL_BYTES, which uvicorn cannot parse, 414): the
   parser calls Python once a field, so a head of many tiny fields held the event loop; so do a chunked body's
-  trailer fields, and a body in more than MAX_BODY_PIECES pieces (one-byte chunks: a Python call a byte) is
-  answered 413;
+  trailer fields, and a chunked body of more than MAX_BODY_CHUNKS chunks (one-byte chunks: a Python call a
+  byte) is answered 413;
 - at most MAX_PIPELINED requests wait behind the one being answered on a connection (HTTP/1.1 pipelining):
   uvicorn parses a whole read at once and queues every request in it, so a read of pipelined GETs grew the
   process by far more than its own size. The requests past that are not read: the connection closes once
@@ -41,9 +41,9 @@ HEAD_TIMEOUT_S = 10.0
 MAX_URL_BYTES = 65_535  # the longest URL uvicorn can parse: httptools.parse_url counts in 16 bits
 MAX_HEADERS = 100  # Apache's LimitRequestFields default; browsers and HTTP clients send far fewer
 MAX_PIPELINED = 32  # requests waiting on one connection; pipelining clients send far fewer
-# A body's pieces as the parser hands them over: a chunk each, or a read of a larger one. A chunked body of
-# one-byte chunks costs a Python call a byte; any client sending real chunks or plain bodies is far below.
-MAX_BODY_PIECES = 65_536
+# Chunks of a chunked body: the parser calls Python for each, so one-byte chunks cost a call a byte; clients
+# that send real chunks send far fewer. (A body of known length is not chunked, and not counted.)
+MAX_BODY_CHUNKS = 65_536
 # After an answer sent before its request's body arrived (uploads.CloseUnreadBody kept the connection: the
 # rest is dropped as it arrives), the rest must arrive within this, as a body read by the app must within
 # --body-timeout-s (its default); trickled, it would hold the connection for good.
@@ -63,7 +63,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         self.head_timer: asyncio.TimerHandle | None = self.loop.call_later(HEAD_TIMEOUT_S, self.head_timed_out)
         self.body_timer: asyncio.TimerHandle | None = None  # the rest of a body answered before it arrived
         self.stopped_parsing: tuple[int, str] | None = None  # why a parser callback stopped the parser
-        self.body_pieces = 0  # of the request being read
+        self.body_chunks = 0  # of the request being read
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.stop_head_timer()
@@ -90,15 +90,14 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         if len(self.pipeline) >= MAX_PIPELINED:
             # Logged, never sent: answers are still under way, so the connection closes after them (refuse).
             self.stop_parsing(503, f"more than {MAX_PIPELINED} pipelined requests wait on the connection")
-        self.reading_head, self.head_bytes, self.body_pieces = False, 0, 0
+        self.reading_head, self.head_bytes, self.body_chunks = False, 0, 0
         self.stop_head_timer()
         super().on_headers_complete()
 
-    def on_body(self, body: bytes) -> None:
-        self.body_pieces += 1
-        if self.body_pieces > MAX_BODY_PIECES:
-            self.stop_parsing(413, f"the request's body came in more than {MAX_BODY_PIECES} pieces (chunks)")
-        super().on_body(body)
+    def on_chunk_header(self) -> None:  # httptools calls it for each chunk of a chunked body, if defined
+        self.body_chunks += 1
+        if self.body_chunks > MAX_BODY_CHUNKS:
+            self.stop_parsing(413, f"the request's chunked body came in more than {MAX_BODY_CHUNKS} chunks")
 
     def stop_parsing(self, status: int, detail: str) -> None:
         """Stop the parser in the middle of a read (a callback's exception ends `feed_data`, which uvicorn
@@ -154,11 +153,12 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         """Answer `status` and close, unless an answer to an earlier request on the connection is still being
         written (a pipelined head): then only close once it and those queued behind it are done."""
         self.stop_head_timer()
-        if self.cycle is not None and not self.cycle.response_complete and not self.reading_head:
+        if self.cycle is not None and not self.reading_head:
             # In the body or trailers of the request under way, which can then never end: answered now, if its
-            # answer has not begun and no earlier one is still being written, else the connection is closed.
+            # answer has not begun (nor been sent: an early refusal that kept the connection) and no earlier one
+            # is still being written, else the connection is just closed.
             log.warning("%s: %s; closing the connection", status, detail)
-            if self.pipeline or self.cycle.response_started:
+            if self.pipeline or self.cycle.response_started or self.cycle.response_complete:
                 self.transport.close()
             else:
                 self.write_and_close(status, detail)

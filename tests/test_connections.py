@@ -96,20 +96,37 @@ def test_pipelined_requests_past_the_bound_are_not_read(monkeypatch):
     assert received.count(b"HTTP/1.1") == 1 + connections.MAX_PIPELINED
 
 
-def test_a_body_in_too_many_pieces_is_a_413(monkeypatch):
-    # A chunked body of one-byte chunks cost the event loop a Python call a byte
-    monkeypatch.setattr(connections, "MAX_BODY_PIECES", 100)
+def test_a_chunked_body_of_too_many_chunks_is_a_413(monkeypatch):
+    # One-byte chunks cost the event loop a Python call a byte
+    monkeypatch.setattr(connections, "MAX_BODY_CHUNKS", 100)
     head = b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
     with bounded_server(monkeypatch) as port:
         with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
             sock.sendall(head + b"1\r\nx\r\n" * 99 + b"0\r\n\r\n")  # within the bound: served
             assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
         with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
+            # a body of known length in many small reads is not chunks: served
+            sock.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 300\r\n\r\n")
+            for _ in range(150):
+                sock.sendall(b"xx")
+                time.sleep(0.001)
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
+        with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
             started = time.monotonic()
             sock.sendall(head + b"1\r\nx\r\n" * 200 + b"0\r\n\r\n")
             response = answer(sock)
-    assert response.startswith(b"HTTP/1.1 413 ") and b"more than 100 pieces" in response
-    assert time.monotonic() - started < WAIT_S / 2
+    assert response.startswith(b"HTTP/1.1 413 ") and b"more than 100 chunks" in response
+    assert response.count(b"HTTP/1.1") == 1 and time.monotonic() - started < WAIT_S / 2
+    with bounded_server(monkeypatch) as port, socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
+        # answered before its body (an unknown path), then over the bound: closed, with no second answer
+        sock.sendall(head.replace(b"/echo", b"/nowhere"))
+        time.sleep(0.2)
+        try:
+            sock.sendall(b"1\r\nx\r\n" * 200 + b"0\r\n\r\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        response = answer(sock)
+    assert response.startswith(b"HTTP/1.1 404 ") and response.count(b"HTTP/1.1") == 1
 
 
 def test_too_many_trailer_fields_are_a_prompt_431(monkeypatch):
