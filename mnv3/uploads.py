@@ -58,6 +58,9 @@ async def _within(timeout_s: float, reading: Awaitable[bytes]) -> bytes:
 # them (tritonclient's request_compression_algorithm), with zlib's window bits for each. HTTP's "deflate" is
 # zlib's format (RFC 9110, 8.4.1.2), which is what tritonclient sends.
 CONTENT_CODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+# A gzip body may be several members (RFC 1952, 2.2); clients send one. Each costs a new inflater and a copy of
+# what follows it in its read, so thousands of empty ones held the event loop.
+MAX_GZIP_MEMBERS = 16
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -77,7 +80,7 @@ async def _inflated(chunks: AsyncIterator[bytes], encoding: str, limit: int) -> 
     """A gzip or deflate body decompressed, never to more than `limit` bytes: a few kilobytes of it can
     inflate to gigabytes."""
     wbits = CONTENT_CODINGS[encoding]
-    inflater = zlib.decompressobj(wbits)
+    inflater, members = zlib.decompressobj(wbits), 1
     parts: list[bytes] = []
     size = 0
     try:
@@ -90,10 +93,17 @@ async def _inflated(chunks: AsyncIterator[bytes], encoding: str, limit: int) -> 
                     raise BodyTooLarge(f"the {encoding} body inflates to over the limit of {limit} bytes")
                 parts.append(part)
                 pending = inflater.unconsumed_tail
-                if inflater.eof and inflater.unused_data:  # a gzip body may be several members (RFC 1952, 2.2)
-                    if wbits == CONTENT_CODINGS["deflate"]:
-                        raise BadUpload("data follows the end of the deflate body")
-                    pending, inflater = inflater.unused_data + pending, zlib.decompressobj(wbits)
+                if not (inflater.eof and inflater.unused_data):
+                    continue
+                pending = inflater.unused_data + pending
+                if not pending.strip(b"\0"):  # zero padding after the last member, which gzip(1) accepts
+                    break
+                if wbits == CONTENT_CODINGS["deflate"]:
+                    raise BadUpload("data follows the end of the deflate body")
+                members += 1
+                if members > MAX_GZIP_MEMBERS:
+                    raise BadUpload(f"the gzip body has more than {MAX_GZIP_MEMBERS} members: compress it as one")
+                inflater = zlib.decompressobj(wbits)
         if not inflater.eof:
             raise BadUpload(f"the {encoding} body ends before its compressed data does")
     except zlib.error as exc:

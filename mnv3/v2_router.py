@@ -16,7 +16,6 @@ import asyncio
 import math
 import time
 from collections.abc import Callable, Coroutine
-from functools import partial
 from typing import Annotated, Any
 
 import numpy as np
@@ -306,9 +305,6 @@ _add_model_routes("/models/{name}", named_model)
 _add_model_routes("/models/{name}/versions/{version}", versioned_model)
 
 
-PARSED_IN_THREAD_BYTES = 256 * 1024  # smaller ones, the common case, parse on the loop: no thread hop to wait for
-
-
 async def _infer(request: Request, model: ServedModel, s: Serving) -> Response:
     started = time.perf_counter()
     deadline = asyncio.get_running_loop().time() + s.config.deadline_ms / 1000
@@ -326,10 +322,7 @@ async def _infer(request: Request, model: ServedModel, s: Serving) -> Response:
                     f"{s.config.max_upload_bytes // row} rows fit; send fewer a request, encoded images as "
                     f"{IMAGE_INPUT}, or raise the limit"
                 ) from None
-            parse = partial(parse_infer_request, body, request.headers.get(HEADER_LENGTH), described)
-            # A large body (a PIXELS tensor written as JSON numbers) is slow to parse: on the event loop it would
-            # stall every other client meanwhile.
-            parsed = await asyncio.to_thread(parse) if len(body) > PARSED_IN_THREAD_BYTES else parse()
+            parsed = parse_infer_request(body, request.headers.get(HEADER_LENGTH), described)
             probabilities = np.stack(await unless_disconnected(request, _rows(model, parsed, deadline)))
     finally:
         model.metrics.request_latency.observe(time.perf_counter() - started)

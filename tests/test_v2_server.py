@@ -6,7 +6,6 @@ import json
 import struct
 import subprocess
 import sys
-import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,7 +16,6 @@ import tritonclient.http as triton
 from tritonclient.utils import InferenceServerException
 
 from conftest import Gate, post_file, serving_client, wait_until
-from mnv3 import v2_router
 from mnv3.artifacts import CLASS_NAMES_JSON
 from mnv3.loadtest import ServerProcess
 from mnv3.photos import load_images
@@ -155,7 +153,7 @@ def test_a_compressed_request_answers_as_the_plain_one(client, photos, compressi
 def test_a_gzip_body_of_several_members_is_read_whole(server, photos):
     # RFC 1952: a gzip body is a series of members; only the first was read, and the request failed as not JSON
     body, headers = binary_request(image_header(1, 4 + len(photos[0])), struct.pack("<I", len(photos[0])) + photos[0])
-    packed = gzip.compress(body[:100]) + gzip.compress(body[100:])
+    packed = gzip.compress(body[:100]) + gzip.compress(body[100:]) + bytes(512)  # zero padding, as gzip(1) allows
     for encoding in ("gzip", "x-gzip"):  # x-gzip: the same coding (RFC 9110, 8.4.1.3)
         answer = requests.post(
             server + "/v2/models/large/infer",
@@ -164,29 +162,6 @@ def test_a_gzip_body_of_several_members_is_read_whole(server, photos):
             timeout=WAIT_S,
         )
         assert answer.status_code == 200, answer.text
-
-
-def test_a_large_body_is_parsed_off_the_event_loop(fp32_model_path, photos, monkeypatch):
-    threads = []
-    parse = v2_router.parse_infer_request
-    monkeypatch.setattr(
-        v2_router, "parse_infer_request", lambda *args: threads.append(threading.current_thread().name) or parse(*args)
-    )
-    pixels = np.stack([preprocess(decode_image(photos[0]))])
-    with serving_client(fp32_model_path, max_upload_bytes=8_000_000) as client:
-        for as_json in (False, True):  # 0.6 MB of binary, then about 3 MB of JSON numbers
-            body, length = triton.InferenceServerClient.generate_request_body([pixels_input(pixels, not as_json)])
-            headers = {"Inference-Header-Content-Length": str(length)} if length is not None else {}
-            assert client.post("/v2/models/fp32/infer", content=body, headers=headers).status_code == 200
-        small, length = triton.InferenceServerClient.generate_request_body([image_input(photos[:1])])
-        assert (
-            client.post(
-                "/v2/models/fp32/infer", content=small, headers={"Inference-Header-Content-Length": str(length)}
-            ).status_code
-            == 200
-        )
-    event_loop = threads[-1]  # the small request's, parsed on the loop
-    assert threads[0] != event_loop and threads[1] != event_loop
 
 
 def test_classification_extension_gives_predicts_top_k(server, client, photos, fp32_model_path):
@@ -327,6 +302,8 @@ def bad_requests(photo: bytes) -> dict[str, tuple[bytes, dict, int, str]]:
         "gzip cut short": (gzip.compress(b"{}")[:-4], {"Content-Encoding": "gzip"}, 400, "ends before"),
         "not gzip": (b"{}", {"Content-Encoding": "gzip"}, 400, "not valid gzip"),
         "garbage after the gzip body": (gzip.compress(b"{}") + b"GARBAGE", {"Content-Encoding": "gzip"}, 400, "gzip"),
+        # each member a new inflater and a copy of its read's rest: thousands of empty ones held the event loop
+        "gzip of many members": (gzip.compress(b"") * 100_000, {"Content-Encoding": "gzip"}, 400, "more than 16"),
         "data after the deflate body": (zlib.compress(b"{}") + b"x", {"Content-Encoding": "deflate"}, 400, "follows"),
         "unknown coding": (b"{}", {"Content-Encoding": "br"}, 415, "'br' not accepted"),
     }
