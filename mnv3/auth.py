@@ -75,14 +75,9 @@ QUERY_KEY_NAMES = frozenset(
     {"api_key", "apikey", "api-key", "key", "token", "access_token", "x-api-key", "auth", "authorization", "bearer"}
     | {"api_token", "apitoken", "access_key", "accesskey"}
 )
-QUERY_SEPARATOR = re.compile(rb"[&;]")  # ';' as well: servers and clients have read it as one
-QUERY_KEY_NAME = re.compile(
-    rb"(?:^|[&;])(?:" + b"|".join(re.escape(name.encode()) for name in sorted(QUERY_KEY_NAMES)) + rb")(?:=|[&;]|$)",
-    re.IGNORECASE,
-)
-# Query parameters compared with the keys: the place a key is pasted by mistake; a URL of thousands must not
-# cost a hash each, before any key is checked.
-QUERY_PIECES_CHECKED = 64
+QUERY_KEY_NAMES_BYTES = frozenset(name.encode() for name in QUERY_KEY_NAMES)
+# A parameter that may hold one of those names: looked at closer
+QUERY_KEY_NAME = re.compile(b"|".join(re.escape(name) for name in sorted(QUERY_KEY_NAMES_BYTES)), re.IGNORECASE)
 RATE_UNITS_S = {"s": 1.0, "min": 60.0}
 PLAIN_KEY = re.compile(r"[\x21-\x7e]+")  # what an HTTP header value can carry without quoting or spaces
 HEX_DIGEST = re.compile(r"[0-9a-fA-F]{64}")
@@ -518,43 +513,53 @@ def _presented_key(headers) -> tuple[str | None, str]:
 
 
 def _blank_query_keys(scope, keys: Keys) -> bool:
-    """Whether the query string carries a key: under a name clients give keys, or (in its first
-    QUERY_PIECES_CHECKED parameters) as any name or value that is one of `keys`, so `?KEY`, `?x=KEY;y=1` and
-    `?model=KEY` too; if so it is blanked in `scope` (the access log reads it). This runs before any key is
-    checked, for anyone: a regular expression finds the names, and a candidate is looked up by its digest,
-    not compared with every key."""
+    """Whether the query string carries a key: under a name clients give keys, or as a parameter, name or value
+    (split at '&', and at ';' too, percent-decoded or not) that is one of `keys`, so `?KEY`, `?x=KEY;y=1` and
+    `?model=KEY` too; if so that parameter is blanked in `scope` (the access log reads it), the rest kept as
+    sent. This runs before any key is checked, for anyone, so it is cheap: a parameter too short to hold a key
+    is only matched against the names, and a candidate is looked up by its digest, not compared with every key."""
     query = scope.get("query_string", b"")
     if not query:
         return False
-    pieces = QUERY_SEPARATOR.split(query)
-    redacted = [_redacted(piece, keys) for piece in pieces[:QUERY_PIECES_CHECKED]]
-    if redacted == pieces[:QUERY_PIECES_CHECKED] and not QUERY_KEY_NAME.search(query):
+    pieces = query.split(b"&")
+    blanked = [
+        _blanked(piece, keys) if len(piece) >= MIN_KEY_CHARS or QUERY_KEY_NAME.search(piece) else piece
+        for piece in pieces
+    ]
+    if blanked == pieces:
         return False
-    named = [_redacted_name(piece) for piece in pieces[QUERY_PIECES_CHECKED:]]  # past those: by their name only
-    scope["query_string"] = b"&".join(redacted + named)
+    scope["query_string"] = b"&".join(blanked)
     return True
 
 
-def _redacted(piece: bytes, keys: Keys) -> bytes:
-    """A query parameter with its name and its value each replaced by REDACTED if it is one of `keys`
-    (percent-decoded, as a client may send it), or by name if a name clients give keys."""
-    name, equals, value = piece.partition(b"=")
-    if (by_name := _redacted_name(piece)) is not piece:
-        return by_name
-    return b"".join(
-        (b"REDACTED" if _is_key(name, keys) else name, equals, b"REDACTED" if _is_key(value, keys) else value)
-    )
-
-
-def _redacted_name(piece: bytes) -> bytes:
+def _blanked(piece: bytes, keys: Keys) -> bytes:
+    """A query parameter as the access log may show it: as sent, or its value blanked (a name clients give
+    keys), or all of it (a key in it anywhere)."""
     name = piece.partition(b"=")[0]
-    return name + b"=REDACTED" if QUERY_KEY_NAME.fullmatch(name + b"=") else piece
+    if name.lower() in QUERY_KEY_NAMES_BYTES:  # a short word, never a key itself: kept, to say what was sent
+        return name + b"=REDACTED"
+    parts = [piece, *piece.split(b";")] if b";" in piece else [piece]
+    if any(part.partition(b"=")[0].lower() in QUERY_KEY_NAMES_BYTES for part in parts[1:]) or (
+        len(piece) >= MIN_KEY_CHARS
+        and any(_is_key(text, keys) for part in parts for text in (part, *part.partition(b"=")[::2]))
+    ):
+        return b"REDACTED"
+    return piece
+
+
+def _decoded(text: bytes) -> bytes:
+    return unquote_to_bytes(text.replace(b"+", b" ")) if b"%" in text or b"+" in text else text
 
 
 def _is_key(text: bytes, keys: Keys) -> bool:
-    if b"%" in text or b"+" in text:
-        text = unquote_to_bytes(text.replace(b"+", b" "))
-    return MIN_KEY_CHARS <= len(text) <= MAX_KEY_CHARS and hashlib.sha256(text).digest() in keys.digests
+    """Whether `text`, as sent or percent-decoded, is one of `keys`."""
+    if not MIN_KEY_CHARS <= len(text) <= 3 * MAX_KEY_CHARS:  # percent-encoding triples a character at most
+        return False
+    decoded = _decoded(text)
+    return any(
+        MIN_KEY_CHARS <= len(candidate) <= MAX_KEY_CHARS and hashlib.sha256(candidate).digest() in keys.digests
+        for candidate in ((text,) if decoded is text else (text, decoded))
+    )
 
 
 # ---------------------------------------------------------------------------------------------- start-up
