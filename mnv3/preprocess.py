@@ -43,8 +43,11 @@ MAX_RESIZED_SIDE = 4096  # longer side of the full resize; beyond it, resample o
 DEFAULT_MAX_PIXELS = 40_000_000  # ~ a 7300x5500 photo; larger is refused before decoding
 # A progressive JPEG is decoded scan by scan, each over the whole image, so thousands of tiny scans keep a decode
 # thread busy out of all proportion to the file's bytes (libjpeg's djpeg has -maxscans for it). libjpeg's
-# progressive script writes 10 scans, and encoders rarely write more than a few dozen.
+# progressive scripts write 6 (grey) to 18 (CMYK) scans, and encoders rarely write more than a few dozen.
 MAX_JPEG_SCANS = 100
+# Markers read before the image ends, at most: a scan brings a few (its tables, its header), so a real JPEG is far
+# below; past it, reading them one by one would cost more than the bound on scans saves.
+MAX_JPEG_MARKERS = 20 * MAX_JPEG_SCANS
 # A marker: 0xFF and a code other than 0x00 (a stuffed 0xFF in coded data), 0xFF (fill) and RST0-7 (no length)
 JPEG_MARKER = re.compile(rb"\xff[\x01-\xcf\xd8-\xfe]")
 JPEG_END_OF_IMAGE, JPEG_START_OF_SCAN, JPEG_START_OF_IMAGE, JPEG_TEM = 0xD9, 0xDA, 0xD8, 0x01
@@ -228,11 +231,8 @@ def decode_image(
                 raise ImageTooLarge(
                     f"image is {w}x{h} = {w * h} pixels, over the limit of {max_pixels} (refused before decoding)"
                 )
-            if image.format in JPEG_DRAFT_FORMATS and (scans := jpeg_scans(data)) > MAX_JPEG_SCANS:
-                raise InvalidImage(
-                    f"a JPEG of {scans} scans, over the limit of {MAX_JPEG_SCANS} (an ordinary progressive JPEG "
-                    "has about 10; refused before decoding): save it again as an ordinary JPEG"
-                )
+            if image.format in JPEG_DRAFT_FORMATS:
+                check_jpeg_scans(data)
             if jpeg_draft and image.format in JPEG_DRAFT_FORMATS:
                 reduction = jpeg_draft_reduction(w, h, resize_size)
                 if reduction > 1:
@@ -260,21 +260,28 @@ def decode_image(
         raise InvalidImage(f"corrupt or truncated image: {exc}") from exc
 
 
-def jpeg_scans(data: bytes) -> int:
-    """The scans of the JPEG `data` begins with, up to its end-of-image marker: what comes after it (a phone's
-    motion-photo video, an MPO's next frame) is not this image's, and a segment's payload (an EXIF thumbnail,
-    an ICC profile) is skipped by its length, so their bytes are never taken for markers."""
-    scans, position = 0, 2  # after the start-of-image marker
+def check_jpeg_scans(data: bytes) -> None:
+    """InvalidImage if the JPEG `data` begins with has more than MAX_JPEG_SCANS scans, or more than
+    MAX_JPEG_MARKERS markers, up to its end-of-image marker: what comes after it (a phone's motion-photo video,
+    an MPO's next frame) is not this image's, and a segment's payload (an EXIF thumbnail, an ICC profile) is
+    skipped by its length, so their bytes are never taken for markers."""
+    scans, markers, position = 0, 0, 2  # after the start-of-image marker
     while match := JPEG_MARKER.search(data, position):
-        code = match[0][1]
+        code, markers = match[0][1], markers + 1
         if code == JPEG_END_OF_IMAGE:
-            break
+            return
+        if markers > MAX_JPEG_MARKERS:
+            raise InvalidImage(f"a JPEG of more than {MAX_JPEG_MARKERS} markers: corrupt, or built to be slow to read")
         if code in (JPEG_START_OF_IMAGE, JPEG_TEM):  # no length follows these
             position = match.end()
             continue
         scans += code == JPEG_START_OF_SCAN
+        if scans > MAX_JPEG_SCANS:
+            raise InvalidImage(
+                f"a JPEG of more than {MAX_JPEG_SCANS} scans (refused before decoding: ordinary progressive JPEGs "
+                "have a few dozen at most); save it again as an ordinary JPEG"
+            )
         position = match.end() + int.from_bytes(data[match.end() : match.end() + 2], "big")
-    return scans
 
 
 WIDE_GREY_MODES = ("I;16", "I;16B", "I;16L", "I", "F")
