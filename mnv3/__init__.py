@@ -20,7 +20,7 @@ def _said_yes_to_openvino_telemetry() -> bool:
         base = (
             Path(os.environ["LOCALAPPDATA"], "Intel Corporation") if sys.platform == "win32" else Path.home() / "intel"
         )
-        return (base / "openvino_telemetry").read_text().partition("\n")[0].strip() == "1"  # as the tool reads it
+        return (base / "openvino_telemetry").read_bytes().partition(b"\n")[0].strip() == b"1"  # as the tool reads it
     except (KeyError, OSError, RuntimeError):  # no home, no file, unreadable: no answer
         return False
 

@@ -61,7 +61,7 @@ from urllib.parse import unquote_to_bytes
 
 from starlette.requests import Request
 
-from mnv3.errors import body_for_path
+from mnv3.errors import ACCESS_REFUSALS, body_for_path
 from mnv3.uploads import refusal_keeps_connection
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,9 @@ QUERY_KEY_NAME = re.compile(b"|".join(re.escape(name) for name in sorted(QUERY_K
 RATE_UNITS_S = {"s": 1.0, "min": 60.0}
 PLAIN_KEY = re.compile(r"[\x21-\x7e]+")  # what an HTTP header value can carry without quoting or spaces
 HEX_DIGEST = re.compile(r"[0-9a-fA-F]{64}")
-RATE = re.compile(r"(\d+(?:\.\d+)?)/(s|min)")
+# ASCII digits (\d takes any script's), few enough that q and w stay within a header's 15-digit integers
+RATE = re.compile(r"([0-9]{1,6}(?:\.[0-9]{1,6})?)/(s|min)")
+WHOLE_NUMBER = re.compile(r"[0-9]{1,9}")
 NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 GRAMMAR = "KEY SCOPE [rate=N/s|N/min] [burst=N] [in_flight=N] [name=LABEL]"
 # The largest body a refused request may announce and keep its connection (uvicorn drops it as it arrives): a
@@ -151,9 +153,15 @@ class TokenBucket:
         self.tokens, self.updated = float(burst), clock()
         self.lock = threading.Lock()
 
-    def take(self, take: bool = True) -> "Taken":
-        """A token if there is one (else nothing is taken; with `take` False, nothing either way), and the
-        bucket as it is then."""
+    def take(self) -> "Taken":
+        """A token if there is one (else nothing is taken), and the bucket as it is then."""
+        return self._refill(take=True)
+
+    def peek(self) -> "Taken":
+        """The bucket as it is now, nothing taken (`wait_s` as if a request came now)."""
+        return self._refill(take=False)
+
+    def _refill(self, take: bool) -> "Taken":
         with self.lock:
             now = self.clock()
             self.tokens = min(self.burst, self.tokens + (now - self.updated) * self.rate_per_s)
@@ -231,11 +239,16 @@ class Keys:
                 found = key
         return found
 
-    def take(self, key: ApiKey, take: bool = True) -> Taken | None:
-        """None for a key without a rate limit; else whether it may make a request now (and, with `take`, it is
-        counted: `wait_s` 0) or in how long, and its bucket then."""
+    def take(self, key: ApiKey) -> Taken | None:
+        """None for a key without a rate limit; else whether it may make a request now (and it is counted:
+        `wait_s` 0) or in how long, and its bucket then."""
         bucket = self.buckets.get(key.digest)
-        return bucket.take(take) if bucket else None
+        return bucket.take() if bucket else None
+
+    def peek(self, key: ApiKey) -> Taken | None:
+        """As `take`, counting nothing."""
+        bucket = self.buckets.get(key.digest)
+        return bucket.peek() if bucket else None
 
 
 def parse_keys(text: str, source: str = "key file", clock: Callable[[], float] = time.monotonic) -> Keys:
@@ -311,15 +324,18 @@ def _options(options: list[str], error) -> tuple[str | None, RateLimit | None, i
     if "rate" in given:
         match = RATE.fullmatch(given["rate"])
         if not match or float(match[1]) <= 0:
-            raise error(f"rate={given['rate']} is not a rate: write rate=N/s or rate=N/min with N > 0, e.g. rate=50/s")
+            raise error(
+                f"rate={given['rate']} is not a rate: write rate=N/s or rate=N/min with N > 0 (up to 6 digits, "
+                "and 6 decimals), e.g. rate=50/s"
+            )
         rate = float(match[1]) / RATE_UNITS_S[match[2]]
     if "burst" in given:
-        if not given["burst"].isdigit() or int(given["burst"]) < 1:
+        if not WHOLE_NUMBER.fullmatch(given["burst"]) or int(given["burst"]) < 1:
             raise error(f"burst={given['burst']} is not a whole number of requests of at least 1, e.g. burst=100")
         if rate is None:
             raise error("burst= without rate=: add rate=N/s (the burst is how many requests a key may make at once)")
         burst = int(given["burst"])
-    if "in_flight" in given and (not given["in_flight"].isdigit() or int(given["in_flight"]) < 1):
+    if "in_flight" in given and (not WHOLE_NUMBER.fullmatch(given["in_flight"]) or int(given["in_flight"]) < 1):
         raise error(
             f"in_flight={given['in_flight']} is not a whole number of requests of at least 1, e.g. in_flight=64"
         )
@@ -337,8 +353,11 @@ def _options(options: list[str], error) -> tuple[str | None, RateLimit | None, i
 class Refusal:
     status: int
     reason: str  # for the client
-    label: str  # mnv3_rejections_total's reason (mnv3.errors.ACCESS_REFUSALS)
+    label: str  # mnv3_rejections_total's reason: one of mnv3.errors.ACCESS_REFUSALS
     headers: list = dataclasses.field(default_factory=list)
+
+    def __post_init__(self):
+        assert self.label in ACCESS_REFUSALS, self.label  # a new label would be a metric series nobody exports
 
 
 @dataclasses.dataclass(frozen=True)
@@ -440,7 +459,7 @@ class ApiKeyAuth:
             reason = (
                 f"this API key already has {key.in_flight} requests in flight, its limit: retry when one is answered"
             )
-            peeked = self.keys.take(key, take=False)
+            peeked = self.keys.peek(key)
             limit_headers = key.limit.headers(peeked) if key.limit and peeked else []
             return Decision(Refusal(429, reason, "key_in_flight", [(b"retry-after", b"1")]), limit_headers)
         taken = self.keys.take(key)

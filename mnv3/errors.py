@@ -76,8 +76,7 @@ ERRORS: dict[type[Exception], tuple[int, str | None, str]] = {
     # nginx's code for it: only the server's log and metrics see this, the client has gone
     ClientDisconnect: (499, "disconnected", "the client closed the connection first; its work was dropped"),
 }
-# The refusals of --api-keys (mnv3.auth), answered in front of the app, as mnv3_rejections_total counts them:
-# 400 key_in_url, 401 no_valid_key, 403 out_of_scope, 429 rate_limited or key_in_flight.
+# The refusals of --api-keys (mnv3.auth.ApiKeyAuth.decide gives each its label), as mnv3_rejections_total counts them.
 ACCESS_REFUSALS = ("key_in_url", "no_valid_key", "out_of_scope", "rate_limited", "key_in_flight")
 REJECTION_REASONS = sorted({reason for _, reason, _ in ERRORS.values() if reason} | set(ACCESS_REFUSALS))
 

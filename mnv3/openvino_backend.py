@@ -159,12 +159,16 @@ class OpenVINOSession:
                 # wait forever. The parts already started finish (none writes into a later call's outputs), and
                 # the failed part's queue is built anew (and warmed up, as every queue is at start), even if waiting
                 # for the others fails too.
-                try:
-                    for queued in set(sizes):
+                for queued in set(sizes):
+                    try:
                         self._parts[queued].wait_all()
-                finally:
+                    except Exception as exc:  # the caller gets the first failure, start_async's
+                        log.error("a batch part failed while another could not start: %s", exc)
+                try:
                     self._parts[size] = queue = self._queue(self._compiled[size])
                     self._warm(queue[j] for j in range(len(queue)))
+                except Exception as exc:
+                    log.error("could not rebuild the OpenVINO queue for parts of %d: %s", size, exc)
                 raise
             for size in set(sizes):
                 self._parts[size].wait_all()

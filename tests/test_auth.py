@@ -429,6 +429,8 @@ def test_open_paths_are_open_to_reads_only():
         (f"{INFER_KEY} infer rate=5/s rate=6/s\n", 1, "given twice"),
         (f"{INFER_KEY} infer limit=5\n", 1, "unknown option 'limit=5'"),
         (f"{INFER_KEY} infer in_flight=0\n", 1, "in_flight=0 is not a whole number of requests of at least 1"),
+        (f"{INFER_KEY} infer rate=5/s burst=\u00b2\n", 1, "is not a whole number"),  # a digit to str.isdigit
+        (f"{INFER_KEY} infer rate=0.3333333333/s\n", 1, "up to 6 digits, and 6 decimals"),
         (f"{INFER_KEY} infer in_flight=many\n", 1, "e.g. in_flight=64"),
         (f"{INFER_KEY} infer name=a/b\n", 1, "name= takes"),
     ],

@@ -168,8 +168,8 @@ def test_batches_that_fail_to_start_leave_the_engine_serving(fp32_model_path, op
         with pytest.raises(RuntimeError):
             run_within(session, wrong_shape)
 
-    class FailsSecondStart:  # a batch whose first part started and whose second did not
-        calls = 0
+    class FailsSecondStart:  # a batch whose first part started and whose second did not, nor its waiting
+        calls = waits = 0
 
         def __init__(self, queue):
             self.queue = queue
@@ -182,9 +182,12 @@ def test_batches_that_fail_to_start_leave_the_engine_serving(fp32_model_path, op
 
         def wait_all(self):
             self.queue.wait_all()
+            FailsSecondStart.waits += 1
+            if FailsSecondStart.waits == 1:
+                raise RuntimeError("waiting failed too")
 
     session._parts = {size: FailsSecondStart(queue) for size, queue in session._parts.items()}
-    with pytest.raises(RuntimeError, match="injected"):
+    with pytest.raises(RuntimeError, match="injected"):  # the first failure, not the one while recovering
         run_within(session, rows)
     for _ in range(3):
         np.testing.assert_array_equal(run_within(session, rows), expected)

@@ -80,7 +80,7 @@ async function api(url, options = {}) {
     const key = sessionStorage.getItem(KEY_STORAGE);
     const response = await fetch(url, key ? {...options, headers: {Authorization: `Bearer ${key}`}} : options);
     if (response.status !== 401) {
-      noteKeyRate(response);
+      if (response.ok || response.status === 429) noteKeyRate(response);  // a 403 says nothing of the key's rate
       return response;
     }
     // Photos sent meanwhile wait for the key too: say so on their cards rather than "Classifying…".
@@ -100,7 +100,8 @@ function noteKeyRate(response) {
 // rate-limited key, whose rate is the photos' first (a 30/min key would otherwise go on the panel alone).
 function statsDelayMs() {
   if (!keyRatePerS) return STATS_EVERY_MS;
-  return Math.max(STATS_EVERY_MS, 1000 / (STATS_SHARE_OF_RATE * keyRatePerS));
+  // At most an hour: a browser fires a longer timeout at once
+  return Math.min(3_600_000, Math.max(STATS_EVERY_MS, 1000 / (STATS_SHARE_OF_RATE * keyRatePerS)));
 }
 
 function askForKey(reason) {
@@ -474,6 +475,9 @@ function wireMetricsLink() {
     event.preventDefault();
     const tab = window.open("", "_blank");  // opened during the click, so no popup blocker stops it
     if (!tab) return;
+    tab.document.title = "Prometheus metrics";
+    tab.document.body.textContent = "Asking the server for GET /metrics (if it asks for another API key, " +
+      "enter it in the page's tab)…";
     let shown;
     try {
       const response = await api("metrics", {cache: "no-store"});
