@@ -199,7 +199,8 @@ class RateLimit:
         rate = Fraction(number) / int(RATE_UNITS_S[unit])
         return [
             (b"ratelimit-policy", f'"key";q={rate.numerator};w={rate.denominator}'.encode()),
-            (b"ratelimit", f'"key";r={taken.remaining};t={math.ceil(taken.full_in_s)}'.encode()),
+            # t within a header's 15-digit integers, however slow the rate and large the burst
+            (b"ratelimit", f'"key";r={taken.remaining};t={min(math.ceil(taken.full_in_s), 10**15 - 1)}'.encode()),
         ]
 
 
@@ -331,13 +332,13 @@ def _options(options: list[str], error) -> tuple[str | None, RateLimit | None, i
         rate = float(match[1]) / RATE_UNITS_S[match[2]]
     if "burst" in given:
         if not WHOLE_NUMBER.fullmatch(given["burst"]) or int(given["burst"]) < 1:
-            raise error(f"burst={given['burst']} is not a whole number of requests of at least 1, e.g. burst=100")
+            raise error(f"burst={given['burst']} is not a whole number of 1 to 9 digits, at least 1, e.g. burst=100")
         if rate is None:
             raise error("burst= without rate=: add rate=N/s (the burst is how many requests a key may make at once)")
         burst = int(given["burst"])
     if "in_flight" in given and (not WHOLE_NUMBER.fullmatch(given["in_flight"]) or int(given["in_flight"]) < 1):
         raise error(
-            f"in_flight={given['in_flight']} is not a whole number of requests of at least 1, e.g. in_flight=64"
+            f"in_flight={given['in_flight']} is not a whole number of 1 to 9 digits, at least 1, e.g. in_flight=64"
         )
     if "name" in given and not NAME.fullmatch(given["name"]):
         raise error("name= takes 1 to 64 letters, digits, '.', '_' or '-', e.g. name=ci-bot")
@@ -532,38 +533,42 @@ def _presented_key(headers) -> tuple[str | None, str]:
 
 
 def _blank_query_keys(scope, keys: Keys) -> bool:
-    """Whether the query string carries a key: under a name clients give keys, or as a parameter, name or value
-    (split at '&', and at ';' too, percent-decoded or not) that is one of `keys`, so `?KEY`, `?x=KEY;y=1` and
-    `?model=KEY` too; if so that parameter is blanked in `scope` (the access log reads it), the rest kept as
-    sent. This runs before any key is checked, for anyone, so it is cheap: a parameter too short to hold a key
-    is only matched against the names, and a candidate is looked up by its digest, not compared with every key."""
+    """Whether the query string carries a key: under a name clients give keys (as sent), or as a parameter, name
+    or value (split at '&', and at ';' too; as sent or percent-decoded) that is one of `keys`, so `?KEY`,
+    `?x=KEY;y=1` and `?model=KEY` too; if so that parameter is blanked in `scope` (the access log reads it), the
+    rest kept as sent. A key holding '&' or ';' (python -m mnv3.auth makes none) is found percent-encoded only.
+    This runs before any key is checked, for anyone, so it is cheap: a parameter too short to hold a key is only
+    matched against the names, and a candidate is looked up by its digest, not compared with every key."""
     query = scope.get("query_string", b"")
     if not query:
         return False
     pieces = query.split(b"&")
     blanked = [
-        _blanked(piece, keys) if len(piece) >= MIN_KEY_CHARS or QUERY_KEY_NAME.search(piece) else piece
+        _blanked(piece, keys) if len(piece) >= MIN_KEY_CHARS or QUERY_KEY_NAME.search(piece) else None
         for piece in pieces
     ]
-    if blanked == pieces:
+    if not any(blanked):
         return False
-    scope["query_string"] = b"&".join(blanked)
+    scope["query_string"] = b"&".join(
+        blanked_piece or piece for piece, blanked_piece in zip(pieces, blanked, strict=True)
+    )
     return True
 
 
-def _blanked(piece: bytes, keys: Keys) -> bytes:
-    """A query parameter as the access log may show it: as sent, or its value blanked (a name clients give
-    keys), or all of it (a key in it anywhere)."""
+def _blanked(piece: bytes, keys: Keys) -> bytes | None:
+    """A query parameter that holds a key as the access log may show it (its value blanked, under a name
+    clients give keys; all of it, for a key in it anywhere), or None."""
     name = piece.partition(b"=")[0]
     if name.lower() in QUERY_KEY_NAMES_BYTES:  # a short word, never a key itself: kept, to say what was sent
         return name + b"=REDACTED"
     parts = [piece, *piece.split(b";")] if b";" in piece else [piece]
-    if any(part.partition(b"=")[0].lower() in QUERY_KEY_NAMES_BYTES for part in parts[1:]) or (
-        len(piece) >= MIN_KEY_CHARS
-        and any(_is_key(text, keys) for part in parts for text in (part, *part.partition(b"=")[::2]))
-    ):
+    if any(part.partition(b"=")[0].lower() in QUERY_KEY_NAMES_BYTES for part in parts[1:]):
         return b"REDACTED"
-    return piece
+    if len(piece) >= MIN_KEY_CHARS:
+        texts = {text for part in parts for text in (part, *part.partition(b"=")[::2]) if len(text) >= MIN_KEY_CHARS}
+        if any(_is_key(text, keys) for text in texts):
+            return b"REDACTED"
+    return None
 
 
 def _decoded(text: bytes) -> bytes:

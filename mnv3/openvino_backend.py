@@ -167,8 +167,11 @@ class OpenVINOSession:
                 try:
                     self._parts[size] = queue = self._queue(self._compiled[size])
                     self._warm(queue[j] for j in range(len(queue)))
-                except Exception as exc:
-                    log.error("could not rebuild the OpenVINO queue for parts of %d: %s", size, exc)
+                except Exception as exc:  # no queue that may hang: batches are cut into the other sizes
+                    del self._parts[size]
+                    log.error(
+                        "parts of %d images no longer run: their OpenVINO queue could not be rebuilt: %s", size, exc
+                    )
                 raise
             for size in set(sizes):
                 self._parts[size].wait_all()

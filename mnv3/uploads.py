@@ -80,11 +80,15 @@ async def _inflated(chunks: AsyncIterator[bytes], encoding: str, limit: int) -> 
     """A gzip or deflate body decompressed, never to more than `limit` bytes: a few kilobytes of it can
     inflate to gigabytes."""
     wbits = CONTENT_CODINGS[encoding]
-    inflater, members = zlib.decompressobj(wbits), 1
+    inflater, members, padded = zlib.decompressobj(wbits), 1, False
     parts: list[bytes] = []
     size = 0
     try:
         async for chunk in chunks:
+            if padded:  # after the last member, zeros only, each read looked at once
+                if chunk.strip(b"\0"):
+                    raise BadUpload(f"data follows the zero padding of the {encoding} body")
+                continue
             pending = chunk
             while pending:
                 part = inflater.decompress(pending, limit + 1 - size)  # one byte past the limit at most
@@ -95,11 +99,12 @@ async def _inflated(chunks: AsyncIterator[bytes], encoding: str, limit: int) -> 
                 pending = inflater.unconsumed_tail
                 if not (inflater.eof and inflater.unused_data):
                     continue
-                pending = inflater.unused_data + pending
-                if not pending.strip(b"\0"):  # zero padding after the last member, which gzip(1) accepts
-                    break
+                pending = inflater.unused_data + pending  # what this read holds past the member's end
                 if wbits == CONTENT_CODINGS["deflate"]:
                     raise BadUpload("data follows the end of the deflate body")
+                if not pending.strip(b"\0"):  # zero padding after the last member, which gzip(1) accepts
+                    padded = True
+                    break
                 members += 1
                 if members > MAX_GZIP_MEMBERS:
                     raise BadUpload(f"the gzip body has more than {MAX_GZIP_MEMBERS} members: compress it as one")

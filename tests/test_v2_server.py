@@ -304,6 +304,12 @@ def bad_requests(photo: bytes) -> dict[str, tuple[bytes, dict, int, str]]:
         "garbage after the gzip body": (gzip.compress(b"{}") + b"GARBAGE", {"Content-Encoding": "gzip"}, 400, "gzip"),
         # each member a new inflater and a copy of its read's rest: thousands of empty ones held the event loop
         "gzip of many members": (gzip.compress(b"") * 100_000, {"Content-Encoding": "gzip"}, 400, "more than 16"),
+        "data after gzip padding": (
+            gzip.compress(b"{}") + bytes(99) + b"x",
+            {"Content-Encoding": "gzip"},
+            400,
+            "padding",
+        ),
         "data after the deflate body": (zlib.compress(b"{}") + b"x", {"Content-Encoding": "deflate"}, 400, "follows"),
         "unknown coding": (b"{}", {"Content-Encoding": "br"}, 415, "'br' not accepted"),
     }
