@@ -52,12 +52,11 @@ import secrets
 import sys
 import threading
 import time
-import urllib.parse
 from collections.abc import Callable
 from fractions import Fraction
-from functools import partial
+from functools import cached_property, partial
 from pathlib import Path
-from urllib.parse import unquote_to_bytes
+from urllib.parse import quote, unquote_to_bytes
 
 from starlette.requests import Request
 
@@ -190,15 +189,20 @@ class RateLimit:
     def __str__(self):
         return f"{self.rate}, burst {self.burst}"
 
-    def headers(self, taken: Taken) -> list[tuple[bytes, bytes]]:
-        """The IETF draft's RateLimit-Policy and RateLimit fields (draft-ietf-httpapi-ratelimit-headers): the
-        key's rate as q requests each w seconds, exactly (30/min: q=1;w=2), and what the key may make at once
-        now and in how many seconds its whole burst is back, so a client (the page's live panel) can pace
-        itself instead of learning the limit from 429s."""
+    @cached_property
+    def policy(self) -> bytes:
+        """The IETF draft's RateLimit-Policy field (draft-ietf-httpapi-ratelimit-headers): the key's rate as q
+        requests each w seconds, exactly (30/min: q=1;w=2)."""
         number, unit = self.rate.split("/")
         rate = Fraction(number) / int(RATE_UNITS_S[unit])
+        return f'"key";q={rate.numerator};w={rate.denominator}'.encode()
+
+    def headers(self, taken: Taken) -> list[tuple[bytes, bytes]]:
+        """The RateLimit-Policy field and the draft's RateLimit field: what the key may make at once now and in
+        how many seconds its whole burst is back, so a client (the page's live panel) can pace itself instead
+        of learning the limit from 429s."""
         return [
-            (b"ratelimit-policy", f'"key";q={rate.numerator};w={rate.denominator}'.encode()),
+            (b"ratelimit-policy", self.policy),
             # t within a header's 15-digit integers, however slow the rate and large the burst
             (b"ratelimit", f'"key";r={taken.remaining};t={min(math.ceil(taken.full_in_s), 10**15 - 1)}'.encode()),
         ]
@@ -445,7 +449,7 @@ class ApiKeyAuth:
         if key.scope < needed:
             scope_name = needed.name.lower()
             # The path percent-encoded again, as uvicorn's access log has it: decoded, a %0a in it wrote a log line
-            path = urllib.parse.quote(scope["path"], safe="/:@!$&'()*+,;=-._~")
+            path = quote(scope["path"], safe="/:@!$&'()*+,;=-._~")
             log.info("refused %s %s to key %s: it needs scope %s", scope["method"], path, key.name, scope_name)
             challenge = f'Bearer realm="mnv3", error="insufficient_scope", scope="{scope_name}"'.encode()
             instead = meant_instead(scope["method"], route_path(scope), key.scope)

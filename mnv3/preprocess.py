@@ -233,8 +233,7 @@ def decode_image(
                 )
             if image.format in JPEG_DRAFT_FORMATS:
                 check_jpeg_scans(data)
-            if jpeg_draft and image.format in JPEG_DRAFT_FORMATS:
-                reduction = jpeg_draft_reduction(w, h, resize_size)
+                reduction = jpeg_draft_reduction(w, h, resize_size) if jpeg_draft else 1
                 if reduction > 1:
                     # Pillow picks the largest reduction r with size // (requested size) >= r.
                     image.draft(image.mode, (w // reduction, h // reduction))

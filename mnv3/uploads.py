@@ -65,7 +65,7 @@ MAX_GZIP_MEMBERS = 16
 
 async def _read_body(request: Request, limit: int) -> bytes:
     _check_declared_length(request, limit)
-    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    encoding = content_encoding(request)
     chunks = _bounded(request.stream(), limit)
     if encoding == "identity":
         return b"".join([chunk async for chunk in chunks])
@@ -114,6 +114,11 @@ async def _inflated(chunks: AsyncIterator[bytes], encoding: str, limit: int) -> 
     except zlib.error as exc:
         raise BadUpload(f"the body is not valid {encoding} ({exc})") from None
     return b"".join(parts)
+
+
+def content_encoding(request: Request) -> str:
+    """The body's content coding, lower case; "identity" without one."""
+    return request.headers.get("content-encoding", "identity").strip().lower()
 
 
 def declared_length(request: Request) -> int | None:
@@ -188,7 +193,7 @@ def is_image_type(media_type: bytes | str) -> bool:
 
 
 async def _read_upload(request: Request, limit: int) -> bytes:
-    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    encoding = content_encoding(request)
     if encoding != "identity":  # the body would reach the decoder still compressed, and fail as "not an image"
         raise UnsupportedMediaType(
             f"Content-Encoding {encoding!r} not accepted: send the image's bytes as they are (JPEG, PNG and WebP "

@@ -162,18 +162,21 @@ def parse_infer_request(body: bytes, header_length: str | None, model: ModelDesc
 # Triton's extensions this server does not offer, by the paths their clients call, and what to do instead:
 # a 404 there names the extension rather than a model called "stats" or a bare "Not Found".
 UNOFFERED_EXTENSIONS = [
-    (r"/models(/[^/]+(/versions/[^/]+)?)?/stats", "statistics", "read GET /metrics (Prometheus) or GET /stats"),
-    (r"/repository(/.*)?", "model repository", "the models are the --model flags the server started with"),
-    (r"/(system|cuda)sharedmemory(/.*)?", "shared memory", "send tensors in the request, binary or JSON"),
-    (r"(/models/[^/]+(/versions/[^/]+)?)?/trace(/.*)?", "trace", "GET /metrics times every stage"),
-    (r"/logging", "logging", "the server's --log-level sets it at start-up"),
+    (re.compile(re.escape(PATH_PREFIX) + pattern), extension, instead)
+    for pattern, extension, instead in (
+        (r"/models(/[^/]+(/versions/[^/]+)?)?/stats", "statistics", "read GET /metrics (Prometheus) or GET /stats"),
+        (r"/repository(/.*)?", "model repository", "the models are the --model flags the server started with"),
+        (r"/(system|cuda)sharedmemory(/.*)?", "shared memory", "send tensors in the request, binary or JSON"),
+        (r"(/models/[^/]+(/versions/[^/]+)?)?/trace(/.*)?", "trace", "GET /metrics times every stage"),
+        (r"/logging", "logging", "the server's --log-level sets it at start-up"),
+    )
 ]
 
 
 def unoffered_extension(path: str) -> str | None:
     """For a path of a Triton extension this server does not offer, the 404's message saying so."""
     for pattern, extension, instead in UNOFFERED_EXTENSIONS:
-        if re.fullmatch(re.escape(PATH_PREFIX) + pattern, path):
+        if pattern.fullmatch(path):
             return f"this server does not offer Triton's {extension} extension (GET /v2 lists those it does): {instead}"
     return None
 
