@@ -1,22 +1,29 @@
 """Dynamic batching: requests that arrive close together run as one batched inference call.
 
-A dedicated inference thread takes the first queued request, then collects more until
-`max_batch_size` or until `window_ms` after that first request arrived, stacks them, runs the model
-once and hands every request its own row. Under load the window has long passed by the time the
-thread is free again, so it takes what is queued without waiting: the batch grows with the load,
-latency does not. The window also closes early when no further request is on its way (`incoming()`
-is 0, e.g. none is being decoded): waiting then only idles the CPU, which is what made a fixed window
-lose to no batching at low concurrency.
+Two threads a model. The runner calls the model, one batch at a time. The assembler gathers the next
+batch meanwhile: it takes the first queued request, then more, until `max_batch_size`, or until the
+runner is free and `window_ms` have passed since the first one was queued, copying each request's input
+into the batch's rows as it takes it. So when a call returns, the next batch is already stacked: the
+model does not idle while ~19 MB of images are copied (a batch of 32) on cores the decode threads also
+want. Under load the window has long passed by the time the runner is free, so a batch is whatever is
+queued then: it grows with the load, latency does not. The window also closes early when no further
+request is on its way (none `expect()`ed is still being prepared): waiting then only idles the CPU,
+which is what made a fixed window lose to no batching at low concurrency. Inputs of another shape than
+a batch's first start the next batch.
 
-The thread collects its next batch itself, straight from the queue, the moment a call returns: it
-never waits for the event loop, which under load is busy with hundreds of connections and would
-otherwise leave the model idle between calls. The event loop only queues requests and receives each
-batch's rows (one callback a batch). One inference thread a model: ORT and OpenVINO already spread
-one call over their own threads (sized to the cores), so overlapping calls would only oversubscribe
-the CPU, and decode/preprocess work in its own pool never waits behind a batch.
+A request comes in one of two ways. `submit(array)` queues a ready input and waits for its row.
+`expect()` registers one whose input another thread is still making (the decode pool): that thread
+`queue()`s the input, or `fail()`s the request, itself, and the event loop awaits `result()`. The event
+loop is then woken once a request, for its answer, not also for its decoded image, and only queues
+requests and receives each batch's rows (one callback a batch): under load it is busy with hundreds of
+connections, and neither the model nor the decode threads ever wait for it. One runner a model: ORT and
+OpenVINO already spread one call over their own threads (sized to the cores), so overlapping calls would
+only oversubscribe the CPU, and decode/preprocess work in its own pool never waits behind a batch.
+`run_batch` gets a view of rows the assembler reuses two batches later, so the batcher copies any output
+that may share memory with it.
 
 Work nobody waits for any more (deadline passed, client gone) is dropped before it runs and counted
-in `dropped`. `stop()` drains: queued requests are still answered, new ones are refused.
+in `dropped`. `stop()` drains: queued and expected requests are still answered, new ones are refused.
 """
 
 import asyncio
@@ -31,7 +38,7 @@ import numpy as np
 
 from mnv3.thread_cpu import INFERENCE_THREADS
 
-WINDOW_POLL_S = 0.001
+MIN_WAIT_S = 0.001  # the shortest wait for a window's end, so that clock rounding never spins
 
 
 class QueueFull(Exception):
@@ -50,21 +57,30 @@ class DeadlineExceeded(Exception):
 class BatchResult:
     row: np.ndarray  # this request's output row
     batch_size: int  # how many requests shared the inference call
-    queue_s: float  # from submit to the start of the inference call
+    queue_s: float  # from being queued (its input ready) to the start of the inference call
     inference_s: float  # the whole batch's inference call
 
 
-@dataclass
-class _Pending:
-    array: np.ndarray
+@dataclass(eq=False)
+class Expected:
+    """A request the batcher knows of: `expect()`ed, its input queued later (or failed) from any thread."""
+
     future: asyncio.Future
-    queued_at: float  # time.perf_counter(): uvloop's loop.time() has only millisecond resolution
-    deadline: float  # time.perf_counter() clock, which the inference thread can read
+    timeout_at: float  # the deadline on the event loop's clock (`loop.time()`)
+    expected_at: float  # time.perf_counter(): uvloop's loop.time() has only millisecond resolution
+    deadline: float  # the deadline on the time.perf_counter() clock, which every thread can read
+    array: np.ndarray | None = None  # its input, once queued
+    queued_at: float | None = None
 
     def wanted(self, now: float) -> bool:
-        # Read from the inference thread: a future's state is a plain field, and a stale read only
-        # means one request more or less is computed for nobody.
+        # Read from other threads: a future's state is a plain field, and a stale read only means one
+        # request more or less is computed (or decoded) for nobody.
         return not self.future.done() and self.deadline > now
+
+    @property
+    def preparing_s(self) -> float:
+        """From `expect()` to `queue()`: waiting for a decode thread and decoding."""
+        return (self.queued_at or self.expected_at) - self.expected_at
 
 
 class DynamicBatcher:
@@ -74,56 +90,72 @@ class DynamicBatcher:
         max_batch_size: int = 32,
         window_ms: float = 20.0,
         queue_limit: int = 512,
-        incoming: Callable[[], int] | None = None,
     ):
-        """`incoming()` counts requests that will be submitted soon; None means unknown (always wait)."""
         self.run_batch = run_batch
-        self.incoming = incoming
         self.max_batch_size = max_batch_size
         self.window_s = window_ms / 1000.0
         self.queue_limit = queue_limit
         # Requests may queue before start(): they wait for the model's warm-up instead of failing.
-        self._queue: deque[_Pending] = deque()
-        self._changed = threading.Condition()  # guards _queue, dropped and _stopping; notified on each change
-        self._thread: threading.Thread | None = None
+        # One lock guards the fields from here to `dropped`: the assembler waits on `_changed` (an input
+        # queued or failed, the runner free, stopping), the runner on `_handed` (a batch handed over, or exit).
+        lock = threading.Lock()
+        self._changed = threading.Condition(lock)
+        self._handed = threading.Condition(lock)
+        self._queue: deque[Expected] = deque()  # inputs ready, not yet taken into a batch
+        self._filling: list[Expected] = []  # the batch the assembler is gathering
+        self._expected = 0  # expected, input not yet queued (or failed): the window waits for these
+        self._next: tuple[list[Expected], np.ndarray] | None = None  # assembled, for the runner to take
+        self._running: list[Expected] = []  # the batch the runner is computing
+        self._runner_free = True
+        self._runner_exits = False  # the assembler has stopped: the runner stops once its batch is done
         self._stopping = False
-        self._unanswered = 0  # submitted, not yet answered by the thread; event loop only
-        self._drained = asyncio.Event()  # set when stopping and nothing is left unanswered
-        self._running: list[_Pending] = []  # the batch the thread is computing; it alone writes this
+        self._refusing = False  # stop() has failed what was left: later inputs are refused too
         self.dropped = 0  # requests skipped before inference because nobody waited for them any more
+        self._rows: list[np.ndarray | None] = [None, None]  # the assembler's: one batch filled while one runs
+        self._threads: list[threading.Thread] = []
+        self._unanswered = 0  # known, not yet answered; event loop only
+        self._drained = asyncio.Event()  # set when stopping and nothing is left unanswered
 
     @property
     def depth(self) -> int:
-        """Requests queued and not yet taken into a batch (or dropped)."""
+        """Requests waiting for inference: queued, or in the batch being gathered."""
         with self._changed:
-            return len(self._queue)
+            return len(self._queue) + len(self._filling)
 
     def start(self) -> None:
-        loop = asyncio.get_running_loop()  # where the thread answers
-        self._thread = threading.Thread(target=self._work, args=(loop,), name=f"{INFERENCE_THREADS}_0", daemon=True)
-        self._thread.start()
+        loop = asyncio.get_running_loop()  # where the runner answers
+        self._threads = [
+            threading.Thread(target=self._assemble, args=(loop,), name=f"{INFERENCE_THREADS}_assembler", daemon=True),
+            threading.Thread(target=self._run, args=(loop,), name=f"{INFERENCE_THREADS}_0", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
 
     async def stop(self, drain_s: float = 30.0) -> None:
-        """Refuse new requests, answer the queued ones (for up to `drain_s`), then fail what is left."""
+        """Refuse new requests, answer the queued and expected ones (for up to `drain_s`), then fail what
+        is left."""
         with self._changed:
             self._stopping = True
-            self._changed.notify_all()
-        if self._thread is not None and self._unanswered:
+            self._changed.notify()
+        if self._threads and self._unanswered:
             try:
                 async with asyncio.timeout(drain_s):
                     await self._drained.wait()
             except TimeoutError:
                 pass
         with self._changed:
-            left, self._queue = list(self._queue), deque()
-            self._changed.notify_all()
-        self._unanswered -= len(left)  # answered here; the running batch is still answered by the thread
-        for p in left + self._running:  # the drain ran out: answered 503, not left to hang
+            self._refusing = True
+            queued, self._queue = list(self._queue), deque()
+            taken = self._filling + (self._next[0] if self._next else []) + self._running
+            self._changed.notify()
+        self._unanswered -= len(queued)  # answered here; the threads still answer (skip) the batches they hold
+        for p in queued + taken:  # the drain ran out: answered 503, not left to hang
             if not p.future.done():
                 p.future.set_exception(ShuttingDown("server stopped before this request's turn came"))
 
-    async def submit(self, array: np.ndarray, deadline: float = math.inf) -> BatchResult:
-        """Queue one (C, H, W) input and wait for its row. `deadline` is on the `loop.time()` clock."""
+    def expect(self, deadline: float = math.inf) -> Expected:
+        """On the event loop: a request whose input is still being made; its maker then calls `queue()` or
+        `fail()`, from any thread. `deadline` is on the `loop.time()` clock."""
         loop = asyncio.get_running_loop()
         if self._stopping:
             raise ShuttingDown("server is shutting down; retry on another instance or after restart")
@@ -131,80 +163,161 @@ class DynamicBatcher:
         left_s = deadline - loop.time()
         if left_s <= 0:
             raise DeadlineExceeded("deadline passed before the request was queued")
-        pending = _Pending(array, loop.create_future(), now, now + left_s)
+        expected = Expected(loop.create_future(), deadline, now, now + left_s)
         with self._changed:
-            if len(self._queue) >= self.queue_limit:
-                raise QueueFull(f"queue full: {self.queue_limit} requests already wait for inference")
-            self._queue.append(pending)
-            self._changed.notify()
+            self._expected += 1
         self._unanswered += 1
+        return expected
+
+    def queue(self, expected: Expected, array: np.ndarray) -> None:
+        """From any thread: `expected`'s input is ready; it waits for a batch, or fails if the queue is full."""
+        expected.array, expected.queued_at = array, time.perf_counter()
+        with self._changed:
+            self._expected -= 1
+            self._changed.notify()  # a new input, or (refused) one fewer to wait for
+            if self._refusing:
+                refusal: QueueFull = ShuttingDown("server stopped before this request's turn came")
+            elif len(self._queue) + len(self._filling) >= self.queue_limit:
+                refusal = QueueFull(f"queue full: {self.queue_limit} requests already wait for inference")
+            else:
+                self._queue.append(expected)
+                return
+        self._answer(expected.future.get_loop(), self._fail_one, expected, refusal)
+
+    def fail(self, expected: Expected, exc: Exception) -> None:
+        """From any thread: `expected`'s input could not be made; its request gets `exc`."""
+        with self._changed:
+            self._expected -= 1
+            self._changed.notify()  # the window may close now
+        self._answer(expected.future.get_loop(), self._fail_one, expected, exc)
+
+    async def result(self, expected: Expected) -> BatchResult:
+        """On the event loop: `expected`'s row, once its batch has run."""
         try:
-            async with asyncio.timeout_at(deadline):
-                return await pending.future
+            async with asyncio.timeout_at(expected.timeout_at):
+                return await expected.future
         except TimeoutError:
-            waited = time.perf_counter() - pending.queued_at
+            if expected.queued_at is None:
+                raise DeadlineExceeded(
+                    "deadline passed while the image waited for a decode thread or was decoded"
+                ) from None
+            waited = time.perf_counter() - expected.queued_at
             raise DeadlineExceeded(f"deadline passed after {waited:.3f} s waiting for inference") from None
         finally:
-            pending.future.cancel()  # deadline or client gone: the thread skips work nobody waits for
+            expected.future.cancel()  # deadline or client gone: the threads skip work nobody waits for
 
-    # ------------------------------------------------------------------------- the inference thread
+    async def submit(self, array: np.ndarray, deadline: float = math.inf) -> BatchResult:
+        """Queue one (C, H, W) input and wait for its row. `deadline` is on the `loop.time()` clock."""
+        expected = self.expect(deadline)
+        self.queue(expected, array)
+        return await self.result(expected)
 
-    def _work(self, loop: asyncio.AbstractEventLoop) -> None:
-        while (batch := self._next_batch(loop)) is not None:
-            self._running = batch
+    # ------------------------------------------------------------------------- the assembler thread
+
+    def _assemble(self, loop: asyncio.AbstractEventLoop) -> None:
+        which = 0
+        while (batch := self._gather(loop, which)) is not None:
+            if batch:  # else every request in it was dropped, and its rows are free again
+                which = 1 - which
+
+    def _gather(self, loop: asyncio.AbstractEventLoop, which: int) -> list[Expected] | None:
+        """Gather the next batch into rows `which`, copying each input in as it is taken, and hand it to
+        the runner once the runner is free and the batch is full or its window has closed. Returns the
+        batch handed over (empty if every request in it was dropped); None once stopping with nothing left
+        to come, after telling the runner to exit."""
+        rows: np.ndarray | None = None
+        taken = 0
+        while True:
+            with self._changed:
+                while True:
+                    if self._queue and taken < self.max_batch_size and not self._other_shape(rows, taken):
+                        p = self._queue.popleft()
+                        self._filling.append(p)
+                        break
+                    if taken and self._runner_free and self._closes(taken, rows):
+                        return self._hand_over(loop, rows, taken)
+                    if not taken and (self._refusing or self._stopping and not self._queue and not self._expected):
+                        self._runner_exits = True  # once it has run what it was handed
+                        self._handed.notify()
+                        return None
+                    self._changed.wait(self._wait_s(taken))
+            # Outside the lock: queue() and the runner go on meanwhile; only this thread writes these rows.
+            if rows is None or rows.shape[1:] != p.array.shape or rows.dtype != p.array.dtype:
+                rows = self._rows_for(which, p.array)
+            rows[taken] = p.array
+            taken += 1
+
+    def _other_shape(self, rows: np.ndarray | None, taken: int) -> bool:
+        """Under the lock: whether the next queued input cannot join the rows taken (another shape or type)."""
+        head = self._queue[0].array
+        return taken > 0 and (rows.shape[1:] != head.shape or rows.dtype != head.dtype)
+
+    def _closes(self, taken: int, rows: np.ndarray) -> bool:
+        """Under the lock: whether `taken` rows go to the free runner now, rather than wait for more."""
+        if taken >= self.max_batch_size or self._stopping or (self._queue and self._other_shape(rows, taken)):
+            return True
+        if not self._queue and not self._expected:  # nothing more on its way: waiting would only idle the CPU
+            return True
+        return time.perf_counter() - self._filling[0].queued_at >= self.window_s
+
+    def _wait_s(self, taken: int) -> float | None:
+        """How long to wait for a change: a new input, a free runner and a failed decode notify; the end of
+        an open window does not, so a wait with a free runner ends with it."""
+        if not taken or not self._runner_free:
+            return None
+        return max(MIN_WAIT_S, self.window_s - (time.perf_counter() - self._filling[0].queued_at))
+
+    def _rows_for(self, which: int, array: np.ndarray) -> np.ndarray:
+        """Batch rows `which`, made anew for inputs of another shape or type than before."""
+        rows = self._rows[which]
+        if rows is None or rows.shape[1:] != array.shape or rows.dtype != array.dtype:
+            rows = self._rows[which] = np.empty((self.max_batch_size, *array.shape), array.dtype)
+        return rows
+
+    def _hand_over(self, loop: asyncio.AbstractEventLoop, rows: np.ndarray, taken: int) -> list[Expected]:
+        """Under the lock: the gathered batch, less requests nobody waits for any more, to the runner."""
+        batch, self._filling = self._filling, []
+        now = time.perf_counter()
+        keep = [i for i, p in enumerate(batch) if p.wanted(now)]  # some may have gone while it was gathered
+        if len(keep) < taken:
+            self.dropped += taken - len(keep)
+            self._answer(loop, self._settled, taken - len(keep))
+            rows[: len(keep)] = rows[keep]
+            batch = [batch[i] for i in keep]
+        if batch:
+            self._next, self._runner_free = (batch, rows[: len(batch)]), False
+            self._handed.notify()
+        return batch
+
+    # ------------------------------------------------------------------------- the runner thread
+
+    def _run(self, loop: asyncio.AbstractEventLoop) -> None:
+        while True:
+            with self._handed:
+                while self._next is None and not self._runner_exits:
+                    self._handed.wait()
+                if self._next is None:
+                    return
+                (batch, rows), self._next = self._next, None
+                self._running = batch
             started = time.perf_counter()
             outcome: np.ndarray | Exception  # the batch's rows, or what failed it
             try:
-                outcome = self.run_batch(np.stack([p.array for p in batch]))
+                outcome = self.run_batch(rows)
                 if len(outcome) != len(batch):  # else some requests would wait for a row that never comes
                     raise RuntimeError(f"run_batch returned {len(outcome)} rows for a batch of {len(batch)}")
+                if np.may_share_memory(outcome, rows):  # the rows are reused two batches on
+                    outcome = outcome.copy()
             except Exception as exc:  # fails this batch's requests only; the thread goes on
                 outcome = exc
             self._answer(loop, self._deliver, batch, outcome, started, time.perf_counter() - started)
-            self._running = []
+            with self._changed:
+                self._running = []
+                self._runner_free = True
+                self._changed.notify()
 
-    def _next_batch(self, loop: asyncio.AbstractEventLoop) -> list[_Pending] | None:
-        """The next batch of wanted requests; None once stopping with nothing queued."""
-        while True:
-            batch, dropped = self._collect()
-            if dropped:  # so that stop() knows these are settled
-                self._answer(loop, self._settled, dropped)
-            if batch is None or batch:  # an empty one: every request taken was dropped
-                return batch
-
-    def _collect(self) -> tuple[list[_Pending] | None, int]:
-        """Block for a first request, then gather more until the batch is full or its window closes.
-        Returns the wanted ones and how many were dropped; None for the batch once stopping with nothing queued."""
-        batch: list[_Pending] = []
-        with self._changed:
-            dropped = 0
-            while len(batch) < self.max_batch_size:
-                if self._queue:
-                    p = self._queue.popleft()
-                    if p.wanted(time.perf_counter()):
-                        batch.append(p)
-                    else:
-                        dropped += 1
-                    continue
-                if not batch:
-                    if self._stopping:
-                        self.dropped += dropped
-                        return None, dropped
-                    self._changed.wait()
-                    continue
-                remaining = self.window_s - (time.perf_counter() - batch[0].queued_at)
-                if remaining <= 0 or self._stopping or (self.incoming is not None and self.incoming() == 0):
-                    break
-                # A new request notifies, but `incoming()` falling to 0 (a decode failed) does not,
-                # so the wait is re-checked every WINDOW_POLL_S rather than held for the whole window.
-                self._changed.wait(min(remaining, WINDOW_POLL_S))
-            now = time.perf_counter()
-            live = [p for p in batch if p.wanted(now)]  # some may have gone during the window
-            dropped += len(batch) - len(live)
-            self.dropped += dropped
-        return live, dropped
-
-    def _answer(self, loop: asyncio.AbstractEventLoop, callback, *args) -> None:
+    @staticmethod
+    def _answer(loop: asyncio.AbstractEventLoop, callback, *args) -> None:
         """Run `callback(*args)` on the event loop, which alone touches the requests' futures."""
         try:
             loop.call_soon_threadsafe(callback, *args)
@@ -212,7 +325,7 @@ class DynamicBatcher:
             pass
 
     def _deliver(
-        self, batch: list[_Pending], outcome: np.ndarray | Exception, started: float, inference_s: float
+        self, batch: list[Expected], outcome: np.ndarray | Exception, started: float, inference_s: float
     ) -> None:
         """On the event loop: each request of `batch` gets its row, or the batch's error."""
         for i, p in enumerate(batch):
@@ -223,6 +336,12 @@ class DynamicBatcher:
             else:
                 p.future.set_result(BatchResult(outcome[i], len(batch), started - p.queued_at, inference_s))
         self._settled(len(batch))
+
+    def _fail_one(self, expected: Expected, exc: Exception) -> None:
+        """On the event loop: `expected`, whose input never came or was refused, gets `exc`."""
+        if not expected.future.done():
+            expected.future.set_exception(exc)
+        self._settled(1)
 
     def _settled(self, count: int) -> None:
         """On the event loop: `count` requests are answered or dropped; stop() waits for all of them."""

@@ -2,9 +2,10 @@
 
 POST /predict: admit (or 503 at once when --max-in-flight are already in) -> read the body (bounded in
 size and time, streamed) -> cache lookup by sha256 of the bytes -> on a miss, decode + preprocess in a
-thread pool -> DynamicBatcher (one inference thread) -> top-k. A request whose client goes away or whose
-deadline passes is cancelled wherever it is, so its work is dropped, not computed. SIGTERM drains:
-no new connections, in-flight requests are answered, then the process exits 0. Nothing here imports torch.
+thread pool, which queues the image for inference -> DynamicBatcher (one thread gathers the next batch
+while another runs the engine) -> top-k. A request whose client goes away or whose deadline passes is
+cancelled wherever it is, so its work is dropped, not computed. SIGTERM drains: no new connections,
+in-flight requests are answered, then the process exits 0. Nothing here imports torch.
 Settings are `mnv3.config`, failures answer as `mnv3.errors` lists them, bodies are read by
 `mnv3.uploads` and timings and counts are exported by `mnv3.metrics`. Several models can be served
 side by side (`mnv3.serving`): `?model=NAME` picks one, `GET /models` lists them. The Open Inference

@@ -28,7 +28,7 @@ import numpy as np
 from fastapi import Query, Request
 from starlette.requests import ClientDisconnect
 
-from mnv3.batcher import BatchResult, DeadlineExceeded, DynamicBatcher, QueueFull
+from mnv3.batcher import BatchResult, DeadlineExceeded, DynamicBatcher, Expected, QueueFull
 from mnv3.cache import ResultCache
 from mnv3.config import ModelSpec, ServerConfig
 from mnv3.engine import Engine, InferenceError, Prediction, model_bytes, rss_bytes
@@ -79,13 +79,8 @@ class ServedModel:
         self.cache = ResultCache(
             config.cache_size, engine.model_id, leader_only_errors=(DeadlineExceeded, QueueFull, ClientDisconnect)
         )
-        self.being_decoded = 0  # this model's requests being decoded: its batcher's window waits only for these
         self.batcher = DynamicBatcher(
-            self._run_batch,
-            config.max_batch_size,
-            config.batch_window_ms,
-            config.queue_limit,
-            incoming=lambda: self.being_decoded,
+            self._run_batch, config.max_batch_size, config.batch_window_ms, config.queue_limit
         )
         self.metrics = metrics.for_model(self.name, self.cache, self.batcher)
         self.warmed_up = False
@@ -101,31 +96,28 @@ class ServedModel:
             self.memory = replace(self.memory, warm_up_rss_bytes=after - before)
         self.warmed_up = True
 
-    async def preprocessed(self, data: bytes, deadline: float) -> tuple[np.ndarray, float]:
-        """The image decoded and preprocessed in the shared pool, and the seconds that took."""
-        started = time.perf_counter()
-        self.being_decoded += 1  # only ever changed on the event loop, so no lock
+    async def _decoded_and_inferred(self, data: bytes, deadline: float) -> tuple[BatchResult, float]:
+        """One encoded image's row, decoded in the shared pool and queued for inference from there, and the
+        seconds the decoding took (waiting for a decode thread included)."""
+        expected = self.batcher.expect(deadline)
+        # Cancelling the request marks `expected` unwanted: a decode that has not started yet is skipped.
+        self.preprocess_pool.submit(self._decode, expected, data)
+        result = await self.batcher.result(expected)
+        self.metrics.queue_wait.observe(result.queue_s)
+        return result, expected.preparing_s
+
+    def _decode(self, expected: Expected, data: bytes) -> None:
+        """In a decode thread: `data` decoded and preprocessed, and queued for inference, or the error why not."""
+        if not expected.wanted(time.perf_counter()):  # deadline passed, or client gone, while it waited here
+            self.batcher.fail(expected, DeadlineExceeded("deadline passed while the image waited for a decode thread"))
+            return
         try:
-            # Cancelling a decode that has not started yet removes it from the pool's queue.
-            async with asyncio.timeout_at(deadline):
-                array = await asyncio.get_running_loop().run_in_executor(
-                    self.preprocess_pool,
-                    decode_and_preprocess,
-                    data,
-                    self.config.max_pixels,
-                    self.config.decoding,
-                    self.engine.preprocessing,
-                )
-        except TimeoutError:
-            # Waiting for a decode thread, or decoding: a decode that has started runs to its end regardless.
-            raise DeadlineExceeded(
-                "deadline passed while the image waited for a decode thread or was decoded"
-            ) from None
-        finally:
-            self.being_decoded -= 1
-        preprocess_s = time.perf_counter() - started
-        self.metrics.preprocess.observe(preprocess_s)
-        return array, preprocess_s
+            array = decode_and_preprocess(data, self.config.max_pixels, self.config.decoding, self.engine.preprocessing)
+        except Exception as exc:  # a bad image (400), or any other failure: that request's answer
+            self.batcher.fail(expected, exc)
+            return
+        self.batcher.queue(expected, array)
+        self.metrics.preprocess.observe(expected.preparing_s)
 
     async def infer(self, array: np.ndarray, deadline: float) -> BatchResult:
         """One preprocessed image's probabilities, as one entry of this model's batcher."""
@@ -135,8 +127,7 @@ class ServedModel:
 
     async def classify(self, data: bytes, deadline: float) -> Classified:
         """/predict's answer for one encoded image: the top-k and where the time went."""
-        array, preprocess_s = await self.preprocessed(data, deadline)
-        result = await self.infer(array, deadline)
+        result, preprocess_s = await self._decoded_and_inferred(data, deadline)
         return Classified(
             self.engine.top_k(result.row, self.config.top_k),
             result.batch_size,
@@ -147,9 +138,9 @@ class ServedModel:
 
     async def probabilities(self, data: bytes, deadline: float) -> np.ndarray:
         """Every class's probability for one encoded image (what the Open Inference Protocol returns)."""
-        array, _ = await self.preprocessed(data, deadline)
+        result, _ = await self._decoded_and_inferred(data, deadline)
         # A copy: the row is a view of its whole batch's output, which a cached view would keep alive.
-        return (await self.infer(array, deadline)).row.copy()
+        return result.row.copy()
 
     def _run_batch(self, batch: np.ndarray) -> np.ndarray:
         with self.inference_lock:

@@ -172,22 +172,112 @@ def test_engine_error_fails_only_its_batch():
     run(scenario)
 
 
-def test_window_closes_early_when_nothing_else_is_incoming_and_waits_while_something_is():
+def test_window_closes_early_when_nothing_else_is_expected_and_waits_while_something_is():
     async def scenario(make):
-        incoming = {"count": 0}
         engine = FakeEngine()
-        batcher = make(engine, max_batch_size=8, window_ms=60_000, incoming=lambda: incoming["count"])
+        batcher = make(engine, max_batch_size=8, window_ms=60_000)
         alone = await batcher.submit(item(1))  # a 60 s window would time the test out if it were waited
         assert alone.batch_size == 1
 
-        incoming["count"] = 1  # a second request is being decoded: the first waits for it
+        decoding = batcher.expect()  # a second request is being decoded: the first waits for it
         first = asyncio.create_task(batcher.submit(item(2)))
         await asyncio.sleep(0.05)
-        assert not first.done() and batcher.depth == 0  # taken by the inference thread, held open by the window
-        incoming["count"] = 0
-        second = await batcher.submit(item(3))
+        assert not first.done() and batcher.depth == 1  # in the batch being gathered, held open by the window
+        await asyncio.to_thread(batcher.queue, decoding, item(3))  # from another thread, as the decode pool does
+        second = await batcher.result(decoding)
         assert second.batch_size == 2 and (await first).batch_size == 2
         assert engine.batches == [[1], [2, 3]]
+
+        failing = batcher.expect()  # a decode that fails closes the window too
+        third = asyncio.create_task(batcher.submit(item(4)))
+        await asyncio.sleep(0.05)
+        assert not third.done()
+        await asyncio.to_thread(batcher.fail, failing, ValueError("not an image"))
+        assert (await third).batch_size == 1
+        with pytest.raises(ValueError, match="not an image"):
+            await batcher.result(failing)
+
+    run(scenario)
+
+
+def test_next_batch_is_gathered_while_one_runs_and_rows_stay_right_when_reused():
+    """An engine that answers with its input rows themselves (a view): the batcher reuses those rows two
+    batches on, so every answer must still be its own request's."""
+
+    def identity(batch: np.ndarray) -> np.ndarray:
+        engine.entered.set()
+        engine.release.wait(BLOCK_TIMEOUT_S)
+        engine.batches.append(batch[:, 0].tolist())
+        return batch
+
+    engine = FakeEngine()
+
+    async def scenario(make):
+        batcher = make(identity, max_batch_size=4, window_ms=60_000)
+        engine.release.clear()
+        running = asyncio.create_task(batcher.submit(item(0)))
+        await asyncio.to_thread(engine.entered.wait, BLOCK_TIMEOUT_S)
+        waiting = [asyncio.create_task(batcher.submit(item(i))) for i in range(1, 10)]
+        await asyncio.sleep(0.05)
+        assert batcher.depth == 9  # four gathered (a full batch, waiting for the runner), five queued
+        engine.release.set()
+        results = await asyncio.gather(running, *waiting)
+        assert engine.batches == [[0], [1, 2, 3, 4], [5, 6, 7, 8], [9]]
+        assert [float(r.row[0]) for r in results] == list(range(10))
+
+    run(scenario)
+
+
+def test_inputs_of_another_shape_start_a_new_batch():
+    async def scenario(make):
+        batches = []
+
+        def engine(batch: np.ndarray) -> np.ndarray:
+            batches.append(batch.shape)
+            return batch.sum(axis=1, keepdims=True)
+
+        batcher = make(engine, max_batch_size=8, window_ms=50)
+        shapes = [(1,), (1,), (2,), (2,), (1,)]
+        results = await asyncio.gather(
+            *(batcher.submit(np.full(shape, i, np.float32)) for i, shape in enumerate(shapes))
+        )
+        assert batches == [(2, 1), (2, 2), (1, 1)]
+        assert [float(r.row[0]) for r in results] == [0, 1, 4, 6, 4]
+
+    run(scenario)
+
+
+def test_an_input_queued_to_a_full_queue_fails_its_request():
+    async def scenario(make):
+        engine = FakeEngine()
+        batcher = make(engine, max_batch_size=1, window_ms=0, queue_limit=1)
+        first = await held(engine, batcher, 1)
+        second = asyncio.create_task(batcher.submit(item(2)))
+        await asyncio.sleep(0.05)
+        late = batcher.expect()
+        await asyncio.to_thread(batcher.queue, late, item(3))
+        with pytest.raises(QueueFull):
+            await batcher.result(late)
+        engine.release.set()
+        assert [float((await t).row[0]) for t in (first, second)] == [10, 20]
+
+    run(scenario)
+
+
+def test_stop_waits_for_expected_requests():
+    async def scenario(make):
+        engine = FakeEngine()
+        batcher = make(engine, max_batch_size=4, window_ms=0)
+        decoding = batcher.expect()
+        stopping = asyncio.create_task(batcher.stop())
+        await asyncio.sleep(0.05)
+        assert not stopping.done()
+        with pytest.raises(ShuttingDown):
+            batcher.expect()
+        await asyncio.to_thread(batcher.queue, decoding, item(5))
+        assert float((await batcher.result(decoding)).row[0]) == 50
+        await stopping
+        assert engine.computed == [5]
 
     run(scenario)
 
