@@ -374,7 +374,9 @@ class RecordingClient(loadtest.PredictClient):
     async def __call__(self, body: bytes) -> tuple[str, dict | None]:
         start = time.monotonic()
         try:
-            async with self._session.post("/predict", data=loadtest.photo_form(body)) as response:
+            async with self._session.post(
+                "/predict", data=self._form.body(body), headers=self._upload_headers
+            ) as response:
                 status, replica = str(response.status), response.headers.get(REPLICA_HEADER)
                 retried = RETRIED_HEADER in response.headers
                 try:

@@ -7,6 +7,7 @@ import time
 from collections import namedtuple
 from dataclasses import replace
 
+import aiohttp
 import numpy as np
 import pytest
 import requests
@@ -15,6 +16,7 @@ from mnv3.batching_benchmark import bucket_labels
 from mnv3.loadtest import (
     FREE_PORT_LOW,
     LoadResult,
+    PhotoForm,
     PredictClient,
     ServerProcess,
     ServerStartError,
@@ -250,6 +252,19 @@ def test_the_server_process_rarely_collects_garbage_under_load(fp32_model_path):
     assert (result.ok, result.errors) == (640, {})
     collections = result.metrics[("python_gc_collections_total", "")]  # every generation's, in the run
     assert collections <= 10
+
+
+def test_photo_form_sends_the_bytes_aiohttps_form_data_writes():
+    """What aiohttp.FormData().add_field("file", photo, filename="image.jpg", content_type="image/jpeg") sends
+    (a MultipartWriter with that part), at the form's boundary."""
+    photo = load_images(1)[0]
+    form = PhotoForm()
+    writer = aiohttp.MultipartWriter("form-data", boundary=form.content_type.rpartition("boundary=")[2])
+    writer.append(photo, {"Content-Type": "image/jpeg"}).set_content_disposition(
+        "form-data", name="file", filename="image.jpg"
+    )
+    assert writer.content_type == form.content_type
+    assert asyncio.run(writer.as_bytes()) == form.body(photo)
 
 
 def test_predict_client_reports_a_refused_connection_as_a_status():
