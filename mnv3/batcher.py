@@ -23,10 +23,14 @@ only oversubscribe the CPU, and decode/preprocess work in its own pool never wai
 that may share memory with it.
 
 Work nobody waits for any more (deadline passed, client gone) is dropped before it runs and counted
-in `dropped`. `stop()` drains: queued and expected requests are still answered, new ones are refused.
+in `dropped`: a queued request as it is taken into a batch, or before its batch is handed over (the gap
+filled from the queue); an expected one is no longer waited for at once, and its input, when it comes, is
+not queued. `stop()` drains: expected, queued and running requests are still answered, new ones are
+refused; what the drain leaves is failed.
 """
 
 import asyncio
+import logging
 import math
 import threading
 import time
@@ -37,6 +41,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from mnv3.thread_cpu import INFERENCE_THREADS
+
+log = logging.getLogger(__name__)
 
 MIN_WAIT_S = 0.001  # the shortest wait for a window's end, so that clock rounding never spins
 
@@ -71,6 +77,7 @@ class Expected:
     deadline: float  # the deadline on the time.perf_counter() clock, which every thread can read
     array: np.ndarray | None = None  # its input, once queued
     queued_at: float | None = None
+    settled: bool = False  # answered or dropped, and counted so; event loop only
 
     def wanted(self, now: float) -> bool:
         # Read from other threads: a future's state is a plain field, and a stale read only means one
@@ -97,13 +104,14 @@ class DynamicBatcher:
         self.queue_limit = queue_limit
         # Requests may queue before start(): they wait for the model's warm-up instead of failing.
         # One lock guards the fields from here to `dropped`: the assembler waits on `_changed` (an input
-        # queued or failed, the runner free, stopping), the runner on `_handed` (a batch handed over, or exit).
+        # queued, a request no longer expected, the runner free, stopping), the runner on `_handed` (a batch
+        # handed over, or exit).
         lock = threading.Lock()
         self._changed = threading.Condition(lock)
         self._handed = threading.Condition(lock)
+        self._preparing: set[Expected] = set()  # expected, input not yet queued: the window waits for these
         self._queue: deque[Expected] = deque()  # inputs ready, not yet taken into a batch
         self._filling: list[Expected] = []  # the batch the assembler is gathering
-        self._expected = 0  # expected, input not yet queued (or failed): the window waits for these
         self._next: tuple[list[Expected], np.ndarray] | None = None  # assembled, for the runner to take
         self._running: list[Expected] = []  # the batch the runner is computing
         self._runner_free = True
@@ -113,7 +121,7 @@ class DynamicBatcher:
         self.dropped = 0  # requests skipped before inference because nobody waited for them any more
         self._rows: list[np.ndarray | None] = [None, None]  # the assembler's: one batch filled while one runs
         self._threads: list[threading.Thread] = []
-        self._unanswered = 0  # known, not yet answered; event loop only
+        self._unanswered = 0  # known, not yet settled; event loop only
         self._drained = asyncio.Event()  # set when stopping and nothing is left unanswered
 
     @property
@@ -123,7 +131,7 @@ class DynamicBatcher:
             return len(self._queue) + len(self._filling)
 
     def start(self) -> None:
-        loop = asyncio.get_running_loop()  # where the runner answers
+        loop = asyncio.get_running_loop()  # where the threads answer
         self._threads = [
             threading.Thread(target=self._assemble, args=(loop,), name=f"{INFERENCE_THREADS}_assembler", daemon=True),
             threading.Thread(target=self._run, args=(loop,), name=f"{INFERENCE_THREADS}_0", daemon=True),
@@ -132,8 +140,8 @@ class DynamicBatcher:
             thread.start()
 
     async def stop(self, drain_s: float = 30.0) -> None:
-        """Refuse new requests, answer the queued and expected ones (for up to `drain_s`), then fail what
-        is left."""
+        """Refuse new requests, answer the expected, queued and running ones (for up to `drain_s`), then fail
+        every one still unanswered."""
         with self._changed:
             self._stopping = True
             self._changed.notify()
@@ -145,13 +153,18 @@ class DynamicBatcher:
                 pass
         with self._changed:
             self._refusing = True
-            queued, self._queue = list(self._queue), deque()
-            taken = self._filling + (self._next[0] if self._next else []) + self._running
+            left = [
+                *self._preparing,
+                *self._queue,
+                *self._filling,
+                *(self._next[0] if self._next else []),
+                *self._running,
+            ]
+            self._preparing.clear()
+            self._queue.clear()
             self._changed.notify()
-        self._unanswered -= len(queued)  # answered here; the threads still answer (skip) the batches they hold
-        for p in queued + taken:  # the drain ran out: answered 503, not left to hang
-            if not p.future.done():
-                p.future.set_exception(ShuttingDown("server stopped before this request's turn came"))
+        for p in left:  # the drain ran out: answered 503, not left to hang; the threads skip what they hold
+            self._fail_one(p, ShuttingDown("server stopped before this request's turn came"))
 
     def expect(self, deadline: float = math.inf) -> Expected:
         """On the event loop: a request whose input is still being made; its maker then calls `queue()` or
@@ -165,29 +178,40 @@ class DynamicBatcher:
             raise DeadlineExceeded("deadline passed before the request was queued")
         expected = Expected(loop.create_future(), deadline, now, now + left_s)
         with self._changed:
-            self._expected += 1
+            self._preparing.add(expected)
         self._unanswered += 1
         return expected
 
-    def queue(self, expected: Expected, array: np.ndarray) -> None:
-        """From any thread: `expected`'s input is ready; it waits for a batch, or fails if the queue is full."""
-        expected.array, expected.queued_at = array, time.perf_counter()
+    def queue(self, expected: Expected, array: np.ndarray) -> bool:
+        """From any thread: `expected`'s input is ready. Whether it now waits for a batch: not if nobody waits
+        for it any more, nor when the queue is full (its request gets QueueFull)."""
+        if not isinstance(array, np.ndarray):
+            self.fail(expected, TypeError(f"an input is a numpy array, not {type(array).__name__}"))
+            return False
+        now = time.perf_counter()
+        refusal: QueueFull | None = None
         with self._changed:
-            self._expected -= 1
-            self._changed.notify()  # a new input, or (refused) one fewer to wait for
-            if self._refusing:
-                refusal: QueueFull = ShuttingDown("server stopped before this request's turn came")
+            if expected not in self._preparing:  # given up on: its deadline passed or its client left
+                return False
+            self._preparing.discard(expected)
+            self._changed.notify()  # a new input, or one fewer to wait for
+            if not expected.wanted(now):
+                pass  # its answer (504, or none: the client left) is the event loop's
+            elif self._refusing:
+                refusal = ShuttingDown("server stopped before this request's turn came")
             elif len(self._queue) + len(self._filling) >= self.queue_limit:
                 refusal = QueueFull(f"queue full: {self.queue_limit} requests already wait for inference")
             else:
+                expected.array, expected.queued_at = array, now
                 self._queue.append(expected)
-                return
+                return True
         self._answer(expected.future.get_loop(), self._fail_one, expected, refusal)
+        return False
 
     def fail(self, expected: Expected, exc: Exception) -> None:
         """From any thread: `expected`'s input could not be made; its request gets `exc`."""
         with self._changed:
-            self._expected -= 1
+            self._preparing.discard(expected)
             self._changed.notify()  # the window may close now
         self._answer(expected.future.get_loop(), self._fail_one, expected, exc)
 
@@ -205,6 +229,16 @@ class DynamicBatcher:
             raise DeadlineExceeded(f"deadline passed after {waited:.3f} s waiting for inference") from None
         finally:
             expected.future.cancel()  # deadline or client gone: the threads skip work nobody waits for
+            if expected.queued_at is None:  # nobody waits for its input any more, nor should the window
+                self._given_up(expected)
+
+    def _given_up(self, expected: Expected) -> None:
+        """On the event loop: `expected`, whose input never came, is answered (or gone) and expected no more."""
+        with self._changed:
+            if expected in self._preparing:
+                self._preparing.discard(expected)
+                self._changed.notify()
+        self._fail_one(expected, None)
 
     async def submit(self, array: np.ndarray, deadline: float = math.inf) -> BatchResult:
         """Queue one (C, H, W) input and wait for its row. `deadline` is on the `loop.time()` clock."""
@@ -216,36 +250,67 @@ class DynamicBatcher:
 
     def _assemble(self, loop: asyncio.AbstractEventLoop) -> None:
         which = 0
-        while (batch := self._gather(loop, which)) is not None:
+        while True:
+            try:
+                batch = self._gather(loop, which)
+            except Exception as exc:  # e.g. no memory for a batch's rows: its requests fail, the thread goes on
+                log.exception("gathering a batch failed; each request in it gets the error")
+                with self._changed:
+                    failed, self._filling = self._filling, []
+                for p in failed:
+                    self._answer(loop, self._fail_one, p, exc)
+                continue
+            if batch is None:
+                return
             if batch:  # else every request in it was dropped, and its rows are free again
                 which = 1 - which
 
     def _gather(self, loop: asyncio.AbstractEventLoop, which: int) -> list[Expected] | None:
         """Gather the next batch into rows `which`, copying each input in as it is taken, and hand it to
-        the runner once the runner is free and the batch is full or its window has closed. Returns the
-        batch handed over (empty if every request in it was dropped); None once stopping with nothing left
-        to come, after telling the runner to exit."""
+        the runner once the runner is free and the batch is full or its window has closed. Requests nobody
+        waits for any more are dropped as they are taken, and again before the batch is handed over (the
+        gap filled from the queue). Returns the batch handed over; None once stopping with nothing left to
+        come, after telling the runner to exit."""
         rows: np.ndarray | None = None
         taken = 0
         while True:
+            keep: list[int] | None = None
             with self._changed:
                 while True:
                     if self._queue and taken < self.max_batch_size and not self._other_shape(rows, taken):
                         p = self._queue.popleft()
+                        if not p.wanted(time.perf_counter()):
+                            self._drop(loop, [p])
+                            continue
                         self._filling.append(p)
                         break
                     if taken and self._runner_free and self._closes(taken, rows):
-                        return self._hand_over(loop, rows, taken)
-                    if not taken and (self._refusing or self._stopping and not self._queue and not self._expected):
+                        now = time.perf_counter()
+                        keep = [i for i, p in enumerate(self._filling) if p.wanted(now)]
+                        if len(keep) == taken:
+                            return self._hand_over(rows, taken)
+                        self._drop(loop, [p for p in self._filling if not p.wanted(now)])
+                        self._filling = [self._filling[i] for i in keep]
+                        break
+                    if not taken and (self._refusing or self._stopping and not self._queue and not self._preparing):
                         self._runner_exits = True  # once it has run what it was handed
                         self._handed.notify()
                         return None
                     self._changed.wait(self._wait_s(taken))
             # Outside the lock: queue() and the runner go on meanwhile; only this thread writes these rows.
+            if keep is not None:  # some went while it was gathered: the rest close up, and the gap is refilled
+                rows[: len(keep)] = rows[keep]
+                taken = len(keep)
+                continue
             if rows is None or rows.shape[1:] != p.array.shape or rows.dtype != p.array.dtype:
                 rows = self._rows_for(which, p.array)
             rows[taken] = p.array
             taken += 1
+
+    def _drop(self, loop: asyncio.AbstractEventLoop, gone: list[Expected]) -> None:
+        """Under the lock: requests nobody waits for any more, skipped before inference."""
+        self.dropped += len(gone)
+        self._answer(loop, self._settle, gone)
 
     def _other_shape(self, rows: np.ndarray | None, taken: int) -> bool:
         """Under the lock: whether the next queued input cannot join the rows taken (another shape or type)."""
@@ -256,13 +321,13 @@ class DynamicBatcher:
         """Under the lock: whether `taken` rows go to the free runner now, rather than wait for more."""
         if taken >= self.max_batch_size or self._stopping or (self._queue and self._other_shape(rows, taken)):
             return True
-        if not self._queue and not self._expected:  # nothing more on its way: waiting would only idle the CPU
+        if not self._queue and not self._preparing:  # nothing more on its way: waiting would only idle the CPU
             return True
         return time.perf_counter() - self._filling[0].queued_at >= self.window_s
 
     def _wait_s(self, taken: int) -> float | None:
-        """How long to wait for a change: a new input, a free runner and a failed decode notify; the end of
-        an open window does not, so a wait with a free runner ends with it."""
+        """How long to wait for a change: a new input, a free runner and a request no longer expected notify;
+        the end of an open window does not, so a wait with a free runner ends with it."""
         if not taken or not self._runner_free:
             return None
         return max(MIN_WAIT_S, self.window_s - (time.perf_counter() - self._filling[0].queued_at))
@@ -271,22 +336,15 @@ class DynamicBatcher:
         """Batch rows `which`, made anew for inputs of another shape or type than before."""
         rows = self._rows[which]
         if rows is None or rows.shape[1:] != array.shape or rows.dtype != array.dtype:
+            self._rows[which] = None  # the old rows are freed before the new ones are made
             rows = self._rows[which] = np.empty((self.max_batch_size, *array.shape), array.dtype)
         return rows
 
-    def _hand_over(self, loop: asyncio.AbstractEventLoop, rows: np.ndarray, taken: int) -> list[Expected]:
-        """Under the lock: the gathered batch, less requests nobody waits for any more, to the runner."""
+    def _hand_over(self, rows: np.ndarray, taken: int) -> list[Expected]:
+        """Under the lock: the gathered batch, to the runner."""
         batch, self._filling = self._filling, []
-        now = time.perf_counter()
-        keep = [i for i, p in enumerate(batch) if p.wanted(now)]  # some may have gone while it was gathered
-        if len(keep) < taken:
-            self.dropped += taken - len(keep)
-            self._answer(loop, self._settled, taken - len(keep))
-            rows[: len(keep)] = rows[keep]
-            batch = [batch[i] for i in keep]
-        if batch:
-            self._next, self._runner_free = (batch, rows[: len(batch)]), False
-            self._handed.notify()
+        self._next, self._runner_free = (batch, rows[:taken]), False
+        self._handed.notify()
         return batch
 
     # ------------------------------------------------------------------------- the runner thread
@@ -303,7 +361,7 @@ class DynamicBatcher:
             started = time.perf_counter()
             outcome: np.ndarray | Exception  # the batch's rows, or what failed it
             try:
-                outcome = self.run_batch(rows)
+                outcome = np.asarray(self.run_batch(rows))
                 if len(outcome) != len(batch):  # else some requests would wait for a row that never comes
                     raise RuntimeError(f"run_batch returned {len(outcome)} rows for a batch of {len(batch)}")
                 if np.may_share_memory(outcome, rows):  # the rows are reused two batches on
@@ -324,27 +382,31 @@ class DynamicBatcher:
         except RuntimeError:  # the loop is closed: nobody is left to answer
             pass
 
+    # ------------------------------------------------------------------------- on the event loop
+
     def _deliver(
         self, batch: list[Expected], outcome: np.ndarray | Exception, started: float, inference_s: float
     ) -> None:
-        """On the event loop: each request of `batch` gets its row, or the batch's error."""
+        """Each request of `batch` gets its row, or the batch's error."""
         for i, p in enumerate(batch):
-            if p.future.done():
-                continue
-            if isinstance(outcome, Exception):
-                p.future.set_exception(outcome)
-            else:
-                p.future.set_result(BatchResult(outcome[i], len(batch), started - p.queued_at, inference_s))
-        self._settled(len(batch))
+            if not p.future.done():
+                if isinstance(outcome, Exception):
+                    p.future.set_exception(outcome)
+                else:
+                    p.future.set_result(BatchResult(outcome[i], len(batch), started - p.queued_at, inference_s))
+        self._settle(batch)
 
-    def _fail_one(self, expected: Expected, exc: Exception) -> None:
-        """On the event loop: `expected`, whose input never came or was refused, gets `exc`."""
-        if not expected.future.done():
+    def _fail_one(self, expected: Expected, exc: Exception | None) -> None:
+        """`expected`, whose input never came, was refused or cannot run, gets `exc` (None: already answered)."""
+        if exc is not None and not expected.future.done():
             expected.future.set_exception(exc)
-        self._settled(1)
+        self._settle([expected])
 
-    def _settled(self, count: int) -> None:
-        """On the event loop: `count` requests are answered or dropped; stop() waits for all of them."""
-        self._unanswered -= count
+    def _settle(self, requests: list[Expected]) -> None:
+        """`requests` are answered or dropped (once each, whoever gets there first); stop() waits for all."""
+        for p in requests:
+            if not p.settled:
+                p.settled = True
+                self._unanswered -= 1
         if self._stopping and not self._unanswered:
             self._drained.set()

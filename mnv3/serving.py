@@ -7,13 +7,14 @@ with `Depends(serving)`, and the model a request names with `Depends(served_mode
 default: the first configured model) or `Serving.model(name)`; an unknown name is `UnknownModel` (404).
 
 Guarantees:
-- at most one inference call runs at a time across all models: each batcher has its own inference
-  thread, and the lock makes them take turns, because one call already spreads over every core
+- at most one inference call runs at a time across all models: each batcher has its own runner thread,
+  and the lock makes them take turns, because one call already spreads over every core
   (--intra-op-threads) and two at once would only oversubscribe them;
 - a model's batcher starts only after every model has warmed up, so warm-up calls never overlap
   anything; readiness (`not_ready_reason` None) means every model is warmed up;
 - a request's decode, queueing and inference are cancelled when its deadline passes or its client
-  leaves (`unless_disconnected`), so abandoned work is dropped, not computed.
+  leaves (`unless_disconnected`), so abandoned work is dropped, not computed (a decode under way runs to
+  its end, and its image is not queued).
 """
 
 import asyncio
@@ -116,8 +117,8 @@ class ServedModel:
         except Exception as exc:  # a bad image (400), or any other failure: that request's answer
             self.batcher.fail(expected, exc)
             return
-        self.batcher.queue(expected, array)
-        self.metrics.preprocess.observe(expected.preparing_s)
+        if self.batcher.queue(expected, array):
+            self.metrics.preprocess.observe(expected.preparing_s)
 
     async def infer(self, array: np.ndarray, deadline: float) -> BatchResult:
         """One preprocessed image's probabilities, as one entry of this model's batcher."""

@@ -407,3 +407,84 @@ def test_every_request_settles_under_racing_deadlines_cancels_and_failures():
         assert len(engine.computed) + batcher.dropped == count  # each request computed or dropped, once
 
     run(scenario)
+
+
+def test_requests_nobody_waits_for_give_up_their_place_in_the_batch_and_queue():
+    async def scenario(make):
+        engine = FakeEngine()
+        batcher = make(engine, max_batch_size=4, window_ms=0, queue_limit=6)
+        loop = asyncio.get_running_loop()
+        first = await held(engine, batcher, 0)
+        short = [asyncio.create_task(batcher.submit(item(100 + i), loop.time() + 0.05)) for i in range(2)]
+        await asyncio.sleep(0.01)
+        live = [asyncio.create_task(batcher.submit(item(i))) for i in (1, 2, 3, 4)]  # two gathered, two queued
+        await asyncio.sleep(0.1)  # the short ones' deadlines pass in the batch being gathered
+        late = batcher.expect(loop.time() + 0.05)  # its deadline passes while it is decoded
+        await asyncio.sleep(0.1)
+        assert not batcher.queue(late, item(200))  # not queued: it would only take a live request's place
+        engine.release.set()
+        await first
+        assert [float((await t).row[0]) for t in live] == [10, 20, 30, 40]
+        assert engine.batches == [[0], [1, 2, 3, 4]] and batcher.dropped == 2
+        for task in short:
+            with pytest.raises(DeadlineExceeded):
+                await task
+        with pytest.raises(DeadlineExceeded, match="decode"):
+            await batcher.result(late)
+
+    run(scenario)
+
+
+def test_a_request_given_up_while_decoded_no_longer_holds_the_window_open():
+    async def scenario(make):
+        engine = FakeEngine()
+        batcher = make(engine, max_batch_size=8, window_ms=60_000)
+        decoding = batcher.expect()
+        waiting = asyncio.create_task(batcher.result(decoding))
+        lone = asyncio.create_task(batcher.submit(item(1)))
+        await asyncio.sleep(0.05)
+        assert not lone.done()  # the window waits for the one being decoded
+        waiting.cancel()  # its client left
+        assert (await lone).batch_size == 1
+        assert not await asyncio.to_thread(batcher.queue, decoding, item(2))  # its decode ends: dropped
+
+    run(scenario)
+
+
+def test_stop_fails_requests_still_being_decoded_once_the_drain_runs_out():
+    async def scenario(make):
+        batcher = make(FakeEngine(), max_batch_size=4, window_ms=0)
+        decoding = batcher.expect()  # whose decode never ends
+        await batcher.stop(drain_s=0.05)
+        with pytest.raises(ShuttingDown):
+            await batcher.result(decoding)
+        assert not batcher.queue(decoding, item(1))
+
+    run(scenario)
+
+
+def test_a_bad_input_or_a_failed_gathering_fails_its_requests_and_the_batcher_goes_on():
+    async def scenario(make):
+        engine = FakeEngine()
+        batcher = make(engine, max_batch_size=4, window_ms=0)
+        with pytest.raises(TypeError, match="numpy array"):
+            await batcher.submit([1.0])
+        rows_for = batcher._rows_for
+        batcher._rows_for = lambda *args: (_ for _ in ()).throw(MemoryError("no room for a batch"))
+        with pytest.raises(MemoryError):
+            await batcher.submit(item(1))
+        batcher._rows_for = rows_for
+        assert float((await batcher.submit(item(2))).row[0]) == 20
+
+    run(scenario)
+
+
+def test_rows_an_engine_returns_as_a_list_of_views_are_copied_before_their_buffer_is_reused():
+    async def scenario(make):
+        batcher = make(lambda batch: list(batch), max_batch_size=1, window_ms=0)
+        first = await batcher.submit(item(1))
+        await batcher.submit(item(2))
+        await batcher.submit(item(3))  # rows of the first batch's buffer again
+        assert float(first.row[0]) == 1
+
+    run(scenario)
