@@ -11,8 +11,8 @@ model exports the same names without that label, exactly as before models could 
 `for_model(name)` hands a model the series it observes.
 
 `mnv3_thread_cpu_seconds_total{threads=...}` splits the process's CPU seconds by what its threads do
-(`mnv3.thread_cpu`: the event loop, decoding, the calls into the engine, the engine's own threads), read
-at scrape time: what a load test divides by its requests to see where a request's CPU goes.
+(`mnv3.thread_cpu`: the event loop, decoding, gathering batches and the calls into the engine, the engine's
+own threads), read at scrape time: what a load test divides by its requests to see where a request's CPU goes.
 """
 
 from collections.abc import Callable
@@ -146,8 +146,8 @@ class _ThreadCpu:
         family = CounterMetricFamily(
             "mnv3_thread_cpu_seconds",
             "CPU seconds of this process's threads by what they do: event_loop (HTTP, cache hits), preprocess "
-            "(decode), inference (the calls into the engine), engine_and_other (the engine's own threads, "
-            "threads that exited); they add up to process_cpu_seconds_total",
+            "(decode), inference (gathering batches, the calls into the engine), engine_and_other (the engine's "
+            "own threads, threads that exited); they add up to process_cpu_seconds_total",
             labels=["threads"],
         )
         for role, seconds in self.read().items():

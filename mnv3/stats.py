@@ -217,9 +217,9 @@ class StatsResponse(BaseModel):
     in_flight: int = Field(description="now: requests admitted and not yet answered")
     cpu_cores: dict[str, float] = Field(
         description="cores the server's threads kept busy in the window, by what they do (CPU seconds / "
-        "window_s): event_loop (HTTP, uploads, cache hits, answers), preprocess (decoding), inference (the "
-        "calls into the engine), engine_and_other (the engine's own worker threads, threads that exited); "
-        "their sum is the whole process's"
+        "window_s): event_loop (HTTP, uploads, cache hits, answers), preprocess (decoding), inference "
+        "(gathering batches, the calls into the engine), engine_and_other (the engine's own worker threads, "
+        "threads that exited); their sum is the whole process's"
     )
     models: dict[str, ModelStats] = Field(description="the same, model by model, by name (the default first)")
 

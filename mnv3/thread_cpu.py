@@ -18,7 +18,7 @@ import time
 
 EVENT_LOOP = "event_loop"  # HTTP: parsing, routing, reading uploads, cache lookups, answering
 PREPROCESS = "preprocess"  # decode + preprocess
-INFERENCE = "inference"  # the calls into the engine; onnxruntime computes on the calling thread too
+INFERENCE = "inference"  # gathering batches, the calls into the engine (onnxruntime computes on the caller too)
 ENGINE_AND_OTHER = "engine_and_other"
 ROLES = (EVENT_LOOP, PREPROCESS, INFERENCE, ENGINE_AND_OTHER)
 # Thread-name prefixes (a pool's thread_name_prefix, a thread's name) and the role of a thread so named.
