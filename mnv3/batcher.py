@@ -44,6 +44,7 @@ from mnv3.thread_cpu import INFERENCE_THREADS
 
 log = logging.getLogger(__name__)
 
+NO_ROWS = np.empty(0, np.float32)
 MIN_WAIT_S = 0.001  # the shortest wait for a window's end, so that clock rounding never spins
 
 
@@ -76,7 +77,7 @@ class Expected:
     expected_at: float  # time.perf_counter(): uvloop's loop.time() has only millisecond resolution
     deadline: float  # the deadline on the time.perf_counter() clock, which every thread can read
     array: np.ndarray | None = None  # its input, once queued
-    queued_at: float | None = None
+    queued_at: float = 0.0  # time.perf_counter() when its input was queued; 0.0 until then
     settled: bool = False  # answered or dropped, and counted so; event loop only
 
     def wanted(self, now: float) -> bool:
@@ -87,7 +88,7 @@ class Expected:
     @property
     def preparing_s(self) -> float:
         """From `expect()` to `queue()`: waiting for a decode thread and decoding."""
-        return (self.queued_at or self.expected_at) - self.expected_at
+        return self.queued_at - self.expected_at if self.array is not None else 0.0
 
 
 class DynamicBatcher:
@@ -221,7 +222,7 @@ class DynamicBatcher:
             async with asyncio.timeout_at(expected.timeout_at):
                 return await expected.future
         except TimeoutError:
-            if expected.queued_at is None:
+            if expected.array is None:
                 raise DeadlineExceeded(
                     "deadline passed while the image waited for a decode thread or was decoded"
                 ) from None
@@ -229,7 +230,7 @@ class DynamicBatcher:
             raise DeadlineExceeded(f"deadline passed after {waited:.3f} s waiting for inference") from None
         finally:
             expected.future.cancel()  # deadline or client gone: the threads skip work nobody waits for
-            if expected.queued_at is None:  # nobody waits for its input any more, nor should the window
+            if expected.array is None:  # nobody waits for its input any more, nor should the window
                 self._given_up(expected)
 
     def _given_up(self, expected: Expected) -> None:
@@ -271,7 +272,7 @@ class DynamicBatcher:
         waits for any more are dropped as they are taken, and again before the batch is handed over (the
         gap filled from the queue). Returns the batch handed over; None once stopping with nothing left to
         come, after telling the runner to exit."""
-        rows: np.ndarray | None = None
+        rows = NO_ROWS  # until the first input says what rows it needs
         taken = 0
         while True:
             keep: list[int] | None = None
@@ -302,9 +303,11 @@ class DynamicBatcher:
                 rows[: len(keep)] = rows[keep]
                 taken = len(keep)
                 continue
-            if rows is None or rows.shape[1:] != p.array.shape or rows.dtype != p.array.dtype:
-                rows = self._rows_for(which, p.array)
-            rows[taken] = p.array
+            array = p.array
+            assert array is not None  # a queued request's input
+            if not taken or rows.shape[1:] != array.shape or rows.dtype != array.dtype:
+                rows = self._rows_for(which, array)
+            rows[taken] = array
             taken += 1
 
     def _drop(self, loop: asyncio.AbstractEventLoop, gone: list[Expected]) -> None:
@@ -312,9 +315,10 @@ class DynamicBatcher:
         self.dropped += len(gone)
         self._answer(loop, self._settle, gone)
 
-    def _other_shape(self, rows: np.ndarray | None, taken: int) -> bool:
+    def _other_shape(self, rows: np.ndarray, taken: int) -> bool:
         """Under the lock: whether the next queued input cannot join the rows taken (another shape or type)."""
         head = self._queue[0].array
+        assert head is not None  # a queued request's input
         return taken > 0 and (rows.shape[1:] != head.shape or rows.dtype != head.dtype)
 
     def _closes(self, taken: int, rows: np.ndarray) -> bool:
