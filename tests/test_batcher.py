@@ -134,6 +134,10 @@ def test_queue_full_raises():
         assert batcher.depth == 1
         with pytest.raises(QueueFull):
             await batcher.submit(item(3))
+        late = batcher.expect()  # an input a decode thread queues meets the same limit
+        assert not await asyncio.to_thread(batcher.queue, late, item(4))
+        with pytest.raises(QueueFull):
+            await batcher.result(late)
         engine.release.set()
         assert float((await second).row[0]) == 20
         await first
@@ -197,6 +201,15 @@ def test_window_closes_early_when_nothing_else_is_expected_and_waits_while_somet
         with pytest.raises(ValueError, match="not an image"):
             await batcher.result(failing)
 
+        abandoned = batcher.expect()  # so does one given up (its client left) while it is decoded
+        waiting = asyncio.create_task(batcher.result(abandoned))
+        fourth = asyncio.create_task(batcher.submit(item(5)))
+        await asyncio.sleep(0.05)
+        assert not fourth.done()
+        waiting.cancel()
+        assert (await fourth).batch_size == 1
+        assert not await asyncio.to_thread(batcher.queue, abandoned, item(6))  # its decode ends: not queued
+
     run(scenario)
 
 
@@ -243,23 +256,6 @@ def test_inputs_of_another_shape_start_a_new_batch():
         )
         assert batches == [(2, 1), (2, 2), (1, 1)]
         assert [float(r.row[0]) for r in results] == [0, 1, 4, 6, 4]
-
-    run(scenario)
-
-
-def test_an_input_queued_to_a_full_queue_fails_its_request():
-    async def scenario(make):
-        engine = FakeEngine()
-        batcher = make(engine, max_batch_size=1, window_ms=0, queue_limit=1)
-        first = await held(engine, batcher, 1)
-        second = asyncio.create_task(batcher.submit(item(2)))
-        await asyncio.sleep(0.05)
-        late = batcher.expect()
-        await asyncio.to_thread(batcher.queue, late, item(3))
-        with pytest.raises(QueueFull):
-            await batcher.result(late)
-        engine.release.set()
-        assert [float((await t).row[0]) for t in (first, second)] == [10, 20]
 
     run(scenario)
 
@@ -431,22 +427,6 @@ def test_requests_nobody_waits_for_give_up_their_place_in_the_batch_and_queue():
                 await task
         with pytest.raises(DeadlineExceeded, match="decode"):
             await batcher.result(late)
-
-    run(scenario)
-
-
-def test_a_request_given_up_while_decoded_no_longer_holds_the_window_open():
-    async def scenario(make):
-        engine = FakeEngine()
-        batcher = make(engine, max_batch_size=8, window_ms=60_000)
-        decoding = batcher.expect()
-        waiting = asyncio.create_task(batcher.result(decoding))
-        lone = asyncio.create_task(batcher.submit(item(1)))
-        await asyncio.sleep(0.05)
-        assert not lone.done()  # the window waits for the one being decoded
-        waiting.cancel()  # its client left
-        assert (await lone).batch_size == 1
-        assert not await asyncio.to_thread(batcher.queue, decoding, item(2))  # its decode ends: dropped
 
     run(scenario)
 
