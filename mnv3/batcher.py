@@ -123,6 +123,7 @@ class DynamicBatcher:
         self._rows: list[np.ndarray | None] = [None, None]  # the assembler's: one batch filled while one runs
         self._threads: list[threading.Thread] = []
         self._unanswered = 0  # known, not yet settled; event loop only
+        self._answered: asyncio.Future | None = None  # what an Expected's future becomes once its answer is taken
         self._drained = asyncio.Event()  # set when stopping and nothing is left unanswered
 
     @property
@@ -177,6 +178,9 @@ class DynamicBatcher:
         left_s = deadline - loop.time()
         if left_s <= 0:
             raise DeadlineExceeded("deadline passed before the request was queued")
+        if self._answered is None:
+            self._answered = loop.create_future()
+            self._answered.cancel()
         expected = Expected(loop.create_future(), deadline, now, now + left_s)
         with self._changed:
             self._preparing.add(expected)
@@ -230,6 +234,11 @@ class DynamicBatcher:
             raise DeadlineExceeded(f"deadline passed after {waited:.3f} s waiting for inference") from None
         finally:
             expected.future.cancel()  # deadline or client gone: the threads skip work nobody waits for
+            # The answer is taken: the future (holding a failure, whose traceback holds the frames that hold
+            # `expected`, the request's body among their locals) is let go, or that reference cycle would keep
+            # the body until a garbage collection, which the server makes rare. The stand-in is done too.
+            assert self._answered is not None  # made by expect()
+            expected.future = self._answered
             if expected.array is None:  # nobody waits for its input any more, nor should the window
                 self._given_up(expected)
 

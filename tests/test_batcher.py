@@ -1,8 +1,10 @@
 """DynamicBatcher against a fake engine: each input is a 1-element array holding a request id."""
 
 import asyncio
+import gc
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -468,3 +470,34 @@ def test_rows_an_engine_returns_as_a_list_of_views_are_copied_before_their_buffe
         assert float(first.row[0]) == 1
 
     run(scenario)
+
+
+def test_a_failed_request_leaves_no_cycle_holding_its_body():
+    # A failed upload's body sits in the frames its exception went through, and the request's future holds
+    # that exception. Kept in a reference cycle, the body stays until the garbage collector runs, which the
+    # server makes rare (server.settle_garbage_collector); see test_cache's test of the same for the cache.
+    class Upload:
+        pass
+
+    def decode(batcher, expected, held_in_this_frame):  # as ServedModel._decode, in a decode thread
+        try:
+            raise ValueError("corrupt or truncated image")
+        except ValueError as exc:
+            batcher.fail(expected, exc)
+
+    async def scenario(make):
+        batcher = make(FakeEngine(), max_batch_size=4, window_ms=0)
+        upload = Upload()
+        expected = batcher.expect()
+        await asyncio.to_thread(decode, batcher, expected, upload)
+        with pytest.raises(ValueError):
+            await batcher.result(expected)
+        freed.append(weakref.ref(upload))
+
+    freed: list = []
+    gc.disable()
+    try:
+        run(scenario)
+        assert freed[0]() is None, "the upload outlived its request: a cycle holds it until a collection"
+    finally:
+        gc.enable()
