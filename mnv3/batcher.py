@@ -221,17 +221,14 @@ class DynamicBatcher:
         self._answer(expected.future.get_loop(), self._fail_one, expected, exc)
 
     async def result(self, expected: Expected) -> BatchResult:
-        """On the event loop: `expected`'s row, once its batch has run."""
+        """On the event loop: `expected`'s row, once its batch has run. Taken once."""
+        if expected.future is self._answered:
+            raise RuntimeError("this request's result was taken already")
         try:
             async with asyncio.timeout_at(expected.timeout_at):
                 return await expected.future
         except TimeoutError:
-            if expected.array is None:
-                raise DeadlineExceeded(
-                    "deadline passed while the image waited for a decode thread or was decoded"
-                ) from None
-            waited = time.perf_counter() - expected.queued_at
-            raise DeadlineExceeded(f"deadline passed after {waited:.3f} s waiting for inference") from None
+            pass  # DeadlineExceeded is raised below, outside this handler: see there
         finally:
             expected.future.cancel()  # deadline or client gone: the threads skip work nobody waits for
             # The answer is taken: the future (holding a failure, whose traceback holds the frames that hold
@@ -241,6 +238,12 @@ class DynamicBatcher:
             expected.future = self._answered
             if expected.array is None:  # nobody waits for its input any more, nor should the window
                 self._given_up(expected)
+        # Raised in the handler, it would have the TimeoutError as its context, whose traceback holds the
+        # timeout, its task and (a task that ends with it) this exception: a cycle holding the request's frames.
+        if expected.array is None:
+            raise DeadlineExceeded("deadline passed while the image waited for a decode thread or was decoded")
+        waited = time.perf_counter() - expected.queued_at
+        raise DeadlineExceeded(f"deadline passed after {waited:.3f} s waiting for inference")
 
     def _given_up(self, expected: Expected) -> None:
         """On the event loop: `expected`, whose input never came, is answered (or gone) and expected no more."""
@@ -382,6 +385,9 @@ class DynamicBatcher:
             except Exception as exc:  # fails this batch's requests only; the thread goes on
                 outcome = exc
             self._answer(loop, self._deliver, batch, outcome, started, time.perf_counter() - started)
+            # A failure's traceback holds this frame: holding the failure here too would be a cycle, which
+            # keeps the frames its requests raised it through (their bodies) until a garbage collection.
+            del batch, rows, outcome
             with self._changed:
                 self._running = []
                 self._runner_free = True

@@ -472,32 +472,62 @@ def test_rows_an_engine_returns_as_a_list_of_views_are_copied_before_their_buffe
     run(scenario)
 
 
-def test_a_failed_request_leaves_no_cycle_holding_its_body():
-    # A failed upload's body sits in the frames its exception went through, and the request's future holds
-    # that exception. Kept in a reference cycle, the body stays until the garbage collector runs, which the
-    # server makes rare (server.settle_garbage_collector); see test_cache's test of the same for the cache.
+@pytest.mark.parametrize("failure", ["bad image", "engine error", "deadline while queued", "deadline while decoded"])
+def test_a_failed_request_leaves_no_cycle_holding_its_body(failure):
+    # A failed upload's body sits in the frames its exception went through (the request's, a decode thread's),
+    # and the request's future, its task and the batcher's threads may hold that exception. Kept in a
+    # reference cycle, the body stays until the garbage collector runs, which the server makes rare
+    # (server.settle_garbage_collector); see test_cache's test of the same for the cache.
     class Upload:
         pass
 
-    def decode(batcher, expected, held_in_this_frame):  # as ServedModel._decode, in a decode thread
-        try:
-            raise ValueError("corrupt or truncated image")
-        except ValueError as exc:
-            batcher.fail(expected, exc)
+    async def request(batcher, engine, body):  # as ServedModel._decoded_and_inferred, holding the body
+        loop = asyncio.get_running_loop()
+        expected = batcher.expect(loop.time() + (0.05 if failure.startswith("deadline") else 10))
+
+        def decode(held_in_this_frame=body):  # as ServedModel._decode, in a decode thread
+            try:
+                if failure == "bad image":
+                    raise ValueError("corrupt or truncated image")
+            except ValueError as exc:
+                batcher.fail(expected, exc)
+                return
+            batcher.queue(expected, item(-1 if failure == "engine error" else 1))
+
+        if failure == "deadline while queued":
+            engine.release.clear()  # the batch runs past the deadline
+        if failure != "deadline while decoded":  # else the decode never ends
+            await asyncio.to_thread(decode)
+        return await batcher.result(expected)
 
     async def scenario(make):
-        batcher = make(FakeEngine(), max_batch_size=4, window_ms=0)
-        upload = Upload()
-        expected = batcher.expect()
-        await asyncio.to_thread(decode, batcher, expected, upload)
-        with pytest.raises(ValueError):
-            await batcher.result(expected)
-        freed.append(weakref.ref(upload))
+        engine = FakeEngine(poison=-1)
+        batcher = make(engine, max_batch_size=4, window_ms=0)
+        body = Upload()
+        freed.append(weakref.ref(body))
+        task = asyncio.ensure_future(request(batcher, engine, body))  # its own task, as unless_disconnected's
+        del body
+        with pytest.raises((ValueError, RuntimeError, DeadlineExceeded)):
+            await task
+        del task
+        engine.release.set()
 
     freed: list = []
     gc.disable()
     try:
         run(scenario)
-        assert freed[0]() is None, "the upload outlived its request: a cycle holds it until a collection"
+        assert freed[0]() is None, "the body outlived its request: a cycle holds it until a collection"
     finally:
         gc.enable()
+
+
+def test_a_result_is_taken_once():
+    async def scenario(make):
+        batcher = make(FakeEngine(), max_batch_size=4, window_ms=0)
+        expected = batcher.expect()
+        batcher.queue(expected, item(1))
+        assert float((await batcher.result(expected)).row[0]) == 10
+        with pytest.raises(RuntimeError, match="taken already"):
+            await batcher.result(expected)
+
+    run(scenario)
