@@ -115,7 +115,6 @@ class DynamicBatcher:
         self._filling: list[Expected] = []  # the batch the assembler is gathering
         self._next: tuple[list[Expected], np.ndarray] | None = None  # assembled, for the runner to take
         self._running: list[Expected] = []  # the batch the runner is computing
-        self._runner_free = True
         self._runner_exits = False  # the assembler has stopped: the runner stops once its batch is done
         self._stopping = False
         self._refusing = False  # stop() has failed what was left: later inputs are refused too
@@ -125,6 +124,11 @@ class DynamicBatcher:
         self._unanswered = 0  # known, not yet settled; event loop only
         self._answered: asyncio.Future | None = None  # what an Expected's future becomes once its answer is taken
         self._drained = asyncio.Event()  # set when stopping and nothing is left unanswered
+
+    @property
+    def _runner_free(self) -> bool:
+        """Under the lock: whether the runner has nothing handed to it and nothing running."""
+        return self._next is None and not self._running
 
     @property
     def depth(self) -> int:
@@ -215,9 +219,7 @@ class DynamicBatcher:
 
     def fail(self, expected: Expected, exc: Exception) -> None:
         """From any thread: `expected`'s input could not be made; its request gets `exc`."""
-        with self._changed:
-            self._preparing.discard(expected)
-            self._changed.notify()  # the window may close now
+        self._expected_no_more(expected)
         self._answer(expected.future.get_loop(), self._fail_one, expected, exc)
 
     async def result(self, expected: Expected) -> BatchResult:
@@ -247,11 +249,15 @@ class DynamicBatcher:
 
     def _given_up(self, expected: Expected) -> None:
         """On the event loop: `expected`, whose input never came, is answered (or gone) and expected no more."""
+        self._expected_no_more(expected)
+        self._fail_one(expected, None)
+
+    def _expected_no_more(self, expected: Expected) -> None:
+        """From any thread: the window no longer waits for `expected`'s input."""
         with self._changed:
             if expected in self._preparing:
                 self._preparing.discard(expected)
-                self._changed.notify()
-        self._fail_one(expected, None)
+                self._changed.notify()  # the window may close now
 
     async def submit(self, array: np.ndarray, deadline: float = math.inf) -> BatchResult:
         """Queue one (C, H, W) input and wait for its row. `deadline` is on the `loop.time()` clock."""
@@ -299,10 +305,13 @@ class DynamicBatcher:
                         break
                     if taken and self._runner_free and self._closes(taken, rows):
                         now = time.perf_counter()
-                        keep = [i for i, p in enumerate(self._filling) if p.wanted(now)]
-                        if len(keep) == taken:
+                        wanted = [p.wanted(now) for p in self._filling]
+                        if all(wanted):
                             return self._hand_over(rows, taken)
-                        self._drop(loop, [p for p in self._filling if not p.wanted(now)])
+                        keep = [i for i, is_wanted in enumerate(wanted) if is_wanted]
+                        self._drop(
+                            loop, [p for p, is_wanted in zip(self._filling, wanted, strict=True) if not is_wanted]
+                        )
                         self._filling = [self._filling[i] for i in keep]
                         break
                     if not taken and (self._refusing or self._stopping and not self._queue and not self._preparing):
@@ -317,7 +326,7 @@ class DynamicBatcher:
                 continue
             array = p.array
             assert array is not None  # a queued request's input
-            if not taken or rows.shape[1:] != array.shape or rows.dtype != array.dtype:
+            if not taken:  # the batch's later inputs fit its rows: _other_shape leaves the others queued
                 rows = self._rows_for(which, array)
             rows[taken] = array
             taken += 1
@@ -331,7 +340,7 @@ class DynamicBatcher:
         """Under the lock: whether the next queued input cannot join the rows taken (another shape or type)."""
         head = self._queue[0].array
         assert head is not None  # a queued request's input
-        return taken > 0 and (rows.shape[1:] != head.shape or rows.dtype != head.dtype)
+        return taken > 0 and not _fits(rows, head)
 
     def _closes(self, taken: int, rows: np.ndarray) -> bool:
         """Under the lock: whether `taken` rows go to the free runner now, rather than wait for more."""
@@ -351,7 +360,7 @@ class DynamicBatcher:
     def _rows_for(self, which: int, array: np.ndarray) -> np.ndarray:
         """Batch rows `which`, made anew for inputs of another shape or type than before."""
         rows = self._rows[which]
-        if rows is None or rows.shape[1:] != array.shape or rows.dtype != array.dtype:
+        if rows is None or not _fits(rows, array):
             self._rows[which] = None  # the old rows are freed before the new ones are made
             rows = self._rows[which] = np.empty((self.max_batch_size, *array.shape), array.dtype)
         return rows
@@ -359,7 +368,7 @@ class DynamicBatcher:
     def _hand_over(self, rows: np.ndarray, taken: int) -> list[Expected]:
         """Under the lock: the gathered batch, to the runner."""
         batch, self._filling = self._filling, []
-        self._next, self._runner_free = (batch, rows[:taken]), False
+        self._next = (batch, rows[:taken])
         self._handed.notify()
         return batch
 
@@ -390,8 +399,7 @@ class DynamicBatcher:
             del batch, rows, outcome
             with self._changed:
                 self._running = []
-                self._runner_free = True
-                self._changed.notify()
+                self._changed.notify()  # the runner is free
 
     @staticmethod
     def _answer(loop: asyncio.AbstractEventLoop, callback, *args) -> None:
@@ -429,3 +437,8 @@ class DynamicBatcher:
                 self._unanswered -= 1
         if self._stopping and not self._unanswered:
             self._drained.set()
+
+
+def _fits(rows: np.ndarray, array: np.ndarray) -> bool:
+    """Whether `array` can be a row of `rows`: the same shape and type."""
+    return rows.shape[1:] == array.shape and rows.dtype == array.dtype
