@@ -147,8 +147,9 @@ class ServerProcess:
 
     Keyword options become server flags (`max_batch_size=1` -> `--max-batch-size 1`); None keeps the
     server's default. `extra_models` are served besides `model` (each a further `--model`, as
-    `ServerConfig.extra_models`). Entering returns once GET /readyz answers 200. Logging defaults to warnings only:
-    an access-log line per request would cost the server CPU under load.
+    `ServerConfig.extra_models`). `module` is what runs: `mnv3.server`, or `mnv3.ray_serve` (a local Ray
+    cluster). Entering returns once GET /readyz answers 200. Logging defaults to warnings only: an access-log
+    line per request would cost the server CPU under load.
     """
 
     def __init__(
@@ -157,6 +158,7 @@ class ServerProcess:
         start_timeout_s: float = START_TIMEOUT_S,
         log_level: str = "warning",
         extra_models: tuple[str, ...] = (),
+        module: str = "mnv3.server",
         **options,
     ):
         port = free_port()
@@ -164,7 +166,7 @@ class ServerProcess:
         self.command = [
             sys.executable,
             "-m",
-            "mnv3.server",
+            module,
             "--model",
             str(model),
             *(flag for extra in extra_models for flag in ("--model", str(extra))),

@@ -14,6 +14,8 @@ as the plain server does (`mnv3.auth`); the file is read once when the applicati
 opened once), so a bad one fails the build, not the replicas, and each replica reads it again for its own
 rate-limit buckets.
 
+On SIGTERM or Ctrl-C, `python -m mnv3.ray_serve` answers what its proxy took in before it stops (`mnv3.ray_drain`).
+
 Ray is an optional dependency (requirements-ray.txt): only mnv3.ray_cluster, Ray's other module, imports this one.
 """
 
@@ -43,6 +45,7 @@ from mnv3.config import parse_args as parse_server_args
 from mnv3.engine import Engine, ModelLoadError
 from mnv3.errors import RETRY_AFTER_S
 from mnv3.photos import load_images
+from mnv3.ray_drain import RefuseWhileDraining, drain, start_flag
 
 logger = logging.getLogger("ray.serve")  # in Ray's proxy: its log files
 PROG = "python -m mnv3.ray_serve"  # how its errors begin, the server flags' too
@@ -299,10 +302,16 @@ def proxy_middlewares() -> list:
     """What Ray's proxy calls via RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=mnv3.ray_serve:proxy_middlewares.
 
     Ray wraps its app in these in list order, so the LAST is outermost (Starlette's own list is the other
-    way round): the retry sits next to Ray's app, the routing key is set before it, and JsonErrors, outside
-    both, answers a request still unanswered after its one retry.
+    way round): the retry sits next to Ray's app, the routing key is set before it, JsonErrors, outside
+    both, answers a request still unanswered after its one retry, and RefuseWhileDraining, outermost, keeps
+    count of every request the proxy takes in (`mnv3.ray_drain`).
     """
-    return [Middleware(RetryLostReplica), Middleware(ImageRoutingKey), Middleware(JsonErrors)]
+    return [
+        Middleware(RetryLostReplica),
+        Middleware(ImageRoutingKey),
+        Middleware(JsonErrors),
+        Middleware(RefuseWhileDraining),
+    ]
 
 
 def build(
@@ -571,6 +580,7 @@ def serve_forever(args, config: ServerConfig) -> None:
     if not config.api_keys and (warning := exposure_warning(config.host)):
         print(f"WARNING: {warning}", file=sys.stderr, flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stop the same way on SIGTERM as on Ctrl-C
+    flag = start_flag()
     try:
         url = f"http://{config.host}:{config.port}"
         deploy(app, url)
@@ -578,11 +588,23 @@ def serve_forever(args, config: ServerConfig) -> None:
         while True:
             time.sleep(3600)
     finally:
-        if args.address:
-            serve.delete(APP_NAME)  # leave the cluster (and others' apps) running
-            ray.shutdown()
-        else:
-            stop_local_cluster()
+        stop(flag, config.shutdown_timeout_s, leave_cluster=bool(args.address))
+
+
+def stop(flag, timeout_s: float, leave_cluster: bool) -> None:
+    """Answer what the proxies have taken in (at most `timeout_s`; a second Ctrl-C cuts it short), then
+    delete the app, and stop the local cluster unless `leave_cluster` (and others' apps) is to go on."""
+    print(f"stopping: answering the requests in flight (at most {timeout_s:g} s; Ctrl-C again to skip)", flush=True)
+    try:
+        if left := drain(flag, timeout_s):
+            print(f"{left} requests still in flight after {timeout_s:g} s (--shutdown-timeout-s): 503", flush=True)
+    except KeyboardInterrupt:
+        pass
+    serve.delete(APP_NAME)
+    if leave_cluster:
+        ray.shutdown()
+    else:
+        stop_local_cluster()
 
 
 def app_name_taken(address: str) -> str | None:
