@@ -321,6 +321,8 @@ def test_bad_input_is_a_4xx_error_and_the_server_serves_on(server, client, photo
     response = requests.post(server + "/v2/models/large/infer", data=body, headers=headers, timeout=WAIT_S)
     assert response.status_code == status, response.text
     assert message in response.json()["error"]
+    documented = requests.get(server + "/openapi.json", timeout=WAIT_S).json()["paths"]
+    assert str(status) in documented["/v2/models/{name}/infer"]["post"]["responses"]
     assert client.infer("large", [image_input(photos[:1])]).as_numpy("PROBABILITIES").shape == (1, 1000)
 
 
