@@ -9,7 +9,8 @@ ASGI middleware that lets a request through only with a key of the scope its pat
   holds no data (no model, no predictions, no counts), only what the open-source code already says.
 - `infer`: `POST /predict`, `POST /v2/models/{m}[/versions/{v}]/infer`, and the page's calls
   `GET /stats` and `GET /models`.
-- `admin` (includes `infer`): everything else: `/metrics`, `/model`, `GET /v2`, model metadata, `ready`
+- `metrics`: `GET /metrics` only, for a Prometheus scraper: its key can neither classify nor read anything else.
+- `admin` (includes `infer` and `metrics`): everything else: `/model`, `GET /v2`, model metadata, `ready`
   and `config`, and any path nobody listed (default-deny: a new route needs admin until it is listed here).
 
 Guarantees:
@@ -90,15 +91,27 @@ GRAMMAR = "KEY SCOPE [rate=N/s|N/min] [burst=N] [in_flight=N] [name=LABEL]"
 KEEP_CONNECTION_BYTES = 4 * 1024 * 1024
 
 
-class Scope(enum.IntEnum):
-    """What a path needs; a key of a higher scope may do everything a lower one may."""
+class Scope(enum.Enum):
+    """What a path needs, and what a key was given (any but OPEN)."""
 
-    OPEN = 0
-    INFER = 1
-    ADMIN = 2
+    OPEN = "open"
+    INFER = "infer"
+    METRICS = "metrics"
+    ADMIN = "admin"
 
 
-KEY_SCOPES = {"infer": Scope.INFER, "admin": Scope.ADMIN}
+# What a key of each scope may make: infer and metrics apart (a scraper's key classifies nothing), admin both.
+GRANTS = {
+    Scope.INFER: frozenset({Scope.OPEN, Scope.INFER}),
+    Scope.METRICS: frozenset({Scope.OPEN, Scope.METRICS}),
+    Scope.ADMIN: frozenset(Scope),
+}
+KEY_SCOPES = {scope.value: scope for scope in GRANTS}
+
+
+def allows(held: Scope, needed: Scope) -> bool:
+    """Whether a key of scope `held` may make a request that needs `needed`."""
+    return needed in GRANTS[held]
 
 
 class KeyFileError(ValueError):
@@ -117,6 +130,7 @@ RULES = [
     (frozenset({"POST"}), re.compile(r"/predict"), Scope.INFER),
     (frozenset({"POST"}), re.compile(r"/v2/models/[^/]+(/versions/[^/]+)?/infer"), Scope.INFER),
     (GET, re.compile(r"/(stats|models)"), Scope.INFER),
+    (GET, re.compile(r"/metrics"), Scope.METRICS),
 ]
 
 
@@ -138,7 +152,11 @@ def meant_instead(method: str, path: str, held: Scope) -> str | None:
     candidates = [(other, path) for other in ("POST", "GET") if other != method]
     if path != "/" and path.endswith("/"):
         candidates.insert(0, (method, path.rstrip("/")))
-    return next((f"{other} {to}" for other, to in candidates if Scope.OPEN < required_scope(other, to) <= held), None)
+    for other, to in candidates:
+        needed = required_scope(other, to)
+        if needed is not Scope.OPEN and allows(held, needed):
+            return f"{other} {to}"
+    return None
 
 
 # ----------------------------------------------------------------------------------------- rate limits
@@ -270,7 +288,9 @@ def parse_keys(text: str, source: str = "key file", clock: Callable[[], float] =
         written, scope_word, options = words[0], words[1], words[2:]
         digest = _digest(written, error)
         if scope_word not in KEY_SCOPES:
-            raise error(f"unknown scope {scope_word!r}: use one of {', '.join(KEY_SCOPES)} (admin includes infer)")
+            raise error(
+                f"unknown scope {scope_word!r}: use one of {', '.join(KEY_SCOPES)} (admin includes infer and metrics)"
+            )
         if digest in lines_of:
             raise error(f"the same key as line {lines_of[digest]}: give each key one line")
         lines_of[digest] = number
@@ -446,15 +466,17 @@ class ApiKeyAuth:
             return Decision(
                 Refusal(401, "the API key is not valid", "no_valid_key", [(b"www-authenticate", challenge)]), []
             )
-        if key.scope < needed:
-            scope_name = needed.name.lower()
+        if not allows(key.scope, needed):
+            scope_name = needed.value
             # The path percent-encoded again, as uvicorn's access log has it: decoded, a %0a in it wrote a log line
             path = quote(scope["path"], safe="/:@!$&'()*+,;=-._~")
             log.info("refused %s %s to key %s: it needs scope %s", scope["method"], path, key.name, scope_name)
             challenge = f'Bearer realm="mnv3", error="insufficient_scope", scope="{scope_name}"'.encode()
             instead = meant_instead(scope["method"], route_path(scope), key.scope)
-            reason = f"this API key's scope does not include this path: it needs a key of scope {scope_name}" + (
-                f"; this key may make {instead}" if instead else ""
+            reason = (
+                f"this API key's scope does not include this path: it needs a key of scope {scope_name}"
+                + ("" if needed is Scope.ADMIN else " (or admin)")
+                + (f"; this key may make {instead}" if instead else "")
             )
             return Decision(Refusal(403, reason, "out_of_scope", [(b"www-authenticate", challenge)]), [])
         if key.in_flight is not None and self.keys.in_flight[key.digest] >= key.in_flight:
@@ -503,7 +525,7 @@ def document_keys(schema: dict) -> dict:
             if needed is not Scope.OPEN:
                 operation["security"] = [{name: []} for name in SECURITY_SCHEMES]
                 operation["description"] = (
-                    operation.get("description", "") + f"\n\nNeeds an API key of scope {needed.name.lower()}."
+                    operation.get("description", "") + f"\n\nNeeds an API key of scope {needed.value}."
                 ).strip()
                 for status, why in KEY_REFUSALS.items():
                     operation.setdefault("responses", {}).setdefault(str(status), {"description": why})

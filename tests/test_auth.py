@@ -37,9 +37,11 @@ pytestmark = pytest.mark.integration
 INFER_KEY = "infer-key-0123456789abcdef"
 ADMIN_KEY = "admin-key-0123456789abcdef"  # given in the file as its sha256 only
 LIMITED_KEY = "limited-key-0123456789abcdef"
-KEYS = (INFER_KEY, ADMIN_KEY, LIMITED_KEY)
+METRICS_KEY = "metrics-key-0123456789abcdef"
+KEYS = (INFER_KEY, ADMIN_KEY, LIMITED_KEY, METRICS_KEY)
 KEY_FILE = f"""# keys for the tests
 {INFER_KEY} infer name=client
+{METRICS_KEY} metrics name=prometheus
 
 sha256:{hashlib.sha256(ADMIN_KEY.encode()).hexdigest()} admin
 {LIMITED_KEY} infer rate=30/min burst=2
@@ -61,7 +63,7 @@ ROUTES = [
     ("POST", "/v2/models/fp32/versions/1/infer", Scope.INFER),
     ("GET", "/stats", Scope.INFER),
     ("GET", "/models", Scope.INFER),
-    ("GET", "/metrics", Scope.ADMIN),
+    ("GET", "/metrics", Scope.METRICS),
     ("GET", "/model", Scope.ADMIN),
     ("GET", "/v2", Scope.ADMIN),
     ("GET", "/v2/models/fp32", Scope.ADMIN),
@@ -151,15 +153,16 @@ def test_each_path_needs_its_scope(client, method, path, needed):
     assert anonymous.headers["www-authenticate"].startswith("Bearer")
     assert "Authorization: Bearer KEY" in reason(anonymous)
 
-    with_infer = call(client, method, path, bearer(INFER_KEY))
-    if needed is Scope.INFER:
-        assert with_infer.status_code == 200
-        if method == "POST":
-            assert with_infer.json() == {"body_bytes": 100}  # let through, body and all
-    else:
-        assert with_infer.status_code == 403 and "scope admin" in reason(with_infer)
-        assert 'error="insufficient_scope"' in with_infer.headers["www-authenticate"]
-    assert call(client, method, path, bearer(ADMIN_KEY)).status_code == 200  # admin includes infer
+    # infer and metrics apart, admin everything
+    for key, scope in ((INFER_KEY, Scope.INFER), (METRICS_KEY, Scope.METRICS), (ADMIN_KEY, Scope.ADMIN)):
+        answer = call(client, method, path, bearer(key))
+        if needed is scope or scope is Scope.ADMIN:
+            assert answer.status_code == 200, (key, answer.text)
+            if method == "POST":
+                assert answer.json() == {"body_bytes": 100}  # let through, body and all
+        else:
+            assert answer.status_code == 403 and f"scope {needed.value}" in reason(answer)
+            assert f'error="insufficient_scope", scope="{needed.value}"' in answer.headers["www-authenticate"]
 
 
 @pytest.mark.parametrize(
@@ -168,13 +171,13 @@ def test_each_path_needs_its_scope(client, method, path, needed):
         ("GET", "/predict", "POST /predict"),  # a wrong method on an infer path
         ("POST", "/predict/", "POST /predict"),  # a trailing slash
         ("POST", "/models", "GET /models"),
-        ("GET", "/metrics", None),  # admin's own: nothing else was meant
+        ("GET", "/metrics", None),  # the metrics scope's own: nothing else was meant
     ],
 )
 def test_an_infer_key_refused_a_near_miss_is_told_what_it_may_make(client, method, path, instead):
     # Default-deny answers GET /predict with "needs admin", which sent users off changing keys.
     refused = call(client, method, path, bearer(INFER_KEY))
-    assert refused.status_code == 403 and "it needs a key of scope admin" in reason(refused)
+    assert refused.status_code == 403 and "it needs a key of scope " in reason(refused)
     if instead:
         assert reason(refused).endswith(f"; this key may make {instead}")
     else:
@@ -411,7 +414,7 @@ def test_open_paths_are_open_to_reads_only():
         ("", None, "no keys: add a line KEY SCOPE"),
         ("# only a comment\n\n", None, "no keys"),
         (f"{INFER_KEY}\n", 1, "a key needs a scope"),
-        (f"\n{INFER_KEY} write\n", 2, "unknown scope 'write': use one of infer, admin"),
+        (f"\n{INFER_KEY} write\n", 2, "unknown scope 'write': use one of infer, metrics, admin"),
         (f"{INFER_KEY} infer\n{ADMIN_KEY} admin\n{INFER_KEY} admin\n", 3, "the same key as line 1"),
         (
             f"sha256:{hashlib.sha256(INFER_KEY.encode()).hexdigest().upper()} admin\n{INFER_KEY} infer\n",
@@ -465,11 +468,12 @@ def test_a_good_key_file_loads_with_its_options(tmp_path):
     keys = load_key_file(path)
     assert [(k.name, k.scope, k.limit and (k.limit.rate_per_s, k.limit.burst)) for k in keys.keys] == [
         ("client", Scope.INFER, None),
-        ("line 4", Scope.ADMIN, None),
-        ("line 5", Scope.INFER, (0.5, 2)),
-        ("line 6", Scope.ADMIN, (2.0, 2)),
+        ("prometheus", Scope.METRICS, None),
+        ("line 5", Scope.ADMIN, None),
+        ("line 6", Scope.INFER, (0.5, 2)),
+        ("line 7", Scope.ADMIN, (2.0, 2)),
     ]  # without burst=, one second's worth, at least 1
-    assert keys.match(ADMIN_KEY).name == "line 4" and keys.match("k" * 39) is None
+    assert keys.match(ADMIN_KEY).name == "line 5" and keys.match("k" * 39) is None
     assert not any(key in repr(keys) + repr(keys.keys) for key in KEYS)
 
 

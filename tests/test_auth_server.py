@@ -48,7 +48,7 @@ ROUTE_SCOPES = {
     ("GET", "/stats"): Scope.INFER,
     ("GET", "/models"): Scope.INFER,
     ("GET", "/model"): Scope.ADMIN,
-    ("GET", "/metrics"): Scope.ADMIN,
+    ("GET", "/metrics"): Scope.METRICS,
     ("GET", "/v2"): Scope.ADMIN,
     ("GET", "/v2/models/{name}"): Scope.ADMIN,
     ("GET", "/v2/models/{name}/ready"): Scope.ADMIN,
@@ -258,7 +258,7 @@ def test_the_api_description_says_which_operations_need_a_key(key_file):
     paths = document["paths"]
     assert paths["/predict"]["post"]["security"] == [{"bearer": []}, {"x_api_key": []}]
     assert paths["/predict"]["post"]["description"].endswith("Needs an API key of scope infer.")
-    assert paths["/metrics"]["get"]["description"].endswith("Needs an API key of scope admin.")
+    assert paths["/metrics"]["get"]["description"].endswith("Needs an API key of scope metrics.")
     assert "security" not in paths["/healthz"]["get"]
     assert {"401", "403", "429"} <= set(paths["/v2/models/{name}/infer"]["post"]["responses"])
     unprotected = create_app(ServerConfig(model="unused.onnx")).openapi()

@@ -429,7 +429,7 @@ def test_a_protected_server_gets_a_key_from_the_page_for_this_tab_only(browser, 
             try:
                 metrics_tab.wait_for_url("blob:**")
                 shown = metrics_tab.locator("body").inner_text()
-                assert shown.startswith("GET /metrics answered 403 to this tab's API key") and "scope admin" in shown
+                assert shown.startswith("GET /metrics answered 403 to this tab's API key") and "scope metrics" in shown
             finally:
                 metrics_tab.close()
 
