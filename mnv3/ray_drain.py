@@ -5,21 +5,29 @@ Deleting the app first lets each replica finish the requests it holds, but those
 wait for a replica that never comes, and new requests meet Ray's 404 for an unknown route. So
 `mnv3.ray_serve`, on SIGTERM or Ctrl-C, first raises a flag (`DrainFlag`, a named actor it starts beside the
 app) and waits in `drain()`; the proxy middleware `RefuseWhileDraining` (in every proxy started with
-mnv3's callback) watches the flag and reports what its proxy has in flight.
+mnv3's callback) reports to the flag, every `POLL_S`, the state it applies and what it has in flight.
 
-Guarantees, for proxies with the middleware:
-- within about `POLL_S` of the flag going up, a proxy answers every new request with a JSON 503 and
-  Retry-After (the plain server closes its port instead: a proxy cannot);
-- `drain()` returns once every such proxy has reported nothing in flight since the flag went up, or once
-  its timeout (`--shutdown-timeout-s`) runs out; then each request still in flight whose answer has not
-  begun is answered 503, as the plain server answers one its drain did not finish;
+Guarantees, for proxies with the middleware, and for requests to mnv3's paths (`is_mnv3_path`: on a cluster
+shared with other apps, theirs pass untouched):
+- a proxy applies the flag's state at its next report: from DRAINING on it answers every new request with a
+  JSON 503, Retry-After and `Connection: close` (the plain server closes its port instead: a proxy cannot),
+  and its first request ever waits for its first report, so a proxy idle until then takes nothing in late;
+- `drain()` waits until every proxy that reported in the last STALE_S has reported, already applying
+  DRAINING, nothing in flight; a proxy's count is taken in the same step of its event loop as the state it
+  reports, so no request slips between the two;
+- at `drain()`'s timeout (`--shutdown-timeout-s`), or when the wait is skipped (a second Ctrl-C or
+  SIGTERM), the flag says STOPPED: each proxy answers every request whose answer has not begun with a 503,
+  once, and drops what the app sends for it after; `drain()` waits (up to CONFIRM_S) for every proxy to
+  report it has;
 - a proxy whose flag has gone (its driver stopped) takes requests again, for whichever app comes next.
 A proxy without the middleware (a cluster started without mnv3's callback) never reports and is not waited for.
 """
 
 import asyncio
+import contextlib
 import logging
 import os
+import re
 import socket
 import time
 from collections.abc import Callable
@@ -35,51 +43,80 @@ from mnv3.errors import body_for_path, error_response
 logger = logging.getLogger("ray.serve")  # in Ray's proxy: its log files
 DRAIN_FLAG_NAME = "mnv3-drain"
 DRAIN_FLAG_NAMESPACE = "mnv3"
-POLL_S = 0.1  # how often a proxy reports to the flag: how late a new request may still be taken in
+POLL_S = 0.1  # how often a proxy reports to the flag
 LOOKUP_S = 1.0  # how often a proxy looks for a flag that is not there (no mnv3 driver, or not yet)
+STALE_S = 5.0  # a proxy silent this long is gone (its node stopped): not waited for
+CONFIRM_S = 2.0  # how long drain() waits for the proxies to answer what is left at STOPPED
 # What the flag says, in order: take requests; answer those taken, refuse new ones; give up on those left.
 SERVING, DRAINING, STOPPED = "serving", "draining", "stopped"
 REFUSED = "the server is stopping: it answers the requests it had and takes no new ones; retry elsewhere or later"
 CUT_OFF = "the server stopped before this request finished (--shutdown-timeout-s)"
+# The first segment of every path mnv3's app serves (tests/test_ray_shutdown.py checks it against the app's
+# routes): on a cluster shared with other apps, a proxy drains only these.
+MNV3_PATH = re.compile(r"/(|predict|v2|models?|metrics|healthz|readyz|stats|static|docs|redoc|openapi\.json)(/.*)?")
 
 
-@ray.remote(num_cpus=0)  # it must not take a CPU the replicas were sized to
-class DrainFlag:
-    """Whether the app is stopping, and what each proxy has had in flight since it began to."""
+def is_mnv3_path(path: str) -> bool:
+    return MNV3_PATH.fullmatch(path) is not None
+
+
+@dataclass(frozen=True)
+class Report:
+    at: float  # time.monotonic() on the flag's clock
+    applied: str  # the state the proxy applied when it counted
+    in_flight: int
+
+
+class Flag:
+    """Whether the app is stopping, and each proxy's latest report (the actor `DrainFlag` holds one)."""
 
     def __init__(self):
         self.state = SERVING
-        self.in_flight: dict[str, int] = {}  # proxy -> its latest count, reported since the drain began
+        self.reports: dict[str, Report] = {}
 
     def set(self, state: str) -> None:
         self.state = state
 
-    def report(self, proxy: str, in_flight: int) -> str:
-        if self.state != SERVING:
-            self.in_flight[proxy] = in_flight
+    def report(self, proxy: str, applied: str, in_flight: int) -> str:
+        self.reports[proxy] = Report(time.monotonic(), applied, in_flight)
         return self.state
 
-    def in_flight_total(self) -> int:
-        return sum(self.in_flight.values())
+    def progress(self) -> tuple[int, int]:
+        """(live proxies not yet applying the state, requests in flight at those that are)."""
+        live = [report for report in self.reports.values() if time.monotonic() - report.at < STALE_S]
+        behind = sum(report.applied != self.state for report in live)
+        return behind, sum(report.in_flight for report in live if report.applied == self.state)
+
+
+DrainFlag = ray.remote(num_cpus=0)(Flag)  # no CPU: it must not take one the replicas were sized to
 
 
 def start_flag() -> "ray.actor.ActorHandle":
     """The flag the proxies watch, at SERVING; it lives as long as this driver does."""
-    # ray.remote made the class an ActorClass, which mypy cannot see through the decorator.
-    return DrainFlag.options(name=DRAIN_FLAG_NAME, namespace=DRAIN_FLAG_NAMESPACE).remote()  # type: ignore[attr-defined]
+    return DrainFlag.options(name=DRAIN_FLAG_NAME, namespace=DRAIN_FLAG_NAMESPACE).remote()  # type: ignore[return-value]
 
 
 def drain(flag: "ray.actor.ActorHandle", timeout_s: float) -> int:
-    """Stop taking requests and wait until the proxies have answered those they had, at most `timeout_s`;
-    then have the proxies answer what is left with 503. How many requests were left."""
+    """Stop taking requests and wait until the proxies have answered those they had, at most `timeout_s`
+    (KeyboardInterrupt ends the wait early); then have them answer what is left with 503. How many
+    requests were in flight when the wait ended."""
     deadline = time.monotonic() + timeout_s
     ray.get(flag.set.remote(DRAINING))
-    time.sleep(3 * POLL_S)  # every watching proxy has seen the flag, and reported since
-    while (in_flight := ray.get(flag.in_flight_total.remote())) and time.monotonic() < deadline:
+    in_flight = 0
+    try:
+        while True:
+            behind, in_flight = ray.get(flag.progress.remote())
+            if not behind and not in_flight:
+                return 0
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(POLL_S)
+    except KeyboardInterrupt:
+        pass
+    ray.get(flag.set.remote(STOPPED))
+    confirm_by = time.monotonic() + CONFIRM_S
+    while ray.get(flag.progress.remote())[0] and time.monotonic() < confirm_by:
         time.sleep(POLL_S)
-    if in_flight:
-        ray.get(flag.set.remote(STOPPED))
-        time.sleep(3 * POLL_S)  # the proxies answer what is left
     return in_flight
 
 
@@ -95,21 +132,27 @@ class InFlight:
 
 
 class RefuseWhileDraining:
-    """ASGI middleware for Ray's proxy: keeps the requests its proxy has in flight and reports how many to the
-    drain flag; refuses new ones with a 503 while the flag is up, and once it says STOPPED answers those whose
-    answer has not begun with a 503 (JSON in the path's error shape, with Retry-After, as the plain server)."""
+    """ASGI middleware for Ray's proxy: keeps the requests for mnv3's paths its proxy has in flight and
+    reports how many to the drain flag; refuses new ones while the flag is up, and once it says STOPPED
+    answers those whose answer has not begun (503s in the path's error shape, as the plain server's)."""
 
     def __init__(self, app):
         self.app = app
         self.state = SERVING
         self.requests: set[InFlight] = set()
-        self.watcher: asyncio.Task | None = None  # started on the first request, in the proxy's event loop
+        self.watcher: asyncio.Task | None = None  # in the proxy's event loop, from its first request on
+        self.first_report = asyncio.Event()
+        self.answering: set[asyncio.Task] = set()  # cut-off answers being sent
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
+        if scope["type"] != "http" or not is_mnv3_path(route_path(scope)):
             return await self.app(scope, receive, send)
-        if self.watcher is None and ray.is_initialized():  # in Ray's proxy; not in a test's TestClient
-            self.watcher = asyncio.create_task(self._watch())
+        if ray.is_initialized():  # in Ray's proxy; not in a test's TestClient
+            if self.watcher is None or self.watcher.done():
+                self.watcher = asyncio.create_task(self._watch())
+            if not self.first_report.is_set():  # a proxy idle so far may be joining a drain
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.first_report.wait(), LOOKUP_S)
         if self.state != SERVING:
             return await answer(ShuttingDown(REFUSED), scope, receive, send)
         request = InFlight(scope, receive, send)
@@ -136,27 +179,39 @@ class RefuseWhileDraining:
             try:
                 if flag is None:
                     flag = await asyncio.to_thread(ray.get_actor, DRAIN_FLAG_NAME, namespace=DRAIN_FLAG_NAMESPACE)
-                state = await flag.report.remote(proxy, len(self.requests))
-            except (ValueError, RayActorError):  # no flag (yet), or its driver has stopped
+                state = await flag.report.remote(proxy, self.state, len(self.requests))
+            except (ValueError, RayActorError):  # no flag (yet), or its driver has stopped: serve
                 flag, self.state = None, SERVING
-                await asyncio.sleep(LOOKUP_S)
-                continue
             except Exception:  # anything else: the watch goes on, or a drain would wait for nothing
                 logger.exception("mnv3: the drain flag could not be read; trying again")
                 flag = None
-                await asyncio.sleep(LOOKUP_S)
-                continue
-            previous, self.state = self.state, state
-            if state == STOPPED and previous != STOPPED:
-                await self._cut_off()
-            await asyncio.sleep(POLL_S)
+            else:
+                if state == STOPPED and self.state != STOPPED:
+                    self._cut_off()
+                self.state = state  # applied: the next report says so
+            self.first_report.set()
+            await asyncio.sleep(POLL_S if flag is not None else LOOKUP_S)
 
-    async def _cut_off(self) -> None:
-        for request in [request for request in self.requests if not request.started]:
-            request.cut_off = True
+    def _cut_off(self) -> None:
+        """Every request whose answer has not begun is marked, in one step (no other task runs between the
+        test and the mark), then answered 503."""
+        for request in self.requests:
+            if not request.started and not request.cut_off:
+                request.cut_off = True
+                task = asyncio.create_task(self._answer_cut_off(request))
+                self.answering.add(task)
+                task.add_done_callback(self.answering.discard)
+
+    async def _answer_cut_off(self, request: InFlight) -> None:
+        try:
             await answer(ShuttingDown(CUT_OFF), request.scope, request.receive, request.send)
+        except Exception:  # its client has gone, most likely: nothing else depends on this answer
+            logger.exception("mnv3: a request cut off at the drain's end could not be answered")
 
 
 async def answer(exc: Exception, scope, receive, send) -> None:
-    """`exc` answered as the plain server answers it, in the error shape of the request's path."""
-    await error_response(exc, body=body_for_path(route_path(scope)))(scope, receive, send)
+    """`exc` answered as the plain server answers it, in the error shape of the request's path, closing the
+    connection: a client that keeps it would come back to a proxy that is going away."""
+    response = error_response(exc, body=body_for_path(route_path(scope)))
+    response.headers["connection"] = "close"
+    await response(scope, receive, send)

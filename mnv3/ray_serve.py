@@ -592,14 +592,20 @@ def serve_forever(args, config: ServerConfig) -> None:
 
 
 def stop(flag, timeout_s: float, leave_cluster: bool) -> None:
-    """Answer what the proxies have taken in (at most `timeout_s`; a second Ctrl-C cuts it short), then
-    delete the app, and stop the local cluster unless `leave_cluster` (and others' apps) is to go on."""
+    """Answer what the proxies have taken in (at most `timeout_s`; a second Ctrl-C or SIGTERM cuts it short:
+    what is left then gets a 503), then delete the app, and stop the local cluster unless `leave_cluster`
+    (and others' apps) is to go on."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a second SIGTERM skips the wait, as Ctrl-C does
     print(f"stopping: answering the requests in flight (at most {timeout_s:g} s; Ctrl-C again to skip)", flush=True)
     try:
         if left := drain(flag, timeout_s):
-            print(f"{left} requests still in flight after {timeout_s:g} s (--shutdown-timeout-s): 503", flush=True)
-    except KeyboardInterrupt:
+            print(f"{left} requests were still in flight: those not yet answering got a 503", flush=True)
+    except KeyboardInterrupt:  # a third signal: leave the proxies as they are
         pass
+    # A signal from here on would leave the app deployed (on a shared cluster, refusing the next start) or
+    # the local cluster half stopped.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     serve.delete(APP_NAME)
     if leave_cluster:
         ray.shutdown()
