@@ -332,8 +332,9 @@ class DynamicBatcher:
             taken += 1
 
     def _drop(self, loop: asyncio.AbstractEventLoop, gone: list[Expected]) -> None:
-        """Under the lock: requests nobody waits for any more, skipped before inference."""
-        self.dropped += len(gone)
+        """Under the lock: requests nobody waits for any more, skipped before inference. Those stop() has
+        answered already (ShuttingDown) are not counted as dropped."""
+        self.dropped += sum(not p.settled for p in gone)  # read off the event loop: stop() settles there first
         self._answer(loop, self._settle, gone)
 
     def _other_shape(self, rows: np.ndarray, taken: int) -> bool:

@@ -312,6 +312,9 @@ def test_stop_answers_what_it_could_not_drain_with_shutting_down():
         with pytest.raises(ShuttingDown):
             await first  # taken by the inference thread, but its batch never finished
         engine.release.set()
+        for thread in batcher._threads:  # the gatherer meets `queued` again at hand-over, answered already
+            await asyncio.to_thread(thread.join, BLOCK_TIMEOUT_S)
+        assert batcher.dropped == 0  # answered ShuttingDown, not work nobody waited for
 
     run(scenario)
 
