@@ -525,7 +525,8 @@ def document_keys(schema: dict) -> dict:
             if needed is not Scope.OPEN:
                 operation["security"] = [{name: []} for name in SECURITY_SCHEMES]
                 operation["description"] = (
-                    operation.get("description", "") + f"\n\nNeeds an API key of scope {needed.value}."
+                    operation.get("description", "")
+                    + f"\n\nNeeds an API key of scope {needed.value}{'' if needed is Scope.ADMIN else ' (or admin)'}."
                 ).strip()
                 for status, why in KEY_REFUSALS.items():
                     operation.setdefault("responses", {}).setdefault(str(status), {"description": why})

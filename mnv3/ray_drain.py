@@ -29,12 +29,13 @@ import logging
 import os
 import re
 import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import ActorDiedError, ActorUnavailableError
 
 from mnv3.auth import route_path
 from mnv3.batcher import ShuttingDown
@@ -73,19 +74,28 @@ class Flag:
     def __init__(self):
         self.state = SERVING
         self.reports: dict[str, Report] = {}
+        self.waited_for: set[str] = set()  # the proxies live when the drain began: waited for however silent
 
     def set(self, state: str) -> None:
+        if state == DRAINING and self.state == SERVING:
+            now = time.monotonic()
+            self.waited_for = {proxy for proxy, report in self.reports.items() if now - report.at < STALE_S}
         self.state = state
 
     def report(self, proxy: str, applied: str, in_flight: int) -> str:
         self.reports[proxy] = Report(time.monotonic(), applied, in_flight)
+        if self.state != SERVING:
+            self.waited_for.add(proxy)
         return self.state
 
     def progress(self) -> tuple[int, int]:
-        """(live proxies not yet applying the state, requests in flight at those that are)."""
-        live = [report for report in self.reports.values() if time.monotonic() - report.at < STALE_S]
-        behind = sum(report.applied != self.state for report in live)
-        return behind, sum(report.in_flight for report in live if report.applied == self.state)
+        """(proxies not yet applying the state, requests in flight at them all, at their latest reports).
+        Before a drain, the proxies live now; during one, those live when it began and those since."""
+        if self.state == SERVING:
+            waited = [report for report in self.reports.values() if time.monotonic() - report.at < STALE_S]
+        else:
+            waited = [self.reports[proxy] for proxy in self.waited_for]
+        return sum(report.applied != self.state for report in waited), sum(report.in_flight for report in waited)
 
 
 DrainFlag = ray.remote(num_cpus=0)(Flag)  # no CPU: it must not take one the replicas were sized to
@@ -96,23 +106,18 @@ def start_flag() -> "ray.actor.ActorHandle":
     return DrainFlag.options(name=DRAIN_FLAG_NAME, namespace=DRAIN_FLAG_NAMESPACE).remote()  # type: ignore[return-value]
 
 
-def drain(flag: "ray.actor.ActorHandle", timeout_s: float) -> int:
+def drain(flag: "ray.actor.ActorHandle", timeout_s: float, skip: threading.Event) -> int:
     """Stop taking requests and wait until the proxies have answered those they had, at most `timeout_s`
-    (KeyboardInterrupt ends the wait early); then have them answer what is left with 503. How many
-    requests were in flight when the wait ended."""
+    (`skip` set ends the wait early); then have them answer what is left with 503. How many requests were
+    in flight when the wait ended (at the proxies' latest reports)."""
     deadline = time.monotonic() + timeout_s
     ray.get(flag.set.remote(DRAINING))
-    in_flight = 0
-    try:
-        while True:
-            behind, in_flight = ray.get(flag.progress.remote())
-            if not behind and not in_flight:
-                return 0
-            if time.monotonic() >= deadline:
-                break
-            time.sleep(POLL_S)
-    except KeyboardInterrupt:
-        pass
+    while True:
+        behind, in_flight = ray.get(flag.progress.remote())
+        if not behind and not in_flight:
+            return 0
+        if time.monotonic() >= deadline or skip.wait(POLL_S):
+            break
     ray.get(flag.set.remote(STOPPED))
     confirm_by = time.monotonic() + CONFIRM_S
     while ray.get(flag.progress.remote())[0] and time.monotonic() < confirm_by:
@@ -180,8 +185,10 @@ class RefuseWhileDraining:
                 if flag is None:
                     flag = await asyncio.to_thread(ray.get_actor, DRAIN_FLAG_NAME, namespace=DRAIN_FLAG_NAMESPACE)
                 state = await flag.report.remote(proxy, self.state, len(self.requests))
-            except (ValueError, RayActorError):  # no flag (yet), or its driver has stopped: serve
+            except (ValueError, ActorDiedError):  # no flag (yet), or its driver has stopped: serve
                 flag, self.state = None, SERVING
+            except ActorUnavailableError:  # out of reach for now: keep the state, try again
+                pass
             except Exception:  # anything else: the watch goes on, or a drain would wait for nothing
                 logger.exception("mnv3: the drain flag could not be read; trying again")
                 flag = None
@@ -195,9 +202,10 @@ class RefuseWhileDraining:
     def _cut_off(self) -> None:
         """Every request whose answer has not begun is marked, in one step (no other task runs between the
         test and the mark), then answered 503."""
-        for request in self.requests:
+        for request in list(self.requests):
             if not request.started and not request.cut_off:
                 request.cut_off = True
+                self.requests.discard(request)  # answered: its app may take a while to notice
                 task = asyncio.create_task(self._answer_cut_off(request))
                 self.answering.add(task)
                 task.add_done_callback(self.answering.discard)

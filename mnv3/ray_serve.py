@@ -26,7 +26,7 @@ import logging
 import os
 import signal
 import sys
-import time
+import threading
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
@@ -231,12 +231,11 @@ class RetryLostReplica:
 
         await self.app(scope, recording_receive, tracking_send)
         complete = body and not body[-1].get("more_body") and size <= self.max_body_bytes
-        if started:
+        if started or disconnected:  # answered, or nobody to answer (a client gone; one the drain cut off)
             return
-        if disconnected or not complete:
+        if not complete:
             logger.warning(
-                "mnv3: not retrying a request whose replica was lost: %s",
-                "the client left" if disconnected else "its body was not all read or is over the limit",
+                "mnv3: not retrying a request whose replica was lost: its body was not all read or is over the limit"
             )
             return
         logger.warning("mnv3: retrying a request whose replica was lost")
@@ -579,38 +578,55 @@ def serve_forever(args, config: ServerConfig) -> None:
         start_local_cluster(host=config.host, port=config.port)
     if not config.api_keys and (warning := exposure_warning(config.host)):
         print(f"WARNING: {warning}", file=sys.stderr, flush=True)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stop the same way on SIGTERM as on Ctrl-C
-    flag = start_flag()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # while deploying: stop the same way as on Ctrl-C
+    flag, signals = start_flag(), StopSignals()
     try:
         url = f"http://{config.host}:{config.port}"
         deploy(app, url)
+        signals.install()
         print(f"mnv3 on Ray Serve at {url} (Ctrl-C stops it)", flush=True)
-        while True:
-            time.sleep(3600)
+        while not signals.stop.wait(1.0):
+            pass
     finally:
-        stop(flag, config.shutdown_timeout_s, leave_cluster=bool(args.address))
+        stop(flag, signals, config.shutdown_timeout_s, leave_cluster=bool(args.address))
 
 
-def stop(flag, timeout_s: float, leave_cluster: bool) -> None:
+class StopSignals:
+    """SIGINT and SIGTERM once serving: the first asks to stop, any later one to end the drain's wait. Flags,
+    not exceptions: an exception from a second signal could land between any two steps of the drain."""
+
+    def __init__(self):
+        self.stop, self.skip = threading.Event(), threading.Event()
+
+    def install(self) -> None:
+        signal.signal(signal.SIGINT, self._received)
+        signal.signal(signal.SIGTERM, self._received)
+
+    def _received(self, signum, frame) -> None:
+        (self.skip if self.stop.is_set() else self.stop).set()
+
+
+def stop(flag, signals: StopSignals, timeout_s: float, leave_cluster: bool) -> None:
     """Answer what the proxies have taken in (at most `timeout_s`; a second Ctrl-C or SIGTERM cuts it short:
-    what is left then gets a 503), then delete the app, and stop the local cluster unless `leave_cluster`
-    (and others' apps) is to go on."""
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a second SIGTERM skips the wait, as Ctrl-C does
+    what is left then gets a 503), then delete the app (a further signal abandons that), and stop the local
+    cluster unless `leave_cluster` (and others' apps) is to go on."""
+    signals.stop.set()  # also when deploying failed or was interrupted: a signal from now on ends the wait
+    signals.install()
     print(f"stopping: answering the requests in flight (at most {timeout_s:g} s; Ctrl-C again to skip)", flush=True)
+    if left := drain(flag, timeout_s, signals.skip):
+        print(f"{left} requests were still in flight: those not yet answering got a 503", flush=True)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    print("deleting the app and stopping (Ctrl-C again to abandon)", flush=True)
     try:
-        if left := drain(flag, timeout_s):
-            print(f"{left} requests were still in flight: those not yet answering got a 503", flush=True)
-    except KeyboardInterrupt:  # a third signal: leave the proxies as they are
-        pass
-    # A signal from here on would leave the app deployed (on a shared cluster, refusing the next start) or
-    # the local cluster half stopped.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    serve.delete(APP_NAME)
-    if leave_cluster:
-        ray.shutdown()
-    else:
-        stop_local_cluster()
+        serve.delete(APP_NAME)
+    except KeyboardInterrupt:
+        print(f"stopped without deleting the app {APP_NAME}", flush=True)
+    finally:
+        if leave_cluster:
+            ray.shutdown()
+        else:
+            stop_local_cluster()
 
 
 def app_name_taken(address: str) -> str | None:

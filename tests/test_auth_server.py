@@ -147,7 +147,7 @@ def test_the_load_test_client_sends_the_key_from_the_environment(protected, monk
     with PredictClient(url) as send:
         status, body = send.request(photo)
     assert status == "200" and len(body["predictions"]) == 5
-    for read in (server_settings, read_metrics):  # /model and /metrics need admin: a stage says which key to set
+    for read in (server_settings, read_metrics):  # a stage reads /model (admin) and /metrics: it says which key to set
         with pytest.raises(KeyRefused, match=f"answered 403 .*so {API_KEY_ENV} must hold a key of the admin scope"):
             read(url)
     assert server_settings(url, api_key=ADMIN_KEY)["server_max_batch_size"] == 4
@@ -257,8 +257,8 @@ def test_the_api_description_says_which_operations_need_a_key(key_file):
     assert set(document["components"]["securitySchemes"]) == {"bearer", "x_api_key"}
     paths = document["paths"]
     assert paths["/predict"]["post"]["security"] == [{"bearer": []}, {"x_api_key": []}]
-    assert paths["/predict"]["post"]["description"].endswith("Needs an API key of scope infer.")
-    assert paths["/metrics"]["get"]["description"].endswith("Needs an API key of scope metrics.")
+    assert paths["/predict"]["post"]["description"].endswith("Needs an API key of scope infer (or admin).")
+    assert paths["/metrics"]["get"]["description"].endswith("Needs an API key of scope metrics (or admin).")
     assert "security" not in paths["/healthz"]["get"]
     assert {"401", "403", "429"} <= set(paths["/v2/models/{name}/infer"]["post"]["responses"])
     unprotected = create_app(ServerConfig(model="unused.onnx")).openapi()

@@ -384,9 +384,9 @@ def test_requests_to_other_hosts_are_blocked_and_recorded(browser, server):
 
 
 def test_a_protected_server_gets_a_key_from_the_page_for_this_tab_only(browser, fp32_model_path, photos, tmp_path):
-    key = new_key_line()[0]
+    key, scraper_key = new_key_line()[0], new_key_line()[0]
     key_file = tmp_path / "api_keys"
-    key_file.write_text(f"{key} infer\n")
+    key_file.write_text(f"{key} infer\n{scraper_key} metrics\n")
     with ServerProcess(fp32_model_path, api_keys=key_file, max_batch_size=8, cache_size=64) as url:
         tried_before = len(browser.off_host)
         page = browser.context.new_page()
@@ -403,6 +403,9 @@ def test_a_protected_server_gets_a_key_from_the_page_for_this_tab_only(browser, 
             key_input.fill("not-the-key-0123456789")
             page.get_by_role("button", name="Use this key").click()
             page.get_by_text("did not accept this tab's API key").wait_for()
+            key_input.fill(scraper_key)  # valid, but for /metrics only: the page cannot use it
+            page.get_by_role("button", name="Use this key").click()
+            page.get_by_text("This tab's API key may not use the page").wait_for()
             path = tmp_path / "street.jpg"
             path.write_bytes(photos[0])
             page.get_by_label("Choose photos").set_input_files(path)  # chosen before the key: it waits for one

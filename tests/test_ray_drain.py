@@ -15,34 +15,37 @@ from mnv3.ray_drain import CUT_OFF, DRAINING, REFUSED, SERVING, STALE_S, STOPPED
 pytestmark = pytest.mark.unit
 
 
-def test_the_flag_waits_for_every_live_proxy_to_apply_the_state_and_report_nothing_in_flight():
+def test_the_flag_waits_for_every_proxy_live_when_the_drain_began_to_apply_it_with_nothing_in_flight():
     flag = Flag()
     assert flag.progress() == (0, 0)  # no proxy with the middleware: nothing to wait for
     flag.report("a", SERVING, 3)
     flag.report("b", SERVING, 0)
+    flag.reports["gone"] = Report(flag.reports["a"].at - STALE_S - 1, SERVING, 5)  # silent since long before
     flag.set(DRAINING)
-    assert flag.progress() == (2, 0)  # a count from before a proxy refused new requests says nothing
+    assert flag.progress() == (2, 3)  # a count from before a proxy refused new requests is not the end
     assert flag.report("a", DRAINING, 2) == DRAINING
     assert flag.progress() == (1, 2)
     flag.report("b", DRAINING, 0)
     assert flag.progress() == (0, 2)
     flag.report("a", DRAINING, 0)
     assert flag.progress() == (0, 0)
-    flag.reports["gone"] = Report(flag.reports["a"].at - STALE_S - 1, SERVING, 5)  # a proxy long silent
-    assert flag.progress() == (0, 0)
+    flag.reports["a"] = Report(flag.reports["a"].at - STALE_S - 1, DRAINING, 1)  # paused mid-drain, not gone
+    assert flag.progress() == (0, 1)
+    flag.report("late", SERVING, 0)  # a proxy first heard of during the drain is waited for too
+    assert flag.progress() == (1, 1)
 
 
 class StandInFlag:
     """What `ray.get_actor` returns in a proxy: `report.remote(...)` answers the state set here."""
 
     def __init__(self):
-        self.state, self.reports, self.gone = SERVING, [], False
+        self.state, self.reports, self.failure = SERVING, [], None
         self.report = self
 
     def remote(self, proxy, applied, in_flight):
         async def answer():
-            if self.gone:
-                raise ray_drain.RayActorError()  # what Ray raises for a dead actor
+            if self.failure:
+                raise self.failure
             self.reports.append((applied, in_flight))
             return self.state
 
@@ -137,7 +140,13 @@ def test_the_middleware_reports_refuses_cuts_off_once_and_serves_again_when_the_
         begun = await answering  # its answer had begun: not replaced
         assert [m.get("status", m.get("body")) for m in begun] == [200, b"begin"]
 
-        flag.gone = True  # the driver stopped: its flag with it
+        flag.failure = ray_drain.ActorUnavailableError("out of reach", None)  # for a moment: the drain holds
+        reports = len(flag.reports)
+        await asyncio.sleep(0.05)
+        assert app.state == STOPPED and len(flag.reports) == reports
+        assert answer_of(await request(app, "/predict", "meanwhile"))[0] == 503
+
+        flag.failure = ray_drain.ActorDiedError()  # the driver stopped: its flag with it
         await asyncio.wait_for(until(lambda: app.state == SERVING), WAIT_S)
         served = request(app, "/predict", "next")
         await asyncio.sleep(0.01)

@@ -74,19 +74,25 @@ function definitions(className, pairs) {
 let keyEntered = null;  // while the key form is shown: the promise every refused call waits on
 
 // Every API call goes through here. It sends the key this tab was given, if any; on a 401 (the server
-// wants a key, or not that one) it shows the key form and, once a key is entered, sends the call again.
-async function api(url, options = {}) {
+// wants a key, or not that one), or a 403 for a key whose scope does not cover the page's own calls (a
+// metrics key), it shows the key form and, once a key is entered, sends the call again. `ownCall` false: a
+// 403 is the answer to show (the metrics link with an infer key).
+async function api(url, options = {}, ownCall = true) {
   for (;;) {
     const key = sessionStorage.getItem(KEY_STORAGE);
     const response = await fetch(url, key ? {...options, headers: {Authorization: `Bearer ${key}`}} : options);
-    if (response.status !== 401) {
+    const outOfScope = ownCall && response.status === 403 &&
+      /insufficient_scope/.test(response.headers.get("WWW-Authenticate") || "");
+    if (response.status !== 401 && !outOfScope) {
       if (response.ok || response.status === 429) noteKeyRate(response);  // a 403 says nothing of the key's rate
       return response;
     }
     // Photos sent meanwhile wait for the key too: say so on their cards rather than "Classifying…".
     for (const pending of document.querySelectorAll("#photos .pending")) pending.textContent = "Waiting for an API key…";
-    await askForKey(key ? "The server did not accept this tab's API key: enter another."
-                        : "This server needs an API key.");
+    await askForKey(outOfScope ? "This tab's API key may not use the page (a key of scope infer or admin may): " +
+                                 "enter another."
+                    : key ? "The server did not accept this tab's API key: enter another."
+                    : "This server needs an API key.");
     for (const pending of document.querySelectorAll("#photos .pending")) pending.textContent = "Classifying…";
   }
 }
@@ -480,7 +486,7 @@ function wireMetricsLink() {
       "enter it in the page's tab)…";
     let shown;
     try {
-      const response = await api("metrics", {cache: "no-store"});
+      const response = await api("metrics", {cache: "no-store"}, false);
       const text = await response.text();
       shown = response.ok ? text : `GET /metrics answered ${response.status} to this tab's API key:\n\n${text}\n`;
     } catch (error) {
