@@ -12,9 +12,10 @@ shared with other apps, theirs pass untouched):
 - a proxy applies the flag's state at its next report: from DRAINING on it answers every new request with a
   JSON 503, Retry-After and `Connection: close` (the plain server closes its port instead: a proxy cannot),
   and its first request ever waits for its first report, so a proxy idle until then takes nothing in late;
-- `drain()` waits until every proxy that reported in the last STALE_S has reported, already applying
-  DRAINING, nothing in flight; a proxy's count is taken in the same step of its event loop as the state it
-  reports, so no request slips between the two;
+- `drain()` waits until every proxy live when it began (reported in the last STALE_S), or reporting since,
+  has reported, already applying DRAINING, nothing in flight, however long one is silent meanwhile (up to
+  the timeout); a proxy's count is taken in the same step of its event loop as the state it reports, so no
+  request slips between the two;
 - at `drain()`'s timeout (`--shutdown-timeout-s`), or when the wait is skipped (a second Ctrl-C or
   SIGTERM), the flag says STOPPED: each proxy answers every request whose answer has not begun with a 503,
   once, and drops what the app sends for it after; `drain()` waits (up to CONFIRM_S) for every proxy to
@@ -46,7 +47,7 @@ DRAIN_FLAG_NAME = "mnv3-drain"
 DRAIN_FLAG_NAMESPACE = "mnv3"
 POLL_S = 0.1  # how often a proxy reports to the flag
 LOOKUP_S = 1.0  # how often a proxy looks for a flag that is not there (no mnv3 driver, or not yet)
-STALE_S = 5.0  # a proxy silent this long is gone (its node stopped): not waited for
+STALE_S = 5.0  # a proxy silent this long when a drain begins is gone (its node stopped): not waited for
 CONFIRM_S = 2.0  # how long drain() waits for the proxies to answer what is left at STOPPED
 # What the flag says, in order: take requests; answer those taken, refuse new ones; give up on those left.
 SERVING, DRAINING, STOPPED = "serving", "draining", "stopped"
