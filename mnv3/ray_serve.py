@@ -613,12 +613,15 @@ def stop(flag, signals: StopSignals, timeout_s: float, leave_cluster: bool) -> N
     signals.stop.set()  # also when deploying failed or was interrupted: a signal from now on ends the wait
     signals.install()
     print(f"stopping: answering the requests in flight (at most {timeout_s:g} s; Ctrl-C again to skip)", flush=True)
-    if left := drain(flag, timeout_s, signals.skip):
-        print(f"{left} requests were still in flight: those not yet answering got a 503", flush=True)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    print("deleting the app and stopping (Ctrl-C again to abandon)", flush=True)
     try:
+        if left := drain(flag, timeout_s, signals.skip):
+            print(f"{left} requests were still in flight: those not yet answering got a 503", flush=True)
+    except Exception as exc:  # the flag out of reach: what is in flight is lost, but the app must still go
+        print(f"could not drain: {type(exc).__name__}: {exc}", flush=True)
+    try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
+        print("deleting the app and stopping (Ctrl-C again to abandon)", flush=True)
         serve.delete(APP_NAME)
     except KeyboardInterrupt:
         print(f"stopped without deleting the app {APP_NAME}", flush=True)
