@@ -11,7 +11,8 @@ Guarantees, for proxies with the middleware, and for requests to mnv3's paths (`
 shared with other apps, theirs pass untouched):
 - a proxy applies the flag's state at its next report: from DRAINING on it answers every new request with a
   JSON 503, Retry-After and `Connection: close` (the plain server closes its port instead: a proxy cannot),
-  and its first request ever waits for its first report, so a proxy idle until then takes nothing in late;
+  and its first request ever waits (up to LOOKUP_S) for its first report, so a proxy idle until then takes
+  nothing in late;
 - `drain()` waits until every proxy live when it began (reported in the last STALE_S), or reporting since,
   has reported, already applying DRAINING, nothing in flight, however long one is silent meanwhile (up to
   the timeout); a proxy's count is taken in the same step of its event loop as the state it reports, so no
@@ -27,16 +28,13 @@ A proxy without the middleware (a cluster started without mnv3's callback) never
 import asyncio
 import contextlib
 import logging
-import os
 import re
-import socket
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import ray
-from ray.exceptions import ActorDiedError, ActorUnavailableError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError
 
 from mnv3.auth import route_path
 from mnv3.batcher import ShuttingDown
@@ -70,7 +68,8 @@ class Report:
 
 
 class Flag:
-    """Whether the app is stopping, and each proxy's latest report (the actor `DrainFlag` holds one)."""
+    """Whether the app is stopping, and each proxy's latest report (the actor `DrainFlag` holds one). A proxy
+    is known by its node's id: Serve runs one a node, and one restarted on its node takes its place."""
 
     def __init__(self):
         self.state = SERVING
@@ -89,13 +88,14 @@ class Flag:
             self.waited_for.add(proxy)
         return self.state
 
-    def progress(self) -> tuple[int, int]:
+    def progress(self, live_nodes: frozenset[str] | None = None) -> tuple[int, int]:
         """(proxies not yet applying the state, requests in flight at them all, at their latest reports).
-        Before a drain, the proxies live now; during one, those live when it began and those since."""
+        Before a drain, the proxies live now; during one, those live when it began and those since, except
+        those whose node is not among `live_nodes` (None: all are): their requests went with it."""
         if self.state == SERVING:
             waited = [report for report in self.reports.values() if time.monotonic() - report.at < STALE_S]
         else:
-            waited = [self.reports[proxy] for proxy in self.waited_for]
+            waited = [self.reports[node] for node in self.waited_for if live_nodes is None or node in live_nodes]
         return sum(report.applied != self.state for report in waited), sum(report.in_flight for report in waited)
 
 
@@ -107,23 +107,43 @@ def start_flag() -> "ray.actor.ActorHandle":
     return DrainFlag.options(name=DRAIN_FLAG_NAME, namespace=DRAIN_FLAG_NAMESPACE).remote()  # type: ignore[return-value]
 
 
-def drain(flag: "ray.actor.ActorHandle", timeout_s: float, skip: threading.Event) -> int:
+def drain(flag: "ray.actor.ActorHandle", timeout_s: float, skipped: Callable[[], bool]) -> int:
     """Stop taking requests and wait until the proxies have answered those they had, at most `timeout_s`
-    (`skip` set ends the wait early); then have them answer what is left with 503. How many requests were
-    in flight when the wait ended (at the proxies' latest reports)."""
+    (`skipped()` true ends the wait early); then have them answer what is left with 503. How many requests
+    were in flight at live proxies when the wait ended (at their latest reports). Every call to the flag is
+    bounded in time, so a flag out of reach cannot hold the driver past its deadline."""
     deadline = time.monotonic() + timeout_s
-    ray.get(flag.set.remote(DRAINING))
+    in_flight = 0
+    _ask(flag.set.remote(DRAINING))
     while True:
-        behind, in_flight = ray.get(flag.progress.remote())
-        if not behind and not in_flight:
-            return 0
-        if time.monotonic() >= deadline or skip.wait(POLL_S):
+        progress = _ask(flag.progress.remote(_live_nodes()))
+        if progress is not None:
+            behind, in_flight = progress
+            if not behind and not in_flight:
+                return 0
+        if skipped() or time.monotonic() >= deadline:
             break
-    ray.get(flag.set.remote(STOPPED))
+        time.sleep(POLL_S)
+    _ask(flag.set.remote(STOPPED))
     confirm_by = time.monotonic() + CONFIRM_S
-    while ray.get(flag.progress.remote())[0] and time.monotonic() < confirm_by:
+    while time.monotonic() < confirm_by:
+        progress = _ask(flag.progress.remote(_live_nodes()))
+        if progress is not None and not progress[0]:
+            break
         time.sleep(POLL_S)
     return in_flight
+
+
+def _ask(ref, timeout_s: float = 1.0):
+    """`ref`'s value, or None if the flag does not answer within `timeout_s`."""
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except GetTimeoutError:
+        return None
+
+
+def _live_nodes() -> frozenset[str]:
+    return frozenset(node["NodeID"] for node in ray.nodes() if node["Alive"])
 
 
 @dataclass(eq=False)
@@ -179,15 +199,16 @@ class RefuseWhileDraining:
             self.requests.discard(request)
 
     async def _watch(self) -> None:
-        proxy = f"{socket.gethostname()}:{os.getpid()}"
+        node = ray.get_runtime_context().get_node_id()
         flag = None
         while True:
             try:
                 if flag is None:
                     flag = await asyncio.to_thread(ray.get_actor, DRAIN_FLAG_NAME, namespace=DRAIN_FLAG_NAMESPACE)
-                state = await flag.report.remote(proxy, self.state, len(self.requests))
+                state = await flag.report.remote(node, self.state, len(self.requests))
             except (ValueError, ActorDiedError):  # no flag (yet), or its driver has stopped: serve
                 flag, self.state = None, SERVING
+                self.first_report.set()
             except ActorUnavailableError:  # out of reach for now: keep the state, try again
                 pass
             except Exception:  # anything else: the watch goes on, or a drain would wait for nothing
@@ -197,7 +218,7 @@ class RefuseWhileDraining:
                 if state == STOPPED and self.state != STOPPED:
                     self._cut_off()
                 self.state = state  # applied: the next report says so
-            self.first_report.set()
+                self.first_report.set()
             await asyncio.sleep(POLL_S if flag is not None else LOOKUP_S)
 
     def _cut_off(self) -> None:

@@ -26,7 +26,7 @@ import logging
 import os
 import signal
 import sys
-import threading
+import time
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
@@ -585,36 +585,39 @@ def serve_forever(args, config: ServerConfig) -> None:
         deploy(app, url)
         signals.install()
         print(f"mnv3 on Ray Serve at {url} (Ctrl-C stops it)", flush=True)
-        while not signals.stop.wait(1.0):
-            pass
+        while not signals.stop:
+            time.sleep(0.2)
     finally:
         stop(flag, signals, config.shutdown_timeout_s, leave_cluster=bool(args.address))
 
 
 class StopSignals:
-    """SIGINT and SIGTERM once serving: the first asks to stop, any later one to end the drain's wait. Flags,
-    not exceptions: an exception from a second signal could land between any two steps of the drain."""
+    """SIGINT and SIGTERM once serving: the first asks to stop, any later one to end the drain's wait. Plain
+    flags, polled: an exception from a second signal could land between any two steps of the drain, and a
+    lock taken in a handler (threading.Event's) could be the one the interrupted code holds."""
 
     def __init__(self):
-        self.stop, self.skip = threading.Event(), threading.Event()
+        self.stop = self.skip = False
 
     def install(self) -> None:
         signal.signal(signal.SIGINT, self._received)
         signal.signal(signal.SIGTERM, self._received)
 
     def _received(self, signum, frame) -> None:
-        (self.skip if self.stop.is_set() else self.stop).set()
+        if self.stop:
+            self.skip = True
+        self.stop = True
 
 
 def stop(flag, signals: StopSignals, timeout_s: float, leave_cluster: bool) -> None:
     """Answer what the proxies have taken in (at most `timeout_s`; a second Ctrl-C or SIGTERM cuts it short:
     what is left then gets a 503), then delete the app (a further signal abandons that), and stop the local
     cluster unless `leave_cluster` (and others' apps) is to go on."""
-    signals.stop.set()  # also when deploying failed or was interrupted: a signal from now on ends the wait
+    signals.stop = True  # also when deploying failed or was interrupted: a signal from now on ends the wait
     signals.install()
     print(f"stopping: answering the requests in flight (at most {timeout_s:g} s; Ctrl-C again to skip)", flush=True)
     try:
-        if left := drain(flag, timeout_s, signals.skip):
+        if left := drain(flag, timeout_s, lambda: signals.skip):
             print(f"{left} requests were still in flight: those not yet answering got a 503", flush=True)
     except Exception as exc:  # the flag out of reach: what is in flight is lost, but the app must still go
         print(f"could not drain: {type(exc).__name__}: {exc}", flush=True)
@@ -624,7 +627,7 @@ def stop(flag, signals: StopSignals, timeout_s: float, leave_cluster: bool) -> N
         print("deleting the app and stopping (Ctrl-C again to abandon)", flush=True)
         serve.delete(APP_NAME)
     except KeyboardInterrupt:
-        print(f"stopped without deleting the app {APP_NAME}", flush=True)
+        print(f"not waiting for the app {APP_NAME} to be deleted: Serve goes on deleting it", flush=True)
     finally:
         if leave_cluster:
             ray.shutdown()

@@ -3,6 +3,9 @@ against a stand-in flag: what it reports, refuses, cuts off and lets through. SI
 `python -m mnv3.ray_serve` is tests/test_ray_shutdown.py."""
 
 import asyncio
+import threading
+import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -33,6 +36,7 @@ def test_the_flag_waits_for_every_proxy_live_when_the_drain_began_to_apply_it_wi
     assert flag.progress() == (0, 1)
     flag.report("late", SERVING, 0)  # a proxy first heard of during the drain is waited for too
     assert flag.progress() == (1, 1)
+    assert flag.progress(live_nodes=frozenset({"b"})) == (0, 0)  # a and late's nodes are gone, with their requests
 
 
 class StandInFlag:
@@ -114,6 +118,7 @@ def test_the_middleware_reports_refuses_cuts_off_once_and_serves_again_when_the_
     flag = StandInFlag()
     monkeypatch.setattr(ray_drain.ray, "is_initialized", lambda: True)
     monkeypatch.setattr(ray_drain.ray, "get_actor", lambda *args, **kwargs: flag)
+    monkeypatch.setattr(ray_drain.ray, "get_runtime_context", lambda: SimpleNamespace(get_node_id=lambda: "node"))
     monkeypatch.setattr(ray_drain, "POLL_S", 0.001)
     monkeypatch.setattr(ray_drain, "LOOKUP_S", 0.001)
 
@@ -155,3 +160,38 @@ def test_the_middleware_reports_refuses_cuts_off_once_and_serves_again_when_the_
         app.watcher.cancel()
 
     asyncio.run(scenario())
+
+
+class StandInHandle:
+    """An actor handle on a local Flag: each `.remote(...)` runs the method (ray.get is patched to pass it on)."""
+
+    def __init__(self, flag):
+        for name in ("set", "progress", "report"):
+            setattr(self, name, SimpleNamespace(remote=getattr(flag, name)))
+
+
+@pytest.fixture
+def no_cluster(monkeypatch):
+    monkeypatch.setattr(ray_drain.ray, "get", lambda value, timeout=None: value)
+    monkeypatch.setattr(ray_drain.ray, "nodes", lambda: [{"NodeID": "head", "Alive": True}])
+
+
+def test_the_drain_ends_at_once_for_a_proxy_whose_node_is_gone_and_a_skip_sends_stopped(no_cluster):
+    flag = Flag()
+    flag.report("head", SERVING, 0)
+    flag.report("worker", SERVING, 1)  # its node dies before the drain: its request went with it
+
+    def head_proxy():  # the live proxy goes on reporting, idle, applying each state, until it applies STOPPED
+        while flag.report("head", flag.state, 0) != STOPPED or flag.reports["head"].applied != STOPPED:
+            time.sleep(0.01)
+
+    reporting = threading.Thread(target=head_proxy)
+    reporting.start()
+    started = time.monotonic()
+    left = ray_drain.drain(StandInHandle(flag), timeout_s=WAIT_S, skipped=lambda: False)
+    assert left == 0 and time.monotonic() - started < WAIT_S / 2 and flag.state == DRAINING
+    flag.report("head", DRAINING, 3)  # requests the drain would wait for, but the user said skip
+    started = time.monotonic()
+    assert ray_drain.drain(StandInHandle(flag), timeout_s=WAIT_S, skipped=lambda: True) == 3
+    assert flag.state == STOPPED and time.monotonic() - started < ray_drain.CONFIRM_S  # the proxy confirmed
+    reporting.join(WAIT_S)
