@@ -114,6 +114,11 @@ def allows(held: Scope, needed: Scope) -> bool:
     return needed in GRANTS[held]
 
 
+def keys_allowed(needed: Scope) -> str:
+    """The key scopes a request that needs `needed` takes, in words."""
+    return needed.value if needed is Scope.ADMIN else f"{needed.value} (or admin)"
+
+
 class KeyFileError(ValueError):
     """A key file that cannot be used; the message is one line naming the file, the line and the fix."""
 
@@ -474,8 +479,7 @@ class ApiKeyAuth:
             challenge = f'Bearer realm="mnv3", error="insufficient_scope", scope="{scope_name}"'.encode()
             instead = meant_instead(scope["method"], route_path(scope), key.scope)
             reason = (
-                f"this API key's scope does not include this path: it needs a key of scope {scope_name}"
-                + ("" if needed is Scope.ADMIN else " (or admin)")
+                f"this API key's scope does not include this path: it needs a key of scope {keys_allowed(needed)}"
                 + (f"; this key may make {instead}" if instead else "")
             )
             return Decision(Refusal(403, reason, "out_of_scope", [(b"www-authenticate", challenge)]), [])
@@ -525,8 +529,7 @@ def document_keys(schema: dict) -> dict:
             if needed is not Scope.OPEN:
                 operation["security"] = [{name: []} for name in SECURITY_SCHEMES]
                 operation["description"] = (
-                    operation.get("description", "")
-                    + f"\n\nNeeds an API key of scope {needed.value}{'' if needed is Scope.ADMIN else ' (or admin)'}."
+                    operation.get("description", "") + f"\n\nNeeds an API key of scope {keys_allowed(needed)}."
                 ).strip()
                 for status, why in KEY_REFUSALS.items():
                     operation.setdefault("responses", {}).setdefault(str(status), {"description": why})

@@ -78,7 +78,7 @@ class Expected:
     deadline: float  # the deadline on the time.perf_counter() clock, which every thread can read
     array: np.ndarray | None = None  # its input, once queued
     queued_at: float = 0.0  # time.perf_counter() when its input was queued; 0.0 until then
-    settled: bool = False  # answered or dropped, and counted so; event loop only
+    settled: bool = False  # answered or dropped, and counted so; set on the event loop only
 
     def wanted(self, now: float) -> bool:
         # Read from other threads: a future's state is a plain field, and a stale read only means one

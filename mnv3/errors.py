@@ -24,6 +24,8 @@ from mnv3.preprocess import ImageTooLarge, InvalidImage
 from mnv3.v2_protocol import error_body, is_protocol_path
 
 RETRY_AFTER_S = 1
+# What a request still running when a drain runs out is answered (503), by the plain server and by Ray's proxy.
+CUT_OFF = "the server stopped before this request finished (--shutdown-timeout-s)"
 
 
 class BadUpload(ValueError):

@@ -38,7 +38,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutErro
 
 from mnv3.auth import route_path
 from mnv3.batcher import ShuttingDown
-from mnv3.errors import body_for_path, error_response
+from mnv3.errors import CUT_OFF, body_for_path, error_response
 
 logger = logging.getLogger("ray.serve")  # in Ray's proxy: its log files
 DRAIN_FLAG_NAME = "mnv3-drain"
@@ -50,7 +50,6 @@ CONFIRM_S = 2.0  # how long drain() waits for the proxies to answer what is left
 # What the flag says, in order: take requests; answer those taken, refuse new ones; give up on those left.
 SERVING, DRAINING, STOPPED = "serving", "draining", "stopped"
 REFUSED = "the server is stopping: it answers the requests it had and takes no new ones; retry elsewhere or later"
-CUT_OFF = "the server stopped before this request finished (--shutdown-timeout-s)"
 # The first segment of every path mnv3's app serves (tests/test_ray_shutdown.py checks it against the app's
 # routes): on a cluster shared with other apps, a proxy drains only these.
 MNV3_PATH = re.compile(r"/(|predict|v2|models?|metrics|healthz|readyz|stats|static|docs|redoc|openapi\.json)(/.*)?")

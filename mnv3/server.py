@@ -40,7 +40,7 @@ from mnv3.batcher import ShuttingDown
 from mnv3.config import PROG, ModelSpec, ServerConfig, parse_args, unknown_variables
 from mnv3.connections import BoundedHeadProtocol
 from mnv3.engine import Engine, ModelLoadError, Prediction
-from mnv3.errors import ERROR_DOCS, ERRORS, body_for_path, error_response
+from mnv3.errors import CUT_OFF, ERROR_DOCS, ERRORS, body_for_path, error_response
 from mnv3.page import page_router
 from mnv3.serving import ServedModel, Serving, served_model, serving, unless_disconnected
 from mnv3.stats import stats_router
@@ -401,7 +401,7 @@ class AnswerCancelledAtShutdown:
             if started or task is None or not task.cancelling():
                 raise
             task.uncancel()  # the task ends with this answer; nothing is left to cancel
-            stopped = ShuttingDown("the server stopped before this request finished (--shutdown-timeout-s)")
+            stopped = ShuttingDown(CUT_OFF)
             scope["app"].state.serving.metrics.count_rejection(stopped)
             await error_response(stopped, body=body_for_path(route_path(scope)))(scope, receive, send)
 
