@@ -32,6 +32,7 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError
@@ -70,7 +71,7 @@ class Flag:
     """Whether the app is stopping, and each proxy's latest report (the actor `DrainFlag` holds one). A proxy
     is known by its node's id: Serve runs one a node, and one restarted on its node takes its place."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.state = SERVING
         self.reports: dict[str, Report] = {}
         self.waited_for: set[str] = set()  # the proxies live when the drain began: waited for however silent
@@ -103,7 +104,7 @@ DrainFlag = ray.remote(num_cpus=0)(Flag)  # no CPU: it must not take one the rep
 
 def start_flag() -> "ray.actor.ActorHandle":
     """The flag the proxies watch, at SERVING; it lives as long as this driver does."""
-    return DrainFlag.options(name=DRAIN_FLAG_NAME, namespace=DRAIN_FLAG_NAMESPACE).remote()  # type: ignore[return-value]
+    return DrainFlag.options(name=DRAIN_FLAG_NAME, namespace=DRAIN_FLAG_NAMESPACE).remote()
 
 
 def drain(flag: "ray.actor.ActorHandle", timeout_s: float, skipped: Callable[[], bool]) -> int:
@@ -161,7 +162,7 @@ class RefuseWhileDraining:
     reports how many to the drain flag; refuses new ones while the flag is up, and once it says STOPPED
     answers those whose answer has not begun (503s in the path's error shape, as the plain server's)."""
 
-    def __init__(self, app):
+    def __init__(self, app: Callable[..., Any]) -> None:
         self.app = app
         self.state = SERVING
         self.requests: set[InFlight] = set()
@@ -199,7 +200,7 @@ class RefuseWhileDraining:
 
     async def _watch(self) -> None:
         node = ray.get_runtime_context().get_node_id()
-        flag = None
+        flag: Any = None  # its ActorHandle, once found
         while True:
             try:
                 if flag is None:
