@@ -484,3 +484,46 @@ def test_a_json_constant_is_named_without_the_binary_header_advice():
     with pytest.raises(V2Error) as caught:
         parse(b'{"inputs": [], "id": NaN}', None)
     assert caught.value.message == "the inference header is not JSON (NaN is not a JSON value)"
+
+
+DEEP = 1000  # within orjson's nesting limit (1024), past what repr can print from a request's stack
+_PIXELS_60 = {"name": PIXELS_INPUT, "datatype": "FP32", "shape": [1, 3, 4, 5], "data": [0.5] * 60}
+# Where a client's value is quoted back in a refusal, each with a value nested DEEP lists deep.
+DEEPLY_NESTED = {
+    "input name": lambda deep: json_request({**_PIXELS_60, "name": deep}),
+    "datatype": lambda deep: json_request({**_PIXELS_60, "datatype": deep}),
+    "shape": lambda deep: json_request({**_PIXELS_60, "shape": deep}),
+    "binary_data_size": lambda deep: json_request(
+        {"name": PIXELS_INPUT, "datatype": "FP32", "shape": [1, 3, 4, 5], "parameters": {"binary_data_size": deep}}
+    ),
+    "binary_data_output": lambda deep: json_request(_PIXELS_60, parameters={"binary_data_output": deep}),
+    "output name": lambda deep: json_request(_PIXELS_60, outputs=[{"name": deep}]),
+    "classification": lambda deep: json_request(
+        _PIXELS_60, outputs=[{"name": PROBABILITIES_OUTPUT, "parameters": {"classification": deep}}]
+    ),
+}
+
+
+@pytest.mark.parametrize("field", DEEPLY_NESTED)
+def test_a_deeply_nested_value_is_refused_with_a_short_quote(field):
+    body, _ = DEEPLY_NESTED[field]("DEEP")  # json.dumps cannot write the nesting: it replaces the string
+    body = body.replace(b'"DEEP"', b"[" * DEEP + b"1" + b"]" * DEEP)
+    with pytest.raises(V2Error) as caught:
+        parse(body)
+    assert caught.value.status == 400
+    assert "[[[[...]]]]" in caught.value.message
+
+
+def test_a_long_value_is_quoted_shortened():
+    with pytest.raises(V2Error) as caught:
+        parse(*json_request({**_PIXELS_60, "name": "x" * 100_000}))
+    assert caught.value.message.startswith("unknown input 'xxx")
+    assert "..." in caught.value.message and len(caught.value.message) < 300
+
+
+@pytest.mark.parametrize("encode", [lambda text: b"\xef\xbb\xbf" + text.encode(), lambda text: text.encode("utf-16")])
+def test_json_that_orjson_refuses_is_read_as_before(encode):
+    """orjson reads UTF-8 without a byte-order mark only; json, the fallback, reads what it read before."""
+    text, _ = json_request(_PIXELS_60)
+    parsed = parse(encode(text.decode()))
+    assert np.array_equal(parsed.pixels, np.full((1, 3, 4, 5), 0.5, np.float32))
