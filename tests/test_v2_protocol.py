@@ -527,3 +527,13 @@ def test_json_that_orjson_refuses_is_read_as_before(encode):
     text, _ = json_request(_PIXELS_60)
     parsed = parse(encode(text.decode()))
     assert np.array_equal(parsed.pixels, np.full((1, 3, 4, 5), 0.5, np.float32))
+
+
+def test_an_id_that_is_not_unicode_is_echoed_as_json_read_it():
+    """json reads a lone surrogate escape, which orjson neither reads nor writes: the answer still echoes it."""
+    body = json_request(_PIXELS_60)[0].replace(b"{", b'{"id": "\\ud800", ', 1)
+    request = parse(body)
+    assert request.id == "\ud800"
+    header = json.loads(encode_infer_response(request, probabilities(1), MODEL).body)
+    assert header["id"] == "\ud800"
+    assert np.array_equal(np.asarray(header["outputs"][0]["data"], np.float32), probabilities(1).ravel())
