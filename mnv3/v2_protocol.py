@@ -208,7 +208,11 @@ def _parse_header_length(value: str, body_length: int) -> int:
 def _parse_json_header(data: bytes) -> dict:
     # Either parser holds the GIL throughout, so the event loop, in whichever thread parsing ran, waits while a
     # tensor's numbers are read: orjson reads them several times faster than json. What orjson refuses (UTF-16,
-    # a byte-order mark, NaN, a lone surrogate) json reads as before, or refuses and says why.
+    # a byte-order mark, NaN, a lone surrogate) json reads as before, or refuses and says why. Where the two
+    # differ: orjson reads an integer past 64 bits as a float (a PIXELS value so written is taken at its FP32
+    # value, as 1.8e19 always was, where json's int was refused; elsewhere it is refused as not an integer,
+    # where json's int was refused as too large, or as a classification k clipped to the classes), and nesting
+    # to 1024 levels, where json's limit was the stack's (about 950 deep in the server).
     try:
         header = orjson.loads(data)
     except orjson.JSONDecodeError:
@@ -259,7 +263,7 @@ def _the_one_input(inputs) -> dict:
         raise _bad(f"unknown input {_quoted(unknown[0])}; the inputs are {', '.join(INPUT_NAMES)} (send one)")
     if len(inputs) > 1:
         raise _bad(
-            f"send one input, not {len(inputs)} ({', '.join(names)}): {IMAGE_INPUT} for encoded "
+            f"send one input, not {len(inputs)} ({', '.join(names[:8])}{', ...' if len(names) > 8 else ''}): {IMAGE_INPUT} for encoded "
             f"images or {PIXELS_INPUT} for a preprocessed tensor (perf_analyzer sends every input unless its "
             "--input-data file holds one: python -m mnv3.perf_analyzer_setup writes one of photos)"
         )
@@ -275,17 +279,17 @@ def _name_and_shape(tensor: dict) -> tuple[str, list[int]]:
     if not isinstance(shape, list) or not all(type(dim) is int and dim >= 0 for dim in shape):
         raise _bad(f"{name}'s shape must be a list of non-negative integers, got {_quoted(shape)}")
     if math.prod(shape) == 0:
-        raise _bad(f"{name} is an empty tensor (shape {shape})")
+        raise _bad(f"{name} is an empty tensor (shape {_quoted(shape)})")
     return name, shape
 
 
 def _batch_size(name: str, shape: list[int], model: ModelDescription) -> int:
     if name == IMAGE_INPUT:
         if len(shape) not in (1, 2) or (len(shape) == 2 and shape[1] != 1):
-            raise _bad(f"{name} has shape {shape}; send [N] or [N, 1]: one element per image")
+            raise _bad(f"{name} has shape {_quoted(shape)}; send [N] or [N, 1]: one element per image")
     elif shape[1:] != list(model.input_shape):
         expected = ", ".join(map(str, model.input_shape))
-        raise _bad(f"{name} has shape {shape}; model {model.name} takes [N, {expected}]")
+        raise _bad(f"{name} has shape {_quoted(shape)}; model {model.name} takes [N, {expected}]")
     if shape[0] > model.max_images:
         raise _bad(f"{shape[0]} images in one request; the limit is {model.max_images} (split the request)")
     return shape[0]

@@ -514,11 +514,28 @@ def test_a_deeply_nested_value_is_refused_with_a_short_quote(field):
     assert "[[[[...]]]]" in caught.value.message
 
 
-def test_a_long_value_is_quoted_shortened():
+LONG_VALUES = {
+    "input name": (lambda: json_request({**_PIXELS_60, "name": "x" * 100_000}), "unknown input 'xxx"),
+    "empty shape": (lambda: json_request({**_PIXELS_60, "shape": [0] * 100_000}), "PIXELS is an empty tensor"),
+    "long shape": (lambda: json_request({**_PIXELS_60, "shape": [1] * 100_000}), "PIXELS has shape [1, 1,"),
+    "many inputs": (lambda: json_request(*[_PIXELS_60] * 10_000), "send one input, not 10000 (PIXELS, PIXELS,"),
+}
+
+
+@pytest.mark.parametrize("case", LONG_VALUES)
+def test_a_long_value_is_quoted_shortened(case):
+    make, start = LONG_VALUES[case]
     with pytest.raises(V2Error) as caught:
-        parse(*json_request({**_PIXELS_60, "name": "x" * 100_000}))
-    assert caught.value.message.startswith("unknown input 'xxx")
-    assert "..." in caught.value.message and len(caught.value.message) < 300
+        parse(*make())
+    assert caught.value.message.startswith(start)
+    assert "..." in caught.value.message and len(caught.value.message) < 400
+
+
+def test_an_integer_past_64_bits_is_a_pixel_value_like_any_number():
+    """orjson reads it as a float, so it is taken at its FP32 value, as the same number written 1.8e19 is."""
+    body, _ = json_pixels_spelling(str(2**64), 1)
+    parsed = parse(body)
+    assert parsed.pixels.ravel()[0] == np.float32(2**64) and parsed.pixels.ravel()[1] == 0.5
 
 
 @pytest.mark.parametrize("encode", [lambda text: b"\xef\xbb\xbf" + text.encode(), lambda text: text.encode("utf-16")])
