@@ -262,8 +262,9 @@ def _the_one_input(inputs) -> dict:
     if unknown:
         raise _bad(f"unknown input {_quoted(unknown[0])}; the inputs are {', '.join(INPUT_NAMES)} (send one)")
     if len(inputs) > 1:
+        listed = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
         raise _bad(
-            f"send one input, not {len(inputs)} ({', '.join(names[:8])}{', ...' if len(names) > 8 else ''}): {IMAGE_INPUT} for encoded "
+            f"send one input, not {len(inputs)} ({listed}): {IMAGE_INPUT} for encoded "
             f"images or {PIXELS_INPUT} for a preprocessed tensor (perf_analyzer sends every input unless its "
             "--input-data file holds one: python -m mnv3.perf_analyzer_setup writes one of photos)"
         )
