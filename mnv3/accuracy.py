@@ -110,6 +110,8 @@ def load_labels(path, class_names: list[str]) -> tuple[list[Path], np.ndarray]:
         pairs = _folder_pairs(path, class_names)
     elif path.is_file() and path.suffix.lower() == ".csv":
         pairs = _csv_pairs(path)
+    elif not path.exists():
+        raise UnreadableLabels(f"--labels {path}: no such file or folder")
     else:
         raise UnreadableLabels(f"--labels {path}: expected a folder of class folders or a .csv of file,class_id")
     if not pairs:

@@ -166,8 +166,9 @@ def guard_note(provenance: str, min_agreement: float, photos: int) -> str:
     note = f"applied: a variant needs top-1 agreement with FP32 >= {min_agreement} on the {photos} held-out photos"
     if photos * (1 - min_agreement) < 1:
         note += (
-            f"; of {photos}, a single disagreement refuses a variant: measure on more (without --quick, with "
-            "more --labels photos or a larger --labels-count) or lower --min-agreement"
+            f"; of {photos}, a single disagreement refuses a variant: measure on more (run without --quick, "
+            "which compares on a few; give more --labels photos, each of which is compared unless --labels-count "
+            "holds them to fewer) or lower --min-agreement"
         )
     return note
 

@@ -65,9 +65,11 @@ def choose(turns: list[tuple[int, int, LoadResult]]) -> tuple[dict, str]:
         batch_threads: round(LoadResult.pooled(*(run for threads, _, run in turns if threads == batch_threads)).rps, 1)
         for batch_threads in dict.fromkeys(threads for threads, _, _ in turns)
     }
-    best = max(pooled, key=pooled.__getitem__)
+    best = max(pooled, key=pooled.__getitem__)  # on a tie, the first timed
     rates = ", ".join(f"{threads} thread(s) {rate} req/s" for threads, rate in pooled.items())
+    tied = sum(rate == pooled[best] for rate in pooled.values()) > 1
     return {"batch_threads": best, "batch_threads_req_per_s": {str(k): v for k, v in pooled.items()}}, (
-        f"a server's batches on {best} thread(s), which answered the most of {rates}, "
+        f"a server's batches on {best} thread(s), which answered {'as many as any' if tied else 'the most'} of "
+        f"{rates}, "
         f"its batching server timed in turns at concurrency {turns[0][2].concurrency}"
     )

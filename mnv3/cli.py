@@ -12,6 +12,7 @@ import contextlib
 import math
 import sys
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -417,6 +418,7 @@ def run_stage(run, args, user_errors: tuple = (), writes: tuple[str, ...] = ()):
     folders are checked first, so a run never does its work to fail at writing it down. Ctrl-C exits 130
     with one line, as a shell reports it. Either way the folders in `writes` it made are removed if still empty."""
     made: list[Path] = []
+    python_format, warnings.formatwarning = warnings.formatwarning, _format_warning
     try:
         for name in writes:
             made += check_writable(getattr(args, name), flag(name))
@@ -429,3 +431,16 @@ def run_stage(run, args, user_errors: tuple = (), writes: tuple[str, ...] = ()):
         remove_if_empty(made)
         print("interrupted", file=sys.stderr)
         sys.exit(130)
+    finally:
+        warnings.formatwarning = python_format
+
+
+def _format_warning(message, category, filename, lineno, line=None) -> str:
+    """A plain UserWarning (the stages' own, e.g. the random-init stand-in or a model without class names)
+    as one line, as the stages' errors are, not with the file, line and source that led to it."""
+    if category is UserWarning:
+        return f"warning: {message}\n"
+    return _PYTHON_FORMAT_WARNING(message, category, filename, lineno, line)
+
+
+_PYTHON_FORMAT_WARNING = warnings.formatwarning

@@ -132,9 +132,12 @@ def _state_dict(path, data: bytes) -> dict:
     if isinstance(loaded, dict) and loaded and all(key.startswith("module.") or key == "n_averaged" for key in loaded):
         loaded = {key.removeprefix("module."): value for key, value in loaded.items() if key != "n_averaged"}
     if not isinstance(loaded, dict) or not all(isinstance(value, torch.Tensor) for value in loaded.values()):
+        found = ""
+        if isinstance(loaded, dict):  # e.g. a Lightning checkpoint's "state_dict", whose names differ
+            found = f" (its keys: {', '.join(map(str, list(loaded)[:5]))}{', ...' if len(loaded) > 5 else ''})"
         raise BadWeights(
             f"--weights {path}: holds no state_dict (a dict of tensors, or a checkpoint with one under "
-            f'"model"); save one with {SAVE_STATE_DICT}'
+            f'"model"){found}; save one with {SAVE_STATE_DICT}'
         )
     return loaded
 
@@ -194,6 +197,16 @@ def _check_fits(path, arch: str, model: torch.nn.Module, state_dict: dict) -> No
     for other in ARCHS.keys() - {arch}:
         if not _mismatches(ARCHS[other](weights=None, num_classes=num_classes(model)), state_dict):
             raise BadWeights(f"--weights {path} holds {other} weights, not {arch}: pass --arch {other}")
+    expected = model.state_dict()
+    shared = expected.keys() & state_dict.keys()
+    if len(shared) * 2 > len(expected) and all(state_dict[key].shape == expected[key].shape for key in shared):
+        # this arch's tensors, under names that do not all match: another --arch would not help
+        listed = ", ".join(sorted(mismatches)[:3]) + (", ..." if len(mismatches) > 3 else "")
+        raise BadWeights(
+            f"--weights {path}: {arch} weights, but {len(mismatches)} of their names are not torchvision's "
+            f"({listed}); save the model's state_dict alone, with no other entries or renamed layers: "
+            f"{SAVE_STATE_DICT}"
+        )
     raise BadWeights(
         f"--weights {path}: not a {arch} state_dict ({len(mismatches)} tensors differ, e.g. "
         f"{sorted(mismatches)[0]}); pass --arch {' or '.join(ARCHS)} to match how it was trained"

@@ -1,5 +1,6 @@
 """The plumbing every entry point shares: --quick defaults that never override a flag, and one-line errors."""
 
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -90,6 +91,21 @@ def test_a_refused_run_removes_the_folders_it_made_unless_it_wrote_there(tmp_pat
         assert (tmp_path / "typo").exists() == write and (tmp_path / "mine").is_dir()
     assert (tmp_path / "typo" / "a" / "fp32.onnx").is_file()
     capsys.readouterr()
+
+
+def test_a_stages_own_warning_is_one_line_and_others_keep_pythons_format():
+    """What Python prints a warning with (pytest records them instead, so this asks the formatter)."""
+
+    def run(args):
+        return [
+            warnings.formatwarning(message, category, "stage.py", 151, "  model = load_model()")
+            for message, category in (("no --class-names", UserWarning), ("old API", DeprecationWarning))
+        ]
+
+    own, library = cli.run_stage(run, None)
+    assert own == "warning: no --class-names\n"
+    assert library.startswith("stage.py:151: DeprecationWarning: old API\n")
+    assert warnings.formatwarning is not cli._format_warning  # Python's again once the stage is done
 
 
 def test_run_stage_returns_what_the_stage_returns_and_lets_bugs_through():

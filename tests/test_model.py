@@ -102,6 +102,30 @@ def test_other_archs_weights_name_the_right_arch(tmp_path):
         load_model("mobilenet_v3_large", path)
 
 
+@pytest.mark.parametrize("change", ["extra", "missing"])
+def test_this_archs_weights_under_other_names_are_named_not_sent_to_another_arch(tmp_path, change):
+    state = mobilenet_v3_large(num_classes=5).state_dict()
+    if change == "extra":
+        state["extra.head.weight"] = torch.zeros(2)
+    else:
+        del state["features.0.0.weight"]
+    path = tmp_path / "weights.pth"
+    torch.save(state, path)
+    with pytest.raises(BadWeights) as caught:
+        load_model("mobilenet_v3_large", path)
+    message = str(caught.value)
+    assert "mobilenet_v3_large weights, but 1 of their names are not torchvision's" in message
+    assert ("unexpected extra.head.weight" if change == "extra" else "missing features.0.0.weight") in message
+    assert "--arch" not in message
+
+
+def test_a_checkpoint_without_a_model_entry_names_its_keys(tmp_path):
+    path = tmp_path / "lightning.ckpt"
+    torch.save({"epoch": 3, "state_dict": {"model.conv.weight": torch.zeros(1)}}, path)
+    with pytest.raises(BadWeights, match=r"holds no state_dict .* \(its keys: epoch, state_dict\)"):
+        load_model("mobilenet_v3_large", path)
+
+
 def test_whole_pickled_model_is_refused_saying_how_to_save_a_state_dict(tmp_path):
     path = tmp_path / "whole.pth"
     torch.save(mobilenet_v3_small(num_classes=3), path)

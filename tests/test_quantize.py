@@ -349,6 +349,8 @@ def test_class_folders_are_matched_by_one_rule_for_all(tmp_path):
     # A name here, a position there: refused, not guessed.
     with pytest.raises(UnreadableLabels, match="'Nature' are neither class names nor class ids"):
         load_labels(labelled_tree(tmp_path / "mixed", "Nature", "cat", "moon"), ["cat", "näture", "moon", "sea"])
+    with pytest.raises(UnreadableLabels, match="nope: no such file or folder"):
+        load_labels(tmp_path / "nope", CLASS_NAMES)
     # Names that differ only in case match as written, never folded onto each other.
     paths, labels = load_labels(labelled_tree(tmp_path / "case", "Cat", "cat"), ["Cat", "cat", "x"])
     assert {p.parent.name: int(c) for p, c in zip(paths, labels, strict=True)} == {"Cat": 0, "cat": 1}

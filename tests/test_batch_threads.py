@@ -1,0 +1,22 @@
+"""Stage 2's choice of the threads a server's batches run on, from its timed turns."""
+
+import pytest
+
+from mnv3.batch_threads import choose
+from mnv3.loadtest import LoadResult
+
+pytestmark = pytest.mark.unit
+
+
+def turn(threads: int, number: int, seconds: float) -> tuple[int, int, LoadResult]:
+    samples = [("200", 0.01, {})] * 100
+    return threads, number, LoadResult.from_samples("closed", 8, samples, seconds)
+
+
+def test_the_threads_that_answered_the_most_are_chosen_and_a_tie_is_called_one():
+    keys, reason = choose([turn(1, 1, 2.0), turn(2, 1, 1.0), turn(2, 2, 1.0), turn(1, 2, 2.0)])
+    assert keys == {"batch_threads": 2, "batch_threads_req_per_s": {"1": 50.0, "2": 100.0}}
+    assert reason.startswith("a server's batches on 2 thread(s), which answered the most of 1 thread(s) 50.0")
+    keys, reason = choose([turn(1, 1, 1.0), turn(2, 1, 1.0)])
+    assert keys["batch_threads"] == 1  # the first timed
+    assert "which answered as many as any of 1 thread(s) 100.0 req/s, 2 thread(s) 100.0 req/s" in reason
