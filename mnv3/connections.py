@@ -24,7 +24,7 @@ every few seconds, was held open for good, each one a file descriptor until the 
 
 Both answers are `{"detail": ...}` as every other refusal of the server. Bodies are bounded elsewhere
 (`mnv3.uploads`: --max-upload-bytes, --body-timeout-s). How many connections a process holds at once is the
-file-descriptor limit's to bound (the server raises its soft limit to the hard one); a server facing the
+file-descriptor limit's to bound (the server raises its soft limit to the hard one, at most 65,536); a server facing the
 open internet belongs behind a proxy that limits connections per client.
 """
 

@@ -441,18 +441,18 @@ def check_can_listen(host: str, port: int) -> None:
         raise CannotListen(f"cannot listen on {host}:{port}: {reason}; pick another --port (or --host)") from None
 
 
-MAX_OPEN_FILES = 65_536  # what raise_open_file_limit asks for when the hard limit is unlimited
+MAX_OPEN_FILES = 65_536  # the most raise_open_file_limit asks for: plenty for one process, not the million some allow
 
 
 def raise_open_file_limit() -> None:
-    """The soft limit on open files up to the hard one, as far as the kernel allows: every connection is a file
-    descriptor, and a soft limit of 1024 (a common default) would refuse connections long before memory or
-    CPU run out."""
+    """The soft limit on open files up to the hard one, at most MAX_OPEN_FILES, never lowered, as far as the
+    kernel allows: every connection is a file descriptor, and a soft limit of 1024 (a common default) would
+    refuse connections long before memory or CPU run out."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    wanted = hard if hard != resource.RLIM_INFINITY else MAX_OPEN_FILES
+    wanted = MAX_OPEN_FILES if hard == resource.RLIM_INFINITY else min(hard, MAX_OPEN_FILES)
     if soft != resource.RLIM_INFINITY and soft < wanted:
         try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (min(wanted, MAX_OPEN_FILES), hard))
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
         except (ValueError, OSError) as exc:  # e.g. above the kernel's nr_open: keep the soft limit
             log.warning("open-file limit stays %d: %s", soft, exc)
 

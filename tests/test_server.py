@@ -2,6 +2,7 @@
 
 import io
 import json
+import resource
 import shutil
 import socket
 import subprocess
@@ -20,6 +21,7 @@ from mnv3.engine import Engine
 from mnv3.loadtest import ServerProcess, parse_metrics
 from mnv3.photos import load_images
 from mnv3.preprocess import decode_image, preprocess
+from mnv3.server import raise_open_file_limit
 from mnv3.thread_cpu import EVENT_LOOP, INFERENCE, PREPROCESS, ROLES
 
 pytestmark = pytest.mark.integration
@@ -524,3 +526,24 @@ def test_model_reports_the_memory_its_engine_took_to_open_and_to_warm_up(fp32_mo
         "load_rss_bytes": 30_000_000,
         "warm_up_rss_bytes": 20_000_000,
     }
+
+
+@pytest.mark.parametrize(
+    ("limits", "set_to"),
+    [
+        ((1024, 4096), (4096, 4096)),  # up to the hard limit
+        ((1024, 1_048_576), (65_536, 1_048_576)),  # at most MAX_OPEN_FILES
+        ((1024, "unlimited"), (65_536, "unlimited")),
+        ((100_000, 1_048_576), None),  # already above the cap: never lowered
+        ((8192, 8192), None),
+    ],
+)
+def test_the_open_file_limit_is_raised_to_the_hard_one_at_most_65536_never_lowered(monkeypatch, limits, set_to):
+    def real(limit):
+        return resource.RLIM_INFINITY if limit == "unlimited" else limit
+
+    calls = []
+    monkeypatch.setattr(resource, "getrlimit", lambda which: tuple(map(real, limits)))
+    monkeypatch.setattr(resource, "setrlimit", lambda which, values: calls.append(values))
+    raise_open_file_limit()
+    assert calls == ([] if set_to is None else [tuple(map(real, set_to))])
