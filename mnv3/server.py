@@ -215,7 +215,7 @@ async def healthz() -> Status:
 @ops_router.get(
     "/readyz",
     response_model=Status,
-    responses={503: {"model": Status, "description": "warming up"}},
+    responses={503: {"model": Status, "description": "warming up, or a model's warm-up failed (the status says)"}},
     summary="Every model is loaded and warmed up",
 )
 async def readyz(s: Serving = Depends(serving)):

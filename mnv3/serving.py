@@ -84,7 +84,7 @@ class ServedModel:
             self._run_batch, config.max_batch_size, config.batch_window_ms, config.queue_limit
         )
         self.metrics = metrics.for_model(self.name, self.cache, self.batcher)
-        self.warmed_up = False
+        self.not_ready_reason: str | None = "is warming up"  # None once warmed up
         self.memory = ModelMemory(model_bytes(engine.path), engine.load_rss_bytes, None)
 
     def warm_up(self) -> None:
@@ -95,7 +95,7 @@ class ServedModel:
         after = rss_bytes()
         if before is not None and after is not None:
             self.memory = replace(self.memory, warm_up_rss_bytes=after - before)
-        self.warmed_up = True
+        self.not_ready_reason = None
 
     async def _decoded_and_inferred(self, data: bytes, deadline: float) -> tuple[BatchResult, float]:
         """One encoded image's row, decoded in the shared pool and queued for inference from there, and the
@@ -204,18 +204,24 @@ class Serving:
             ) from None
 
     async def warm_up(self) -> None:
-        """Warm every model up, one after the other, then start batching. Requests queue meanwhile."""
+        """Warm every model up, one after the other, then start batching. Requests queue meanwhile. A model
+        that fails to warm up says so (its `not_ready_reason`), and so does the server; the others are ready."""
         started = time.perf_counter()
-        try:
-            for served in self.models.values():
+        failures = []
+        for served in self.models.values():
+            try:
                 await asyncio.to_thread(served.warm_up)
+            except InferenceError as exc:
+                log.error("warm-up of %s failed: %s", served.name, exc)
+                served.not_ready_reason = f"failed to warm up: {exc}"
+                failures.append(f"{served.name}: {exc}")
+        if failures:
+            self.not_ready_reason = f"warm-up failed: {'; '.join(failures)}"
+        else:
             self.not_ready_reason = None
             log.info(
                 "ready (GET /readyz 200): %s warmed up in %.1f s", ", ".join(self.models), time.perf_counter() - started
             )
-        except InferenceError as exc:
-            log.error("warm-up failed: %s", exc)
-            self.not_ready_reason = f"warm-up failed: {exc}"
         # Even after a failure, so requests fail with its error instead of timing out.
         for served in self.models.values():
             served.batcher.start()

@@ -276,8 +276,8 @@ def _add_model_routes(path: str, model_dependency) -> None:
         summary="Model readiness: 200 once it is warmed up",
     )
     async def model_ready(model: ServedModel = Depends(model_dependency)) -> Response:
-        if not model.warmed_up:
-            raise V2Error(503, f"model {model.name} is warming up")
+        if model.not_ready_reason:
+            raise V2Error(503, f"model {model.name} {model.not_ready_reason}")
         return Response()
 
     @v2_router.get(

@@ -13,13 +13,17 @@ import numpy as np
 import pytest
 import requests
 import tritonclient.http as triton
+from starlette.testclient import TestClient
 from tritonclient.utils import InferenceServerException
 
 from conftest import Gate, post_file, serving_client, wait_until
 from mnv3.artifacts import CLASS_NAMES_JSON
+from mnv3.config import ServerConfig
+from mnv3.engine import InferenceError
 from mnv3.loadtest import ServerProcess
 from mnv3.photos import load_images
 from mnv3.preprocess import decode_image, preprocess
+from mnv3.server import create_app, load_engines
 
 pytestmark = pytest.mark.integration
 
@@ -370,3 +374,21 @@ def test_duplicate_or_unsafe_model_names_are_one_line_cli_errors(fp32_model_path
             timeout=WAIT_S,
         )
         assert result.returncode == 2 and message in result.stderr.strip().splitlines()[-1]
+
+
+def test_a_model_whose_warm_up_failed_says_so_and_the_others_are_ready(fp32_model_path, monkeypatch):
+    config = ServerConfig(model=f"a={fp32_model_path}", extra_models=(f"b={fp32_model_path}",))
+    engines = load_engines(config)
+
+    def failing(batch_sizes):
+        raise InferenceError("out of memory (simulated)")
+
+    monkeypatch.setattr(engines[0], "warm_up", failing)
+    with TestClient(create_app(config, *engines)) as client:
+        wait_until(lambda: "failed" in client.get("/readyz").json()["status"], "the warm-up's failure")
+        assert client.get("/readyz").json() == {"status": "warm-up failed: a: out of memory (simulated)"}
+        failed = client.get("/v2/models/a/ready")
+        assert failed.status_code == 503
+        assert failed.json() == {"error": "model a failed to warm up: out of memory (simulated)"}
+        assert client.get("/v2/models/b/ready").status_code == 200
+        assert client.get("/v2/health/ready").status_code == 503
