@@ -22,7 +22,8 @@ every few seconds, was held open for good, each one a file descriptor until the 
   connection when the rest can be dropped as it arrives) must arrive within UNREAD_BODY_TIMEOUT_S, or the
   connection is closed, as a body the app reads is bounded by --body-timeout-s.
 
-Both answers are `{"detail": ...}` as every other refusal of the server. Bodies are bounded elsewhere
+Each answer is in the shape of the server's other refusals: `{"detail": ...}`, or, refusing a /v2 request in
+its body (where its path is known), the Open Inference Protocol's `{"error": ...}`. Bodies are bounded elsewhere
 (`mnv3.uploads`: --max-upload-bytes, --body-timeout-s). How many connections a process holds at once is the
 file-descriptor limit's to bound (the server raises its soft limit to the hard one, at most 65,536); a server facing the
 open internet belongs behind a proxy that limits connections per client.
@@ -31,8 +32,12 @@ open internet belongs behind a proxy that limits connections per client.
 import asyncio
 import json
 import logging
+from collections.abc import Callable
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from mnv3.auth import route_path
+from mnv3.errors import body_for_path, detail_body
 
 # Far above any real head (browsers and HTTP clients send a few KB; nginx's default limit is 32 KB) and above
 # one read of the socket (256 KB), so counting whole reads never refuses a real head.
@@ -161,7 +166,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             if self.pipeline or self.cycle.response_started or self.cycle.response_complete:
                 self.transport.close()
             else:
-                self.write_and_close(status, detail)
+                self.write_and_close(status, detail, body_for_path(route_path(self.cycle.scope)))
             return
         if self.cycle is not None and not self.cycle.response_complete:
             log.warning("%s: %s; closing the connection after the answers under way", status, detail)
@@ -171,8 +176,8 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         log.warning("%s: %s; closing the connection", status, detail)
         self.write_and_close(status, detail)
 
-    def write_and_close(self, status: int, detail: str) -> None:
-        body = json.dumps({"detail": detail}).encode()
+    def write_and_close(self, status: int, detail: str, shape: Callable[[str], dict] = detail_body) -> None:
+        body = json.dumps(shape(detail)).encode()
         self.transport.write(
             STATUS_LINE[status]
             + b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(body)

@@ -28,6 +28,7 @@ def bounded_server(monkeypatch, head_timeout_s: float = 0.5):
         return {"status": "ok"}
 
     @app.post("/echo")
+    @app.post("/v2/models/echo/infer")
     async def echo(request: Request):
         return {"bytes": len(await request.body())}
 
@@ -117,6 +118,13 @@ def test_a_chunked_body_of_too_many_chunks_is_a_413(monkeypatch):
             response = answer(sock)
     assert response.startswith(b"HTTP/1.1 413 ") and b"more than 100 chunks" in response
     assert response.count(b"HTTP/1.1") == 1 and time.monotonic() - started < WAIT_S / 2
+    assert response.endswith(b'{"detail": "the request\'s chunked body came in more than 100 chunks"}')
+    with bounded_server(monkeypatch) as port, socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
+        # under /v2, in the Open Inference Protocol's shape, which Triton's clients read
+        sock.sendall(head.replace(b"/echo", b"/v2/models/echo/infer") + b"1\r\nx\r\n" * 200 + b"0\r\n\r\n")
+        response = answer(sock)
+    assert response.startswith(b"HTTP/1.1 413 ")
+    assert response.endswith(b'{"error": "the request\'s chunked body came in more than 100 chunks"}')
     with bounded_server(monkeypatch) as port, socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
         # answered before its body (an unknown path), then over the bound: closed, with no second answer
         sock.sendall(head.replace(b"/echo", b"/nowhere"))
