@@ -30,9 +30,10 @@ Guarantees:
 - A key's `in_flight=N` bounds the requests it has in the server at once (429 past it, before the rate is
   checked), so one key's stalled uploads cannot hold every --max-in-flight slot.
 - Rate limits are token buckets per key and per process (each worker or replica has its own buckets).
-  Past a limit: 429 with Retry-After, before the body is read. Every answer to a rate-limited key, the 429
-  too, carries the draft RateLimit-Policy and RateLimit fields (what is left, when it is whole). The event
-  loop runs one check at a time; the lock makes a bucket safe to share between threads as well.
+  Past a limit: 429 with Retry-After, before the body is read. Every answer to a rate-limited key that gets
+  past its scope (not a 403), the 429s too, carries the draft RateLimit-Policy and RateLimit fields (what is
+  left, when it is whole). The event loop runs one check at a time; the lock makes a bucket safe to share
+  between threads as well.
 
 Key file: one key a line, `KEY SCOPE [rate=N/s|N/min] [burst=N] [in_flight=N] [name=LABEL]`; blank lines and lines
 starting with `#` are ignored. KEY is 16 to 512 visible ASCII characters, or `sha256:` and the 64 hex

@@ -3,8 +3,8 @@
 Plain HTML, CSS and JavaScript from `mnv3/static/` (no build step, no framework, no CDN or external
 font: nothing the page loads comes from another host). Every URL the page uses is relative, so it
 also works when the app is served under a path prefix. What the page does is in `static/page.js`;
-it talks only to the API every client uses (`/predict`, `/models`, `/stats`), so it adds no
-work to the /predict path.
+it talks only to the API every client uses (`/predict`, `/models`, `/stats`, and `/metrics` when its
+link is followed with an API key in use), so it adds no work to the /predict path.
 """
 
 from pathlib import Path
