@@ -21,7 +21,6 @@ import resource
 import signal
 import socket
 import sys
-import time
 from contextlib import asynccontextmanager
 
 import uvicorn
@@ -120,18 +119,13 @@ predict_router = APIRouter(tags=["predict"])
 async def predict(
     request: Request, s: Serving = Depends(serving), model: ServedModel = Depends(served_model)
 ) -> PredictResponse:
-    started = time.perf_counter()
-    deadline = asyncio.get_running_loop().time() + s.config.deadline_ms / 1000
-    try:
-        with s.admit():
-            data = await read_upload(request, s.config.max_upload_bytes, s.config.body_timeout_s)
-            # Only the computation watches for a disconnect: a cache hit is answered before a watcher
-            # task would even start, and a follower's wait on an identical request costs nothing.
-            result, hit = await model.cache.get_or_compute(
-                data, lambda: unless_disconnected(request, model.classify(data, deadline))
-            )
-    finally:
-        model.metrics.request_latency.observe(time.perf_counter() - started)
+    with s.request(model) as deadline:
+        data = await read_upload(request, s.config.max_upload_bytes, s.config.body_timeout_s)
+        # Only the computation watches for a disconnect: a cache hit is answered before a watcher
+        # task would even start, and a follower's wait on an identical request costs nothing.
+        result, hit = await model.cache.get_or_compute(
+            data, lambda: unless_disconnected(request, model.classify(data, deadline))
+        )
     if hit:
         result = result.as_cache_hit()
     # vars, not asdict: asdict deep-copies the predictions, and a cache hit has little else to do.

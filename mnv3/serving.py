@@ -227,15 +227,21 @@ class Serving:
             served.batcher.start()
 
     @contextmanager
-    def admit(self):
-        """Count a request in for its whole life, or refuse it at once when --max-in-flight are in."""
-        if self.in_flight >= self.config.max_in_flight:
-            raise Busy(f"server busy: {self.in_flight} requests in flight (limit {self.config.max_in_flight})")
-        self.in_flight += 1  # only ever changed on the event loop, so no lock
+    def request(self, model: ServedModel):
+        """An inference request to `model` for its whole life: counted in, or refused at once when
+        --max-in-flight are in; given its deadline (the event loop's time, --deadline-ms from now); and its
+        latency observed in `model`'s metrics however it ends, refused at once too."""
+        started = time.perf_counter()
         try:
-            yield
+            if self.in_flight >= self.config.max_in_flight:
+                raise Busy(f"server busy: {self.in_flight} requests in flight (limit {self.config.max_in_flight})")
+            self.in_flight += 1  # only ever changed on the event loop, so no lock
+            try:
+                yield asyncio.get_running_loop().time() + self.config.deadline_ms / 1000
+            finally:
+                self.in_flight -= 1
         finally:
-            self.in_flight -= 1
+            model.metrics.request_latency.observe(time.perf_counter() - started)
 
     async def stop(self) -> None:
         await asyncio.gather(*(served.batcher.stop(self.config.shutdown_timeout_s) for served in self.models.values()))

@@ -14,7 +14,6 @@ deadline...), and is counted in `mnv3_rejections_total` as /predict's are.
 
 import asyncio
 import math
-import time
 from collections.abc import Callable, Coroutine
 from typing import Annotated, Any
 
@@ -307,26 +306,21 @@ _add_model_routes("/models/{name}/versions/{version}", versioned_model)
 
 
 async def _infer(request: Request, model: ServedModel, s: Serving) -> Response:
-    started = time.perf_counter()
-    deadline = asyncio.get_running_loop().time() + s.config.deadline_ms / 1000
-    try:
-        with s.admit():
-            described = description(model)
-            try:
-                body = await read_body(request, s.config.max_upload_bytes, s.config.body_timeout_s)
-            except BodyTooLarge as exc:
-                if "content-encoding" in request.headers:  # an inflated body's limit: rows are not the point
-                    raise
-                row = 4 * math.prod(described.input_shape)  # /config's max_batch_size rows may not fit the limit
-                raise BodyTooLarge(
-                    f"{exc} (--max-upload-bytes): {PIXELS_INPUT} takes {row} bytes a row in binary, so "
-                    f"{s.config.max_upload_bytes // row} rows fit; send fewer a request, encoded images as "
-                    f"{IMAGE_INPUT}, or raise the limit"
-                ) from None
-            parsed = parse_infer_request(body, request.headers.get(HEADER_LENGTH), described)
-            probabilities = np.stack(await unless_disconnected(request, _rows(model, parsed, deadline)))
-    finally:
-        model.metrics.request_latency.observe(time.perf_counter() - started)
+    with s.request(model) as deadline:
+        described = description(model)
+        try:
+            body = await read_body(request, s.config.max_upload_bytes, s.config.body_timeout_s)
+        except BodyTooLarge as exc:
+            if "content-encoding" in request.headers:  # an inflated body's limit: rows are not the point
+                raise
+            row = 4 * math.prod(described.input_shape)  # /config's max_batch_size rows may not fit the limit
+            raise BodyTooLarge(
+                f"{exc} (--max-upload-bytes): {PIXELS_INPUT} takes {row} bytes a row in binary, so "
+                f"{s.config.max_upload_bytes // row} rows fit; send fewer a request, encoded images as "
+                f"{IMAGE_INPUT}, or raise the limit"
+            ) from None
+        parsed = parse_infer_request(body, request.headers.get(HEADER_LENGTH), described)
+        probabilities = np.stack(await unless_disconnected(request, _rows(model, parsed, deadline)))
     response = encode_infer_response(parsed, probabilities, described)
     if response.header_length is None:
         return Response(response.body, media_type="application/json")
