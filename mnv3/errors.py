@@ -62,7 +62,12 @@ ERRORS: dict[type[Exception], tuple[int, str | None, str]] = {
     ),
     InvalidImage: (400, "bad_input", "empty body, not an image, or a corrupt/truncated image"),
     SlowUpload: (408, "slow_upload", "the body did not arrive within --body-timeout-s"),
-    BodyTooLarge: (413, "too_large", "body over --max-upload-bytes (refused by its Content-Length before reading)"),
+    BodyTooLarge: (
+        413,
+        "too_large",
+        "body over --max-upload-bytes: refused by its Content-Length before reading, or cut off where it passes "
+        "the limit (chunked, or inflated), closing the connection",
+    ),
     ImageTooLarge: (413, "too_large", "image over --max-pixels, or a decompression bomb"),
     UnknownModel: (404, "unknown_model", "no model of that name is served (the message lists them)"),
     UnsupportedMediaType: (

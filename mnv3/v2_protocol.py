@@ -108,10 +108,6 @@ class InferRequest:
     outputs: tuple[RequestedOutput, ...]  # empty: every output, in binary iff `binary_output`
     binary_output: bool = False
 
-    @property
-    def count(self) -> int:
-        return len(self.images) if self.images is not None else len(self.pixels)  # type: ignore[arg-type]
-
 
 @dataclass(frozen=True)
 class InferResponse:
