@@ -95,7 +95,11 @@ V2_ERROR_DOCS: dict[int | str, dict[str, Any]] = {
         (413, "body over --max-upload-bytes; image over --max-pixels"),
         (415, "a Content-Encoding other than gzip or deflate"),
         (500, "inference failed for the batch an image ran in"),
-        (503, "not ready, --max-in-flight or --queue-limit reached, or shutting down (+ Retry-After)"),
+        (
+            503,
+            "--max-in-flight or --queue-limit reached, or shutting down (+ Retry-After); not ready (warming up, or "
+            "a warm-up that failed: the readiness paths, no Retry-After)",
+        ),
         (504, "no result within --deadline-ms"),
     )
 }
