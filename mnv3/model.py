@@ -134,7 +134,7 @@ def _state_dict(path, data: bytes) -> dict:
     if not isinstance(loaded, dict) or not all(isinstance(value, torch.Tensor) for value in loaded.values()):
         found = ""
         if isinstance(loaded, dict):  # e.g. a Lightning checkpoint's "state_dict", whose names differ
-            found = f" (its keys: {', '.join(map(str, list(loaded)[:5]))}{', ...' if len(loaded) > 5 else ''})"
+            found = f" (its keys: {_some(map(str, loaded), 5)})"
         raise BadWeights(
             f"--weights {path}: holds no state_dict (a dict of tensors, or a checkpoint with one under "
             f'"model"){found}; save one with {SAVE_STATE_DICT}'
@@ -201,16 +201,21 @@ def _check_fits(path, arch: str, model: torch.nn.Module, state_dict: dict) -> No
     shared = expected.keys() & state_dict.keys()
     if len(shared) * 2 > len(expected) and all(state_dict[key].shape == expected[key].shape for key in shared):
         # this arch's tensors, under names that do not all match: another --arch would not help
-        listed = ", ".join(sorted(mismatches)[:3]) + (", ..." if len(mismatches) > 3 else "")
         raise BadWeights(
             f"--weights {path}: {arch} weights, but {len(mismatches)} of their names are not torchvision's "
-            f"({listed}); save the model's state_dict alone, with no other entries or renamed layers: "
-            f"{SAVE_STATE_DICT}"
+            f"({_some(sorted(mismatches), 3)}); save the model's state_dict alone, with no other entries or "
+            f"renamed layers: {SAVE_STATE_DICT}"
         )
     raise BadWeights(
         f"--weights {path}: not a {arch} state_dict ({len(mismatches)} tensors differ, e.g. "
         f"{sorted(mismatches)[0]}); pass --arch {' or '.join(ARCHS)} to match how it was trained"
     )
+
+
+def _some(items, most: int) -> str:
+    """The first `most` of `items`, comma-separated, with "..." when there are more."""
+    items = list(items)
+    return ", ".join(items[:most]) + (", ..." if len(items) > most else "")
 
 
 def _first_line(exc: Exception) -> str:
