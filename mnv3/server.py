@@ -41,7 +41,7 @@ from mnv3.connections import BoundedHeadProtocol
 from mnv3.engine import Engine, ModelLoadError, Prediction
 from mnv3.errors import CUT_OFF, ERROR_DOCS, ERRORS, body_for_path, error_response
 from mnv3.page import page_router
-from mnv3.serving import ServedModel, Serving, served_model, serving, unless_disconnected
+from mnv3.serving import ModelName, ServedModel, Serving, served_model, serving, unless_disconnected
 from mnv3.stats import stats_router
 from mnv3.uploads import CloseUnreadBody, read_upload
 from mnv3.v2_router import http_error_in_shape, v2_router
@@ -116,9 +116,11 @@ predict_router = APIRouter(tags=["predict"])
     summary="Classify one image (multipart field 'file', or a raw image/* or octet-stream body) with the "
     "default model, or the one ?model= names",
 )
-async def predict(
-    request: Request, s: Serving = Depends(serving), model: ServedModel = Depends(served_model)
-) -> PredictResponse:
+async def predict(request: Request, model_name: ModelName = None) -> PredictResponse:
+    # Not Depends(serving) and Depends(served_model), as the other endpoints have them: FastAPI solves each
+    # dependency anew for every request, which on the busiest path costs the event loop more than the lookups.
+    s: Serving = request.app.state.serving
+    model = s.model(model_name)
     with s.request(model) as deadline:
         data = await read_upload(request, s.config.max_upload_bytes, s.config.body_timeout_s)
         # Only the computation watches for a disconnect: a cache hit is answered before a watcher

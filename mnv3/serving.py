@@ -5,6 +5,8 @@ dynamic batcher, metrics series) and what they share: the preprocess thread pool
 (--max-in-flight counts every request, whatever its model) and one inference lock. Endpoints reach it
 with `Depends(serving)`, and the model a request names with `Depends(served_model)` (`?model=NAME`,
 default: the first configured model) or `Serving.model(name)`; an unknown name is `UnknownModel` (404).
+The busiest endpoints (/predict, /v2 infer) take it from `request.app.state` instead: FastAPI solves each
+dependency anew for every request.
 
 Guarantees:
 - at most one inference call runs at a time across all models: each batcher has its own runner thread,
@@ -24,6 +26,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import Annotated
 
 import numpy as np
 from fastapi import Query, Request
@@ -253,12 +256,14 @@ async def serving(request: Request) -> Serving:
     return request.app.state.serving
 
 
-async def served_model(
-    request: Request,
-    model: str | None = Query(
-        None, description="the model's name (GET /models lists them); default: the server's default model"
-    ),
-) -> ServedModel:
+# ?model=NAME: the model a request names
+ModelName = Annotated[
+    str | None,
+    Query(alias="model", description="the model's name (GET /models lists them); default: the server's default model"),
+]
+
+
+async def served_model(request: Request, model: ModelName = None) -> ServedModel:
     return request.app.state.serving.model(model)
 
 
@@ -266,22 +271,25 @@ async def unless_disconnected(request: Request, work):
     """Await `work`, cancelling it if the client goes away first, so its decode and inference are dropped.
 
     Neither uvicorn nor Starlette cancel an endpoint whose client left; with the body read, the next
-    ASGI message can only be the disconnect (or the end of our response).
+    ASGI message can only be the disconnect (or the end of our response). A watcher task waits for it and
+    cancels this task; `work` is awaited here, not in a task of its own, and without asyncio.wait: every
+    request pays for those, a disconnect is rare.
     """
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_disconnected(request))
+    task = asyncio.current_task()
+    assert task is not None
+    watcher = asyncio.ensure_future(_cancel_on_disconnect(request, task))
     try:
-        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+        return await work
+    except asyncio.CancelledError:
+        if watcher.done() and not watcher.cancelled() and watcher.exception() is None:  # the watcher's cancel
+            task.uncancel()
+            raise ClientDisconnect() from None
+        raise
     finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    if task.cancelled():
-        raise ClientDisconnect()
-    return task.result()
+        watcher.cancel()
 
 
-async def _disconnected(request: Request) -> None:
+async def _cancel_on_disconnect(request: Request, task: asyncio.Task) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
+    task.cancel()

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import orjson
 
+from mnv3.engine import top_k_ids
+
 PATH_PREFIX = "/v2"
 IMAGE_INPUT = "IMAGE"
 PIXELS_INPUT = "PIXELS"
@@ -472,12 +474,7 @@ def _output(
 
 def classifications(probabilities: np.ndarray, k: int, class_names: list[str]) -> list[list[str]]:
     """Triton's classification strings, per row the k (at most all) most probable classes, highest first."""
-    k = min(k, probabilities.shape[1])
-    best = np.argsort(-probabilities, axis=1, kind="stable")[:, :k]
-    return [
-        [_classification(float(row[i]), int(i), class_names) for i in order]
-        for row, order in zip(probabilities, best, strict=True)
-    ]
+    return [[_classification(float(row[i]), int(i), class_names) for i in top_k_ids(row, k)] for row in probabilities]
 
 
 def _classification(probability: float, index: int, class_names: list[str]) -> str:

@@ -299,10 +299,8 @@ def _add_model_routes(path: str, model_dependency) -> None:
         openapi_extra=INFER_BODY,
         summary="Classify encoded images (IMAGE, BYTES) or preprocessed pixels (PIXELS, FP32 [N, 3, 224, 224])",
     )
-    async def infer(
-        request: Request, model: ServedModel = Depends(model_dependency), s: Serving = Depends(serving)
-    ) -> Response:
-        return await _infer(request, model, s)
+    async def infer(request: Request, model: ServedModel = Depends(model_dependency)) -> Response:
+        return await _infer(request, model, request.app.state.serving)  # not Depends(serving): see /predict
 
 
 _add_model_routes("/models/{name}", named_model)

@@ -508,7 +508,7 @@ def test_a_failed_request_leaves_no_cycle_holding_its_body(failure):
         batcher = make(engine, max_batch_size=4, window_ms=0)
         body = Upload()
         freed.append(weakref.ref(body))
-        task = asyncio.ensure_future(request(batcher, engine, body))  # its own task, as unless_disconnected's
+        task = asyncio.ensure_future(request(batcher, engine, body))  # its own task, as each request is
         del body
         with pytest.raises((ValueError, RuntimeError, DeadlineExceeded)):
             await task

@@ -17,7 +17,7 @@ from PIL import Image
 from conftest import WAIT_S, Gate, post_file, post_raw, serving_client, wait_until
 from mnv3.artifacts import CLASS_NAMES_JSON
 from mnv3.config import parse_args
-from mnv3.engine import Engine
+from mnv3.engine import Engine, top_k_ids
 from mnv3.loadtest import ServerProcess, parse_metrics
 from mnv3.photos import load_images
 from mnv3.preprocess import decode_image, preprocess
@@ -476,6 +476,24 @@ def test_top_k_past_the_class_count_is_all_classes_and_ties_keep_class_order(fp3
     engine = Engine.load(fp32_model_path)
     row = np.array([0.1, 0.3, 0.1, 0.3, 0.2])  # ties as an INT8 model's quantized logits make them
     assert [p.class_id for p in engine.top_k(row, 10)] == [1, 3, 4, 0, 2]
+
+
+def test_top_k_ids_is_the_head_of_a_stable_argsort_with_ties_nan_and_any_k():
+    rng = np.random.default_rng(0)
+    with_nan = rng.random(1000).astype(np.float32)
+    with_nan[rng.choice(1000, 7, replace=False)] = np.nan
+    rows = {
+        "distinct": rng.random(1000).astype(np.float32),
+        "quantized, many ties": (rng.integers(0, 20, 1000) / 20).astype(np.float32),
+        "all equal": np.full(1000, 0.001, np.float32),
+        "NaN among them": with_nan,
+        "all NaN": np.full(1000, np.nan, np.float32),
+        "a short row": np.array([0.1, 0.3, 0.1, 0.3, 0.2], np.float32),
+    }
+    for name, row in rows.items():
+        for k in (1, 2, 5, 8, 999, 1000, 5000):
+            expected = np.argsort(-row, kind="stable")[:k]
+            assert top_k_ids(row, k).tolist() == expected.tolist(), (name, k)
 
 
 def test_engine_preprocesses_as_the_manifest_beside_the_model_says(fp32_model_path, tmp_path):
