@@ -162,7 +162,8 @@ class ServedModel:
 
 
 class Serving:
-    """Everything one app serves with; built at start-up and handed to endpoints by `Depends(serving)`."""
+    """Everything one app serves with; built at start-up and handed to endpoints by `Depends(serving)`, or
+    taken from `request.app.state` by the busiest (see the module's docstring)."""
 
     def __init__(self, config: ServerConfig, engines: list[Engine]):
         """`engines`: one per `config.models`, in that order. Built on the event loop's thread (the app's
@@ -270,23 +271,39 @@ async def served_model(request: Request, model: ModelName = None) -> ServedModel
 async def unless_disconnected(request: Request, work):
     """Await `work`, cancelling it if the client goes away first, so its decode and inference are dropped.
 
-    Neither uvicorn nor Starlette cancel an endpoint whose client left; with the body read, the next
-    ASGI message can only be the disconnect (or the end of our response). A watcher task waits for it and
-    cancels this task; `work` is awaited here, not in a task of its own, and without asyncio.wait: every
-    request pays for those, a disconnect is rare.
+    Neither uvicorn nor Starlette cancel an endpoint whose client left (uvicorn cancels it only at shutdown,
+    Ray Serve does when the client leaves); with the body read, the next ASGI message can only be the
+    disconnect (or the end of our response). A watcher task waits for it and cancels this task; `work` is
+    awaited here, not in a task of its own, and without asyncio.wait: every request pays for those, a
+    disconnect is rare. The watcher's cancel is always undone, so the task's cancel count
+    (`Task.cancelling`, which `AnswerCancelledAtShutdown` reads) holds only cancels from outside.
     """
     task = asyncio.current_task()
     assert task is not None
     watcher = asyncio.ensure_future(_cancel_on_disconnect(request, task))
     try:
-        return await work
+        result = await work
     except asyncio.CancelledError:
-        if watcher.done() and not watcher.cancelled() and watcher.exception() is None:  # the watcher's cancel
-            task.uncancel()
+        # ClientDisconnect only when the watcher's was the one cancel: one from outside (uvicorn's shutdown,
+        # Ray's cancel of a replica's request) arriving with it still ends the task cancelled.
+        if _fired(watcher) and task.uncancel() == 0:
             raise ClientDisconnect() from None
         raise
+    except BaseException:
+        if _fired(watcher):  # the work ended otherwise: the watcher's cancel is undone all the same
+            task.uncancel()
+        raise
+    else:
+        if _fired(watcher):
+            task.uncancel()
+        return result
     finally:
         watcher.cancel()
+
+
+def _fired(watcher: asyncio.Task) -> bool:
+    """Whether the watcher saw the disconnect, and so cancelled its request's task."""
+    return watcher.done() and not watcher.cancelled() and watcher.exception() is None
 
 
 async def _cancel_on_disconnect(request: Request, task: asyncio.Task) -> None:

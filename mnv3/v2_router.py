@@ -334,6 +334,12 @@ async def _infer(request: Request, model: ServedModel, s: Serving) -> Response:
 async def _rows(model: ServedModel, parsed: InferRequest, deadline: float) -> list[np.ndarray]:
     """Every image's or pixel row's probabilities, computed concurrently, each as its own batcher entry;
     the first failure cancels the others and is raised as it is."""
+    # In a task of its own: on Python 3.11 a TaskGroup whose row fails while it exits cancels its parent task
+    # and never uncancels it (CPython gh-116720); that parent would otherwise be the request's task.
+    return await asyncio.ensure_future(_rows_in_a_group(model, parsed, deadline))
+
+
+async def _rows_in_a_group(model: ServedModel, parsed: InferRequest, deadline: float) -> list[np.ndarray]:
     try:
         async with asyncio.TaskGroup() as group:
             if parsed.images is not None:
