@@ -58,10 +58,10 @@ class Prediction:
 
 def top_k_ids(probabilities: np.ndarray, k: int) -> np.ndarray:
     """The ids of the k largest of one row, largest first, equal values in id order: `np.argsort(-row,
-    kind="stable")[:k]`, without sorting the whole row, which was the larger part of an answer's CPU on the
-    event loop. Every value from the k-th largest up is a candidate (all its equals too, so ties keep id
-    order), and only the candidates are sorted. NaN, which the partition puts above every number, can leave
-    fewer than k candidates: then the whole row is sorted, as before."""
+    kind="stable")[:k]`, without sorting the whole row: an answer needs k of a thousand classes, and it is
+    made on the event loop, whose CPU every request shares. Every value from the k-th largest up is a
+    candidate (all its equals too, so ties keep id order), and only the candidates are sorted. NaN, which
+    the partition puts above every number, can leave fewer than k candidates: then the whole row is sorted."""
     k = min(k, len(probabilities))
     kth = np.partition(probabilities, len(probabilities) - k)[len(probabilities) - k]
     candidates = np.flatnonzero(probabilities >= kth)
