@@ -52,13 +52,17 @@ class Busy(QueueFull):
     """--max-in-flight requests are already admitted: refused before reading the body, so memory stays bounded."""
 
 
+# The most fields an image upload's multipart body may have besides its file (uploads._ImageForm): here, where
+# the API docs' words about it are too, since errors cannot import uploads (uploads imports errors).
+MAX_FORM_FIELDS = 16
+
 # exception -> (HTTP status, mnv3_rejections_total reason or None, what it means for the API docs)
 ERRORS: dict[type[Exception], tuple[int, str | None, str]] = {
     BadUpload: (
         400,
         "bad_input",
-        "no multipart field 'file' (or it came as a text field), more than one file or more than 16 other "
-        "fields, or a malformed multipart body",
+        "no multipart field 'file' (or it came as a text field), more than one file or more than "
+        f"{MAX_FORM_FIELDS} other fields, or a malformed multipart body",
     ),
     InvalidImage: (400, "bad_input", "empty body, not an image, or a corrupt/truncated image"),
     SlowUpload: (408, "slow_upload", "the body did not arrive within --body-timeout-s"),

@@ -29,7 +29,7 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from mnv3.errors import BadUpload, BodyTooLarge, SlowUpload, UnsupportedMediaType
+from mnv3.errors import MAX_FORM_FIELDS, BadUpload, BodyTooLarge, SlowUpload, UnsupportedMediaType
 
 if TYPE_CHECKING:
     from python_multipart.multipart import MultipartCallbacks
@@ -249,7 +249,7 @@ class _ImageForm:
     """Callbacks for python-multipart's parser that keep the contents of the file part named 'file' and
     refuse a body of more than one file or of more than MAX_FIELDS other fields, as a form of one image is."""
 
-    MAX_FIELDS = 16
+    MAX_FIELDS = MAX_FORM_FIELDS
 
     def __init__(self) -> None:
         self.names: list[str] = []  # of every part so far, for the error that lists them
