@@ -43,14 +43,15 @@ import requests
 import uvloop
 from prometheus_client.parser import text_string_to_metric_families
 
-from mnv3.config import API_KEY_ENV, flag
+from mnv3.config import API_KEY_ENV, ServerConfig, flag, variable
 from mnv3.latency import LatencyStats
 from mnv3.preprocess import DEFAULT_DECODING, Decoding
 from mnv3.progress import progress_bar
 from mnv3.thread_cpu import ROLES
 
 START_TIMEOUT_S = 120  # loading + warming an engine on a busy 2-core machine can take a while
-STOP_TIMEOUT_S = 15
+# After SIGTERM the server may take its --shutdown-timeout-s to drain; this much more, then it is killed.
+STOP_MARGIN_S = 15
 REQUEST_TIMEOUT_S = 60
 READY_POLL_S = 0.1
 MAX_CONNECTIONS = 1024  # kept-alive client connections: more than any load here has senders
@@ -179,6 +180,11 @@ class ServerProcess:
             if value is not None:
                 self.command += [flag(name), str(value)]
         self.start_timeout_s = start_timeout_s
+        # The server reads its setting from the flag, else from the environment it inherits, else its default.
+        drain_s = options.get("shutdown_timeout_s")
+        if drain_s is None:
+            drain_s = os.environ.get(variable("shutdown_timeout_s"), ServerConfig.shutdown_timeout_s)
+        self.stop_timeout_s = float(drain_s) + STOP_MARGIN_S
         self.process: subprocess.Popen | None = None
         self._log: IO[bytes] | None = None
 
@@ -217,10 +223,10 @@ class ServerProcess:
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)  # lets uvicorn finish in-flight requests and exit cleanly
             try:
-                self.process.wait(STOP_TIMEOUT_S)
+                self.process.wait(self.stop_timeout_s)
             except subprocess.TimeoutExpired:
                 self.process.kill()
-                self.process.wait(STOP_TIMEOUT_S)
+                self.process.wait(STOP_MARGIN_S)
         if self._log is not None and not self._log.closed:
             self._log.close()
 

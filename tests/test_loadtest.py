@@ -15,6 +15,7 @@ import requests
 from mnv3.batching_benchmark import bucket_labels
 from mnv3.loadtest import (
     FREE_PORT_LOW,
+    STOP_MARGIN_S,
     LoadResult,
     PhotoForm,
     PredictClient,
@@ -288,6 +289,16 @@ def test_server_process_gives_up_after_its_start_timeout(fp32_model_path):
         with server:
             pass
     assert server.process.returncode is not None
+
+
+def test_server_process_waits_out_the_servers_drain_before_killing_it(monkeypatch):
+    # SIGTERM gives in-flight requests the server's --shutdown-timeout-s (flag, else environment, else default).
+    monkeypatch.delenv("MNV3_SHUTDOWN_TIMEOUT_S", raising=False)
+    assert ServerProcess("m.onnx").stop_timeout_s == 30 + STOP_MARGIN_S
+    assert ServerProcess("m.onnx", shutdown_timeout_s=90).stop_timeout_s == 90 + STOP_MARGIN_S
+    monkeypatch.setenv("MNV3_SHUTDOWN_TIMEOUT_S", "45")
+    assert ServerProcess("m.onnx").stop_timeout_s == 45 + STOP_MARGIN_S
+    assert ServerProcess("m.onnx", shutdown_timeout_s=0).stop_timeout_s == STOP_MARGIN_S
 
 
 def test_batch_size_buckets_are_labelled_with_the_sizes_they_hold():
