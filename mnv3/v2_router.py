@@ -52,7 +52,8 @@ MODEL_VERSION = "1"  # one version per model: the file it was started with
 SERVER_VERSION = "1"
 
 
-# What a V2Error counts as in mnv3_rejections_total (a 503 "not ready" answers a probe, refuses no work).
+# What a V2Error counts as in mnv3_rejections_total (a 503 "not ready" answers a probe, refuses no work). A 404
+# is a model the request names that is not served, by its name or its version.
 V2_REJECTION_REASONS = {400: "bad_input", 404: "unknown_model"}
 
 
@@ -175,8 +176,9 @@ async def named_model(
 ) -> ServedModel:
     s: Serving = request.app.state.serving
     if name not in s.models:
-        unoffered = unoffered_extension(route_path(request.scope))  # GET /v2/models/stats: all models' statistics
-        raise V2Error(404, unoffered or f"unknown model {name!r}; this server serves {', '.join(s.models)}")
+        if unoffered_extension(route_path(request.scope)):  # GET /v2/models/stats: not a model called "stats"
+            raise StarletteHTTPException(404)  # answered, and not counted, as any other path the server lacks
+        raise V2Error(404, f"unknown model {name!r}; this server serves {', '.join(s.models)}")
     return s.models[name]
 
 

@@ -3,6 +3,7 @@ Inference Protocol, and by /predict: the two paths must give the same answers fo
 
 import gzip
 import json
+import re
 import struct
 import subprocess
 import sys
@@ -183,7 +184,13 @@ def test_classification_extension_gives_predicts_top_k(server, client, photos, f
         )  # printed with 6 decimals
 
 
-def test_unknown_model_or_version_is_404(client, photos):
+def unknown_model_rejections(server) -> float:
+    metrics = requests.get(server + "/metrics", timeout=WAIT_S).text
+    return float(re.search(r'^mnv3_rejections_total\{reason="unknown_model"\} (\S+)$', metrics, re.M)[1])
+
+
+def test_unknown_model_or_version_is_404(server, client, photos):
+    counted_before = unknown_model_rejections(server)
     for call in (
         lambda: client.infer("nope", [image_input(photos[:1])]),
         lambda: client.get_model_metadata("large", "2"),
@@ -194,11 +201,13 @@ def test_unknown_model_or_version_is_404(client, photos):
             call()
         assert failure.value.status() == "404"
         assert "large" in failure.value.message()  # the message says what is served
+    assert unknown_model_rejections(server) == counted_before + 4
 
 
 def test_paths_and_methods_the_server_lacks_answer_in_the_protocols_shape(server, client):
     """Triton's client reads only `error` from a failed call: its calls for extensions this server does
     not implement must surface the server's message, not a KeyError of the client's own."""
+    counted_before = unknown_model_rejections(server)
     for call, extension in (
         (client.get_model_repository_index, "model repository"),
         (lambda: client.get_inference_statistics("large"), "statistics"),
@@ -211,6 +220,7 @@ def test_paths_and_methods_the_server_lacks_answer_in_the_protocols_shape(server
             call()
         assert failure.value.status() == "404"
         assert f"does not offer Triton's {extension} extension" in failure.value.message()
+    assert unknown_model_rejections(server) == counted_before  # a path the server lacks, not a refused model
     nowhere = requests.get(server + "/v2/nowhere", timeout=WAIT_S)
     assert (nowhere.status_code, nowhere.json()) == (404, {"error": "Not Found"})
     wrong_method = requests.get(server + "/v2/models/large/infer", timeout=WAIT_S)
