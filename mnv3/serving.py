@@ -307,6 +307,11 @@ def _fired(watcher: asyncio.Task) -> bool:
 
 
 async def _cancel_on_disconnect(request: Request, task: asyncio.Task) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+    try:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    except Exception:
+        # Ray Serve's receive re-raises a failed fetch from its HTTP proxy (one that ended, say; a request the
+        # proxy no longer holds is a disconnect already): no answer could reach the client either.
+        log.warning("receiving from the client failed; its work is dropped as for a disconnect", exc_info=True)
     task.cancel()

@@ -72,6 +72,21 @@ def test_a_disconnect_cancels_the_work_and_ends_the_request_as_client_disconnect
     assert cancelled == [True]
 
 
+def test_a_receive_that_fails_drops_the_work_as_a_disconnect(caplog):
+    """Ray Serve's receive re-raises a failed fetch from its proxy: the answer could not reach the client."""
+
+    class BrokenClient:
+        async def receive(self):
+            raise RuntimeError("the proxy is gone")
+
+    async def scenario():
+        work = asyncio.Event().wait()  # never ends of itself
+        return await asyncio.wait_for(asyncio.create_task(ending(unless_disconnected(BrokenClient(), work))), 5)
+
+    assert asyncio.run(scenario()) == ("ClientDisconnect", 0)
+    assert "the proxy is gone" in caplog.text
+
+
 def test_a_cancel_from_outside_with_the_disconnect_still_ends_the_request_cancelled():
     """uvicorn's shutdown (or Ray's cancel of a replica's request) landing in the same iteration as the client's
     disconnect: the task was cancelled from outside, so it ends cancelled, once."""
