@@ -38,6 +38,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from mnv3.auth import route_path
 from mnv3.errors import body_for_path, detail_body
+from mnv3.uploads import note_body_refused
 
 # Far above any real head (browsers and HTTP clients send a few KB; nginx's default limit is 32 KB) and above
 # one read of the socket (256 KB), so counting whole reads never refuses a real head.
@@ -148,11 +149,9 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             self.refuse(*self.stopped_parsing)
             return
         if len(getattr(self, "url", b"")) > MAX_URL_BYTES:  # httptools.parse_url's offsets are 16-bit
-            log.warning("414: a URL of %d bytes; closing the connection", len(self.url))
-            self.write_and_close(414, f"the URL is over {MAX_URL_BYTES} bytes: send long data in the request's body")
+            self.refuse(414, f"the URL is over {MAX_URL_BYTES} bytes: send long data in the request's body")
             return
-        log.warning("400: %s; closing the connection", msg)
-        self.write_and_close(400, f"{msg.rstrip('.')}: the request is not valid HTTP/1.1")
+        self.refuse(400, f"{msg.rstrip('.')}: the request is not valid HTTP/1.1")  # a chunk's framing, too
 
     def refuse(self, status: int, detail: str) -> None:
         """Answer `status` and close, unless an answer to an earlier request on the connection is still being
@@ -167,6 +166,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
                 self.transport.close()
             else:
                 self.write_and_close(status, detail, body_for_path(route_path(self.cycle.scope)))
+            note_body_refused(self.cycle.scope, status, detail)  # the app reading it sees the connection end
             return
         if self.cycle is not None and not self.cycle.response_complete:
             log.warning("%s: %s; closing the connection after the answers under way", status, detail)

@@ -26,7 +26,7 @@ from python_multipart import MultipartParser
 from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import parse_options_header
 from starlette.datastructures import Headers, MutableHeaders
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mnv3.errors import MAX_FORM_FIELDS, BadUpload, BodyTooLarge, SlowUpload, UnsupportedMediaType
@@ -66,7 +66,7 @@ MAX_GZIP_MEMBERS = 16
 async def _read_body(request: Request, limit: int) -> bytes:
     _check_declared_length(request, limit)
     encoding = content_encoding(request)
-    chunks = _bounded(request.stream(), limit)
+    chunks = _bounded(request, limit)
     if encoding == "identity":
         return b"".join([chunk async for chunk in chunks])
     if encoding not in CONTENT_CODINGS:
@@ -218,7 +218,7 @@ async def _read_upload(request: Request, limit: int) -> bytes:
     except FormParserError as exc:
         raise BadUpload(f"malformed multipart body: {exc}") from exc
     try:
-        async for chunk in _bounded(request.stream(), limit):
+        async for chunk in _bounded(request, limit):
             parser.write(chunk)
     except FormParserError as exc:  # the parser's words are about characters and indices: say what to check
         if "boundary" not in str(exc).lower():  # a part's own fault, e.g. "Maximum header size exceeded"
@@ -317,11 +317,28 @@ class _ImageForm:
         self.complete = True
 
 
-async def _bounded(stream: AsyncIterator[bytes], limit: int) -> AsyncGenerator[bytes, None]:
+async def _bounded(request: Request, limit: int) -> AsyncGenerator[bytes, None]:
     # Content-Length can be absent (chunked) or lie, so the limit is also enforced on what arrives.
     received = 0
-    async for chunk in stream:
-        received += len(chunk)
-        if received > limit:
-            raise BodyTooLarge(f"body is over the limit of {limit} bytes")
-        yield chunk
+    try:
+        async for chunk in request.stream():
+            received += len(chunk)
+            if received > limit:
+                raise BodyTooLarge(f"body is over the limit of {limit} bytes")
+            yield chunk
+    except ClientDisconnect:
+        refused = request.scope.get("state", {}).get(_BODY_REFUSED)
+        if refused is None:
+            raise
+        raise refused from None
+
+
+# Where the server's HTTP protocol (mnv3.connections) leaves its refusal of a body being read: a chunked body's
+# framing, its chunk count or its trailers. It answers and closes the connection, so the read ends as if the
+# client had left; it raises the refusal instead, which counts as what it is (metrics), not as a disconnect.
+_BODY_REFUSED = "mnv3.body_refused"
+
+
+def note_body_refused(scope: Scope, status: int, detail: str) -> None:
+    """Called by the protocol when it answers `status` to a request whose body the app may be reading."""
+    scope.setdefault("state", {})[_BODY_REFUSED] = (BodyTooLarge if status == 413 else BadUpload)(detail)

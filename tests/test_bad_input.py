@@ -27,6 +27,7 @@ from PIL import Image
 from starlette.requests import Request
 
 from conftest import WAIT_S, post_file, post_raw, serving_client, wait_until
+from mnv3 import connections
 from mnv3.config import ServerConfig
 from mnv3.loadtest import ServerProcess
 from mnv3.photos import load_images
@@ -627,4 +628,30 @@ def test_stalled_cut_and_oversized_uploads_never_hold_the_server(fp32_model_path
 
         wait_until(lambda: metric(url, 'mnv3_rejections_total{reason="disconnected"}') == 1, "the cut upload to end")
         wait_until(lambda: metric(url, "mnv3_in_flight") == 0, "every upload's slot to be released")
+        assert requests.post(url + "/predict", files={"file": ("a.jpg", jpeg)}, timeout=WAIT_S).status_code == 200
+
+
+def rejections(url: str, reasons=("too_large", "bad_input", "disconnected")) -> dict[str, float]:
+    return {reason: metric(url, f'mnv3_rejections_total{{reason="{reason}"}}') for reason in reasons}
+
+
+def test_a_body_the_connection_refuses_counts_as_what_it_is_not_as_a_disconnect(fp32_model_path, jpeg):
+    """The HTTP protocol answers a chunked body's bad framing, chunk count or trailers itself and closes; the app,
+    reading that body, counts the refusal by its reason: the client did not leave, it was answered."""
+    head = b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\nTransfer-Encoding: chunked\r\n\r\n"
+    refused = {
+        "too_large": b"1\r\nx\r\n" * (connections.MAX_BODY_CHUNKS + 1) + b"0\r\n\r\n",
+        "bad_input": b"1\r\nx\r\nzz\r\nx\r\n0\r\n\r\n",  # a chunk size that is no number
+    }
+    with ServerProcess(fp32_model_path, cache_size=0) as url:
+        host, port = url.removeprefix("http://").split(":")
+        for reason, chunks in refused.items():
+            expected = rejections(url)
+            expected[reason] += 1
+            with socket.create_connection((host, int(port)), timeout=WAIT_S) as sock:
+                sock.sendall(head)
+                time.sleep(0.2)  # the app is reading the body
+                sock.sendall(chunks)
+                assert read_response(sock).startswith(b"HTTP/1.1 4"), reason
+            wait_until(lambda counted=expected: rejections(url) == counted, f"the {reason} refusal to be counted")
         assert requests.post(url + "/predict", files={"file": ("a.jpg", jpeg)}, timeout=WAIT_S).status_code == 200
