@@ -319,9 +319,9 @@ async def _infer(request: Request, model: ServedModel, s: Serving) -> Response:
                 raise
             row = 4 * math.prod(described.input_shape)  # /config's max_batch_size rows may not fit the limit
             raise BodyTooLarge(
-                f"{exc} (--max-upload-bytes): {PIXELS_INPUT} takes {row} bytes a row in binary, so "
-                f"{s.config.max_upload_bytes // row} rows fit; send fewer a request, encoded images as "
-                f"{IMAGE_INPUT}, or raise the limit"
+                f"{exc} (--max-upload-bytes): send fewer images a request, or raise the limit ({PIXELS_INPUT} "
+                f"takes {row} bytes a row in binary, so {s.config.max_upload_bytes // row} rows fit; "
+                f"{IMAGE_INPUT} rows are the encoded files, far smaller)"
             ) from None
         parsed = parse_infer_request(body, request.headers.get(HEADER_LENGTH), described)
         probabilities = np.stack(await unless_disconnected(request, _rows(model, parsed, deadline)))
@@ -349,7 +349,7 @@ async def _rows_in_a_group(model: ServedModel, parsed: InferRequest, deadline: f
                     group.create_task(_image_row(model, i, data, deadline)) for i, data in enumerate(parsed.images)
                 ]
             elif parsed.pixels is not None:
-                tasks = [group.create_task(_pixels_row(model, row, deadline)) for row in parsed.pixels]
+                tasks = [group.create_task(_pixels_row(model, i, row, deadline)) for i, row in enumerate(parsed.pixels)]
     except BaseExceptionGroup as failures:
         raise failures.exceptions[0] from None
     return [task.result() for task in tasks]
@@ -367,5 +367,13 @@ async def _image_row(model: ServedModel, index: int, data: bytes, deadline: floa
     return row
 
 
-async def _pixels_row(model: ServedModel, row: np.ndarray, deadline: float) -> np.ndarray:
-    return (await model.infer(row, deadline)).row
+async def _pixels_row(model: ServedModel, index: int, row: np.ndarray, deadline: float) -> np.ndarray:
+    probabilities = (await model.infer(row, deadline)).row
+    if not np.isfinite(probabilities).all():  # finite inputs far beyond any image's overflow inside the network
+        raise V2Error(
+            400,
+            f"{PIXELS_INPUT} row {index}: the model's output is not finite for these values (the largest is "
+            f"{float(np.abs(row).max()):.3g}; a preprocessed image's are within a few units of 0); send "
+            "preprocessed pixels",
+        )
+    return probabilities

@@ -144,6 +144,16 @@ def test_a_preprocessed_fp32_tensor_answers_as_the_encoded_photo(server, client,
     assert_same_as_predict(server, "large", photos[:2], from_pixels)
 
 
+def test_pixels_whose_output_overflows_are_a_400_not_an_answer_of_nan(client, photos):
+    # Finite FP32 values far beyond an image's overflow inside the network: its probabilities would be NaN,
+    # which a JSON answer writes as null and the classification extension as "nan:0:tench".
+    pixels = np.stack([preprocess(decode_image(photos[0])), np.full((3, 224, 224), 3e38, np.float32)])
+    with pytest.raises(InferenceServerException) as failure:
+        client.infer("large", [pixels_input(pixels)])
+    assert failure.value.status() == "400"
+    assert "PIXELS row 1: the model's output is not finite" in failure.value.message()
+
+
 @pytest.mark.parametrize("compression", ["gzip", "deflate"])
 def test_a_compressed_request_answers_as_the_plain_one(client, photos, compression):
     # tritonclient's request_compression_algorithm, which Triton takes: the answer comes uncompressed, as the
