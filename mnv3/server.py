@@ -44,6 +44,7 @@ from mnv3.page import page_router
 from mnv3.serving import ModelName, ServedModel, Serving, served_model, serving, unless_disconnected
 from mnv3.stats import stats_router
 from mnv3.uploads import CloseUnreadBody, read_upload
+from mnv3.v2_protocol import HEADER_LENGTH
 from mnv3.v2_router import http_error_in_shape, v2_router
 
 log = logging.getLogger(__name__)
@@ -348,9 +349,11 @@ def create_app(config: ServerConfig, *engines: Engine) -> FastAPI:
             CORSMiddleware,
             allow_origins=config.cors_origin_list,
             allow_methods=["GET", "POST"],
-            allow_headers=["Authorization", "X-API-Key", "Content-Type"],
-            # for a page's own pacing: backing off after a 503 or 429, a rate-limited key's budget
-            expose_headers=["Retry-After", "RateLimit", "RateLimit-Policy"],
+            # /v2's binary tensors and compressed requests, as tritonclient sends them, too
+            allow_headers=["Authorization", "X-API-Key", "Content-Type", "Content-Encoding", HEADER_LENGTH],
+            # for a page's own pacing: backing off after a 503 or 429, a rate-limited key's budget; and where a
+            # binary /v2 answer's JSON ends
+            expose_headers=["Retry-After", "RateLimit", "RateLimit-Policy", HEADER_LENGTH],
             max_age=600,
         )
     return app

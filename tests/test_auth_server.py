@@ -211,14 +211,10 @@ def test_access_refusals_are_counted_by_reason(protected):
 PAGE = "https://app.example.com"
 
 
-def preflight(client, origin: str = PAGE):
+def preflight(client, origin: str = PAGE, path: str = "/predict", headers: str = "authorization"):
     return client.options(
-        "/predict",
-        headers={
-            "Origin": origin,
-            "Access-Control-Request-Method": "POST",
-            "Access-Control-Request-Headers": "authorization",
-        },
+        path,
+        headers={"Origin": origin, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": headers},
     )
 
 
@@ -239,6 +235,10 @@ def test_a_listed_origins_page_may_call_a_protected_server_and_no_other(fp32_mod
         assert {"retry-after", "ratelimit", "ratelimit-policy"} <= set(exposed)  # a page may pace itself
         refused = c.post("/predict", content=photo, headers={"Content-Type": "image/jpeg", "Origin": PAGE})
         assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == PAGE  # readable
+        # /v2's binary tensors (tritonclient's header giving the JSON's length) and compressed requests
+        binary = preflight(c, path="/v2/models/fp32/infer", headers="inference-header-content-length,content-encoding")
+        assert binary.status_code == 200, binary.text
+        assert "inference-header-content-length" in exposed
         other = preflight(c, "https://elsewhere.example.com")
         assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
     with serving_client(fp32_model_path) as c:  # the default: no page but the server's own
