@@ -325,7 +325,7 @@ def create_app(config: ServerConfig, *engines: Engine) -> FastAPI:
     app.include_router(docs_router)
     for exc_type in ERRORS:
         app.add_exception_handler(exc_type, reject)
-    app.add_exception_handler(StarletteHTTPException, http_error_in_shape)
+    app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_middleware(HeadAsGet)
     app.add_middleware(CloseUnreadBody, limit=config.max_upload_bytes)
     if config.api_keys:
@@ -357,6 +357,16 @@ def create_app(config: ServerConfig, *engines: Engine) -> FastAPI:
             max_age=600,
         )
     return app
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's HTTP errors (404 no such path, 405 wrong method) in the path's error shape; a 405's `Allow`
+    names HEAD wherever it names GET, since HeadAsGet answers it (RFC 9110: Allow lists every method)."""
+    assert isinstance(exc, StarletteHTTPException)  # the only class it is registered for
+    allowed = (exc.headers or {}).get("Allow", "").split(", ")
+    if exc.status_code == 405 and "GET" in allowed and "HEAD" not in allowed:
+        exc.headers = {**(exc.headers or {}), "Allow": ", ".join([*allowed, "HEAD"])}
+    return await http_error_in_shape(request, exc)
 
 
 class HeadAsGet:

@@ -330,19 +330,24 @@ def test_an_image_over_the_pixel_limit_keeps_the_connection_a_body_over_the_byte
 
 
 @pytest.mark.parametrize(
-    "method, path, status",
+    "method, path, status, allow",
     [
-        ("GET", "/predict", 405),
-        ("PUT", "/predict", 405),
-        ("DELETE", "/predict", 405),
-        ("POST", "/nowhere", 404),
-        ("GET", "/predict/../../etc/passwd", 404),
+        ("GET", "/predict", 405, "POST"),
+        ("PUT", "/predict", 405, "POST"),
+        ("DELETE", "/predict", 405, "POST"),
+        ("PUT", "/healthz", 405, "GET, HEAD"),  # HEAD is answered wherever GET is, so Allow says so
+        ("POST", "/v2/models/fp32", 405, "GET, HEAD"),
+        ("POST", "/nowhere", 404, None),
+        ("GET", "/predict/../../etc/passwd", 404, None),
     ],
 )
-def test_unsupported_method_or_path_is_json(client, jpeg, method, path, status):
+def test_unsupported_method_or_path_is_json(client, jpeg, method, path, status, allow):
     response = client.request(method, path)
     assert response.status_code == status
-    assert response.headers["content-type"] == "application/json" and response.json()["detail"]
+    assert response.headers["content-type"] == "application/json" and response.json()
+    assert response.headers.get("allow") == allow
+    if allow and "HEAD" in allow:
+        assert client.head(path).status_code == 200
 
 
 # ------------------------------------------------------------------------------------------ accepted
