@@ -22,8 +22,8 @@ every few seconds, was held open for good, each one a file descriptor until the 
   connection when the rest can be dropped as it arrives) must arrive within UNREAD_BODY_TIMEOUT_S, or the
   connection is closed, as a body the app reads is bounded by --body-timeout-s.
 
-Each answer is in the shape of the server's other refusals: `{"detail": ...}`, or, refusing a /v2 request in
-its body (where its path is known), the Open Inference Protocol's `{"error": ...}`. Bodies are bounded elsewhere
+Each answer is in the shape of the server's other refusals: `{"detail": ...}`, or, refusing a /v2 request
+once its request line has come, the Open Inference Protocol's `{"error": ...}`. Bodies are bounded elsewhere
 (`mnv3.uploads`: --max-upload-bytes, --body-timeout-s). How many connections a process holds at once is the
 file-descriptor limit's to bound (the server raises its soft limit to the hard one, at most 65,536); a server facing the
 open internet belongs behind a proxy that limits connections per client.
@@ -33,6 +33,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable
+from urllib.parse import unquote
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
@@ -174,7 +175,13 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             self.flow.pause_reading()
             return
         log.warning("%s: %s; closing the connection", status, detail)
-        self.write_and_close(status, detail)
+        self.write_and_close(status, detail, self.head_shape())
+
+    def head_shape(self) -> Callable[[str], dict]:
+        """The error shape of a refusal in a request's head: its path's, once the request line has come (the
+        path of a URL too long to parse is what comes before its query)."""
+        path = getattr(self, "url", b"").partition(b"?")[0]
+        return body_for_path(unquote(path.decode("latin-1"))) if path else detail_body
 
     def write_and_close(self, status: int, detail: str, shape: Callable[[str], dict] = detail_body) -> None:
         body = json.dumps(shape(detail)).encode()

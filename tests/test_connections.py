@@ -68,6 +68,9 @@ def test_a_head_of_too_many_fields_is_a_431(monkeypatch):
         response = answer(sock)
     assert response.startswith(b"HTTP/1.1 431 ") and b"connection: close" in response
     assert response.endswith(b'{"detail": "the request has more than 100 header fields"}')
+    with bounded_server(monkeypatch) as port, socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
+        sock.sendall(b"GET /v2/health/ready?x=1 HTTP/1.1\r\nHost: x\r\n" + fields + b"\r\n")  # the path is known
+        assert answer(sock).endswith(b'{"error": "the request has more than 100 header fields"}')
     with bounded_server(monkeypatch) as port:  # exactly the bound: served
         headers = {f"X-{i}": "y" for i in range(connections.MAX_HEADERS - 5)}  # requests adds a few of its own
         assert requests.get(f"http://127.0.0.1:{port}/healthz", headers=headers, timeout=WAIT_S).status_code == 200
@@ -188,6 +191,9 @@ def test_a_url_longer_than_uvicorn_parses_is_a_414_not_a_bad_request(monkeypatch
         response = answer(sock)
     assert response.startswith(b"HTTP/1.1 414 ") and b"content-type: application/json" in response
     assert response.endswith(b'{"detail": "the URL is over 65535 bytes: send long data in the request\'s body"}')
+    with bounded_server(monkeypatch) as port, socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
+        sock.sendall(b"GET /v2/models/m?" + query + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert answer(sock).endswith(b'{"error": "the URL is over 65535 bytes: send long data in the request\'s body"}')
     with bounded_server(monkeypatch) as port:  # just under: served
         assert requests.get(f"http://127.0.0.1:{port}/healthz?" + "q" * 60_000, timeout=WAIT_S).status_code == 200
 
