@@ -221,13 +221,15 @@ async def _read_upload(request: Request, limit: int) -> bytes:
         async for chunk in _bounded(request, limit):
             parser.write(chunk)
     except FormParserError as exc:  # the parser's words are about characters and indices: say what to check
-        if "boundary" not in str(exc).lower():  # a part's own fault, e.g. "Maximum header size exceeded"
-            raise BadUpload(f"malformed multipart body ({exc})") from exc
-        boundary = params[b"boundary"].decode(errors="replace")
-        raise BadUpload(
-            f"malformed multipart body ({exc}): it must begin with --{boundary}, the boundary its Content-Type "
-            "names, with no text before it"
-        ) from exc
+        reason = str(exc)
+        if reason.startswith(("Did not find CR", "Did not find LF")):
+            hint = ": its lines must end in CRLF (\\r\\n), not a bare LF"
+        elif "boundary" in reason.lower():
+            boundary = params[b"boundary"].decode(errors="replace")
+            hint = f": it must begin with --{boundary}, the boundary its Content-Type names, with no text before it"
+        else:  # a part's own fault, e.g. "Maximum header size exceeded"
+            hint = ""
+        raise BadUpload(f"malformed multipart body ({reason}){hint}") from exc
     if not form.complete:
         raise BadUpload("malformed multipart body: it ends before its closing boundary")
     if form.file is None and "file" in form.names:

@@ -262,6 +262,11 @@ REFUSED = {
         400,
         "it must begin with --other, the boundary its Content-Type names",
     ),
+    "multipart lines ending in a bare LF": (
+        lambda c, j: post_multipart(c, multipart([("file", b"a.jpg", j)]).replace(b"\r\n", b"\n")),
+        400,
+        "its lines must end in CRLF",
+    ),
     "multipart, boundary over 256 bytes": (
         lambda c, j: post_multipart(c, multipart([("file", b"a.jpg", j)], "b" * 300), "b" * 300),
         400,
