@@ -254,9 +254,25 @@ def decode_image(
                 "(an iPhone saves JPEG with Settings > Camera > Formats > Most Compatible); accepted: "
                 f"{', '.join(ACCEPTED_FORMATS)}"
             ) from exc
+        claimed = _format_claimed(data)
+        if claimed:  # its signature is one accepted, but the decoder refused it (e.g. a TIFF's pixel layout)
+            raise InvalidImage(
+                f"a {claimed} image the decoder cannot read (cut short, corrupt, or a variant it does not support): "
+                "check the file, or save it again as JPEG or PNG"
+            ) from exc
         raise InvalidImage(f"not a recognised image format; accepted: {', '.join(ACCEPTED_FORMATS)}") from exc
     except (OSError, SyntaxError, ValueError, EOFError) as exc:
         raise InvalidImage(f"corrupt or truncated image: {exc}") from exc
+
+
+def _format_claimed(data: bytes) -> str | None:
+    """The accepted format whose signature `data` begins with, by Pillow's own test of each."""
+    prefix = data[:16]  # what Pillow's openers look at
+    for name in ACCEPTED_FORMATS:
+        accept = Image.OPEN[name][1]
+        if accept is not None and accept(prefix):
+            return name
+    return None
 
 
 def check_jpeg_scans(data: bytes) -> None:

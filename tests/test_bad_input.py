@@ -234,7 +234,7 @@ REFUSED = {
         400,
         "corrupt or truncated",
     ),
-    "jpeg header only": (lambda c, j: post_file(c, j[:20]), 400, "not a recognised image format"),
+    "jpeg header only": (lambda c, j: post_file(c, j[:20]), 400, "a JPEG image the decoder cannot read (cut short"),
     "corrupt huffman table": (lambda c, j: post_file(c, corrupt_huffman_table(j)), 400, "corrupt or truncated"),
     "decompression bomb": (lambda c, j: post_file(c, decompression_bomb()), 413, "over the limit of"),
     "huge declared dimensions": (
