@@ -343,8 +343,18 @@ def _json_bytes_elements(tensor: dict) -> list[bytes]:
     strings = _flatten(tensor["data"])
     if not all(isinstance(item, str) for item in strings):
         raise _bad(f"{IMAGE_INPUT}'s data must be base64 strings")
+    return [_base64_decoded(item) for item in strings]
+
+
+def _base64_decoded(text: str) -> bytes:
+    """Strict base64, except for line breaks: MIME's, and what `base64` and `openssl base64` print."""
     try:
-        return [base64.b64decode(item, validate=True) for item in strings]
+        try:
+            return base64.b64decode(text, validate=True)
+        except ValueError:
+            if "\n" not in text:
+                raise
+            return base64.b64decode(text.replace("\r\n", "").replace("\n", ""), validate=True)
     except ValueError as exc:  # binascii.Error, or a character outside ASCII
         raise _bad(f"{IMAGE_INPUT} holds a string that is not base64 ({exc})") from None
 

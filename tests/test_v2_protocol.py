@@ -125,6 +125,10 @@ def test_json_images_in_base64():
     }
     request = parse(json.dumps(header).encode())
     assert request.images == PAYLOADS[:2] and request.id == "b64" and not request.binary_output
+    # as `base64` prints it: lines of 76 characters, LF or CRLF
+    for end in (b"\n", b"\r\n"):
+        header["inputs"][0]["data"] = [[base64.encodebytes(p).replace(b"\n", end).decode()] for p in PAYLOADS[:2]]
+        assert parse(json.dumps(header).encode()).images == PAYLOADS[:2]
 
 
 def test_requested_outputs_and_their_parameters():
@@ -409,7 +413,7 @@ BAD_REQUESTS = {
                 "datatype": "BYTES",
                 "shape": [1],
                 "parameters": {"content_type": "base64"},
-                "data": ["%%%"],
+                "data": ["%%%\n"],  # a line break is taken, the rest is still not base64
             }
         ),
         "not base64",
