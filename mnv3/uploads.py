@@ -240,6 +240,8 @@ async def _read_upload(request: Request, limit: int) -> bytes:
         )
     if form.file is None:
         raise BadUpload(f"expected the image as multipart file field 'file'; got fields {sorted(form.names)}")
+    if not form.file:  # what a browser's form sends when no file was chosen
+        raise BadUpload("multipart file field 'file' is empty: no file was chosen, or the file is empty")
     return form.file
 
 

@@ -196,7 +196,7 @@ def post_multipart(client, body: bytes, boundary: str = "b0undary"):
 
 REFUSED = {
     "empty body": (lambda c, j: post_raw(c, b""), 400, "empty body"),
-    "zero-byte file": (lambda c, j: post_file(c, b""), 400, "empty body"),
+    "zero-byte file": (lambda c, j: post_file(c, b""), 400, "field 'file' is empty: no file was chosen"),
     "text as image": (lambda c, j: post_file(c, b"just some text\n" * 10), 400, "not a recognised image format"),
     "html as image": (
         lambda c, j: post_raw(c, b"<!DOCTYPE html><html><body><img src=x></body></html>", "image/png"),
