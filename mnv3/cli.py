@@ -10,8 +10,10 @@ measurement, writing its tables) are calls into the package, with the counts the
 import argparse
 import contextlib
 import math
+import signal
 import sys
 import tempfile
+import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -226,9 +228,9 @@ def check_writable(folder: Path, flag: str) -> list[Path]:
 
 
 def remove_if_empty(folders: list[Path]) -> None:
-    """Remove those of `folders` (innermost first) that are empty: a refused run leaves no trace of a
+    """Remove those of `folders` that are empty, innermost first: a refused run leaves no trace of a
     mistyped path, and never a file it wrote."""
-    for folder in folders:
+    for folder in sorted(folders, key=lambda path: len(path.absolute().parts), reverse=True):
         with contextlib.suppress(OSError):  # not empty (or gone): kept
             folder.rmdir()
 
@@ -416,9 +418,11 @@ def run_stage(run, args, user_errors: tuple = (), writes: tuple[str, ...] = ()):
     cannot work, a folder in `writes` (args' names: "results_dir", ...) it cannot write to, a server that will
     not start or that refuses the key, or one of `user_errors`) is one line on stderr and exit code 2; the
     folders are checked first, so a run never does its work to fail at writing it down. Ctrl-C exits 130
-    with one line, as a shell reports it. Either way the folders in `writes` it made are removed if still empty."""
+    and SIGTERM (`kill`, a CI job cancelled) 143, each with one line, as a shell reports them, once the servers
+    the run started are stopped. Either way the folders in `writes` it made are removed if still empty."""
     made: list[Path] = []
     python_format, warnings.formatwarning = warnings.formatwarning, _format_warning
+    on_sigterm = _stop_on_sigterm()
     try:
         for name in writes:
             made += check_writable(getattr(args, name), flag(name))
@@ -427,12 +431,32 @@ def run_stage(run, args, user_errors: tuple = (), writes: tuple[str, ...] = ()):
         remove_if_empty(made)
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:  # Ctrl-C: what the user asked for, not a traceback (servers it started are stopped)
+    except (KeyboardInterrupt, Terminated) as exc:  # what the user asked for, not a traceback
         remove_if_empty(made)
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
+        print("interrupted" if isinstance(exc, KeyboardInterrupt) else "terminated", file=sys.stderr)
+        sys.exit(130 if isinstance(exc, KeyboardInterrupt) else 128 + signal.SIGTERM)
     finally:
         warnings.formatwarning = python_format
+        if on_sigterm is not None:
+            signal.signal(signal.SIGTERM, on_sigterm)
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised where the stage is, as Ctrl-C's KeyboardInterrupt is: Python's default would end the
+    process at once, leaving the servers it started running."""
+
+
+def _stop_on_sigterm():
+    """Make SIGTERM raise Terminated (once: a second one while the servers stop is ignored); returns the
+    handler it replaced, or None off the main thread, where Python cannot set one."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def terminated(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Terminated()
+
+    return signal.signal(signal.SIGTERM, terminated)
 
 
 def _format_warning(message, category, filename, lineno, line=None) -> str:

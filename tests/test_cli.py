@@ -1,5 +1,8 @@
 """The plumbing every entry point shares: --quick defaults that never override a flag, and one-line errors."""
 
+import os
+import signal
+import time
 import warnings
 from types import SimpleNamespace
 
@@ -7,6 +10,7 @@ import pytest
 
 import batching_loadtest
 import caching
+from conftest import WAIT_S
 from mnv3 import cli
 from mnv3.artifacts import MissingArtifact
 from mnv3.backend_choice import DEFAULT_MIN_AGREEMENT
@@ -75,6 +79,25 @@ def test_a_folder_the_stage_cannot_write_is_one_line_before_any_work(tmp_path, c
     assert made.is_dir() and list(made.iterdir()) == [] and len(ran) == 1  # made, and the check leaves nothing
 
 
+def test_sigterm_stops_a_stage_as_ctrl_c_does_cleaning_up_first(capsys):
+    # Python's default ends the process at once: a stage's `with ServerProcess(...)` left its server running
+    cleaned_up = []
+
+    def stage(args):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(WAIT_S)  # the signal's handler raises here
+        finally:
+            cleaned_up.append(True)
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.run_stage(stage, None)
+    assert exit_info.value.code == 143 and cleaned_up == [True]
+    assert capsys.readouterr().err == "terminated\n"
+    assert signal.getsignal(signal.SIGTERM) is before  # the stage's handler is gone with it
+
+
 @pytest.mark.parametrize("stop", [cli.UsageError("no such --weights"), KeyboardInterrupt()])
 def test_a_refused_run_removes_the_folders_it_made_unless_it_wrote_there(tmp_path, stop, capsys):
     def refused(args):
@@ -89,6 +112,11 @@ def test_a_refused_run_removes_the_folders_it_made_unless_it_wrote_there(tmp_pat
             cli.run_stage(refused, args, writes=("artifacts_dir", "results_dir"))
         # a mistyped path leaves nothing behind; what the run wrote, and a folder that was there, stay
         assert (tmp_path / "typo").exists() == write and (tmp_path / "mine").is_dir()
+    # two new folders under one new parent: the parent goes too, whichever was made first
+    args = SimpleNamespace(artifacts_dir=tmp_path / "new" / "a", results_dir=tmp_path / "new" / "r", write=False)
+    with pytest.raises(SystemExit):
+        cli.run_stage(refused, args, writes=("artifacts_dir", "results_dir"))
+    assert not (tmp_path / "new").exists()
     assert (tmp_path / "typo" / "a" / "fp32.onnx").is_file()
     capsys.readouterr()
 
