@@ -20,6 +20,9 @@ import shutil
 import sys
 from pathlib import Path
 
+import onnx
+from google.protobuf.message import DecodeError
+
 from mnv3 import cli
 from mnv3.accuracy import UnreadableLabels
 from mnv3.artifacts import (
@@ -45,7 +48,7 @@ from mnv3.engine_benchmark import choose_engine
 from mnv3.photos import is_generated
 from mnv3.plots import plot_variants
 from mnv3.preprocess import InvalidImage
-from mnv3.quantize import DEFAULT_RECIPE, RECIPES, calibration_photos, quantize_static_int8
+from mnv3.quantize import DEFAULT_RECIPE, RECIPES, calibration_photos, preprocess_photos, quantize_static_int8
 from mnv3.report import markdown_table, model_named, read_csv, row_model, write_csv, write_summary
 from mnv3.variants import (
     Bench,
@@ -161,6 +164,17 @@ def stage_1_rows(model: dict, args) -> list[dict]:
     return rows
 
 
+def check_onnx(fp32_path: Path) -> None:
+    """UsageError if stage 1's model is not a whole ONNX file (a copy cut short, a disk that filled up)."""
+    try:
+        onnx.load(str(fp32_path))
+    except (DecodeError, ValueError, OSError) as exc:
+        raise cli.UsageError(
+            f"{fp32_path} is not a readable ONNX model ({exc or type(exc).__name__}): rerun stage 1, which "
+            "exports it, with the flags that made that model"
+        ) from None
+
+
 def run(args):
     mode = cli.defaults(args)
     artifacts_dir, results_dir = args.artifacts_dir, args.results_dir
@@ -193,27 +207,26 @@ def run(args):
         )
     recipe = RECIPES[args.recipe]
     bench = Bench.for_stage(args, mode, preprocessing, class_names, labelled, provenance, arch, model_id)
+    check_onnx(fp32_path)
+    # Once for every build (the recipes, NNCF's), and before anything is replaced: a photo it cannot read
+    # stops the run with the last run's files and choice as they were.
+    print(f"preprocessing {len(calibration)} calibration photos from {args.calibration_dir}")
+    calibration_images = preprocess_photos(calibration, preprocessing)
     # The last run's choice goes before its files are rebuilt: a run stopped midway leaves --backend auto
     # serving the model it is given (and saying so), not a choice measured on files since replaced.
     drop_manifest_entries(artifacts_dir, MANIFEST_KEY)
     if args.compare_recipes:
         names = list(dict.fromkeys(args.compare_recipes + [args.recipe]))
-        print(
-            f"preprocessing {len(calibration)} calibration photos from {args.calibration_dir} once for "
-            f"{len(names)} recipes"
-        )
         recipes_dir = artifacts_dir / RECIPES_DIR
         recipe_rows, row = compare_recipes(
-            fp32_path, names, args.recipe, calibration, recipes_dir, bench, mode.comparison_repeats
+            fp32_path, names, args.recipe, calibration_images, recipes_dir, bench, mode.comparison_repeats
         )
         write_csv(results_dir / RECIPES_CSV, recipe_rows)
         print(markdown_table(ratio_table_rows(recipe_rows)))
         shutil.copyfile(recipe_path(recipes_dir, args.recipe), artifacts_dir / STATIC_INT8_ONNX)
     else:
         print(f"calibrating recipe {args.recipe} on {len(calibration)} photos from {args.calibration_dir}")
-        static_path = quantize_static_int8(
-            fp32_path, artifacts_dir / STATIC_INT8_ONNX, calibration, recipe, preprocessing=preprocessing
-        )
+        static_path = quantize_static_int8(fp32_path, artifacts_dir / STATIC_INT8_ONNX, calibration_images, recipe)
         row = measure_static(fp32_path, static_path, bench)
     row |= {"recipe": args.recipe, **recipe_columns(args.recipe), "calibration_images": len(calibration)}
     write_csv(results_dir / STATIC_CSV, [row])
@@ -234,7 +247,7 @@ def run(args):
             "threads": args.threads,
         },
     )
-    choose_engine(args, fp32_path, calibration, bench, mode.profile_runs)
+    choose_engine(args, fp32_path, calibration_images, bench, mode.profile_runs)
     print(f"wrote {write_summary(results_dir)}")
 
 

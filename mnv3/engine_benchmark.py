@@ -39,12 +39,12 @@ from mnv3.variants import (
 )
 
 
-def choose_engine(args, fp32_path, calibration, bench: Bench, profile_runs: int) -> dict:
+def choose_engine(args, fp32_path, calibration_images, bench: Bench, profile_runs: int) -> dict:
     """Time every installed engine x precision in turns with ONNX FP32, write results/02_engines.csv, and
     record the fastest that agrees with FP32 in the manifest for `--backend auto`; then say how far the
     chosen is from this CPU's peak and, with OpenVINO, where its time goes (results/02_openvino_profile.csv).
     `args` are stage 2's (its folders, --threads, --batch-size, --min-agreement, --quick)."""
-    openvino_files = build_openvino_int8(fp32_path, calibration, args.artifacts_dir, bench.preprocessing)
+    openvino_files = build_openvino_int8(fp32_path, calibration_images, args.artifacts_dir)
     variants = engine_variants(STATIC_INT8_ONNX, openvino_files, args.threads)
     print(f"timing {len(variants) + 1} engine x precision variants in turns with ONNX FP32")
     runners = {

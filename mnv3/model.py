@@ -281,16 +281,19 @@ def export_onnx(model: torch.nn.Module, path, preprocessing: Preprocessing = DEF
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     example = torch.randn(1, *preprocessing.input_shape)
+    # Written beside it, then renamed over it: an export cut short never leaves a truncated model for stage 2.
+    partial = path.with_suffix(".partial")
     torch.onnx.export(
         model,
         (example,),
-        str(path),
+        str(partial),
         dynamo=False,
         opset_version=OPSET,
         input_names=[INPUT_NAME],
         output_names=[OUTPUT_NAME],
         dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}},
     )
+    partial.replace(path)
     return path
 
 

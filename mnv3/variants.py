@@ -23,7 +23,7 @@ from mnv3.backend_choice import MANIFEST_KEY, variant_name
 from mnv3.engine import model_files, model_size_mb, open_session
 from mnv3.latency import Timing, interleaved_benchmark
 from mnv3.preprocess import Preprocessing
-from mnv3.quantize import DEFAULT_RECIPE, RECIPES, preprocess_photos, quantize_static_int8
+from mnv3.quantize import DEFAULT_RECIPE, RECIPES, quantize_static_int8
 from mnv3.runtime import make_session, ort_runner
 from mnv3.silicon import count_macs, gemm_peaks, silicon_columns
 
@@ -292,10 +292,9 @@ def recipe_path(recipes_dir: Path, name: str) -> Path:
 
 
 def build_recipes(
-    fp32_path: Path, names: list[str], calibration: list[Path], recipes_dir: Path, preprocessing: Preprocessing
+    fp32_path: Path, names: list[str], calibration_images: np.ndarray, recipes_dir: Path
 ) -> dict[str, float]:
     """Build each recipe into `recipes_dir` on one preprocessed calibration set; seconds each took."""
-    calibration_images = preprocess_photos(calibration, preprocessing)
     Path(recipes_dir).mkdir(parents=True, exist_ok=True)
     build_s = {}
     # One calibration cache for all: recipes that share a calibrated graph calibrate it once.
@@ -318,7 +317,7 @@ def compare_recipes(
     fp32_path: Path,
     names: list[str],
     shipped: str,
-    calibration: list[Path],
+    calibration_images: np.ndarray,
     recipes_dir: Path,
     bench: Bench,
     repeats: int,
@@ -328,7 +327,7 @@ def compare_recipes(
 
     Returns (one 02_recipes.csv row per recipe, the `shipped` recipe's 02_static.csv row): the
     shipped row is the same measurement as its comparison row, not a second one."""
-    build_s = build_recipes(fp32_path, names, calibration, recipes_dir, bench.preprocessing)
+    build_s = build_recipes(fp32_path, names, calibration_images, recipes_dir)
     timing = replace(bench.timing, iters=bench.timing.iters * repeats, batch_iters=bench.timing.batch_iters * repeats)
     measured = measure_against_fp32(
         fp32_path,
@@ -342,7 +341,7 @@ def compare_recipes(
             "recipe": name,
             "shipped": name == shipped,
             **recipe_columns(name),
-            "calibration_images": len(calibration),
+            "calibration_images": len(calibration_images),
             "build_s": build_s[name],
             **measured[name].columns(),
             "size_mb_vs_onnx_fp32": round(measured[name].size_mb / fp32["size_mb"], 3),
@@ -445,11 +444,9 @@ ENGINE_TABLE_COLUMNS = (
 )
 
 
-def build_openvino_int8(
-    fp32_path: Path, calibration: list[Path], artifacts_dir: Path, preprocessing: Preprocessing
-) -> list[str]:
-    """Each OPENVINO_INT8_BUILDS file in `artifacts_dir`, quantized by NNCF on `calibration` (preprocessed as
-    the model's manifest says); none (and says so) without nncf and openvino."""
+def build_openvino_int8(fp32_path: Path, calibration_images: np.ndarray, artifacts_dir: Path) -> list[str]:
+    """Each OPENVINO_INT8_BUILDS file in `artifacts_dir`, quantized by NNCF on `calibration_images` (a
+    preprocess_photos array); none (and says so) without nncf and openvino."""
     try:
         import nncf  # noqa: F401
 
@@ -459,11 +456,12 @@ def build_openvino_int8(
             raise
         print(f"{exc.name}: not installed, NNCF INT8 variants SKIPPED (pip install -r requirements-openvino.txt)")
         return []
-    images = preprocess_photos(calibration, preprocessing)
     for file, build in OPENVINO_INT8_BUILDS.items():
         rewrites = f" after {'+'.join(build.graph_rewrites)}" if build.graph_rewrites else ""
         print(f"building {file} with NNCF{rewrites}" + (", logits layer in INT8 too" if build.quantize_logits else ""))
-        quantize_nncf_int8(fp32_path, Path(artifacts_dir) / file, images, build.graph_rewrites, build.quantize_logits)
+        quantize_nncf_int8(
+            fp32_path, Path(artifacts_dir) / file, calibration_images, build.graph_rewrites, build.quantize_logits
+        )
     return list(OPENVINO_INT8_BUILDS)
 
 

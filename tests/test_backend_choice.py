@@ -21,7 +21,7 @@ from mnv3.engine import Engine, ModelLoadError
 from mnv3.limit import run_limit
 from mnv3.photos import load_images
 from mnv3.preprocess import DEFAULT_DECODING, DEFAULT_PREPROCESSING
-from mnv3.quantize import DEFAULT_RECIPE, RECIPES, calibration_photos, quantize_static_int8
+from mnv3.quantize import DEFAULT_RECIPE, RECIPES, calibration_photos, preprocess_photos, quantize_static_int8
 from mnv3.server import create_app
 from mnv3.variants import (
     Bench,
@@ -186,7 +186,7 @@ def test_stage5_limits_the_served_engine_and_onnxruntime_fp32_and_int8(models_di
 def measured_rows(models_dir, calibration, held_out):
     """Every installed engine x precision (NNCF builds too where nncf is installed) and a degraded variant
     that skips the network and returns noise, timed in turns with FP32 in --quick counts."""
-    openvino_files = build_openvino_int8(models_dir / FP32_ONNX, calibration, models_dir, DEFAULT_PREPROCESSING)
+    openvino_files = build_openvino_int8(models_dir / FP32_ONNX, preprocess_photos(calibration), models_dir)
     variants = engine_variants(STATIC_INT8_ONNX, openvino_files, 2)
     bench = Bench(
         2, QUICK.timing, 8, held_out[:16], None, REAL_WEIGHTS, "mobilenet_v3_large", 1000, "", DEFAULT_PREPROCESSING

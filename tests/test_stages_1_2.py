@@ -396,6 +396,7 @@ def test_corrupt_calibration_image_exits_2_naming_the_file(stage_dirs, tmp_path,
     calibration = tmp_path / "calibration"
     calibration.mkdir()
     (calibration / "holiday.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
+    manifest = (stage_dirs["artifacts"] / "manifest.json").read_text()
     with pytest.raises(SystemExit) as exit_info:
         run_stage(
             static_quantization,
@@ -410,6 +411,22 @@ def test_corrupt_calibration_image_exits_2_naming_the_file(stage_dirs, tmp_path,
     assert exit_info.value.code == 2
     error = capsys.readouterr().err
     assert "holiday.jpg" in error and "remove or replace" in error and "Traceback" not in error
+    # refused before anything was replaced: the last run's engine choice still serves --backend auto
+    assert (stage_dirs["artifacts"] / "manifest.json").read_text() == manifest
+
+
+def test_a_cut_short_fp32_model_exits_2_before_anything_is_replaced(stage_dirs, tmp_path, capsys):
+    artifacts = tmp_path / "artifacts"
+    shutil.copytree(stage_dirs["artifacts"], artifacts)
+    fp32 = artifacts / "fp32.onnx"
+    fp32.write_bytes(fp32.read_bytes()[: fp32.stat().st_size // 4])  # a copy cut short, a disk that filled up
+    manifest = (artifacts / "manifest.json").read_text()
+    with pytest.raises(SystemExit) as exit_info:
+        run_stage(static_quantization, "--quick", "--artifacts-dir", artifacts, "--results-dir", stage_dirs["results"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert f"{fp32} is not a readable ONNX model" in error and "rerun stage 1" in error and "Traceback" not in error
+    assert (artifacts / "manifest.json").read_text() == manifest
 
 
 def test_stage_2_refuses_stage_1_rows_of_another_model(stage_dirs, tmp_path, capsys):
