@@ -52,6 +52,7 @@ def run(args):
     rows = []
     with loadtest.ServerProcess(model, args.start_timeout, **options) as url:
         environment = loadtest.server_settings(url) | cli.environment_row(model, provenance)
+        print(loadtest.what_serves(environment))
         for run_name, concurrency, images in runs:
             miss, hit = (measure_phase(url, images, concurrency, run_name, phase) for phase in ("miss", "hit"))
             speedup = loadtest.ratio(miss["latency_p50_ms"], hit["latency_p50_ms"])

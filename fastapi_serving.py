@@ -35,6 +35,7 @@ def run(args):
     print(f"serving {model} with cache and batching off; {args.requests} requests at concurrency {args.concurrency}")
     with loadtest.ServerProcess(model, args.start_timeout, **options) as url:
         settings = loadtest.server_settings(url)
+        print(loadtest.what_serves(settings))
         loadtest.warm_up(url, bodies, args.concurrency)
         result = loadtest.run_with_metrics(
             url, lambda send: loadtest.run_closed_loop(send, bodies, args.concurrency, desc="no batching")

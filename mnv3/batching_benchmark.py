@@ -283,6 +283,7 @@ def run_batching_benchmark(model: Path, bodies: list[bytes], plan: BatchingPlan)
     ):
         servers = {NO_BATCHING: unbatched_url, BATCHING: batching_url}
         baseline_settings, batching_settings = (loadtest.server_settings(url) for url in servers.values())
+        print(loadtest.what_serves(batching_settings))
         limit_bodies = bodies[: plan.limit_images]
         # Every limit's grid: the same photos, decoded as the servers said they do, over the plan's configurations.
         grid_settings: dict[str, Any] = {

@@ -669,8 +669,9 @@ def server_settings(base_url: str, api_key: str | None = None) -> dict:
     info = get_as_admin(base_url, "/model", api_key).json()
     return (
         {
-            "server_model": info["model"],
+            "server_model": info["model"],  # the file served (--backend auto may serve stage 2's choice) and its hash
             "server_backend": info["backend"],
+            "server_backend_reason": info["backend_choice"]["reason"],
             "server_providers": " ".join(info["providers"]),
         }
         | {f"server_{name}_threads": n for name, n in info["threads"].items()}
@@ -678,6 +679,12 @@ def server_settings(base_url: str, api_key: str | None = None) -> dict:
         | {"server_ort_spinning": info["ort_spinning"], "server_cache_size": info["cache"]["size"]}
         | {f"server_{name}": info["preprocessing"][name] for name in DEFAULT_DECODING.record()}
     )
+
+
+def what_serves(settings: dict) -> str:
+    """`server_settings`' answer to which file and engine serve, and why, for a stage to print."""
+    model, backend, reason = (settings[f"server_{name}"] for name in ("model", "backend", "backend_reason"))
+    return f"the server runs {model} on {backend}: {reason}"
 
 
 def server_decoding(settings: dict) -> Decoding:

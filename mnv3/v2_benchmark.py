@@ -289,9 +289,13 @@ def run_side_by_side(
     names = tuple(spec.name for spec in models)
     items = [(name, index, photo) for index, photo in enumerate(photos) for name in names]
     with server as url:
-        # GET /model describes the default model alone: its id would mislabel the other's rows, which
-        # name their file in `model`.
-        settings = {key: value for key, value in loadtest.server_settings(url).items() if key != "server_model"}
+        # GET /model describes the default model alone: its id, file and engine would mislabel the other's rows,
+        # which name their file in `model`.
+        settings = {
+            key: value
+            for key, value in loadtest.server_settings(url).items()
+            if key not in ("server_model", "server_backend", "server_backend_reason")
+        }
         for name in names:
             loadtest.warm_up(url, photos, concurrency, partial(PredictClient, model=name))
         with MixedTraffic(url, names) as send:

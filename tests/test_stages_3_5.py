@@ -83,6 +83,9 @@ def test_stage3_baseline(fp32_model_path, tmp_path):
     assert float(row["mean_batch_size"]) == 1.0 and row["server_cache_size"] == "0"
     assert row["model"] == "fp32.onnx" and row["load_image_size"] == "500x375" and row["load_image_quality"] == "90"
     assert row["cores"] == str(os.cpu_count()) and row["onnxruntime_version"] == onnxruntime.__version__
+    # what served, and why: --backend auto may serve stage 2's choice in place of the file given
+    assert row["server_model"].startswith("fp32.onnx:") and row["server_backend"] == "onnxruntime"
+    assert row["server_backend_reason"]
 
 
 def test_stage4_hits_are_answered_from_the_cache_without_inference(fp32_model_path, tmp_path):
