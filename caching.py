@@ -39,6 +39,12 @@ def main(args):
 
 
 def run(args):
+    needed = max(args.sequential_requests, args.requests)  # each phase's images, then the same again
+    if args.cache_size is not None and args.cache_size < needed:
+        raise cli.UsageError(
+            f"--cache-size {args.cache_size} holds fewer than the {needed} images a phase sends twice, so the "
+            f"second pass would miss too and measure no hit: pass at least {needed}, or leave it unset"
+        )
     model, provenance = cli.serving_model(args)
     # Disjoint image sets, so the concurrent misses are first-time requests too.
     bodies = load_images(args.sequential_requests + args.requests)

@@ -179,6 +179,18 @@ def test_a_soak_whose_images_all_fit_in_the_cache_is_refused(capsys):
     )
 
 
+def test_a_caching_run_whose_cache_cannot_hold_a_phase_is_refused(tmp_path, capsys):
+    # its "hits" would be misses, and their speed-up a ratio of two misses
+    args = caching.get_args_parser().parse_args(
+        ["--quick", "--cache-size", "1", "--results-dir", str(tmp_path), "--artifacts-dir", str(tmp_path)]
+    )
+    with pytest.raises(SystemExit) as exit:
+        caching.main(args)
+    assert exit.value.code == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("error: --cache-size 1 holds fewer than the ") and "or leave it unset" in error
+
+
 def test_a_missing_input_names_the_command_with_the_folders_given(tmp_path):
     from mnv3.artifacts import require
 
