@@ -352,9 +352,17 @@ def add_load_test_args(
 
 
 def fill_load_defaults(args, **stage_values):
-    """--concurrency and --requests if unset (REQUESTS_PER_SENDER per sender), then a stage's own."""
+    """--concurrency and --requests if unset (REQUESTS_PER_SENDER per sender), then a stage's own. A
+    concurrency above the requests is lowered to them, and says so: no more can ever be in flight."""
     fill_unset(args, concurrency=defaults(args).concurrency)
-    return fill_unset(args, requests=REQUESTS_PER_SENDER * args.concurrency, **stage_values)
+    fill_unset(args, requests=REQUESTS_PER_SENDER * args.concurrency, **stage_values)
+    if args.requests < args.concurrency:
+        print(
+            f"--concurrency {args.concurrency} is more than --requests {args.requests}: "
+            f"measuring at concurrency {args.requests}"
+        )
+        args.concurrency = args.requests
+    return args
 
 
 def server_options(args, **overrides) -> dict:
@@ -407,6 +415,14 @@ def environment_row(model: Path, provenance: str) -> dict:
 
 
 def write_results(results_dir: Path, csv_name: str, rows: list[dict]) -> Path:
+    """`rows` as `csv_name`, and the summary again; a load test none of whose requests was answered is a
+    UsageError instead, leaving the last run's results as they were."""
+    load_tests = [row for row in rows if "ok" in row]
+    if load_tests and not any(int(row["ok"]) for row in load_tests):
+        raise UsageError(
+            f"no request was answered (errors by status: {load_tests[0]['errors_by_status']}), so {csv_name} is "
+            "not written: a --deadline-ms too short for this machine, or a server refusing every request"
+        )
     path = report.write_csv(Path(results_dir) / csv_name, rows)
     print(f"wrote {path}")
     print(f"wrote {report.write_summary(results_dir)}")

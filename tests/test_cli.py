@@ -10,6 +10,7 @@ import pytest
 
 import batching_loadtest
 import caching
+import fastapi_serving
 from conftest import WAIT_S
 from mnv3 import cli
 from mnv3.artifacts import MissingArtifact
@@ -177,6 +178,26 @@ def test_a_soak_whose_images_all_fit_in_the_cache_is_refused(capsys):
         "error: --distinct 8 must be more than --cache-size 32: with every image cached, the cache never evicts, "
         "which is what the soak is for"
     )
+
+
+def test_a_concurrency_above_the_requests_is_lowered_to_them_and_said(capsys):
+    # at most --requests are ever in flight: the row would record a concurrency the run never had
+    args = cli.fill_load_defaults(
+        fastapi_serving.get_args_parser().parse_args(["--concurrency", "8", "--requests", "3"])
+    )
+    assert (args.concurrency, args.requests) == (3, 3)
+    assert "measuring at concurrency 3" in capsys.readouterr().out
+
+
+def test_a_load_test_none_of_whose_requests_was_answered_writes_nothing(tmp_path, capsys):
+    # every request over --deadline-ms: a row of 0 req/s replaced the last run's results, and the stage exited 0
+    (tmp_path / "03.csv").write_text("the last run's\n")
+    failed = {"ok": 0, "errors": 32, "errors_by_status": "504:32"}
+    with pytest.raises(cli.UsageError, match=r"no request was answered \(errors by status: 504:32\)"):
+        cli.write_results(tmp_path, "03.csv", [failed])
+    assert (tmp_path / "03.csv").read_text() == "the last run's\n"
+    cli.write_results(tmp_path, "03.csv", [failed, failed | {"ok": 1}])  # one answered: the run measured something
+    assert (tmp_path / "03.csv").read_text() != "the last run's\n"
 
 
 def test_a_caching_run_whose_cache_cannot_hold_a_phase_is_refused(tmp_path, capsys):
