@@ -567,13 +567,15 @@ def run_open_loop(
                 return status, time.perf_counter() - scheduled, payload
 
         start, requests = time.perf_counter(), []
-        for i, offset in enumerate(progress_bar(schedule, desc)):
-            delay = start + offset - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            requests.append(asyncio.create_task(timed(bodies[i % len(bodies)], start + offset)))
-        samples = await asyncio.gather(*requests)
-        return samples, time.perf_counter() - start
+        # A task group: a load stopped midway (Ctrl-C) cancels the sends under way, and waits for them,
+        # instead of leaving them to fail on a closed client.
+        async with asyncio.TaskGroup() as group:
+            for i, offset in enumerate(progress_bar(schedule, desc)):
+                delay = start + offset - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                requests.append(group.create_task(timed(bodies[i % len(bodies)], start + offset)))
+        return [request.result() for request in requests], time.perf_counter() - start
 
     samples, elapsed = on_client_loop(load())
     return LoadResult.from_samples("open", max_in_flight, samples, elapsed, target_rps=rate)

@@ -184,6 +184,33 @@ def test_interrupting_a_load_cancels_its_senders():
     assert cancelled.wait(5), "the sender kept running after the interrupt"
 
 
+def test_an_open_loop_stopped_midway_stops_the_sends_under_way():
+    # They were tasks of their own: left running after Ctrl-C, each failed on the closed client, thousands of
+    # "Task exception was never retrieved" tracebacks at stage 5's rates.
+    cancelled = []
+
+    async def send(body):
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.append(body)
+            raise
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # see the test above
+    try:
+        threading.Timer(0.3, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
+        with pytest.raises(KeyboardInterrupt):
+            run_open_loop(send, [b"x"], rate=100.0, seconds=10)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+    async def sends_left() -> int:
+        await asyncio.sleep(0.1)  # the load's cancel lands first
+        return len(asyncio.all_tasks()) - 1  # but this one
+
+    assert on_client_loop(sends_left()) == 0 and len(cancelled) >= 5
+
+
 def test_open_loop_latency_counts_from_the_scheduled_send_time():
     # 10 requests scheduled within ~10 ms on a server that serves one per 20 ms: the k-th waits for the
     # k before it. A closed-loop client would report ~20 ms each; from the schedule it is ~20*(k+1) ms.
