@@ -19,6 +19,7 @@ from mnv3.artifacts import (
     PART_SIZES_CSV,
     STAND_IN_PROVENANCE,
     STATIC_INT8_ONNX,
+    drop_manifest_entries,
     update_manifest,
 )
 from mnv3.backend_choice import MANIFEST_KEY, choose, manifest_entry
@@ -144,14 +145,18 @@ def choose_batch_threads(args, entry: dict, bench: Bench) -> tuple[dict, str]:
         f"timing the batching server's batches on {' and '.join(map(str, batch_threads.candidates(args.threads)))} "
         f"thread(s) in turns, {requests} distinct photos at concurrency {mode.concurrency}"
     )
-    turns = batch_threads.measure(
-        args.artifacts_dir / STATIC_INT8_ONNX,
-        args.threads,
-        load_images(requests),
-        mode.concurrency,
-        requests,
-        1 if args.quick else batch_threads.ROUNDS,
-    )
+    try:
+        turns = batch_threads.measure(
+            args.artifacts_dir / STATIC_INT8_ONNX,
+            args.threads,
+            load_images(requests),
+            mode.concurrency,
+            requests,
+            1 if args.quick else batch_threads.ROUNDS,
+        )
+    except BaseException:  # stopped midway (Ctrl-C, a server that would not start): the choice is not whole yet
+        drop_manifest_entries(args.artifacts_dir, MANIFEST_KEY)
+        raise
     keys, why = batch_threads.choose(turns)
     rows = [
         {
