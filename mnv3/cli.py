@@ -409,8 +409,7 @@ def environment_row(model: Path, provenance: str) -> dict:
         "model_id": recorded.get("id", ""),
         "load_image_size": f"{width}x{height}",
         "load_image_quality": LOAD_IMAGE_QUALITY,
-        **report.cpu_info(),
-        **{f"{name}_version": version for name, version in report.library_versions().items()},
+        **report.machine_columns(),
     }
 
 

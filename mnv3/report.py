@@ -27,6 +27,11 @@ def cpu_info() -> dict:
     return {"cpu": model, "cores": os.cpu_count(), "isa": " ".join(f for f in interesting if f in flags) or "none"}
 
 
+def machine_columns() -> dict:
+    """Where a row was measured, as every stage's rows record it: the CPU, and the libraries' versions."""
+    return cpu_info() | {f"{name}_version": version for name, version in library_versions().items()}
+
+
 def library_versions() -> dict:
     versions = {"python": platform.python_version()}
     for name in LIBRARIES:
@@ -100,9 +105,9 @@ def write_summary(results_dir=RESULTS_DIR) -> Path:
     tables = {stem: read_csv(results_dir / f"{stem}.csv") for stem in stems if (results_dir / f"{stem}.csv").exists()}
     provenances = sorted({row["weights"] for rows in tables.values() for row in rows if row.get("weights")})
     machine = cpu_info()
-    # Stages record the machine and versions in every row; columns that only repeat the header go.
-    header_facts = {key: str(value) for key, value in machine.items()}
-    header_facts |= {f"{name}_version": version for name, version in library_versions().items()}
+    # Stages record the machine and versions in every row; columns that only repeat the header go, so a
+    # table measured elsewhere (results copied from another machine) keeps its own.
+    header_facts = {key: str(value) for key, value in machine_columns().items()}
     lines = [
         "# mnv3 results",
         "",

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mnv3 import report
 from mnv3.accuracy import array_batches, evaluate, held_out_batch, predict
 from mnv3.artifacts import FP32_ONNX, MANIFEST_JSON, RECIPES_DIR, STATIC_INT8_ONNX, drop_manifest_entries
 from mnv3.backend_choice import MANIFEST_KEY, variant_name
@@ -65,6 +66,8 @@ COMPARISON_COLUMNS = (
     "weights",
     "arch",
     "classes",
+    "model_id",
+    "cpu",
 )
 
 
@@ -112,9 +115,10 @@ class Bench:
         )
 
     def provenance(self) -> dict:
-        """The columns every row records (report.MODEL_COLUMNS): which weights, which architecture, how many
-        classes, which model."""
-        return {"weights": self.weights, "arch": self.arch, "classes": self.classes, "model_id": self.model_id}
+        """The columns every row records: which model (report.MODEL_COLUMNS: its weights, architecture, classes
+        and id), and where it was measured (report.machine_columns)."""
+        model = {"weights": self.weights, "arch": self.arch, "classes": self.classes, "model_id": self.model_id}
+        return model | report.machine_columns()
 
 
 @dataclass(frozen=True)

@@ -7,13 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import onnxruntime
 import pytest
 
 import baseline_export_quantize
 import static_quantization
 from conftest import offline_weights
 from mnv3.quantize import DEFAULT_RECIPE, RECIPES
-from mnv3.report import read_csv, write_csv
+from mnv3.report import cpu_info, read_csv, write_csv
 from mnv3.silicon import count_macs
 from mnv3.variants import PART_SIZES
 
@@ -70,6 +71,8 @@ def test_stage_1_writes_sane_baseline_rows(stage_dirs):
         assert float(row["mean_ms"]) > 0 and float(row["per_image_ms"]) > 0
         assert row["weights"] == "random-init" and int(row["bn_recalibration_images"]) > 0
         assert row["threads"] == "2" and row["batch_size"] == "8"
+        # where it was measured, as stages 3-5 record it: a summary of results copied from elsewhere shows it
+        assert row["cpu"] == cpu_info()["cpu"] and row["onnxruntime_version"] == onnxruntime.__version__
     assert float(rows["onnx_fp32"]["export_max_abs_diff"]) <= 1e-3
     for variant in ("onnx_dynamic_int8", "onnx_dynamic_int8_u8_weights"):
         assert float(rows[variant]["size_mb"]) < 0.35 * float(rows["onnx_fp32"]["size_mb"])
@@ -103,6 +106,9 @@ def test_stage_2_writes_static_row_and_four_variant_table(stage_dirs):
     assert [row["variant"] for row in table if row["variant"] in seed] == seed
     by_name = {row["variant"]: row for row in table}
     assert float(by_name["ONNX FP32"]["mean_vs_onnx_fp32"]) == 1.0
+    # each row names its model and machine, so a summary flags rows of an earlier model or another CPU
+    assert {row["model_id"] for row in table} == {static["model_id"]} != {""}
+    assert {row["cpu"] for row in table} == {cpu_info()["cpu"]}
     assert float(by_name["ONNX Static INT8"]["size_mb"]) < 0.35 * float(by_name["ONNX FP32"]["size_mb"])
     assert all(float(row["mean_ms"]) > 0 and float(row["p95_ms"]) > 0 for row in table)
     assert (stage_dirs["results"] / "model_variants.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
