@@ -286,6 +286,8 @@ def labelled_photos(args, class_names: list[str], held_out_count: int) -> tuple[
     """Stages 1-2's --labels: the photos and their class ids, --labels-count of them, once the stage has said
     what they score (accuracy, and agreement with FP32 on `held_out_count` of them); None without --labels."""
     if not args.labels:
+        if args.labels_count is not None:
+            raise UsageError("--labels-count counts --labels photos: pass --labels FILE too, or leave it out")
         return None
     labelled = load_labels(args.labels, class_names)
     scored = spread_labelled(labelled, args.labels_count)

@@ -200,6 +200,12 @@ def test_a_load_test_none_of_whose_requests_was_answered_writes_nothing(tmp_path
     assert (tmp_path / "03.csv").read_text() != "the last run's\n"
 
 
+def test_labels_count_without_labels_is_refused_not_ignored():
+    with pytest.raises(cli.UsageError, match="pass --labels FILE too"):
+        cli.labelled_photos(SimpleNamespace(labels=None, labels_count=5), ["a", "b"], 0)
+    assert cli.labelled_photos(SimpleNamespace(labels=None, labels_count=None), ["a", "b"], 0) is None
+
+
 def test_a_caching_run_whose_cache_cannot_hold_a_phase_is_refused(tmp_path, capsys):
     # its "hits" would be misses, and their speed-up a ratio of two misses
     args = caching.get_args_parser().parse_args(
