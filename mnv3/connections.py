@@ -167,7 +167,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
                 self.transport.close()
             else:
                 self.write_and_close(status, detail, body_for_path(route_path(self.cycle.scope)))
-            note_body_refused(self.cycle.scope, status, detail)  # the app reading it sees the connection end
+            note_body_refused(self.cycle.scope["state"], status, detail)  # the app reading it sees the connection end
             return
         if self.cycle is not None and not self.cycle.response_complete:
             log.warning("%s: %s; closing the connection after the answers under way", status, detail)

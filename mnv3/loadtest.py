@@ -183,8 +183,8 @@ class ServerProcess:
         # The server reads its setting from the flag, else from the environment it inherits, else its default.
         drain_s = options.get("shutdown_timeout_s")
         if drain_s is None:
-            drain_s = os.environ.get(variable("shutdown_timeout_s"), ServerConfig.shutdown_timeout_s)
-        self.stop_timeout_s = float(drain_s) + STOP_MARGIN_S
+            drain_s = os.environ.get(variable("shutdown_timeout_s"))
+        self.stop_timeout_s = (ServerConfig.shutdown_timeout_s if drain_s is None else float(drain_s)) + STOP_MARGIN_S
         self.process: subprocess.Popen | None = None
         self._log: IO[bytes] | None = None
 

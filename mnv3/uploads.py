@@ -343,6 +343,7 @@ async def _bounded(request: Request, limit: int) -> AsyncGenerator[bytes, None]:
 _BODY_REFUSED = "mnv3.body_refused"
 
 
-def note_body_refused(scope: Scope, status: int, detail: str) -> None:
-    """Called by the protocol when it answers `status` to a request whose body the app may be reading."""
-    scope.setdefault("state", {})[_BODY_REFUSED] = (BodyTooLarge if status == 413 else BadUpload)(detail)
+def note_body_refused(state: dict, status: int, detail: str) -> None:
+    """Called by the protocol when it answers `status` to a request whose body the app may be reading, with
+    that request's scope["state"]."""
+    state[_BODY_REFUSED] = (BodyTooLarge if status == 413 else BadUpload)(detail)
