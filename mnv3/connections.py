@@ -97,9 +97,11 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         if len(self.pipeline) >= MAX_PIPELINED:
             # Logged, never sent: answers are still under way, so the connection closes after them (refuse).
             self.stop_parsing(503, f"more than {MAX_PIPELINED} pipelined requests wait on the connection")
+        # First: uvicorn parses the URL here, and one it refuses (send_400_response) is this head's refusal, not
+        # the body of the request before it on the connection.
+        super().on_headers_complete()
         self.reading_head, self.head_bytes, self.body_chunks = False, 0, 0
         self.stop_head_timer()
-        super().on_headers_complete()
 
     def on_chunk_header(self) -> None:  # httptools calls it for each chunk of a chunked body, if defined
         self.body_chunks += 1

@@ -194,6 +194,12 @@ def test_a_url_longer_than_uvicorn_parses_is_a_414_not_a_bad_request(monkeypatch
     with bounded_server(monkeypatch) as port, socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
         sock.sendall(b"GET /v2/models/m?" + query + b" HTTP/1.1\r\nHost: x\r\n\r\n")
         assert answer(sock).endswith(b'{"error": "the URL is over 65535 bytes: send long data in the request\'s body"}')
+    with bounded_server(monkeypatch) as port, socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
+        # on a kept-alive connection, after an answered request: refused as this head, not as the last one's body
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
+        sock.sendall(b"GET /healthz?" + query + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert answer(sock).startswith(b"HTTP/1.1 414 ")
     with bounded_server(monkeypatch) as port:  # just under: served
         assert requests.get(f"http://127.0.0.1:{port}/healthz?" + "q" * 60_000, timeout=WAIT_S).status_code == 200
 
