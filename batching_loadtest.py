@@ -141,8 +141,10 @@ def run(args):
     )
     bodies = load_images(max(*map(plan.requests_at, plan.concurrencies), plan.limit_images))
     result = run_batching_benchmark(model, bodies, plan)
+    rows = result.rows(cli.environment_row(model, provenance))
+    cli.check_answered(BATCHING_CSV, rows)  # before the plot, which would replace the last run's
     plot_batching(result, args.results_dir)
-    cli.write_results(args.results_dir, BATCHING_CSV, result.rows(cli.environment_row(model, provenance)))
+    cli.write_results(args.results_dir, BATCHING_CSV, rows)
     print(result.summary())
     run_v2_rows(args, model, provenance, plan, bodies, side_by_side)
     if args.phone_photos > 0:

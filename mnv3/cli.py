@@ -415,19 +415,26 @@ def environment_row(model: Path, provenance: str) -> dict:
     }
 
 
-def write_results(results_dir: Path, csv_name: str, rows: list[dict]) -> Path:
-    """`rows` as `csv_name`, and the summary again; a load test none of whose requests was answered is a
-    UsageError instead, leaving the last run's results as they were."""
+def write_results(results_dir: Path, csv_name: str, rows: list[dict], require_answers: bool = True) -> Path:
+    """`rows` as `csv_name`, and the summary again; with `require_answers`, rows of a load test none of whose
+    requests was answered are refused (check_answered), leaving the last run's results as they were."""
+    if require_answers:
+        check_answered(csv_name, rows)
+    path = report.write_csv(Path(results_dir) / csv_name, rows)
+    print(f"wrote {path}")
+    print(f"wrote {report.write_summary(results_dir)}")
+    return path
+
+
+def check_answered(csv_name: str, rows: list[dict]) -> None:
+    """UsageError if `rows` are a load test's (an `ok` column) and no request of it was answered: its numbers
+    measure nothing, and would replace the last run's."""
     load_tests = [row for row in rows if "ok" in row]
     if load_tests and not any(int(row["ok"]) for row in load_tests):
         raise UsageError(
             f"no request was answered (errors by status: {load_tests[0]['errors_by_status']}), so {csv_name} is "
             "not written: a --deadline-ms too short for this machine, or a server refusing every request"
         )
-    path = report.write_csv(Path(results_dir) / csv_name, rows)
-    print(f"wrote {path}")
-    print(f"wrote {report.write_summary(results_dir)}")
-    return path
 
 
 def run_stage(run, args, user_errors: tuple = (), writes: tuple[str, ...] = ()):

@@ -221,8 +221,8 @@ async def _read_upload(request: Request, limit: int) -> bytes:
         async for chunk in _bounded(request, limit):
             parser.write(chunk)
     except FormParserError as exc:  # the parser's words are about characters and indices: say what to check
-        reason = str(exc)
-        if reason.startswith(("Did not find CR", "Did not find LF")):
+        reason, offset = str(exc), getattr(exc, "offset", None)
+        if offset is not None and chunk[offset : offset + 1] == b"\n":  # where a CR should be
             hint = ": its lines must end in CRLF (\\r\\n), not a bare LF"
         elif "boundary" in reason.lower():
             boundary = params[b"boundary"].decode(errors="replace")

@@ -276,6 +276,16 @@ def side_by_side_models(texts: list[str] | None, artifacts_dir: Path) -> tuple[M
     return first, second
 
 
+# server_settings' columns of the default model's engine, not of the server.
+DEFAULT_MODELS_OWN = (
+    "server_model",
+    "server_backend",
+    "server_backend_reason",
+    "server_providers",
+    "server_batch_threads",
+)
+
+
 def run_side_by_side(
     models: tuple[ModelSpec, ModelSpec],
     photos: list[bytes],
@@ -289,13 +299,9 @@ def run_side_by_side(
     names = tuple(spec.name for spec in models)
     items = [(name, index, photo) for index, photo in enumerate(photos) for name in names]
     with server as url:
-        # GET /model describes the default model alone: its id, file and engine would mislabel the other's rows,
-        # which name their file in `model`.
-        settings = {
-            key: value
-            for key, value in loadtest.server_settings(url).items()
-            if key not in ("server_model", "server_backend", "server_backend_reason")
-        }
+        # GET /model describes the default model alone: its file, engine and engine threads would mislabel the
+        # other's rows, which name their file in `model`; the server's own settings hold for both.
+        settings = {key: value for key, value in loadtest.server_settings(url).items() if key not in DEFAULT_MODELS_OWN}
         for name in names:
             loadtest.warm_up(url, photos, concurrency, partial(PredictClient, model=name))
         with MixedTraffic(url, names) as send:

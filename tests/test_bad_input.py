@@ -267,6 +267,11 @@ REFUSED = {
         400,
         "its lines must end in CRLF",
     ),
+    "multipart, a boundary longer than the one declared": (  # the parser finds no CR after "--abc": not an LF's fault
+        lambda c, j: post_multipart(c, multipart([("file", b"a.jpg", j)], "abcdef"), "abc"),
+        400,
+        "it must begin with --abc, the boundary its Content-Type names",
+    ),
     "multipart, boundary over 256 bytes": (
         lambda c, j: post_multipart(c, multipart([("file", b"a.jpg", j)], "b" * 300), "b" * 300),
         400,
