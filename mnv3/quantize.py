@@ -29,7 +29,6 @@ from mnv3.artifacts import INPUT_NAME
 from mnv3.graph_rewrites import GRAPH_REWRITES, rewritten_file
 from mnv3.photos import fill_calibration_dir, is_generated, list_images, spread
 from mnv3.preprocess import DEFAULT_PREPROCESSING, Preprocessing, preprocess_files
-from mnv3.progress import progress_bar
 
 CALIBRATION_BATCH_SIZE = 8
 
@@ -179,47 +178,15 @@ class ArrayCalibrationReader(CalibrationDataReader):
         return None if batch is None else {INPUT_NAME: batch}
 
 
-class PhotoCalibrationReader(CalibrationDataReader):
-    """Feeds calibration photos through the serving preprocessing, a few images per call."""
-
-    def __init__(
-        self,
-        image_paths,
-        batch_size: int = CALIBRATION_BATCH_SIZE,
-        preprocessing: Preprocessing = DEFAULT_PREPROCESSING,
-    ):
-        self.chunks = [image_paths[i : i + batch_size] for i in range(0, len(image_paths), batch_size)]
-        self.preprocessing = preprocessing
-        self.progress = progress_bar(total=len(image_paths), desc="calibration", unit="img")
-
-    def get_next(self):
-        if not self.chunks:
-            self.progress.close()
-            return None
-        chunk = self.chunks.pop(0)
-        batch = preprocess_files(chunk, self.preprocessing)
-        self.progress.update(len(chunk))
-        return {INPUT_NAME: batch}
-
-
 def quantize_static_int8(
-    fp32_path,
-    out_path,
-    calibration,
-    recipe: StaticRecipe,
-    cache_dir=None,
-    preprocessing: Preprocessing = DEFAULT_PREPROCESSING,
+    fp32_path, out_path, calibration_images: np.ndarray, recipe: StaticRecipe, cache_dir=None
 ) -> Path:
-    """Quantize with `recipe`, calibrating on `calibration`: photo paths (preprocessed as `preprocessing`
-    says), or a preprocess_photos array.
+    """Quantize with `recipe`, calibrating on `calibration_images` (a preprocess_photos array).
 
     With `cache_dir`, calibrated ranges are saved there per recipe.calibration_key() and reused by later
     recipes with the same key; the caller keeps one cache_dir per calibration set.
     """
-    if isinstance(calibration, np.ndarray):
-        reader = ArrayCalibrationReader(calibration)
-    else:
-        reader = PhotoCalibrationReader(list(calibration), preprocessing=preprocessing)
+    reader = ArrayCalibrationReader(calibration_images)
     cache = Path(cache_dir) / f"{recipe.calibration_key()}.json" if cache_dir else None
     with tempfile.TemporaryDirectory() as tmp:
         prepared = pre_process(rewritten_file(fp32_path, recipe.graph_rewrites, tmp), Path(tmp) / "prepared.onnx")

@@ -58,7 +58,9 @@ def models_dir(fp32_model_dir, calibration, tmp_path_factory):
     directory = tmp_path_factory.mktemp("engine_choice")
     for name in (FP32_ONNX, CLASS_NAMES_JSON):
         shutil.copy(fp32_model_dir / name, directory / name)
-    quantize_static_int8(directory / FP32_ONNX, directory / STATIC_INT8_ONNX, calibration, RECIPES[DEFAULT_RECIPE])
+    quantize_static_int8(
+        directory / FP32_ONNX, directory / STATIC_INT8_ONNX, preprocess_photos(calibration), RECIPES[DEFAULT_RECIPE]
+    )
     return directory
 
 

@@ -29,7 +29,6 @@ from mnv3.quantize import (
     DEFAULT_RECIPE,
     RECIPES,
     ArrayCalibrationReader,
-    PhotoCalibrationReader,
     StaticRecipe,
     calibration_photos,
     preprocess_photos,
@@ -267,24 +266,16 @@ def test_calibration_cache_is_shared_by_recipes_with_the_same_key():
     assert base.calibration_key() != StaticRecipe(graph_rewrites=("hardswish_to_clip", "fold6")).calibration_key()
 
 
-def test_array_reader_matches_photo_reader(calibration_paths):
-    photos = list(iter(PhotoCalibrationReader(calibration_paths[:10], batch_size=4).get_next, None))
-    arrays = list(iter(ArrayCalibrationReader(preprocess_photos(calibration_paths[:10]), batch_size=4).get_next, None))
-    assert len(photos) == len(arrays) == 3
-    for photo, array in zip(photos, arrays, strict=True):
-        np.testing.assert_array_equal(photo["input"], array["input"])
-
-
 @pytest.mark.slow
-def test_another_recipe_plugs_in(fp32_model_path, calibration_paths, tmp_path):
+def test_another_recipe_plugs_in(fp32_model_path, calibration_array, tmp_path):
     recipe = StaticRecipe(quant_format="QOperator", per_channel=False)
-    path = quantize_static_int8(fp32_model_path, tmp_path / "qop.onnx", calibration_paths[:8], recipe)
+    path = quantize_static_int8(fp32_model_path, tmp_path / "qop.onnx", calibration_array[:8], recipe)
     assert "QLinearConv" in op_types(path)
     assert recipe.record()["quant_format"] == "QOperator"
 
 
 def test_calibration_reader_feeds_every_photo_once_through_preprocess(calibration_paths):
-    reader = PhotoCalibrationReader(calibration_paths[:10], batch_size=4)
+    reader = ArrayCalibrationReader(preprocess_photos(calibration_paths[:10]), batch_size=4)
     batches = list(iter(reader.get_next, None))
     assert [len(batch["input"]) for batch in batches] == [4, 4, 2]
     with Image.open(calibration_paths[9]) as image:
