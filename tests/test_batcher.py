@@ -426,12 +426,38 @@ def test_requests_nobody_waits_for_give_up_their_place_in_the_batch_and_queue():
         engine.release.set()
         await first
         assert [float((await t).row[0]) for t in live] == [10, 20, 30, 40]
-        assert engine.batches == [[0], [1, 2, 3, 4]] and batcher.dropped == 2
+        # dropped: the two short ones, and the late one, whose input came when nobody waited for it any more
+        assert engine.batches == [[0], [1, 2, 3, 4]] and batcher.dropped == 3
         for task in short:
             with pytest.raises(DeadlineExceeded):
                 await task
         with pytest.raises(DeadlineExceeded, match="decode"):
             await batcher.result(late)
+
+    run(scenario)
+
+
+def test_a_request_given_up_while_its_input_is_made_counts_as_dropped_and_a_failed_input_does_not():
+    # mnv3_dropped is "requests skipped before inference: deadline passed or client gone"; only queued ones
+    # were counted, so a deadline passing while the image was decoded (the load's usual 504) went uncounted.
+    async def scenario(make):
+        batcher = make(FakeEngine(), max_batch_size=4, window_ms=0)
+        loop = asyncio.get_running_loop()
+        left = batcher.expect()  # its client leaves while it is decoded
+        waiting = asyncio.create_task(batcher.result(left))
+        await asyncio.sleep(0)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        expired = batcher.expect(loop.time() + 0.02)  # its deadline passes while it is decoded
+        with pytest.raises(DeadlineExceeded, match="decode"):
+            await batcher.result(expired)
+        bad = batcher.expect()  # not an image: answered, not dropped
+        batcher.fail(bad, ValueError("not an image"))
+        with pytest.raises(ValueError):
+            await batcher.result(bad)
+        assert not batcher.queue(left, item(1)) and not batcher.queue(expired, item(2))  # their inputs come late
+        assert batcher.dropped == 2
 
     run(scenario)
 
