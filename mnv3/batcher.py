@@ -25,8 +25,9 @@ that may share memory with it.
 Work nobody waits for any more (deadline passed, client gone) is dropped before it runs and counted
 in `dropped`: a queued request as it is taken into a batch, or before its batch is handed over (the gap
 filled from the queue); an expected one is no longer waited for at once, and its input, when it comes, is
-not queued (it is counted as the window stops waiting for it). `stop()` drains: expected, queued and
-running requests are still answered, new ones are refused; what the drain leaves is failed.
+not queued (counted when its request ends, if it ended for want of anyone waiting). `stop()` drains:
+expected, queued and running requests are still answered, new ones are refused; what the drain leaves is
+failed.
 """
 
 import asyncio
@@ -84,11 +85,6 @@ class Expected:
         # Read from other threads: a future's state is a plain field, and a stale read only means one
         # request more or less is computed (or decoded) for nobody.
         return not self.future.done() and self.deadline > now
-
-    def abandoned(self, now: float) -> bool:
-        """Nobody waits for its answer any more: its client left (its future cancelled), or its deadline passed;
-        not a request answered otherwise (a failed input, a refusal)."""
-        return self.future.cancelled() or self.deadline <= now
 
     @property
     def preparing_s(self) -> float:
@@ -205,8 +201,10 @@ class DynamicBatcher:
         now = time.perf_counter()
         refusal: QueueFull | None = None
         with self._changed:
-            if not self._stop_expecting(expected, nobody_waits=expected.abandoned(now)):
-                return False  # given up on: its deadline passed or its client left
+            if expected not in self._preparing:  # given up on: its deadline passed or its client left
+                return False
+            self._preparing.discard(expected)
+            self._changed.notify()  # a new input, or one fewer to wait for
             if not expected.wanted(now):
                 pass  # its answer (504, or none: the client left) is the event loop's
             elif self._refusing:
@@ -229,13 +227,16 @@ class DynamicBatcher:
         """On the event loop: `expected`'s row, once its batch has run. Taken once."""
         if expected.future is self._answered:
             raise RuntimeError("this request's result was taken already")
+        answered = False  # with its input's failure or a refusal, not for want of anyone waiting any more
         try:
             async with asyncio.timeout_at(expected.timeout_at):
                 return await expected.future
         except TimeoutError:
             pass  # DeadlineExceeded is raised below, outside this handler: see there
+        except Exception as exc:  # its input failed or was refused, unless it came too late (DeadlineExceeded)
+            answered = not isinstance(exc, DeadlineExceeded)
+            raise
         finally:
-            nobody_waits = expected.abandoned(time.perf_counter())  # before its future is let go, below
             expected.future.cancel()  # deadline or client gone: the threads skip work nobody waits for
             # The answer is taken: the future (holding a failure, whose traceback holds the frames that hold
             # `expected`, the request's body among their locals) is let go, or that reference cycle would keep
@@ -243,7 +244,7 @@ class DynamicBatcher:
             assert self._answered is not None  # made by expect()
             expected.future = self._answered
             if expected.array is None:  # nobody waits for its input any more, nor should the window
-                self._given_up(expected, nobody_waits)
+                self._given_up(expected, nobody_waited=not answered)
         # Raised in the handler, it would have the TimeoutError as its context, whose traceback holds the
         # timeout, its task and (a task that ends with it) this exception: a cycle holding the request's frames.
         if expected.array is None:
@@ -251,29 +252,25 @@ class DynamicBatcher:
         waited = time.perf_counter() - expected.queued_at
         raise DeadlineExceeded(f"deadline passed after {waited:.3f} s waiting for inference")
 
-    def _given_up(self, expected: Expected, nobody_waits: bool) -> None:
-        """On the event loop: `expected`, whose input never came, is answered (or gone) and expected no more."""
-        self._expected_no_more(expected, nobody_waits)
+    def _given_up(self, expected: Expected, nobody_waited: bool) -> None:
+        """On the event loop: `expected`, whose input never came, is answered (or gone) and expected no more;
+        dropped, and counted so, if `nobody_waited` for it any more. Under the lock, as a decode thread may be
+        queueing its input just now: then it is the assembler's to drop and count."""
+        with self._changed:
+            self.dropped += nobody_waited and expected.array is None
+            self._not_preparing(expected)
         self._fail_one(expected, None)
 
-    def _expected_no_more(self, expected: Expected, nobody_waits: bool | None = None) -> None:
-        """From any thread: the window no longer waits for `expected`'s input. `nobody_waits` (deadline passed,
-        client gone) if known, else read off the request."""
-        if nobody_waits is None:
-            nobody_waits = expected.abandoned(time.perf_counter())
+    def _expected_no_more(self, expected: Expected) -> None:
+        """From any thread: the window no longer waits for `expected`'s input."""
         with self._changed:
-            self._stop_expecting(expected, nobody_waits)
+            self._not_preparing(expected)
 
-    def _stop_expecting(self, expected: Expected, nobody_waits: bool) -> bool:
-        """Under the lock: `expected`'s input is no longer waited for (it came, it failed, or nobody waits for
-        it); whether it was. One nobody waits for is counted as dropped here, once (whoever gets here first), as
-        the assembler counts a queued one: its input is never queued."""
-        if expected not in self._preparing:
-            return False
-        self._preparing.discard(expected)
-        self._changed.notify()  # a new input, or one fewer to wait for: the window may close now
-        self.dropped += nobody_waits
-        return True
+    def _not_preparing(self, expected: Expected) -> None:
+        """Under the lock."""
+        if expected in self._preparing:
+            self._preparing.discard(expected)
+            self._changed.notify()  # the window may close now
 
     async def submit(self, array: np.ndarray, deadline: float = math.inf) -> BatchResult:
         """Queue one (C, H, W) input and wait for its row. `deadline` is on the `loop.time()` clock."""
