@@ -283,16 +283,20 @@ def export_onnx(model: torch.nn.Module, path, preprocessing: Preprocessing = DEF
     example = torch.randn(1, *preprocessing.input_shape)
     # Written beside it, then renamed over it: an export cut short never leaves a truncated model for stage 2.
     partial = path.with_suffix(".partial")
-    torch.onnx.export(
-        model,
-        (example,),
-        str(partial),
-        dynamo=False,
-        opset_version=OPSET,
-        input_names=[INPUT_NAME],
-        output_names=[OUTPUT_NAME],
-        dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}},
-    )
+    try:
+        torch.onnx.export(
+            model,
+            (example,),
+            str(partial),
+            dynamo=False,
+            opset_version=OPSET,
+            input_names=[INPUT_NAME],
+            output_names=[OUTPUT_NAME],
+            dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}},
+        )
+    except BaseException:  # a failed or interrupted export leaves neither a model nor its remains
+        partial.unlink(missing_ok=True)
+        raise
     partial.replace(path)
     return path
 

@@ -5,6 +5,7 @@ import argparse
 import datetime
 import hashlib
 import urllib.error
+from pathlib import Path
 
 import pytest
 import torch
@@ -231,3 +232,18 @@ def test_imagenet_class_names_are_torchvisions():
 def test_a_missing_class_names_file_is_named_as_missing(tmp_path):
     with pytest.raises(BadClassNames, match=r"^--class-names .*/nope.txt: no such file$"):
         class_names_for(mobilenet_v3_small(num_classes=3), tmp_path / "nope.txt")
+
+
+def test_an_export_cut_short_leaves_the_last_model_and_no_remains(tmp_path, monkeypatch):
+    # Written beside fp32.onnx and renamed over it: stage 2 never reads a truncated model
+    (tmp_path / "fp32.onnx").write_bytes(b"the last export")
+
+    def interrupted(model, args, path, **kwargs):
+        Path(path).write_bytes(b"half a model")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch.onnx, "export", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        export_onnx(torch.nn.Identity(), tmp_path / "fp32.onnx")
+    assert [p.name for p in tmp_path.iterdir()] == ["fp32.onnx"]
+    assert (tmp_path / "fp32.onnx").read_bytes() == b"the last export"
