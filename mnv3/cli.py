@@ -286,8 +286,6 @@ def labelled_photos(args, class_names: list[str], held_out_count: int) -> tuple[
     """Stages 1-2's --labels: the photos and their class ids, --labels-count of them, once the stage has said
     what they score (accuracy, and agreement with FP32 on `held_out_count` of them); None without --labels."""
     if not args.labels:
-        if args.labels_count is not None:
-            raise UsageError("--labels-count counts --labels photos: pass --labels FILE too, or leave it out")
         return None
     labelled = load_labels(args.labels, class_names)
     scored = spread_labelled(labelled, args.labels_count)
@@ -448,6 +446,7 @@ def run_stage(run, args, user_errors: tuple = (), writes: tuple[str, ...] = ()):
     python_format, warnings.formatwarning = warnings.formatwarning, _format_warning
     on_sigterm = _stop_on_sigterm()
     try:
+        check_flag_pairs(args)
         for name in writes:
             made += check_writable(getattr(args, name), flag(name))
         return run(args)
@@ -463,6 +462,18 @@ def run_stage(run, args, user_errors: tuple = (), writes: tuple[str, ...] = ()):
         warnings.formatwarning = python_format
         if on_sigterm is not None:
             signal.signal(signal.SIGTERM, on_sigterm)
+
+
+# A flag that means nothing without another one: (flag, the flag it needs, what it does with it).
+_FLAG_NEEDS = (("labels_count", "labels", "counts --labels photos"),)
+
+
+def check_flag_pairs(args) -> None:
+    """UsageError for a flag given without the one it works on, before the stage loads anything: ignoring it
+    would run a different measurement than the one asked for."""
+    for name, needed, what in _FLAG_NEEDS:
+        if getattr(args, name, None) is not None and not getattr(args, needed, None):
+            raise UsageError(f"{flag(name)} {what}: pass {flag(needed)} FILE too, or leave it out")
 
 
 class Terminated(BaseException):

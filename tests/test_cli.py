@@ -200,10 +200,18 @@ def test_a_load_test_none_of_whose_requests_was_answered_writes_nothing(tmp_path
     assert (tmp_path / "03.csv").read_text() != "the last run's\n"
 
 
-def test_labels_count_without_labels_is_refused_not_ignored():
-    with pytest.raises(cli.UsageError, match="pass --labels FILE too"):
-        cli.labelled_photos(SimpleNamespace(labels=None, labels_count=5), ["a", "b"], 0)
-    assert cli.labelled_photos(SimpleNamespace(labels=None, labels_count=None), ["a", "b"], 0) is None
+def test_labels_count_without_labels_is_refused_before_the_stage_runs(tmp_path, capsys):
+    ran = []
+    with pytest.raises(SystemExit) as exit:  # not after loading and re-estimating the model, minutes in
+        cli.run_stage(ran.append, SimpleNamespace(labels=None, labels_count=5))
+    assert exit.value.code == 2 and not ran
+    assert (
+        capsys.readouterr().err
+        == "error: --labels-count counts --labels photos: pass --labels FILE too, or leave it out\n"
+    )
+    cli.run_stage(ran.append, SimpleNamespace(labels=None, labels_count=None))
+    cli.run_stage(ran.append, SimpleNamespace(labels=tmp_path, labels_count=5))
+    assert len(ran) == 2
 
 
 def test_a_caching_run_whose_cache_cannot_hold_a_phase_is_refused(tmp_path, capsys):
