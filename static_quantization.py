@@ -30,6 +30,7 @@ from mnv3.artifacts import (
     CALIBRATION_DIR,
     CLASS_NAMES_JSON,
     FP32_ONNX,
+    MANIFEST_JSON,
     MODEL_VARIANTS_CSV,
     MODEL_VARIANTS_PNG,
     RECIPES_CSV,
@@ -180,6 +181,7 @@ def run(args):
     artifacts_dir, results_dir = args.artifacts_dir, args.results_dir
     fp32_path = require(artifacts_dir / FP32_ONNX, 1, artifacts_dir, results_dir)
     class_names = json.loads(require(artifacts_dir / CLASS_NAMES_JSON, 1, artifacts_dir, results_dir).read_text())
+    require(artifacts_dir / MANIFEST_JSON, 1, artifacts_dir, results_dir)  # what the model is: without it, no row says
     manifest = read_manifest(artifacts_dir)
     provenance, arch = weights_provenance(artifacts_dir), manifest.get("model", {}).get("arch", "unknown")
     model_id = manifest.get("model", {}).get("id", "")

@@ -463,6 +463,20 @@ def test_stage_2_without_stage_1_table_names_the_model_a_rerun_must_remake(stage
     assert len(error.splitlines()) == 1 and not (tmp_path / "02_static.csv").exists()
 
 
+def test_stage_2_without_stage_1_manifest_names_it_not_another_model(stage_dirs, tmp_path, capsys):
+    """fp32.onnx and stage 1's table but no manifest (copied by hand): the model read as "weights unknown, arch
+    unknown" and the refusal blamed the table for being of another model."""
+    artifacts = tmp_path / "artifacts"
+    shutil.copytree(stage_dirs["artifacts"], artifacts)
+    (artifacts / "manifest.json").unlink()
+    with pytest.raises(SystemExit) as exit:
+        run_stage(static_quantization, "--quick", "--artifacts-dir", artifacts, "--results-dir", stage_dirs["results"])
+    assert exit.value.code == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith(f"error: {artifacts / 'manifest.json'} not found: it is written by stage 1. Run `python ")
+    assert "another model" not in error and len(error.splitlines()) == 1
+
+
 def test_stage_2_refuses_an_empty_stage_1_table(stage_dirs, tmp_path, capsys):
     results = tmp_path / "results"
     shutil.copytree(stage_dirs["results"], results)
