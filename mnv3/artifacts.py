@@ -69,6 +69,23 @@ STAGE_SCRIPTS = {
 }
 
 
+STAGE_1_MODELS = (FP32_ONNX, DYNAMIC_INT8_ONNX, DYNAMIC_INT8_U8_WEIGHTS_ONNX)
+
+
+def remake_hint(model_path) -> str:
+    """How to get a broken model file back: the stage that writes it (stage 1 for its own models, stage 2 for
+    any other model beside a manifest), with the model's folder where that is not the default."""
+    path = Path(model_path)
+    if path.name in STAGE_1_MODELS:
+        stage = 1
+    elif (path.parent / MANIFEST_JSON).exists():
+        stage = 2
+    else:
+        return "if one of this project's stages wrote it, rerun that stage"
+    folder = "" if path.parent.resolve() == ARTIFACTS_DIR.resolve() else f" --artifacts-dir {path.parent}"
+    return f"rerun stage {stage}, which writes it (python {STAGE_SCRIPTS[stage]}{folder}, with the flags it had)"
+
+
 class MissingArtifact(FileNotFoundError):
     """An input that an earlier stage writes is not there."""
 

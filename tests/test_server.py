@@ -17,7 +17,7 @@ from PIL import Image
 from conftest import WAIT_S, Gate, post_file, post_raw, serving_client, wait_until
 from mnv3.artifacts import CLASS_NAMES_JSON
 from mnv3.config import parse_args
-from mnv3.engine import Engine, top_k_ids
+from mnv3.engine import Engine, ModelLoadError, top_k_ids
 from mnv3.loadtest import ServerProcess, parse_metrics
 from mnv3.photos import load_images
 from mnv3.preprocess import decode_image, preprocess
@@ -352,11 +352,23 @@ def test_a_folder_as_the_model_exits_2_naming_the_model_files_in_it(tmp_path):
     )
 
 
-def test_corrupt_model_exits_2_with_one_line(tmp_path):
+def test_corrupt_model_exits_2_with_one_line_naming_the_stage_that_remakes_it(tmp_path):
     (tmp_path / "corrupt.onnx").write_bytes(b"this is not a protobuf")
     result = run_server("--model", str(tmp_path / "corrupt.onnx"), "--port", "0")
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "not a loadable ONNX model" in result.stderr
+    assert result.stderr.strip().endswith("if one of this project's stages wrote it, rerun that stage")
+
+
+@pytest.mark.parametrize(("name", "stage"), [("fp32.onnx", "stage 1"), ("static_int8.onnx", "stage 2")])
+def test_a_stage_model_cut_short_names_the_stage_and_folder_that_remake_it(tmp_path, name, stage):
+    (tmp_path / "manifest.json").write_text("{}")
+    (tmp_path / name).write_bytes(b"\x08\x07\x12")  # the first bytes of a protobuf, the rest never written
+    with pytest.raises(ModelLoadError) as refused:
+        Engine.load(tmp_path / name, "onnxruntime")
+    assert str(refused.value).startswith(f"{tmp_path / name} is not a loadable ONNX model (")
+    assert f"rerun {stage}, which writes it (python " in str(refused.value)
+    assert f" --artifacts-dir {tmp_path}, with the flags it had)" in str(refused.value)
 
 
 @pytest.mark.parametrize("text", ['{"weights": "random-init"', "[]"])
@@ -448,8 +460,6 @@ def test_ort_spinning_is_off_by_default_and_a_flag_turns_it_on():
 
 
 def test_corrupt_class_names_file_is_a_clear_load_error(fp32_model_path, tmp_path):
-    from mnv3.engine import Engine, ModelLoadError
-
     model = tmp_path / "fp32.onnx"
     model.write_bytes(fp32_model_path.read_bytes())
     (tmp_path / CLASS_NAMES_JSON).write_text("{not json")
@@ -498,7 +508,6 @@ def test_top_k_ids_is_the_head_of_a_stable_argsort_with_ties_nan_and_any_k():
 
 def test_engine_preprocesses_as_the_manifest_beside_the_model_says(fp32_model_path, tmp_path):
     from mnv3.artifacts import update_manifest
-    from mnv3.engine import ModelLoadError
     from mnv3.preprocess import DEFAULT_PREPROCESSING, Preprocessing
 
     model = tmp_path / "fp32.onnx"
