@@ -94,6 +94,9 @@ def require(path, stage: int, artifacts_dir=ARTIFACTS_DIR, results_dir=RESULTS_D
     """Return `path` if it exists, else raise an error that names the stage to run: with the folders the
     caller was given (`artifacts_dir`, `results_dir`), where they are not the defaults `make run` uses."""
     path = Path(path)
+    for flag, folder in (("artifacts-dir", artifacts_dir), ("results-dir", results_dir)):
+        if Path(folder).is_file() and path.is_relative_to(folder):  # not "run stage N" into a file: it cannot
+            raise MissingArtifact(f"--{flag} {folder} is a file: pass the folder stage {stage} wrote to")
     if not path.exists():
         folders = [
             f"--{flag} {folder}"

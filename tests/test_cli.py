@@ -237,6 +237,17 @@ def test_a_missing_input_names_the_command_with_the_folders_given(tmp_path):
     assert str(elsewhere.value).endswith(f"Run `python static_quantization.py --artifacts-dir {tmp_path / 'a'}` first.")
 
 
+def test_a_folder_flag_naming_a_file_says_so_not_to_run_a_stage_into_it(tmp_path):
+    from mnv3.artifacts import require
+
+    (tmp_path / "notes.txt").write_text("")
+    with pytest.raises(MissingArtifact) as refused:  # was "... not found: it is written by stage 2. Run `...`"
+        require(tmp_path / "notes.txt" / "static_int8.onnx", 2, tmp_path / "notes.txt", tmp_path)
+    assert str(refused.value) == f"--artifacts-dir {tmp_path / 'notes.txt'} is a file: pass the folder stage 2 wrote to"
+    with pytest.raises(MissingArtifact, match=r"^--results-dir \S+ is a file: pass the folder stage 1 wrote to$"):
+        require(tmp_path / "notes.txt" / "01_baseline.csv", 1, tmp_path, tmp_path / "notes.txt")
+
+
 def test_every_installed_command_runs_as_its_wrapper_calls_it(monkeypatch, capsys):
     """pip's wrapper for a [project.scripts] entry calls the function with no arguments."""
     from importlib.metadata import entry_points
