@@ -26,6 +26,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import fields, replace
 from pathlib import Path
@@ -403,7 +404,12 @@ def start_local_cluster(
     ray._private.ray_constants.ENABLE_RAY_CLUSTER = False
     # Ray's processes inherit this environment: the proxy imports mnv3 (installed) for its middleware.
     os.environ[PROXY_CALLBACK_ENV] = PROXY_CALLBACK
+    sigterm = signal.getsignal(signal.SIGTERM)
     ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=log_to_driver)
+    # ray.init's own handler exits with status 15 at once, skipping the caller's way of stopping (the --bench
+    # run's cli.Terminated: its cluster and servers stopped, exit 143)
+    if sigterm is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, sigterm)
     serve.start(http_options={"host": host, "port": port})
 
 

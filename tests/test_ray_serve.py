@@ -5,6 +5,7 @@ One local Ray cluster (127.0.0.1 only, 2 CPUs) for the module; it is shut down a
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -46,8 +47,11 @@ def config(fp32_model_path):
 @pytest.fixture(scope="module")
 def ray_url(config):
     port = free_port()
+    sigterm = signal.getsignal(signal.SIGTERM)
     ray_serve.start_local_cluster(num_cpus=2, port=port, log_to_driver=False)
     try:
+        # ray.init's handler replaced the caller's: a --bench run on SIGTERM exited 15, not as every stage does
+        assert signal.getsignal(signal.SIGTERM) is sigterm
         url = f"http://127.0.0.1:{port}"
         ray_serve.deploy(ray_serve.build(config, replicas=2, num_cpus=1), url)
         yield url
