@@ -318,7 +318,8 @@ class DynamicBatcher:
                         break
                     if taken and self._runner_free and self._closes(taken, rows):
                         now = time.perf_counter()
-                        wanted = [p.wanted(now) for p in self._filling]
+                        # Once refusing, stop() has answered the batch (ShuttingDown), or is about to
+                        wanted = [p.wanted(now) and not self._refusing for p in self._filling]
                         if all(wanted):
                             return self._hand_over(rows, taken)
                         keep = [i for i, is_wanted in enumerate(wanted) if is_wanted]
@@ -345,9 +346,10 @@ class DynamicBatcher:
             taken += 1
 
     def _drop(self, loop: asyncio.AbstractEventLoop, gone: list[Expected]) -> None:
-        """Under the lock: requests nobody waits for any more, skipped before inference. Those stop() has
-        answered already (ShuttingDown) are not counted as dropped."""
-        self.dropped += sum(not p.settled for p in gone)  # read off the event loop: stop() settles there first
+        """Under the lock: requests nobody waits for any more, skipped before inference. Those stop() answers
+        (ShuttingDown, once refusing: it may not have yet) are not counted as dropped."""
+        if not self._refusing:  # until then only the threads settle a queued request: none in `gone` is yet
+            self.dropped += len(gone)
         self._answer(loop, self._settle, gone)
 
     def _other_shape(self, rows: np.ndarray, taken: int) -> bool:
@@ -396,6 +398,9 @@ class DynamicBatcher:
                 if self._next is None:
                     return
                 (batch, rows), self._next = self._next, None
+                if self._refusing:  # stop() answers this batch (ShuttingDown): nobody waits for its rows
+                    self._changed.notify()  # the runner is free
+                    continue
                 self._running = batch
             started = time.perf_counter()
             outcome: np.ndarray | Exception  # the batch's rows, or what failed it

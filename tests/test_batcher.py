@@ -319,6 +319,33 @@ def test_stop_answers_what_it_could_not_drain_with_shutting_down():
     run(scenario)
 
 
+def test_what_stop_answers_after_its_drain_is_neither_computed_nor_counted_dropped():
+    async def scenario(make):
+        engine = FakeEngine()
+        batcher = make(engine, max_batch_size=1, window_ms=0)
+        first = await held(engine, batcher, 1)
+        queued = asyncio.create_task(batcher.submit(item(2)))
+        await asyncio.sleep(0)
+        fail_one = batcher._fail_one
+
+        def threads_first(expected, exc):  # the threads go on between stop()'s lock and its answers
+            engine.release.set()
+            time.sleep(0.2)
+            fail_one(expected, exc)
+
+        batcher._fail_one = threads_first
+        await batcher.stop(drain_s=0.05)  # the engine is held: nothing drains
+        for request in (first, queued):
+            with pytest.raises(ShuttingDown):
+                await request
+        for thread in batcher._threads:
+            await asyncio.to_thread(thread.join, BLOCK_TIMEOUT_S)
+        assert engine.computed == [1]  # `queued` went to the free runner, answered already
+        assert batcher.dropped == 0
+
+    run(scenario)
+
+
 def test_dropped_counts_work_skipped_for_expired_and_cancelled_requests():
     async def scenario(make):
         engine = FakeEngine()
