@@ -1,8 +1,8 @@
 """MobileNetV3 (Large or Small, any number of classes) with honest provenance, its class names, and the
 ONNX FP32 export. Needs torch; serving does not.
 
-Weights come from a local file (a state_dict, or a training checkpoint with the state_dict under
-"model", as torchvision's references/classification/train.py saves it), else torchvision's ImageNet
+Weights come from a local file (a state_dict, or a training checkpoint with the state_dict under "model",
+"model_state_dict" or "state_dict", as training scripts save it), else torchvision's ImageNet
 weights, else a seeded random init that says so. The class count is the file's classifier shape.
 """
 
@@ -12,6 +12,7 @@ import io
 import json
 import socket
 import warnings
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -103,7 +104,7 @@ def _read_weights_file(path) -> bytes:
 
 
 def _state_dict(path, data: bytes) -> dict:
-    """The state_dict in `data`: the file itself, or a training checkpoint's "model" entry.
+    """The state_dict in `data`: the file itself, or a training checkpoint's entry that holds it.
 
     Loaded with weights_only=True, so the file cannot run code; train.py's checkpoints also hold its
     argparse.Namespace, which is allowed for that."""
@@ -112,6 +113,17 @@ def _state_dict(path, data: bytes) -> dict:
             f"--weights {path}: not a PyTorch state_dict or checkpoint (not a file torch.save writes: neither a "
             f"zip archive nor a pickle); save one with {SAVE_STATE_DICT}"
         )
+    if data.startswith(TORCH_SAVE_MAGIC[0]):
+        if not zipfile.is_zipfile(io.BytesIO(data)):  # torch.load's reason would be the zip reader's
+            raise BadWeights(
+                f"--weights {path}: a zip archive cut short or damaged (its end is missing), as a copy or a "
+                f"save that did not finish leaves one: copy it again, or save it again with {SAVE_STATE_DICT}"
+            )
+        if any(name.endswith("/constants.pkl") for name in zipfile.ZipFile(io.BytesIO(data)).namelist()):
+            raise BadWeights(  # torch.load's own answer advises weights_only=False
+                f"--weights {path} is a TorchScript archive (torch.jit.save), whose weights cannot be loaded "
+                f"without its code; save the model's weights instead: {SAVE_STATE_DICT}"
+            )
     try:
         with torch.serialization.safe_globals([argparse.Namespace]):
             loaded = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
@@ -125,21 +137,38 @@ def _state_dict(path, data: bytes) -> dict:
             f"--weights {path}: not a PyTorch state_dict or checkpoint ({_load_failure(exc)}); "
             f"save one with {SAVE_STATE_DICT}"
         ) from exc
-    if isinstance(loaded, dict) and isinstance(loaded.get("model"), dict):
-        loaded = loaded["model"]  # a references/classification checkpoint: {"model", "optimizer", "epoch", ...}
-    # (Distributed)DataParallel save the model's weights under "module.", as train.py's model_ema (an
-    # AveragedModel) does, with its n_averaged count beside them.
-    if isinstance(loaded, dict) and loaded and all(key.startswith("module.") or key == "n_averaged" for key in loaded):
-        loaded = {key.removeprefix("module."): value for key, value in loaded.items() if key != "n_averaged"}
+    if isinstance(loaded, dict):
+        entry = next((key for key in CHECKPOINT_ENTRIES if isinstance(loaded.get(key), dict)), None)
+        loaded = _unwrapped(loaded[entry] if entry else loaded)
     if not isinstance(loaded, dict) or not all(isinstance(value, torch.Tensor) for value in loaded.values()):
         found = ""
-        if isinstance(loaded, dict):  # e.g. a Lightning checkpoint's "state_dict", whose names differ
+        if isinstance(loaded, dict):
             found = f" (its keys: {_some(map(str, loaded), 5)})"
         raise BadWeights(
             f"--weights {path}: holds no state_dict (a dict of tensors, or a checkpoint with one under "
-            f'"model"){found}; save one with {SAVE_STATE_DICT}'
+            f"{' or '.join(map(repr, CHECKPOINT_ENTRIES))}){found}; save one with {SAVE_STATE_DICT}"
         )
     return loaded
+
+
+# Where training scripts keep the model's state_dict in a checkpoint, beside the optimizer's: torchvision's
+# references/classification ("model"), PyTorch's tutorials ("model_state_dict"), Lightning and timm ("state_dict").
+CHECKPOINT_ENTRIES = ("model", "model_state_dict", "state_dict")
+# The modules of a torchvision MobileNetV3, whose names begin every key of its state_dict.
+MOBILENET_V3_MODULES = frozenset({"features", "avgpool", "classifier"})
+
+
+def _unwrapped(state: dict) -> dict:
+    """`state` without the prefix a wrapper put before every name: (Distributed)DataParallel's and train.py's
+    model_ema's "module." (an AveragedModel, with its n_averaged count beside), a Lightning module's attribute
+    (e.g. "model."). Names that are already torchvision's, or that share no prefix, are left as they are."""
+    while True:
+        keys = [key for key in state if key != "n_averaged"]
+        prefixes = {str(key).split(".", 1)[0] for key in keys}
+        if len(prefixes) != 1 or prefixes & MOBILENET_V3_MODULES or not all("." in str(key) for key in keys):
+            return state
+        prefix = f"{prefixes.pop()}."
+        state = {key.removeprefix(prefix): state[key] for key in keys}
 
 
 # How a file torch.save wrote begins: its zip format, or the legacy format's pickle protocol byte.
@@ -167,10 +196,23 @@ def _pickles_modules(data: bytes) -> bool:
 def _classifier_classes(path, state_dict: dict) -> int:
     weight = state_dict.get(CLASSIFIER_WEIGHT)
     if weight is None or weight.ndim != 2:
+        head = sorted(key for key in state_dict if key.startswith("classifier."))
+        if head:  # e.g. classifier[3] = Sequential(Dropout, Linear): "classifier.3.1.weight"
+            raise BadWeights(
+                f"--weights {path}: a MobileNetV3 whose head was changed ({_some(head, 3)}); only torchvision's "
+                f"head is supported, whose last layer is one Linear ({CLASSIFIER_WEIGHT}): replace "
+                "model.classifier[3] with a torch.nn.Linear of your classes, and train that"
+            )
         raise BadWeights(
             f"--weights {path}: no {CLASSIFIER_WEIGHT} of shape (classes, features), so not a "
             "torchvision MobileNetV3 state_dict; pass the weights of a torchvision.models."
             "mobilenet_v3_large or mobilenet_v3_small"
+        )
+    if weight.shape[0] < 2:
+        raise BadWeights(
+            f"--weights {path}: a head of one output (a sigmoid's, for a yes/no class), whose softmax, what "
+            "the server answers, is 1.0 whatever the photo: train a head of two outputs, one a class, with "
+            "CrossEntropyLoss"
         )
     return weight.shape[0]
 

@@ -5,6 +5,7 @@ import argparse
 import datetime
 import hashlib
 import urllib.error
+import warnings
 from pathlib import Path
 
 import pytest
@@ -121,10 +122,70 @@ def test_this_archs_weights_under_other_names_are_named_not_sent_to_another_arch
 
 
 def test_a_checkpoint_without_a_model_entry_names_its_keys(tmp_path):
-    path = tmp_path / "lightning.ckpt"
-    torch.save({"epoch": 3, "state_dict": {"model.conv.weight": torch.zeros(1)}}, path)
-    with pytest.raises(BadWeights, match=r"holds no state_dict .* \(its keys: epoch, state_dict\)"):
+    path = tmp_path / "mine.ckpt"
+    torch.save({"epoch": 3, "weights": {"conv.weight": torch.zeros(1)}}, path)
+    with pytest.raises(BadWeights) as refused:
         load_model("mobilenet_v3_large", path)
+    assert str(refused.value) == (
+        f"--weights {path}: holds no state_dict (a dict of tensors, or a checkpoint with one under 'model' or "
+        "'model_state_dict' or 'state_dict') (its keys: epoch, weights); save one with "
+        "torch.save(model.state_dict(), 'weights.pth')"
+    )
+
+
+@pytest.mark.parametrize(
+    ("entry", "prefix"),
+    [("model_state_dict", ""), ("state_dict", "model."), ("state_dict", "module.net.")],
+    ids=["PyTorch tutorial", "Lightning", "Lightning with DataParallel"],
+)
+def test_the_state_dict_of_other_training_scripts_checkpoints_loads(tmp_path, entry, prefix):
+    """Their state_dict was said to be none: "holds no state_dict (its keys: model_state_dict, ...)"."""
+    torch.manual_seed(4)
+    source = mobilenet_v3_small(num_classes=4)
+    path = tmp_path / "checkpoint.ckpt"
+    state = {f"{prefix}{key}": value for key, value in source.state_dict().items()}
+    torch.save({"epoch": 2, entry: state, "optimizer_states": [], "lr_schedulers": []}, path)
+    model, _ = load_model("mobilenet_v3_small", path)
+    assert num_classes(model) == 4 and torch.equal(model.classifier[3].weight, source.classifier[3].weight)
+
+
+def test_a_torchscript_archive_is_refused_without_advice_to_run_its_code(tmp_path):
+    path = tmp_path / "scripted.pt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch.jit is deprecated: users still have such files
+        torch.jit.save(torch.jit.script(mobilenet_v3_small(num_classes=3)), path)
+    with pytest.raises(BadWeights) as refused:
+        load_model("mobilenet_v3_small", path)
+    assert str(refused.value).startswith(f"--weights {path} is a TorchScript archive (torch.jit.save), whose ")
+    assert "weights_only" not in str(refused.value)
+
+
+def test_a_checkpoint_cut_short_says_so_and_to_copy_it_again(tmp_path):
+    path = tmp_path / "model_29.pth"
+    torch.save(mobilenet_v3_small(num_classes=3).state_dict(), path)
+    path.write_bytes(path.read_bytes()[:100_000])
+    with pytest.raises(BadWeights, match=r": a zip archive cut short or damaged .*: copy it again, or save it again"):
+        load_model("mobilenet_v3_small", path)
+
+
+def test_a_changed_head_is_named_and_refused(tmp_path):
+    model = mobilenet_v3_small(num_classes=3)
+    model.classifier[3] = torch.nn.Sequential(torch.nn.Dropout(0.5), torch.nn.Linear(1024, 3))
+    path = tmp_path / "seqhead.pth"
+    torch.save(model.state_dict(), path)
+    with pytest.raises(BadWeights) as refused:  # was "... so not a torchvision MobileNetV3 state_dict"
+        load_model("mobilenet_v3_small", path)
+    assert "a MobileNetV3 whose head was changed (classifier.0.bias, classifier.0.weight, " in str(refused.value)
+    assert str(refused.value).endswith(
+        "replace model.classifier[3] with a torch.nn.Linear of your classes, and train that"
+    )
+
+
+def test_a_one_output_head_is_refused_as_its_softmax_is_always_one(tmp_path):
+    path = tmp_path / "binary.pth"
+    torch.save(mobilenet_v3_small(num_classes=1).state_dict(), path)
+    with pytest.raises(BadWeights, match=r"a head of one output .* train a head of two outputs"):
+        load_model("mobilenet_v3_small", path)
 
 
 def test_whole_pickled_model_is_refused_saying_how_to_save_a_state_dict(tmp_path):
@@ -184,7 +245,7 @@ def test_bad_weights_file_is_a_clear_error(tmp_path, content):
         (b"hello", "not a file torch.save writes"),
         (b"cat\ndog\n", "not a file torch.save writes"),
         (b"\x80\x02 a pickle cut short", "not a PyTorch state_dict or checkpoint"),
-        (b"PK\x03\x04 cut short", "PytorchStreamReader failed reading zip archive"),
+        (b"PK\x03\x04 cut short", "a zip archive cut short or damaged"),
         (
             {"conv.weight": torch.zeros(1), "saved_on": datetime.date(2026, 12, 3)},
             "Unsupported global: GLOBAL datetime.date",
