@@ -127,31 +127,46 @@ def load_labels(path, class_names: list[str]) -> tuple[list[Path], np.ndarray]:
 def _folder_pairs(root: Path, class_names: list[str]) -> list[tuple[Path, int]]:
     """Every folder is matched by one rule, the first that matches them all: their names are class names (as
     written, else ignoring case where that is unambiguous), or class ids, or, with one folder per class, their
-    sorted order (as ImageFolder numbers them). A folder's images include those in folders within it."""
+    sorted order (as ImageFolder numbers them), unless that gives a folder named as a class another class (one
+    class name mistyped shifts every folder after it). A folder's images include those in folders within it."""
     folders = sorted(p for p in root.iterdir() if p.is_dir())
     names = [folder.name for folder in folders]
-    exact = {name: i for i, name in enumerate(class_names)}
-    folded = {name.casefold(): i for i, name in enumerate(class_names)}
-    if all(name in exact for name in names):
-        ids = [exact[name] for name in names]
-    elif len(folded) == len(class_names) and all(name.casefold() in folded for name in names):
-        ids = [folded[name.casefold()] for name in names]
+    by_name = _class_ids_named(names, class_names)
+    misplaced = [(i, named) for i, named in enumerate(by_name) if named not in (None, i)]
+    if all(named is not None for named in by_name):
+        ids = by_name
     elif all(name.isdigit() and int(name) < len(class_names) for name in names):
         ids = [int(name) for name in names]
-    elif len(folders) == len(class_names):
+    elif len(folders) == len(class_names) and not misplaced:
         ids = list(range(len(folders)))
     else:
-        unmatched = [name for name in names if name not in exact][:3]
+        unmatched = [name for name, named in zip(names, by_name, strict=True) if named is None][:3]
+        why = f"there are {len(folders)} folders for {len(class_names)} classes"
+        if len(folders) == len(class_names):
+            i, named = misplaced[0]
+            why = (
+                f"by their sorted order (one folder per class) folder {names[i]!r} would be labelled class {i} "
+                f"({class_names[i]!r}), not class {named}, whose name it has"
+            )
         raise UnreadableLabels(
             f"--labels {root}: folders such as {', '.join(map(repr, unmatched))} are neither class names nor class "
-            f"ids, and there are {len(folders)} folders for {len(class_names)} classes: name each folder by its "
-            "class name or id"
+            f"ids, and {why}: name each folder by its class name or id"
         )
     return [
         (image, class_id)
         for folder, class_id in zip(folders, ids, strict=True)
         for image in list_images(folder, recursive=True)
     ]
+
+
+def _class_ids_named(names: list[str], class_names: list[str]) -> list[int | None]:
+    """The class id each of `names` is the name of (as written, else ignoring case where that is unambiguous),
+    None for one that names no class."""
+    exact = {name: i for i, name in enumerate(class_names)}
+    folded = {name.casefold(): i for i, name in enumerate(class_names)}
+    if len(folded) < len(class_names):  # two classes differ only in case: a folder must name one as written
+        folded = {}
+    return [exact.get(name, folded.get(name.casefold())) for name in names]
 
 
 def spread_labelled(labelled: tuple[list[Path], np.ndarray], count: int | None) -> tuple[list[Path], np.ndarray]:
