@@ -24,6 +24,7 @@ MANIFEST_JSON = "manifest.json"
 # with no record beside it gets.
 STAND_IN_PROVENANCE = "random-init"
 UNKNOWN_PROVENANCE = "unknown"
+FILE_PROVENANCE_PREFIX = "file:"  # weights from a --weights file: "file:" and the first 12 hex digits of its SHA-256
 # The names stage 1's ONNX export gives the model's input and output (calibration feeds the input by name).
 INPUT_NAME, OUTPUT_NAME = "input", "logits"
 

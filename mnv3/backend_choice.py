@@ -20,7 +20,7 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from mnv3.artifacts import STAND_IN_PROVENANCE, read_manifest
+from mnv3.artifacts import FILE_PROVENANCE_PREFIX, STAND_IN_PROVENANCE, read_manifest
 
 AUTO = "auto"
 BACKENDS = ("onnxruntime", "openvino")
@@ -155,15 +155,20 @@ def choose(rows: list[dict], min_agreement: float, guard_applies: bool) -> tuple
     raise ValueError("no variant to choose from")
 
 
-def guard_note(provenance: str, min_agreement: float, photos: int) -> str:
-    """What the agreement guard did, on how many held-out `photos`, and when they are too few for it to allow
-    any disagreement at all."""
+def guard_note(provenance: str, min_agreement: float, photos: int, labelled: bool) -> str:
+    """What the agreement guard did, on how many held-out `photos` (the user's `labelled` ones, or the sample
+    photos), and when they are too few for it to allow any disagreement at all."""
     if provenance == STAND_IN_PROVENANCE:
         return (
             "not applied: the weights are the random-init stand-in, whose agreement with FP32 says nothing "
             "about a trained model's; rerun stage 1 with --weights for a guarded choice"
         )
     note = f"applied: a variant needs top-1 agreement with FP32 >= {min_agreement} on the {photos} held-out photos"
+    if not labelled and provenance.startswith(FILE_PROVENANCE_PREFIX):  # a user's weights: most likely a fine-tune
+        note += (
+            " (the sample photos scikit-image and matplotlib ship, not yours: a fine-tune's classes may not be "
+            "among them; pass --labels with your labelled photos for an agreement on its own)"
+        )
     if photos * (1 - min_agreement) < 1:
         note += (
             f"; of {photos}, a single disagreement refuses a variant: measure on more (run without --quick, "
@@ -181,10 +186,11 @@ def manifest_entry(
     provenance: str,
     min_agreement: float,
     photos: int,
+    labelled: bool,
     environment: dict,
 ) -> dict:
-    """The MANIFEST_KEY entry: what serves, its same-run ratios and agreement (on `photos` held-out photos),
-    and why it was chosen."""
+    """The MANIFEST_KEY entry: what serves, its same-run ratios and agreement (on `photos` held-out photos, the
+    user's `labelled` ones or the sample photos), and why it was chosen."""
     columns = (
         "mean_ms_vs_onnx_fp32",
         "per_image_ms_vs_onnx_fp32",
@@ -207,7 +213,7 @@ def manifest_entry(
             f"{chosen['batch_size']} {chosen['per_image_ms_vs_onnx_fp32']}x FP32's time)"
             + (f"; passed over: {'; '.join(f'{k} ({v})' for k, v in refused.items())}" if refused else "")
         ),
-        "agreement_guard": guard_note(provenance, min_agreement, photos),
+        "agreement_guard": guard_note(provenance, min_agreement, photos, labelled),
         "min_agreement": min_agreement,
         "guard_applied": provenance != STAND_IN_PROVENANCE,
         "weights": provenance,

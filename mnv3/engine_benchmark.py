@@ -62,6 +62,7 @@ def choose_engine(args, fp32_path, calibration_images, bench: Bench, profile_run
         bench.weights,
         args.min_agreement,
         len(bench.held_out),
+        bench.labelled is not None,
         report.cpu_info() | {"threads": args.threads, "versions": report.library_versions()},
     )
     rows = [row | {"chosen": row is chosen} for row in rows]

@@ -24,7 +24,7 @@ from torchvision.models import (
     mobilenet_v3_small,
 )
 
-from mnv3.artifacts import INPUT_NAME, OUTPUT_NAME, STAND_IN_PROVENANCE
+from mnv3.artifacts import FILE_PROVENANCE_PREFIX, INPUT_NAME, OUTPUT_NAME, STAND_IN_PROVENANCE
 from mnv3.preprocess import DEFAULT_PREPROCESSING, Preprocessing, preprocess_batch
 
 ARCHS = {"mobilenet_v3_large": mobilenet_v3_large, "mobilenet_v3_small": mobilenet_v3_small}
@@ -66,7 +66,7 @@ def load_model(arch: str = DEFAULT_ARCH, weights_path=None) -> tuple[torch.nn.Mo
         model = ARCHS[arch](weights=None, num_classes=_classifier_classes(weights_path, state_dict))
         _check_fits(weights_path, arch, model, state_dict)
         model.load_state_dict(state_dict)
-        return model.eval(), f"file:{hashlib.sha256(data).hexdigest()[:12]}"
+        return model.eval(), f"{FILE_PROVENANCE_PREFIX}{hashlib.sha256(data).hexdigest()[:12]}"
     model = ARCHS[arch](weights=None)
     previous_timeout = socket.getdefaulttimeout()
     socket.setdefaulttimeout(DOWNLOAD_TIMEOUT_S)

@@ -237,7 +237,7 @@ def engine_choice_entry(
         "batch_size": 32,
         "top1_agreement": 1.0,
     }
-    return manifest_entry(row, {}, for_model, 3, REAL_WEIGHTS, 0.99, 512, {"cpu": "test"})
+    return manifest_entry(row, {}, for_model, 3, REAL_WEIGHTS, 0.99, 512, False, {"cpu": "test"})
 
 
 TIERS = ("unit", "integration", "e2e")

@@ -254,9 +254,9 @@ def test_the_guard_refuses_a_degraded_variant_with_real_weights_only(measured_ro
     # On the stand-in the guard means nothing and is not applied: the fastest wins, here the one that skips the work.
     unguarded, none_refused = choose(rows, 0.99, guard_applies=False)
     assert unguarded["variant"] == "degraded_noise" and none_refused == {}
-    entry = manifest_entry(chosen, refused, STATIC_INT8_ONNX, len(rows), REAL_WEIGHTS, 0.99, 512, {})
+    entry = manifest_entry(chosen, refused, STATIC_INT8_ONNX, len(rows), REAL_WEIGHTS, 0.99, 512, False, {})
     assert entry["guard_applied"] and "degraded_noise (top-1 agreement with FP32" in entry["reason"]
-    stand_in = manifest_entry(unguarded, {}, STATIC_INT8_ONNX, len(rows), "random-init", 0.99, 64, {})
+    stand_in = manifest_entry(unguarded, {}, STATIC_INT8_ONNX, len(rows), "random-init", 0.99, 64, False, {})
     assert not stand_in["guard_applied"] and stand_in["agreement_guard"].startswith("not applied")
 
 

@@ -42,11 +42,22 @@ def test_the_choice_is_the_fastest_by_both_sizes_and_the_guard_refuses_only_when
 
 
 def test_the_guard_note_names_its_photos_and_says_when_they_allow_no_disagreement():
-    assert guard_note(REAL_WEIGHTS, 0.99, 512).endswith(">= 0.99 on the 512 held-out photos")
-    few = guard_note(REAL_WEIGHTS, 0.99, 50)  # a user's 50 --labels photos: 0.98 is one photo
+    assert guard_note(REAL_WEIGHTS, 0.99, 512, labelled=False).endswith(">= 0.99 on the 512 held-out photos")
+    few = guard_note(REAL_WEIGHTS, 0.99, 50, labelled=True)  # a user's 50 --labels photos: 0.98 is one photo
     assert "on the 50 held-out photos; of 50, a single disagreement refuses a variant" in few
-    assert "single disagreement" in guard_note(REAL_WEIGHTS, 1.0, 512)
-    assert guard_note("random-init", 0.99, 16).startswith("not applied")
+    assert "single disagreement" in guard_note(REAL_WEIGHTS, 1.0, 512, labelled=False)
+    assert guard_note("random-init", 0.99, 16, labelled=False).startswith("not applied")
+
+
+def test_the_guard_note_of_a_users_weights_says_when_it_measured_on_the_sample_photos():
+    # a fine-tune's agreement on photos outside its classes says little; nothing said so
+    sample = guard_note("file:0123456789ab", 0.99, 512, labelled=False)
+    assert sample.endswith(
+        "on the 512 held-out photos (the sample photos scikit-image and matplotlib ship, not "
+        "yours: a fine-tune's classes may not be among them; pass --labels with your labelled "
+        "photos for an agreement on its own)"
+    )
+    assert guard_note("file:0123456789ab", 0.99, 512, labelled=True).endswith("on the 512 held-out photos")
 
 
 @pytest.fixture
