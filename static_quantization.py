@@ -50,7 +50,7 @@ from mnv3.photos import is_generated
 from mnv3.plots import plot_variants
 from mnv3.preprocess import InvalidImage
 from mnv3.quantize import DEFAULT_RECIPE, RECIPES, calibration_photos, preprocess_photos, quantize_static_int8
-from mnv3.report import markdown_table, model_named, read_csv, row_model, write_csv, write_summary
+from mnv3.report import markdown_table, model_named, read_csv, row_model, same_model, write_csv, write_summary
 from mnv3.variants import (
     Bench,
     compare_recipes,
@@ -156,7 +156,7 @@ def stage_1_rows(model: dict, args) -> list[dict]:
     if not rows:
         raise cli.UsageError(f"{path} holds no rows: rerun stage 1")
     measured = row_model(rows[0])
-    if measured != row_model(model):
+    if not same_model(measured, row_model(model)):
         raise cli.UsageError(
             f"{path} is stage 1's of another model ({model_named(measured)}) than the one in {args.artifacts_dir} "
             f"({model_named(row_model(model))}): pass the --results-dir stage 1 wrote with this --artifacts-dir, "

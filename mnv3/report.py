@@ -90,8 +90,20 @@ def stage_1_model(results_dir) -> dict:
 
 
 def of_model(row: dict, model: dict) -> bool:
-    """Whether `row` measured `model` as far as both say (a row or a model that names nothing matches)."""
+    """Whether `row` measured `model` as far as both say (a row or a model that names nothing matches): by
+    model_id where both have one (see same_model), else by every column."""
+    if row.get("model_id") and model.get("model_id"):
+        return str(row["model_id"]) == str(model["model_id"])
     return all(row.get(key) in (None, "", value) for key, value in model.items())
+
+
+def same_model(a: dict, b: dict) -> bool:
+    """Whether two models (as row_model gives them) are one: by model_id where both have one, the export's and
+    preprocessing's hash (the same tensors saved in two files are one model, whose weights columns name two
+    files); else only if every column is the same."""
+    if a.get("model_id") and b.get("model_id"):
+        return a["model_id"] == b["model_id"]
+    return a == b
 
 
 def write_summary(results_dir=RESULTS_DIR) -> Path:

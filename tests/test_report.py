@@ -96,3 +96,20 @@ def test_the_same_weights_with_another_preprocessing_are_another_model():
     model = row_model(same | {"model_id": model_id(export, DEFAULT_PREPROCESSING)})
     assert not of_model(same | {"model_id": model_id(export, other)}, model)
     assert of_model(same, model)  # a row from before model_id: as far as it says
+
+
+def test_the_same_tensors_saved_in_two_files_are_one_model():
+    """--weights file:<sha256> names the file: the same weights saved twice export to one model_id, which stage 2
+    refused as "another model" while printing the one model_id of both."""
+    from mnv3.report import of_model, same_model
+
+    saved_twice = [
+        {"weights": f"file:{digest}", "arch": "mobilenet_v3_small", "model_id": "cdc0e31a287b"}
+        for digest in ("29e5", "acfc")
+    ]
+    assert same_model(*saved_twice) and of_model(*saved_twice)
+    other = saved_twice[1] | {"model_id": "0123456789ab"}
+    assert not same_model(saved_twice[0], other) and not of_model(saved_twice[0], other)
+    before_model_id = {key: value for key, value in saved_twice[0].items() if key != "model_id"}
+    assert not same_model(before_model_id, saved_twice[0])  # stage 2 asks for stage 1's rows of this model
+    assert not same_model(before_model_id, before_model_id | {"weights": "file:acfc"})

@@ -440,12 +440,13 @@ def test_stage_2_refuses_stage_1_rows_of_another_model(stage_dirs, tmp_path, cap
     results = tmp_path / "results"
     shutil.copytree(stage_dirs["results"], results)
     rows = read_csv(results / "01_baseline.csv")
-    write_csv(results / "01_baseline.csv", [row | {"arch": "mobilenet_v3_small", "classes": "3"} for row in rows])
+    other = {"arch": "mobilenet_v3_small", "classes": "3", "model_id": "0123456789ab"}
+    write_csv(results / "01_baseline.csv", [row | other for row in rows])
     with pytest.raises(SystemExit) as exit:
         run_stage(static_quantization, "--quick", "--artifacts-dir", stage_dirs["artifacts"], "--results-dir", results)
     assert exit.value.code == 2
     error = capsys.readouterr().err.strip()
-    assert "is stage 1's of another model (weights random-init, arch mobilenet_v3_small, classes 3, model_id " in error
+    assert "of another model (weights random-init, arch mobilenet_v3_small, classes 3, model_id 0123456789ab)" in error
     assert "(weights random-init, arch mobilenet_v3_large, classes 1000, model_id " in error
     assert "Traceback" not in error
 
