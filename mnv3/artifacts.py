@@ -74,17 +74,19 @@ STAGE_1_MODELS = (FP32_ONNX, DYNAMIC_INT8_ONNX, DYNAMIC_INT8_U8_WEIGHTS_ONNX)
 
 
 def remake_hint(model_path) -> str:
-    """How to get a broken model file back: the stage that writes it (stage 1 for its own models, stage 2 for
-    any other model beside a manifest), with the model's folder where that is not the default."""
+    """How to get a model file back that is missing or broken: the stage that writes it (stage 1 its own
+    models, stage 2 static_int8.onnx and any other model beside a manifest), with the model's folder where that
+    is not the default."""
     path = Path(model_path)
     if path.name in STAGE_1_MODELS:
         stage = 1
-    elif (path.parent / MANIFEST_JSON).exists():
+    elif path.name == STATIC_INT8_ONNX or (path.parent / MANIFEST_JSON).exists():
         stage = 2
     else:
         return "if one of this project's stages wrote it, rerun that stage"
     folder = "" if path.parent.resolve() == ARTIFACTS_DIR.resolve() else f" --artifacts-dir {path.parent}"
-    return f"rerun stage {stage}, which writes it (python {STAGE_SCRIPTS[stage]}{folder}, with the flags it had)"
+    flags = " (with the flags that made the model, if it is your own)" if stage == 1 else ""
+    return f"stage {stage} writes it: run python {STAGE_SCRIPTS[stage]}{folder}{flags}"
 
 
 class MissingArtifact(FileNotFoundError):

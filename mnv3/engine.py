@@ -236,10 +236,11 @@ def check_model_file(path) -> Path:
         )
     if not path.is_file():
         name, equals, rest = str(path).partition("=")
-        hint = (  # NAME=PATH whose NAME has a '/' reads as one path (config.ModelSpec.parse)
-            f"; if {name!r} is its name, a model name cannot contain '/'" if equals and Path(rest).is_file() else ""
-        )
-        raise ModelLoadError(f"model file {path} not found{hint}")
+        if equals and Path(rest).is_file():  # NAME=PATH whose NAME has a '/' reads as one path (ModelSpec.parse)
+            raise ModelLoadError(
+                f"model file {path} not found; if {name!r} is its name, a model name cannot contain '/'"
+            )
+        raise ModelLoadError(f"model file {path} not found: {remake_hint(path)}")
     return path
 
 

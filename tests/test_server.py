@@ -314,6 +314,20 @@ def test_missing_model_exits_2_with_one_line(tmp_path):
     assert result.stderr.strip().count("\n") == 0 and "not found" in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("name", "says"),
+    [
+        ("static_int8.onnx", "stage 2 writes it: run python static_quantization.py --artifacts-dir {folder}"),
+        ("fp32.onnx", "stage 1 writes it: run python baseline_export_quantize.py --artifacts-dir {folder} (with the "),
+    ],
+)
+def test_a_missing_stage_model_names_the_stage_that_writes_it(tmp_path, name, says):
+    # e.g. after stage 1 on a new model removed stage 2's builds (and said so): the stages name it, the server did not
+    with pytest.raises(ModelLoadError) as refused:
+        Engine.load(tmp_path / name)
+    assert str(refused.value).startswith(f"model file {tmp_path / name} not found: {says.format(folder=tmp_path)}")
+
+
 def test_a_port_in_use_exits_2_with_one_line_before_loading_the_models(tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -367,8 +381,8 @@ def test_a_stage_model_cut_short_names_the_stage_and_folder_that_remake_it(tmp_p
     with pytest.raises(ModelLoadError) as refused:
         Engine.load(tmp_path / name, "onnxruntime")
     assert str(refused.value).startswith(f"{tmp_path / name} is not a loadable ONNX model (")
-    assert f"rerun {stage}, which writes it (python " in str(refused.value)
-    assert f" --artifacts-dir {tmp_path}, with the flags it had)" in str(refused.value)
+    assert f"{stage} writes it: run python " in str(refused.value)
+    assert f" --artifacts-dir {tmp_path}" in str(refused.value)
 
 
 @pytest.mark.parametrize("text", ['{"weights": "random-init"', "[]"])
