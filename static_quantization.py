@@ -88,8 +88,8 @@ def get_args_parser(add_help=True):
         default=None,
         type=recipe_names,
         metavar="NAMES",
-        help="also build and measure these recipes (comma-separated, or 'all', the "
-        "default) against ONNX FP32 in the same interleaved run: results/02_recipes.csv",
+        help="also build and measure these recipes (comma-separated, or 'all', what the flag alone means) "
+        "against ONNX FP32 in the same interleaved run: results/02_recipes.csv (default: only --recipe)",
     )
     parser.add_argument(
         "--min-agreement",
