@@ -133,8 +133,8 @@ def _folder_pairs(root: Path, class_names: list[str]) -> list[tuple[Path, int]]:
     names = [folder.name for folder in folders]
     by_name = _class_ids_named(names, class_names)
     misplaced = [(i, named) for i, named in enumerate(by_name) if named not in (None, i)]
-    if all(named is not None for named in by_name):
-        ids = by_name
+    if None not in by_name:
+        ids = [named for named in by_name if named is not None]  # all of them
     elif all(name.isdigit() and int(name) < len(class_names) for name in names):
         ids = [int(name) for name in names]
     elif len(folders) == len(class_names) and not misplaced:
