@@ -137,7 +137,7 @@ class ServerConfig:
     )
     queue_limit: int = _option(512, "requests waiting for inference before new ones get 503", minimum=1)
     deadline_ms: float = _option(
-        10_000.0, "per request from arrival; past it: 504, and unrun work is dropped", minimum=1
+        10_000.0, "per request, from when its body has arrived; past it: 504, and unrun work is dropped", minimum=1
     )
     intra_op_threads: int = _option(
         DEFAULT_INTRA_OP_THREADS,

@@ -122,8 +122,9 @@ async def predict(request: Request, model_name: ModelName = None) -> PredictResp
     # dependency anew for every request, which on the busiest path costs the event loop more than the lookups.
     s: Serving = request.app.state.serving
     model = s.model(model_name)
-    with s.request(model) as deadline:
+    with s.request(model):
         data = await read_upload(request, s.config.max_upload_bytes, s.config.body_timeout_s)
+        deadline = s.deadline()
         # Only the computation watches for a disconnect: a cache hit is answered before a watcher
         # task would even start, and a follower's wait on an identical request costs nothing.
         result, hit = await model.cache.get_or_compute(

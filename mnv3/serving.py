@@ -233,19 +233,25 @@ class Serving:
     @contextmanager
     def request(self, model: ServedModel):
         """An inference request to `model` for its whole life: counted in, or refused at once when
-        --max-in-flight are in; given its deadline (the event loop's time, --deadline-ms from now); and its
-        latency observed in `model`'s metrics however it ends, refused at once too."""
+        --max-in-flight are in; and its latency observed in `model`'s metrics however it ends, refused at once
+        too."""
         started = time.perf_counter()
         try:
             if self.in_flight >= self.config.max_in_flight:
                 raise Busy(f"server busy: {self.in_flight} requests in flight (limit {self.config.max_in_flight})")
             self.in_flight += 1  # only ever changed on the event loop, so no lock
             try:
-                yield asyncio.get_running_loop().time() + self.config.deadline_ms / 1000
+                yield
             finally:
                 self.in_flight -= 1
         finally:
             model.metrics.request_latency.observe(time.perf_counter() - started)
+
+    def deadline(self) -> float:
+        """A request's deadline once its body has arrived: --deadline-ms from now, on the event loop's clock.
+        Not from its arrival: an upload's own time is --body-timeout-s's to bound, and a photo sent over a slow
+        link would otherwise always get a 504, after being read in full."""
+        return asyncio.get_running_loop().time() + self.config.deadline_ms / 1000
 
     async def stop(self) -> None:
         await asyncio.gather(*(served.batcher.stop(self.config.shutdown_timeout_s) for served in self.models.values()))

@@ -310,7 +310,7 @@ _add_model_routes("/models/{name}/versions/{version}", versioned_model)
 
 
 async def _infer(request: Request, model: ServedModel, s: Serving) -> Response:
-    with s.request(model) as deadline:
+    with s.request(model):
         described = description(model)
         try:
             body = await read_body(request, s.config.max_upload_bytes, s.config.body_timeout_s)
@@ -323,6 +323,7 @@ async def _infer(request: Request, model: ServedModel, s: Serving) -> Response:
                 f"takes {row} bytes a row in binary, so {s.config.max_upload_bytes // row} rows fit; "
                 f"{IMAGE_INPUT} rows are the encoded files, far smaller)"
             ) from None
+        deadline = s.deadline()
         parsed = parse_infer_request(body, request.headers.get(HEADER_LENGTH), described)
         probabilities = np.stack(await unless_disconnected(request, _rows(model, parsed, deadline)))
     response = encode_infer_response(parsed, probabilities, described)

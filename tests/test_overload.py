@@ -2,9 +2,11 @@
 load the server can carry accepted requests stay fast and every answer is the right one, and a soak
 with a churning cache keeps memory flat."""
 
+import json
 import socket
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
@@ -122,6 +124,27 @@ def test_in_flight_limit_refuses_at_arrival_without_reading_the_body(fp32_model_
         assert running.result().status_code == queued.result().status_code == 200
         assert 'mnv3_rejections_total{reason="busy"} 1.0' in requests.get(url + "/metrics", timeout=WAIT_S).text
         assert serving.in_flight == 0
+
+
+@pytest.mark.parametrize("path", ["/predict", "/v2/models/fp32/infer"])
+def test_the_deadline_starts_once_the_body_has_arrived_so_a_slow_upload_is_answered(fp32_model_path, images, path):
+    """A photo sent over a slow link took longer than --deadline-ms to arrive, and always got a 504 after being
+    read in full (a page user at 60 KB/s: every photo of 800 KB); the upload's own time is --body-timeout-s's."""
+    body, content_type, headers = images[0], "image/jpeg", ""
+    if path.startswith("/v2"):  # the binary extension: a JSON header, then BYTES (each a 4-byte length, the file)
+        data = len(body).to_bytes(4, "little") + body
+        inputs = [{"name": "IMAGE", "datatype": "BYTES", "shape": [1], "parameters": {"binary_data_size": len(data)}}]
+        header = json.dumps({"inputs": inputs}).encode()
+        body, content_type = header + data, "application/octet-stream"
+        headers = f"Inference-Header-Content-Length: {len(header)}\r\n"
+    with live_server(fp32_model_path, deadline_ms=300) as (url, _):
+        with open_socket(url, len(body), body[:100], headers, path, content_type) as sock:
+            part = len(body) // 6 + 1
+            for start in range(100, len(body), part):  # the rest over about 0.6 s
+                time.sleep(0.1)
+                sock.sendall(body[start : start + part])
+            response = answer_and_next(sock)[0]
+    assert response.startswith(b"HTTP/1.1 200 "), response[:300]
 
 
 def test_a_refused_upload_of_a_size_the_server_takes_keeps_its_connection(fp32_model_path, images):
