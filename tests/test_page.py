@@ -511,9 +511,11 @@ def test_a_failed_photo_can_be_sent_again_with_the_options_as_they_are_now(page,
     card.locator(".error").wait_for()
     assert "over the server's upload limit" in card.locator(".error").inner_text()
     page.get_by_label("Shrink large photos in the browser before upload").check()
-    card.get_by_role("button", name="Send again").click()  # the same file, not chosen again
+    card.get_by_role("button", name="Send large.jpg again").click()  # the same file, not chosen again
+    # the button went with its outcome: focus stays on the photo, where it fell back to the page's start
+    assert page.evaluate("document.activeElement.classList.contains('photo')")
     assert len(shown_predictions(card)) == 5
-    assert card.locator(".error").count() == 0 and card.get_by_role("button", name="Send again").count() == 0
+    assert card.locator(".error").count() == 0 and card.locator(".send-again").count() == 0
     assert "2000×1500 → 683×512" in card.locator(".outcomes > .hint").inner_text()
 
 
@@ -527,6 +529,29 @@ def test_busy_answers_are_sent_again_after_retry_after(browser, fp32_model_path,
         page.wait_for_function("() => document.querySelectorAll('#photos .photo .top5').length === 3")
         assert page.locator("#photos .error").count() == 0
         assert requests.get(url + "/stats").json()["rejected"]["busy"] >= 1, "no upload was refused: nothing retried"
+
+
+def test_photos_chosen_together_take_turns_within_a_keys_rate(browser, fp32_model_path, tmp_path):
+    """Six photos with a key of 30/min, burst 1: two of them failed after four tries each (429), as all six
+    contended for one token every 2 s; now each waits its turn."""
+    key = new_key_line()[0]
+    (tmp_path / "api_keys").write_text(f"{key} infer rate=30/min burst=1\n")
+    with (
+        ServerProcess(fp32_model_path, api_keys=tmp_path / "api_keys", cache_size=0) as url,
+        opened(browser, url) as page,
+    ):
+        page.evaluate(f"sessionStorage.setItem('mnv3-api-key', '{key}')")
+        page.reload()
+        page.get_by_text("Serving fp32.onnx").wait_for()
+        paths = []
+        for i, data in enumerate(load_images(6, seed=12)):
+            paths.append(tmp_path / f"turn{i}.jpg")
+            paths[-1].write_bytes(data)
+        page.locator("#file-input").set_input_files(paths)
+        page.wait_for_function(
+            "() => document.getElementById('announce').textContent.startsWith('6 photos done')", timeout=60_000
+        )
+        assert page.locator("#announce").inner_text() == "6 photos done: 6 classified"
 
 
 def test_the_live_panel_blanks_its_figures_when_the_server_stops(browser, fp32_model_path):

@@ -13,7 +13,10 @@ const KEY_STORAGE = "mnv3-api-key";  // in sessionStorage: this tab only, forgot
 // pasted with typographic quotes.
 const KEY_CHARACTERS = /^[\x21-\x7e]+$/;
 const RETRIED_STATUSES = [429, 503];  // over a key's rate, server busy: both say when to come back
-const BUSY_RETRIES = 3;  // such an upload is sent again this often, after its Retry-After
+const BUSY_RETRIES = 3;  // a 503'd upload is sent again this often, after its Retry-After
+// A 429'd upload is sent again after each Retry-After for up to this long: the page's own uploads share the key's
+// rate, so several photos chosen at once take turns (six at 30/min: ten seconds), which a count of tries would cut.
+const RATE_TURNS_MAX_S = 60;
 const RETRY_AFTER_MAX_S = 10;  // a longer Retry-After is said, not waited for
 const RETRY_SPREAD = 0.5;  // up to half the wait again, at random: uploads refused together do not return together
 const MODELS_RETRY_S = 5;  // GET /models failed (server down, rate limit): asked again after this
@@ -277,8 +280,12 @@ async function classifyPhoto(file, card) {
 // A failed photo can be sent again as it is, with the options as they are now (a server back up, "Shrink large
 // photos" ticked after a 413, another model chosen), without choosing the file again.
 function sendAgainButton(file, card) {
-  const again = element("button", {type: "button", className: "send-again"}, "Send again");
+  const again = element("button", {type: "button", className: "send-again", "aria-label": `Send ${file.name} again`},
+    "Send again");
   again.addEventListener("click", () => {
+    // The button goes with the outcome it replaces: focus stays on its photo, not back at the page's start.
+    card.tabIndex = -1;
+    card.focus();
     card.querySelector(".outcomes").replaceChildren(element("p", {className: "pending"}, "Classifying…"));
     card.setAttribute("aria-busy", "true");
     classifyPhoto(file, card);
@@ -303,6 +310,7 @@ async function predict(blob, filename, modelName, shrunk, waiting, original = bl
   form.append("file", blob, filename);
   const url = modelName ? `predict?model=${encodeURIComponent(modelName)}` : "predict";  // none known: the default
   let response, text, started, sent = 0;
+  const firstSent = performance.now();
   try {
     for (;;) {
       started = performance.now();  // the round trip is the answered attempt's, not the waits before it
@@ -310,7 +318,10 @@ async function predict(blob, filename, modelName, shrunk, waiting, original = bl
       text = await response.text();
       sent += 1;
       const waitS = retryAfterS(response);
-      if (!RETRIED_STATUSES.includes(response.status) || sent > BUSY_RETRIES || waitS > RETRY_AFTER_MAX_S) break;
+      const turnsLeft = response.status === 429
+        ? performance.now() - firstSent + 1000 * waitS <= 1000 * RATE_TURNS_MAX_S
+        : sent <= BUSY_RETRIES;
+      if (!RETRIED_STATUSES.includes(response.status) || !turnsLeft || waitS > RETRY_AFTER_MAX_S) break;
       const why = response.status === 429 ? "Over this key's rate" : "Server busy";
       waiting(`${why} (${response.status}): sending again in ${waitS} s…`);
       await sleep(1000 * waitS * (1 + RETRY_SPREAD * Math.random()));
