@@ -240,6 +240,9 @@ def test_the_window_label_says_why_it_is_not_a_minute(page):
     assert page.evaluate("windowLabel(60.8)") == "Last 61 s."
     assert page.evaluate("windowLabel(5.2)").startswith("Last 5 s: everything since the server started")
     assert page.evaluate("windowLabel(303)").startswith("Last 5 min 3 s: the stats went unread for a while")
+    # read every 8 s, a 30/min key's pace: a window of 68 s is a minute to within a refresh, not "unread"
+    assert page.evaluate("windowLabel(68, 8000)") == "Last 68 s."
+    assert page.evaluate("windowLabel(68)").startswith("Last 68 s: the stats went unread")
 
 
 def test_the_selector_lists_every_model_and_the_chosen_one_answers(two_model_page, two_models, photos, tmp_path):

@@ -518,9 +518,11 @@ async function refreshStats() {
   try {
     const response = await api("stats", {cache: "no-store"});
     if (response.status === 429) {  // this key's rate: keep the figures, and spend none of its budget for a while
-      const waitS = retryAfterS(response);
-      $("live-window").textContent = `Figures from before: this key is over its rate; asking again in ${waitS} s.`;
-      return Math.max(statsDelayMs(), 1000 * waitS);
+      const waitMs = Math.max(statsDelayMs(), 1000 * retryAfterS(response));
+      const figures = rpsHistory.length ? "Figures from before: this" : "No figures yet: this";
+      $("live-window").textContent =
+        `${figures} key is over its rate (its photos come first); asking again in ${Math.round(waitMs / 1000)} s.`;
+      return waitMs;
     }
     if (!response.ok) throw new Error(`GET /stats answered ${response.status}`);
     stats = await response.json();
@@ -551,7 +553,7 @@ async function refreshStats() {
 
 function renderStats(stats, delayMs) {
   const paced = delayMs > STATS_EVERY_MS ? " (this key's rate goes to photos first)" : "";
-  $("live-window").textContent = `${windowLabel(stats.window_s)} Refreshed every ${Number((delayMs / 1000).toFixed(1))} s${paced}. ` +
+  $("live-window").textContent = `${windowLabel(stats.window_s, delayMs)} Refreshed every ${Number((delayMs / 1000).toFixed(1))} s${paced}. ` +
     "Quantiles are estimated from histogram buckets; counts and means are exact.";
   $("stat-rps").textContent = stats.requests_per_s.toFixed(1);
   $("stat-requests").textContent = String(stats.requests);
@@ -576,12 +578,13 @@ function renderStats(stats, delayMs) {
   drawSpark();
 }
 
-function windowLabel(seconds) {
-  // GET /stats covers the last minute (to within a refresh) once the server has run one and someone has been
-  // reading the stats for a minute; otherwise its window is shorter or longer, and the panel says why.
+function windowLabel(seconds, refreshMs = STATS_EVERY_MS) {
+  // GET /stats covers the last minute (to within a refresh, `refreshMs`: longer for a rate-limited key) once the
+  // server has run one and someone has been reading the stats for a minute; otherwise its window is shorter or
+  // longer, and the panel says why.
   const shown = Math.round(seconds);
   if (shown < STATS_WINDOW_S) return `Last ${shown} s: everything since the server started (the window grows to a minute).`;
-  if (seconds < STATS_WINDOW_S + 2 * STATS_EVERY_MS / 1000) return `Last ${shown} s.`;
+  if (seconds < STATS_WINDOW_S + 2 * refreshMs / 1000) return `Last ${shown} s.`;
   const length = shown < 120 ? `${shown} s` : `${Math.floor(shown / 60)} min ${shown % 60} s`;
   return `Last ${length}: the stats went unread for a while, so this reaches back to their last reading or the ` +
     "server's start (a minute again once this page has watched for one).";
