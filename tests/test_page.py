@@ -177,6 +177,8 @@ def test_a_non_image_shows_the_servers_reason(page, server):
     # Said once by the page's status line, not as an alert per card (a batch of bad files fired one each).
     assert error.get_attribute("role") is None
     assert page.locator("#announce").inner_text() == f"notes.txt: 400: {answer.json()['detail']}"
+    # the file is the fault: sent again, it would be refused again
+    assert page.locator("#photos .photo").first.locator(".send-again").count() == 0
 
 
 def test_downscale_sends_a_smaller_copy_and_says_so(page, server, photos, tmp_path):
@@ -236,6 +238,11 @@ def test_the_live_panel_follows_the_server(browser, fp32_model_path, photos, tmp
         )
 
 
+def test_a_probability_short_of_one_never_shows_as_a_certain_hundred_percent(page):
+    shown = page.evaluate("[0.9995, 0.99996, 1, 0.9994, 0.5, 0.01234].map(formatPercent)")
+    assert shown == [">99.9%", ">99.9%", "100.0%", "99.9%", "50.0%", "1.23%"]
+
+
 def test_the_window_label_says_why_it_is_not_a_minute(page):
     assert page.evaluate("windowLabel(60.8)") == "Last 61 s."
     assert page.evaluate("windowLabel(5.2)").startswith("Last 5 s: everything since the server started")
@@ -257,6 +264,10 @@ def test_the_selector_lists_every_model_and_the_chosen_one_answers(two_model_pag
     )
     assert select.input_value() == served["default"] == "fp32"
     assert page.locator("#model-line").inner_text() == "2 models: fp32, shifted (default fp32)"
+    # each name with the file it serves: a user comparing FP32 with INT8 could not tell which was which
+    assert select.locator("option").all_inner_texts() == [
+        f"{m['name']} ({m['model'].split(':')[0]} on {m['backend']})" for m in served["models"]
+    ]
 
     select.select_option("shifted")
     path = tmp_path / "street.jpg"

@@ -18,6 +18,7 @@ const BUSY_RETRIES = 3;  // a 503'd upload is sent again this often, after its R
 // rate, so several photos chosen at once take turns (six at 30/min: ten seconds), which a count of tries would cut.
 const RATE_TURNS_MAX_S = 60;
 const RETRY_AFTER_MAX_S = 10;  // a longer Retry-After is said, not waited for
+const RESENDING_CANNOT_HELP = [400, 415];  // the file is not an image the server reads: no Send again
 const RETRY_SPREAD = 0.5;  // up to half the wait again, at random: uploads refused together do not return together
 const MODELS_RETRY_S = 5;  // GET /models failed (server down, rate limit): asked again after this
 const STAND_IN_WEIGHTS = "random-init";  // GET /model's weights for stage 1's seeded stand-in (mnv3.artifacts)
@@ -48,6 +49,7 @@ function formatMs(ms) {
 function formatPercent(probability) {
   // Three significant digits below 10%: a random-init stand-in model's near-uniform top 5 still differ.
   const percent = 100 * probability;
+  if (percent >= 99.95 && probability < 1) return ">99.9%";  // toFixed would round it to a certain 100.0%
   if (percent >= 10) return `${percent.toFixed(1)}%`;
   return percent >= 0.001 ? `${percent.toPrecision(3)}%` : "<0.001%";
 }
@@ -194,7 +196,7 @@ function describeModels() {
   const select = $("model-select");
   const chosen = select.value;
   select.replaceChildren(...server.models.map((m) =>
-    element("option", {value: m.name}, `${m.name} (${m.backend})`)));
+    element("option", {value: m.name}, `${m.name} (${m.model.split(":")[0]} on ${m.backend})`)));
   select.value = server.models.some((m) => m.name === chosen) ? chosen : server.defaultModel;
 }
 
@@ -272,9 +274,12 @@ async function classifyPhoto(file, card) {
   $("announce").textContent = first.error
     ? `${file.name}: ${first.error}`
     : `${file.name}: most likely ${first.predictions[0].label}, ${formatPercent(first.predictions[0].probability)}`;
-  const failed = results.some((result) => result.error);
-  if (failed) outcomes.append(sendAgainButton(file, card));
-  return !failed;
+  const failed = results.filter((result) => result.error);
+  // Not where the file is the fault (not an image, a format the server does not read): sent again, it is again.
+  if (failed.some((result) => !RESENDING_CANNOT_HELP.includes(result.status))) {
+    outcomes.append(sendAgainButton(file, card));
+  }
+  return !failed.length;
 }
 
 // A failed photo can be sent again as it is, with the options as they are now (a server back up, "Shrink large
@@ -337,7 +342,7 @@ async function predict(blob, filename, modelName, shrunk, waiting, original = bl
     if (response.status === 404 && reason.startsWith("no model named")) loadModels();  // what is served changed
     const advice = response.status === 413 ? await shrinkAdvice(original, shrunk, limits.max_pixels) : "";
     const tries = RETRIED_STATUSES.includes(response.status) && sent > 1 ? ` (sent ${sent} times)` : "";
-    return {error: `${response.status}: ${reason}${advice}${tries}`};
+    return {error: `${response.status}: ${reason}${advice}${tries}`, status: response.status};
   }
   return {...body, roundTripMs};
 }
