@@ -456,8 +456,13 @@ def test_a_protected_server_gets_a_key_from_the_page_for_this_tab_only(browser, 
             try:
                 other_tab.goto(url + "/")
                 other_tab.get_by_label("API key").wait_for()
+                assert other_tab.get_by_role("button", name="Forget this tab's API key").is_hidden()  # none in use
             finally:
                 other_tab.close()
+            # Forgotten on request (the form went for good once a key was taken): the page asks again.
+            page.get_by_role("button", name="Forget this tab's API key").click()
+            page.get_by_label("API key").wait_for()
+            assert page.evaluate("sessionStorage.getItem('mnv3-api-key')") is None
         finally:
             page.close()
         assert browser.off_host[tried_before:] == []

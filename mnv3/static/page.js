@@ -132,6 +132,7 @@ function askForKey(reason) {
         }
         form.removeEventListener("submit", submitted);
         sessionStorage.setItem(KEY_STORAGE, key);
+        $("forget-key").hidden = false;
         $("key-input").value = "";
         form.hidden = true;
         $("file-input").focus();  // the form's controls are gone: on to the next thing to do, not <body>
@@ -142,6 +143,17 @@ function askForKey(reason) {
     });
   }
   return keyEntered;
+}
+
+// Once a key is in use, the page can forget it: to enter another (a metrics key for the metrics link, a key
+// rotated), or to leave the tab keyless. The page starts again without it, and asks for one where it must.
+function wireKeyForgetting() {
+  const forget = $("forget-key");
+  forget.hidden = !sessionStorage.getItem(KEY_STORAGE);
+  forget.addEventListener("click", () => {
+    sessionStorage.removeItem(KEY_STORAGE);
+    location.reload();
+  });
 }
 
 // ------------------------------------------------------------------------------------- what is served
@@ -647,6 +659,7 @@ document.addEventListener("visibilitychange", () => {
 });
 
 if (!KEY_CHARACTERS.test(sessionStorage.getItem(KEY_STORAGE) ?? "-")) sessionStorage.removeItem(KEY_STORAGE);
+wireKeyForgetting();
 wireInputs();
 wireMetricsLink();
 loadModels();
