@@ -238,6 +238,19 @@ def test_the_live_panel_follows_the_server(browser, fp32_model_path, photos, tmp
         )
 
 
+def test_a_dropped_link_says_to_drop_the_saved_file(page):
+    # an image dragged from another site's page comes as its address: the drop did nothing, without a word
+    page.evaluate("""() => {
+        const dropped = new DataTransfer();
+        dropped.setData("text/uri-list", "https://example.com/cat.jpg");
+        window.dispatchEvent(new DragEvent("drop", {dataTransfer: dropped, cancelable: true}));
+    }""")
+    assert page.locator("#drop-note").inner_text() == (
+        "That was a link, not a file: save the image, then drop or choose the saved file."
+    )
+    assert page.locator("#photos .photo").count() == 0
+
+
 def test_a_probability_short_of_one_never_shows_as_a_certain_hundred_percent(page):
     shown = page.evaluate("[0.9995, 0.99996, 1, 0.9994, 0.5, 0.01234].map(formatPercent)")
     assert shown == [">99.9%", ">99.9%", "100.0%", "99.9%", "50.0%", "1.23%"]
@@ -515,7 +528,7 @@ def test_advice_for_a_photo_over_the_upload_limit_is_advice_that_helps(page):
     )
     assert errors[1].endswith("; save it smaller (say, as a JPEG) to send it")  # shrinking already failed to help
     assert errors[2].endswith("; “Shrink large photos” leaves a 400×300 photo as it is: save it smaller")
-    assert errors[3].endswith("; even shrunk to 512×3413 it is over the server's limit of 1000000 pixels: crop it")
+    assert errors[3].endswith("; even shrunk to 512×3413 it is over the server's limit of 1,000,000 pixels: crop it")
     assert errors[4].endswith("is over the server's upload limit of 100 B")  # not a picture: no advice
 
 

@@ -375,7 +375,7 @@ async function shrinkAdvice(original, shrunk, maxPixels) {
   if (scale >= 1) return `; “Shrink large photos” leaves a ${width}×${height} photo as it is: save it smaller`;
   const [w, h] = [Math.round(width * scale), Math.round(height * scale)];
   if (maxPixels && w * h > maxPixels) {
-    return `; even shrunk to ${w}×${h} it is over the server's limit of ${maxPixels} pixels: crop it`;
+    return `; even shrunk to ${w}×${h} it is over the server's limit of ${maxPixels.toLocaleString("en")} pixels: crop it`;
   }
   return shrunk ? "; save it smaller (say, as a JPEG) to send it" : `; ${SHRINK_ADVICE}`;
 }
@@ -475,6 +475,7 @@ async function downscale(file) {
 // ------------------------------------------------------------------------------- choose, drop, paste
 
 function wireInputs() {
+  if (/Mac|iPhone|iPad/.test(navigator.platform)) $("paste-key").textContent = "⌘";  // not Ctrl there
   const compare = $("compare");
   compare.addEventListener("change", () => { $("model-select").disabled = compare.checked; });  // all answer then
   const input = $("file-input");
@@ -494,6 +495,11 @@ function wireInputs() {
   window.addEventListener("drop", (event) => {
     event.preventDefault();
     zone.classList.remove("dragging");
+    // An image dragged from another site's page comes as its address: fetching that is the browser's to refuse.
+    const linkOnly = !event.dataTransfer.files.length && event.dataTransfer.types.includes("text/uri-list");
+    $("drop-note").hidden = !linkOnly;
+    $("drop-note").textContent = linkOnly
+      ? "That was a link, not a file: save the image, then drop or choose the saved file." : "";
     classifyAll(event.dataTransfer.files);  // anything dropped is sent: the server says what is wrong with it
   });
   document.addEventListener("paste", (event) => {
