@@ -249,6 +249,8 @@ def test_a_dropped_link_says_to_drop_the_saved_file(page):
         "That was a link, not a file: save the image, then drop or choose the saved file."
     )
     assert page.locator("#photos .photo").count() == 0
+    page.locator("#file-input").set_input_files({"name": "notes.txt", "mimeType": "text/plain", "buffer": b"x"})
+    assert page.locator("#drop-note").is_hidden()  # a file came after all: the note is old news
 
 
 def test_a_probability_short_of_one_never_shows_as_a_certain_hundred_percent(page):

@@ -233,7 +233,7 @@ function modelNamed(name) {
 async function classifyAll(files) {
   const photos = [...files];
   if (!photos.length) return;
-  $("empty").hidden = true;
+  $("empty").hidden = $("drop-note").hidden = true;
   const cards = photos.map(addCard);
   let next = 0, answered = 0;
   const worker = async () => {
