@@ -7,11 +7,11 @@ ASGI middleware that lets a request through only with a key of the scope its pat
   page's shell `/` and its assets under `/static/`, so a browser can load the page and then ask for a key;
   and the API description `/docs`, `/redoc`, `/openapi.json` with their assets. The API description
   holds no data (no model, no predictions, no counts), only what the open-source code already says.
-- `infer`: `POST /predict`, `POST /v2/models/{m}[/versions/{v}]/infer`, and the page's calls
-  `GET /stats` and `GET /models`.
+- `infer`: `POST /predict`, `POST /v2/models/{m}[/versions/{v}]/infer`, and what a client reads to send them:
+  `GET /stats`, `/models`, `/model`, `/v2`, and a model's `/v2` metadata, `ready` and `config`.
 - `metrics`: `GET /metrics` only, for a Prometheus scraper: its key can neither classify nor read anything else.
-- `admin` (includes `infer` and `metrics`): everything else: `/model`, `GET /v2`, model metadata, `ready`
-  and `config`, and any path nobody listed (default-deny: a new route needs admin until it is listed here).
+- `admin` (includes `infer` and `metrics`): everything else, any path nobody listed (default-deny: a new
+  route needs admin until it is listed here).
 
 Guarantees:
 - Refusals never call `receive`: the body of a refused upload is not read. A body announced at up to
@@ -135,7 +135,10 @@ RULES = [
     (GET, re.compile(r"/(docs|redoc)(/.+)?|/openapi\.json"), Scope.OPEN),
     (frozenset({"POST"}), re.compile(r"/predict"), Scope.INFER),
     (frozenset({"POST"}), re.compile(r"/v2/models/[^/]+(/versions/[^/]+)?/infer"), Scope.INFER),
-    (GET, re.compile(r"/(stats|models)"), Scope.INFER),
+    # What is served, as a client needs to know it to send requests (the page, Triton's clients and
+    # perf_analyzer, which read a model's metadata and config first): what /models tells an infer key anyway.
+    (GET, re.compile(r"/(stats|models?)"), Scope.INFER),
+    (GET, re.compile(r"/v2|/v2/models/[^/]+(/versions/[^/]+)?(/ready|/config)?"), Scope.INFER),
     (GET, re.compile(r"/metrics"), Scope.METRICS),
 ]
 

@@ -64,12 +64,12 @@ ROUTES = [
     ("GET", "/stats", Scope.INFER),
     ("GET", "/models", Scope.INFER),
     ("GET", "/metrics", Scope.METRICS),
-    ("GET", "/model", Scope.ADMIN),
-    ("GET", "/v2", Scope.ADMIN),
-    ("GET", "/v2/models/fp32", Scope.ADMIN),
-    ("GET", "/v2/models/fp32/versions/1", Scope.ADMIN),
-    ("GET", "/v2/models/fp32/ready", Scope.ADMIN),
-    ("GET", "/v2/models/fp32/config", Scope.ADMIN),
+    ("GET", "/model", Scope.INFER),
+    ("GET", "/v2", Scope.INFER),
+    ("GET", "/v2/models/fp32", Scope.INFER),
+    ("GET", "/v2/models/fp32/versions/1", Scope.INFER),
+    ("GET", "/v2/models/fp32/ready", Scope.INFER),
+    ("GET", "/v2/models/fp32/config", Scope.INFER),
     ("GET", "/debug/unlisted", Scope.ADMIN),  # nobody listed it: default-deny
 ]
 
@@ -192,7 +192,7 @@ def reason(response) -> str:
 
 def test_refusals_on_v2_paths_use_the_protocols_error_shape(client):
     assert set(client.post("/v2/models/fp32/infer").json()) == {"error"}
-    assert set(client.get("/v2/models/fp32", headers=bearer(INFER_KEY)).json()) == {"error"}
+    assert set(client.get("/v2/models/fp32/infer", headers=bearer(INFER_KEY)).json()) == {"error"}  # GET: admin
     assert set(client.get("/v2", headers=bearer("not-a-key-0123456789")).json()) == {"error"}
     assert set(client.post("/predict").json()) == {"detail"}
 

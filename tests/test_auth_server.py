@@ -47,15 +47,15 @@ ROUTE_SCOPES = {
     ("POST", "/v2/models/{name}/versions/{version}/infer"): Scope.INFER,
     ("GET", "/stats"): Scope.INFER,
     ("GET", "/models"): Scope.INFER,
-    ("GET", "/model"): Scope.ADMIN,
+    ("GET", "/model"): Scope.INFER,
     ("GET", "/metrics"): Scope.METRICS,
-    ("GET", "/v2"): Scope.ADMIN,
-    ("GET", "/v2/models/{name}"): Scope.ADMIN,
-    ("GET", "/v2/models/{name}/ready"): Scope.ADMIN,
-    ("GET", "/v2/models/{name}/config"): Scope.ADMIN,
-    ("GET", "/v2/models/{name}/versions/{version}"): Scope.ADMIN,
-    ("GET", "/v2/models/{name}/versions/{version}/ready"): Scope.ADMIN,
-    ("GET", "/v2/models/{name}/versions/{version}/config"): Scope.ADMIN,
+    ("GET", "/v2"): Scope.INFER,
+    ("GET", "/v2/models/{name}"): Scope.INFER,
+    ("GET", "/v2/models/{name}/ready"): Scope.INFER,
+    ("GET", "/v2/models/{name}/config"): Scope.INFER,
+    ("GET", "/v2/models/{name}/versions/{version}"): Scope.INFER,
+    ("GET", "/v2/models/{name}/versions/{version}/ready"): Scope.INFER,
+    ("GET", "/v2/models/{name}/versions/{version}/config"): Scope.INFER,
 }
 
 
@@ -129,10 +129,12 @@ def test_tritonclient_passes_the_key_in_headers(protected):
         assert refused.value.status() == "401" and "API key" in refused.value.message()
         result = client.infer("fp32", [image], headers=bearer(INFER_KEY))
         assert result.as_numpy("PROBABILITIES").shape[0] == 1
-        with pytest.raises(InferenceServerException) as forbidden:  # metadata is admin
-            client.get_model_metadata("fp32", headers=bearer(INFER_KEY))
-        assert forbidden.value.status() == "403" and "scope admin" in forbidden.value.message()
-        assert client.get_model_metadata("fp32", headers=bearer(ADMIN_KEY))["name"] == "fp32"
+        # what a client reads before it infers (perf_analyzer: the model's config) needs no admin key
+        assert client.get_model_metadata("fp32", headers=bearer(INFER_KEY))["name"] == "fp32"
+        assert client.get_model_config("fp32", headers=bearer(INFER_KEY))["name"] == "fp32"
+        with pytest.raises(InferenceServerException) as forbidden:
+            client.get_model_metadata("fp32")
+        assert forbidden.value.status() == "401"
     finally:
         client.close()
 
@@ -147,9 +149,8 @@ def test_the_load_test_client_sends_the_key_from_the_environment(protected, monk
     with PredictClient(url) as send:
         status, body = send.request(photo)
     assert status == "200" and len(body["predictions"]) == 5
-    for read in (server_settings, read_metrics):  # a stage reads /model (admin) and /metrics: it says which key to set
-        with pytest.raises(KeyRefused, match=f"answered 403 .*so {API_KEY_ENV} must hold a key of the admin scope"):
-            read(url)
+    with pytest.raises(KeyRefused, match=f"answered 403 .*so {API_KEY_ENV} must hold a key of the admin scope"):
+        read_metrics(url)  # a stage reads /metrics too: it says which key to set
     assert server_settings(url, api_key=ADMIN_KEY)["server_max_batch_size"] == 4
     assert read_metrics(url, api_key=ADMIN_KEY)[("mnv3_request_latency_seconds_count", "")] >= 1
 
@@ -194,7 +195,7 @@ def test_access_refusals_are_counted_by_reason(protected):
     before = {reason: refused(reason) for reason in ACCESS_REFUSALS}
     assert requests.get(url + "/model", timeout=WAIT_S).status_code == 401
     assert requests.get(url + "/model", headers=bearer("not-a-key-of-this-server"), timeout=WAIT_S).status_code == 401
-    assert requests.get(url + "/model", headers=bearer(INFER_KEY), timeout=WAIT_S).status_code == 403
+    assert requests.get(url + "/metrics", headers=bearer(INFER_KEY), timeout=WAIT_S).status_code == 403
     assert requests.get(url + "/model?api_key=x", headers=bearer(ADMIN_KEY), timeout=WAIT_S).status_code == 400
     after = {reason: refused(reason) for reason in ACCESS_REFUSALS}
     assert {reason: after[reason] - before[reason] for reason in after} == {
