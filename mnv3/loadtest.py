@@ -90,7 +90,8 @@ class KeyRefused(RuntimeError):
 
 
 def get_as_admin(base_url: str, path: str, api_key: str | None = None) -> requests.Response:
-    """GET `path` (/model, /metrics), which under --api-keys needs a key of the admin scope."""
+    """GET `path` (/model, /metrics) with the load test's key: under --api-keys, one of the admin scope, as
+    a load test both sends requests (infer) and reads /metrics."""
     response = requests.get(base_url + path, headers=auth_headers(api_key), timeout=10)
     if response.status_code in (401, 403):
         raise KeyRefused(
