@@ -13,8 +13,11 @@ model exports the same names without that label, exactly as before models could 
 `mnv3_thread_cpu_seconds_total{threads=...}` splits the process's CPU seconds by what its threads do
 (`mnv3.thread_cpu`: the event loop, decoding, gathering batches and the calls into the engine, the engine's
 own threads), read at scrape time: what a load test divides by its requests to see where a request's CPU goes.
+Each of them is a counter that never goes down, its sum the process's CPU seconds to within what the threads
+burn while one scrape reads them.
 """
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -76,6 +79,8 @@ class Metrics:
         self._live = _LiveCounts(self.labelled, in_flight)
         registry.register(self._live)
         self.thread_roles = thread_roles
+        self._thread_cpu: dict[str, float] = {}  # the last seconds given out, by role
+        self._thread_cpu_lock = threading.Lock()  # scrapes, /stats and load tests read from several threads
         registry.register(_ThreadCpu(self.thread_cpu_seconds))
 
     def for_model(self, name: str, cache: ResultCache, batcher: DynamicBatcher) -> ModelMetrics:
@@ -85,8 +90,14 @@ class Metrics:
         return ModelMetrics(*(h.labels(name) if self.labelled else h for h in histograms))
 
     def thread_cpu_seconds(self) -> dict[str, float]:
-        """The process's CPU seconds so far by thread role (mnv3.thread_cpu), this app's event loop included."""
-        return cpu_seconds_by_role(self.thread_roles)
+        """The process's CPU seconds so far by thread role (mnv3.thread_cpu), this app's event loop included;
+        never less than at an earlier call, as a counter must be. engine_and_other, the process's time less the
+        threads', also holds what they burn while they are read one after the other: the next reading, their
+        clocks read later, gives it back to them, and the counter would go down (Prometheus reads a reset)."""
+        with self._thread_cpu_lock:
+            read = cpu_seconds_by_role(self.thread_roles)
+            self._thread_cpu = {role: max(seconds, self._thread_cpu.get(role, 0.0)) for role, seconds in read.items()}
+            return dict(self._thread_cpu)
 
     def count_rejection(self, exc: Exception) -> None:
         _, reason, _ = error_entry(exc)

@@ -7,6 +7,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -179,6 +180,34 @@ def test_operational_endpoints(client, fp32_model_path):
     assert all("422" not in op["responses"] for ops in document["paths"].values() for op in ops.values())
     assert "499" not in predict_doc["responses"]  # counted, never sent: its client has gone
     assert "HTTPValidationError" not in document["components"]["schemas"]
+
+
+def test_the_cpu_seconds_by_role_never_go_down_from_one_reading_to_the_next():
+    """engine_and_other (the process's time less its threads') also held what threads burnt while they were read,
+    and gave it back at the next reading: the counter went down in about half of the scrapes of a server at rest,
+    which Prometheus reads as a reset."""
+    from mnv3.metrics import Metrics
+    from mnv3.thread_cpu import PREPROCESS_THREADS
+
+    metrics = Metrics(["m"], lambda: 0, {threading.get_ident(): EVENT_LOOP})  # what reads is the event loop
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            sum(range(1000))
+
+    busy = [threading.Thread(target=spin, name=f"{PREPROCESS_THREADS}_{i}") for i in range(2)]
+    for thread in busy:
+        thread.start()
+    try:
+        readings = [metrics.thread_cpu_seconds() for _ in range(300)]
+    finally:
+        stop.set()
+        for thread in busy:
+            thread.join()
+    for role in ROLES:
+        went_down = [i for i in range(1, len(readings)) if readings[i][role] < readings[i - 1][role]]
+        assert not went_down, (role, len(went_down))
 
 
 def test_metrics_split_the_server_cpu_by_what_its_threads_do(fp32_model_path, images):
