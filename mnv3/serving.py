@@ -233,18 +233,17 @@ class Serving:
     @contextmanager
     def request(self, model: ServedModel):
         """An inference request to `model` for its whole life: counted in, or refused at once when
-        --max-in-flight are in; and its latency observed in `model`'s metrics however it ends, refused at once
-        too."""
+        --max-in-flight are in; once in, its latency observed in `model`'s metrics however it ends. Not a
+        refusal's: under overload their instant answers would pull the latency quantiles down as it rises
+        (mnv3_rejections_total counts them)."""
+        if self.in_flight >= self.config.max_in_flight:
+            raise Busy(f"server busy: {self.in_flight} requests in flight (limit {self.config.max_in_flight})")
         started = time.perf_counter()
+        self.in_flight += 1  # only ever changed on the event loop, so no lock
         try:
-            if self.in_flight >= self.config.max_in_flight:
-                raise Busy(f"server busy: {self.in_flight} requests in flight (limit {self.config.max_in_flight})")
-            self.in_flight += 1  # only ever changed on the event loop, so no lock
-            try:
-                yield
-            finally:
-                self.in_flight -= 1
+            yield
         finally:
+            self.in_flight -= 1
             model.metrics.request_latency.observe(time.perf_counter() - started)
 
     def deadline(self) -> float:
