@@ -263,6 +263,19 @@ class Keys:
     def __repr__(self):
         return f"Keys({len(self.keys)} keys)"
 
+    def replace_with(self, new: "Keys") -> None:
+        """On the event loop: accept `new`'s keys from now on (a key file read again). A key kept with the same
+        rate keeps its bucket, so a reload grants no fresh burst; requests in flight stay counted, those of a key
+        that went included, until they end."""
+        limits = {key.digest: key.limit for key in self.keys}
+        self.buckets = {
+            digest: self.buckets[digest] if limits.get(digest) == key.limit else new.buckets[digest]
+            for key in new.keys
+            if (digest := key.digest) in new.buckets
+        }
+        self.in_flight = new.in_flight | {digest: count for digest, count in self.in_flight.items() if count}
+        self.keys, self.digests = new.keys, new.digests
+
     def match(self, presented: str) -> ApiKey | None:
         digest = hashlib.sha256(presented.encode()).digest()
         found = None

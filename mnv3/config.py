@@ -190,6 +190,12 @@ class ServerConfig:
     body_timeout_s: float = _option(
         30.0, "seconds to receive a whole request body; a slower or stalled upload gets 408", minimum=0.001
     )
+    shutdown_delay_s: float = _option(
+        0.0,
+        "on SIGTERM, how long to go on serving with /readyz answering 503 before the port closes, so a load "
+        "balancer stops sending first (Kubernetes: a few seconds, a preStop sleep's job)",
+        minimum=0,
+    )
     shutdown_timeout_s: float = _option(
         30.0, "on SIGTERM, how long in-flight requests may take before they are cancelled", minimum=0
     )

@@ -50,7 +50,7 @@ from mnv3.progress import progress_bar
 from mnv3.thread_cpu import ROLES
 
 START_TIMEOUT_S = 120  # loading + warming an engine on a busy 2-core machine can take a while
-# After SIGTERM the server may take its --shutdown-timeout-s to drain; this much more, then it is killed.
+# After SIGTERM the server may take its --shutdown-delay-s and --shutdown-timeout-s; this much more, then it is killed.
 STOP_MARGIN_S = 15
 REQUEST_TIMEOUT_S = 60
 READY_POLL_S = 0.1
@@ -144,6 +144,15 @@ def wait_until_ready(base_url: str, timeout_s: float, check=lambda: None) -> boo
     return False
 
 
+def _server_setting(options: dict, name: str) -> float:
+    """A server's setting as it reads it: from its flag (`options`), else from the environment it inherits,
+    else its default."""
+    value = options.get(name)
+    if value is None:
+        value = os.environ.get(variable(name))
+    return float(getattr(ServerConfig, name) if value is None else value)
+
+
 class ServerProcess:
     """`with ServerProcess(model, cache_size=0) as url:` a server on a free 127.0.0.1 port, stopped on exit.
 
@@ -181,11 +190,9 @@ class ServerProcess:
             if value is not None:
                 self.command += [flag(name), str(value)]
         self.start_timeout_s = start_timeout_s
-        # The server reads its setting from the flag, else from the environment it inherits, else its default.
-        drain_s = options.get("shutdown_timeout_s")
-        if drain_s is None:
-            drain_s = os.environ.get(variable("shutdown_timeout_s"))
-        self.stop_timeout_s = (ServerConfig.shutdown_timeout_s if drain_s is None else float(drain_s)) + STOP_MARGIN_S
+        # After SIGTERM the server serves on for its --shutdown-delay-s, then drains for its --shutdown-timeout-s.
+        shutdown = [_server_setting(options, name) for name in ("shutdown_delay_s", "shutdown_timeout_s")]
+        self.stop_timeout_s = sum(shutdown) + STOP_MARGIN_S
         self.process: subprocess.Popen | None = None
         self._log: IO[bytes] | None = None
 

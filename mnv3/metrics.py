@@ -55,7 +55,10 @@ class Metrics:
         self.labelled = len(model_names) > 1
         labels = ["model"] if self.labelled else []
         self.request_latency = Histogram(
-            "mnv3_request_latency_seconds", "POST /predict or /v2 infer admitted (within --max-in-flight), arrival to response", labels, registry=registry
+            "mnv3_request_latency_seconds",
+            "POST /predict or /v2 infer admitted (within --max-in-flight), arrival to response",
+            labels,
+            registry=registry,
         )
         self.queue_wait = Histogram(
             "mnv3_queue_wait_seconds", "queued until its batch's inference started", labels, registry=registry

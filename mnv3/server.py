@@ -21,6 +21,7 @@ import resource
 import signal
 import socket
 import sys
+import threading
 from contextlib import asynccontextmanager
 
 import uvicorn
@@ -34,7 +35,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mnv3.api_docs import docs_router, without_validation_errors
 from mnv3.artifacts import UnreadableManifest
-from mnv3.auth import ApiKeyAuth, KeyFileError, document_keys, exposure_warning, load_key_file, route_path
+from mnv3.auth import ApiKeyAuth, KeyFileError, Keys, document_keys, exposure_warning, load_key_file, route_path
 from mnv3.batcher import ShuttingDown
 from mnv3.config import PROG, ModelSpec, ServerConfig, parse_args, unknown_variables
 from mnv3.connections import BoundedHeadProtocol
@@ -296,17 +297,43 @@ async def reject(request: Request, exc: Exception) -> JSONResponse:
     return error_response(exc)
 
 
+def reload_keys_on_sighup(keys: Keys, path) -> bool:
+    """From now on, SIGHUP reads the key file at `path` again into `keys` (a key revoked, added or rotated
+    without a restart; a file that cannot be used leaves the keys as they were, and says why). Whether it
+    could be set up: only the main thread's event loop can take a signal (not an app served in a thread)."""
+    loop = asyncio.get_running_loop()
+
+    def reload() -> None:
+        try:
+            keys.replace_with(load_key_file(path))
+        except KeyFileError as exc:
+            log.error("SIGHUP: the keys stay as they were (%d): %s", len(keys.keys), exc)
+            return
+        log.info("SIGHUP: %d keys read again from %s", len(keys.keys), path)
+
+    try:
+        loop.add_signal_handler(signal.SIGHUP, reload)
+    except (ValueError, RuntimeError, NotImplementedError):  # not the main thread, or no signals (Windows)
+        return False
+    return True
+
+
 def create_app(config: ServerConfig, *engines: Engine) -> FastAPI:
     """The app; the models are loaded at start-up unless their `engines` are given, one per `config.models`
     in order (the CLI loads them first to fail early). A key file that cannot be used is a KeyFileError here."""
+
+    keys = load_key_file(config.api_keys) if config.api_keys else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         app.state.serving = Serving(config, list(engines) or await asyncio.to_thread(load_engines, config))
         warm_up = asyncio.create_task(app.state.serving.warm_up())  # /readyz says 503 until it is done
+        reloading = keys is not None and reload_keys_on_sighup(keys, config.api_keys)
         try:
             yield
         finally:
+            if reloading:
+                asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
             warm_up.cancel()
             await asyncio.gather(warm_up, return_exceptions=True)
             await app.state.serving.stop()
@@ -329,10 +356,10 @@ def create_app(config: ServerConfig, *engines: Engine) -> FastAPI:
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_middleware(HeadAsGet)
     app.add_middleware(CloseUnreadBody, limit=config.max_upload_bytes)
-    if config.api_keys:
+    if keys is not None:
         app.add_middleware(
             ApiKeyAuth,
-            keys=load_key_file(config.api_keys),
+            keys=keys,
             on_refusal=lambda label: app.state.serving.metrics.rejections.labels(label).inc(),
         )
 
@@ -489,6 +516,8 @@ def main(argv=None) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:  # before serving: a busy port, a bad model or key file is a one-line error, exit 2
         check_can_listen(config.host, config.port)
+        if config.api_keys:
+            load_key_file(config.api_keys)  # before the models load, which takes seconds
         app = create_app(config, *load_engines(config))
     except (CannotListen, ModelLoadError, KeyFileError, UnreadableManifest) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
@@ -502,19 +531,51 @@ def main(argv=None) -> None:
         log.warning(warning)
     raise_open_file_limit()
     settle_garbage_collector()
-    uvicorn.run(
+    server = DelayedShutdownServer(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            http=BoundedHeadProtocol,  # a request's head bounded in size and time (mnv3.connections)
+            log_level=config.log_level,
+            log_config=uvicorn_log_config(),
+            # typed int, but uvicorn waits with asyncio.wait_for, which takes a float
+            timeout_graceful_shutdown=config.shutdown_timeout_s,  # type: ignore[arg-type]
+            timeout_keep_alive=config.keep_alive_s,  # type: ignore[arg-type]
+            root_path=config.root_path,
+            forwarded_allow_ips=config.forwarded_allow_ips or None,  # None: uvicorn's own default
+        ),
+        config.shutdown_delay_s,
         app,
-        host=config.host,
-        port=config.port,
-        http=BoundedHeadProtocol,  # a request's head bounded in size and time (mnv3.connections)
-        log_level=config.log_level,
-        log_config=uvicorn_log_config(),
-        # typed int, but uvicorn waits with asyncio.wait_for, which takes a float
-        timeout_graceful_shutdown=config.shutdown_timeout_s,  # type: ignore[arg-type]
-        timeout_keep_alive=config.keep_alive_s,  # type: ignore[arg-type]
-        root_path=config.root_path,
-        forwarded_allow_ips=config.forwarded_allow_ips or None,  # None: uvicorn's own default
     )
+    server.run()
+
+
+class DelayedShutdownServer(uvicorn.Server):
+    """uvicorn's server, which on a first SIGTERM goes on serving for `delay_s` with /readyz (and /v2's) answering
+    503 before it stops as uvicorn does (the port closed, in-flight requests given --shutdown-timeout-s). A load
+    balancer goes on sending for a moment after it is told a pod is going (Kubernetes removes the endpoint while
+    the pod is signalled): closed at once, those requests find no one listening. A second SIGTERM, or Ctrl-C,
+    stops at once."""
+
+    def __init__(self, config: uvicorn.Config, delay_s: float, app: FastAPI):
+        super().__init__(config)
+        self.delay_s, self.app = delay_s, app
+        self.delayed: threading.Timer | None = None
+
+    def handle_exit(self, sig, frame) -> None:
+        serving: Serving | None = getattr(self.app.state, "serving", None)  # None: still starting, nothing served
+        if sig != signal.SIGTERM or not self.delay_s or self.delayed is not None or serving is None:
+            if self.delayed is not None:
+                self.delayed.cancel()
+            super().handle_exit(sig, frame)
+            return
+        serving.drain()
+        log.info("SIGTERM: /readyz answers 503; serving %g s more, then stopping", self.delay_s)
+        # A plain attribute is what uvicorn's loop polls: setting it from the timer's thread is safe.
+        self.delayed = threading.Timer(self.delay_s, super().handle_exit, (sig, frame))
+        self.delayed.daemon = True
+        self.delayed.start()
 
 
 if __name__ == "__main__":

@@ -186,6 +186,7 @@ class Serving:
         }
         self.default = self.models[specs[0].name]
         self.not_ready_reason: str | None = "warming up"
+        self.draining = False  # drain() was called: not ready whatever warm-up does
 
     # The default model's pieces: what a one-model server has (tests hold them).
     @property
@@ -207,6 +208,12 @@ class Serving:
                 f"no model named {name!r}; this server serves {', '.join(self.models)} (default {self.default.name})"
             ) from None
 
+    def drain(self) -> None:
+        """Not ready from now on, while requests are still served (a SIGTERM's --shutdown-delay-s): a load
+        balancer polling /readyz stops sending before the port closes."""
+        self.draining = True
+        self.not_ready_reason = "shutting down"
+
     async def warm_up(self) -> None:
         """Warm every model up, one after the other, then start batching. Requests queue meanwhile. A model
         that fails to warm up says so (its `not_ready_reason`), and so does the server; the others are ready."""
@@ -219,7 +226,9 @@ class Serving:
                 log.error("warm-up of %s failed: %s", served.name, exc)
                 served.not_ready_reason = f"failed to warm up: {exc}"
                 failures.append(f"{served.name}: {exc}")
-        if failures:
+        if self.draining:  # told to stop while it warmed up: it stays not ready
+            pass
+        elif failures:
             self.not_ready_reason = f"warm-up failed: {'; '.join(failures)}"
         else:
             self.not_ready_reason = None

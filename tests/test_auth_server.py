@@ -4,6 +4,7 @@ client send their keys; a bad key file is a one-line CLI error; binding to 0.0.0
 
 import hashlib
 import re
+import signal
 
 import numpy as np
 import pytest
@@ -12,9 +13,9 @@ import tritonclient.http as triton
 from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
-from conftest import WAIT_S, serving_client, upload
+from conftest import WAIT_S, serving_client, upload, wait_until
 from mnv3 import server
-from mnv3.auth import KeyFileError, Scope, required_scope
+from mnv3.auth import KeyFileError, Scope, new_key_line, required_scope
 from mnv3.config import ServerConfig
 from mnv3.errors import ACCESS_REFUSALS
 from mnv3.loadtest import API_KEY_ENV, KeyRefused, PredictClient, ServerProcess, read_metrics, server_settings
@@ -155,17 +156,42 @@ def test_the_load_test_client_sends_the_key_from_the_environment(protected, monk
     assert read_metrics(url, api_key=ADMIN_KEY)[("mnv3_request_latency_seconds_count", "")] >= 1
 
 
-def test_a_bad_key_file_is_one_line_and_exit_2_before_binding(fp32_model_path, tmp_path, capsys):
+def test_a_bad_key_file_is_one_line_and_exit_2_before_binding(fp32_model_path, tmp_path, capsys, monkeypatch):
     bad = tmp_path / "api_keys"
     bad.write_text("# a key too short to be one\ntoo-short infer\n")
     with pytest.raises(KeyFileError, match=f"^{re.escape(str(bad))}:2: a key must have 16"):
         create_app(ServerConfig(model=fp32_model_path, api_keys=str(bad)))
+    monkeypatch.setattr(server, "load_engines", lambda config: pytest.fail("models loaded before the key file"))
     with pytest.raises(SystemExit) as exit_info:
         server.main(["--model", str(fp32_model_path), "--api-keys", str(bad), "--port", "0"])  # never bound
     assert exit_info.value.code == 2
     error = capsys.readouterr().err
     assert error.startswith(f"python -m mnv3.server: error: {bad}:2: ") and "python -m mnv3.auth" in error
     assert error.count("\n") == 1 and "too-short" not in error  # nothing of the key itself
+
+
+def test_sighup_reads_the_key_file_again_and_a_bad_one_leaves_the_keys_as_they_were(fp32_model_path, tmp_path):
+    """Revoking a leaked key meant a restart (SIGHUP killed the server at once, mid-request)."""
+    old_key, new_key = new_key_line()[0], new_key_line()[0]
+    keys = tmp_path / "api_keys"
+    keys.write_text(f"{old_key} infer\n")
+    process = ServerProcess(fp32_model_path, api_keys=keys, log_level="info")
+    with process as url:
+
+        def status(key: str) -> int:
+            return requests.get(url + "/models", headers=bearer(key), timeout=WAIT_S).status_code
+
+        assert (status(old_key), status(new_key)) == (200, 401)
+        keys.write_text(f"{new_key} infer\n")  # the old key revoked, a new one given
+        process.process.send_signal(signal.SIGHUP)
+        wait_until(lambda: status(new_key) == 200, "the new key to be accepted")
+        assert status(old_key) == 401
+        keys.write_text("too-short infer\n")  # a mistake in the file: the server keeps its keys
+        process.process.send_signal(signal.SIGHUP)
+        wait_until(lambda: "SIGHUP: the keys stay as they were (1)" in process.output_tail(), "the refusal logged")
+        assert (status(old_key), status(new_key)) == (401, 200)
+        assert process.process.poll() is None
+        assert "SIGHUP: 1 keys read again from" in process.output_tail()
 
 
 def test_binding_to_every_interface_without_keys_warns_naming_the_flag(fp32_model_path):

@@ -4,10 +4,12 @@ import io
 import json
 import resource
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -15,7 +17,7 @@ import pytest
 import requests
 from PIL import Image
 
-from conftest import WAIT_S, Gate, post_file, post_raw, serving_client, wait_until
+from conftest import WAIT_S, Gate, post, post_file, post_raw, serving_client, wait_until
 from mnv3.artifacts import CLASS_NAMES_JSON
 from mnv3.config import parse_args
 from mnv3.engine import Engine, ModelLoadError, top_k_ids
@@ -180,6 +182,27 @@ def test_operational_endpoints(client, fp32_model_path):
     assert all("422" not in op["responses"] for ops in document["paths"].values() for op in ops.values())
     assert "499" not in predict_doc["responses"]  # counted, never sent: its client has gone
     assert "HTTPValidationError" not in document["components"]["schemas"]
+
+
+def test_a_shutdown_delay_serves_on_with_readyz_503_before_the_port_closes(fp32_model_path, images):
+    """SIGTERM closed the port at once: a load balancer still sending for a moment (Kubernetes removes the
+    endpoint while it signals the pod) found no one listening, and /readyz never answered 503."""
+    server = ServerProcess(fp32_model_path, shutdown_delay_s=3)
+    with server as url:
+        signalled = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        wait_until(lambda: requests.get(url + "/readyz", timeout=WAIT_S).status_code == 503, "/readyz to say 503")
+        assert requests.get(url + "/readyz", timeout=WAIT_S).json() == {"status": "shutting down"}
+        assert requests.get(url + "/v2/health/ready", timeout=WAIT_S).status_code == 503
+        assert post(url, images[0]).status_code == 200  # still served, on a new connection
+        assert server.process.wait(WAIT_S) == 0 and time.monotonic() - signalled >= 3
+    second = ServerProcess(fp32_model_path, shutdown_delay_s=60)
+    with second:
+        signalled = time.monotonic()
+        second.process.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        second.process.send_signal(signal.SIGTERM)  # a second one stops it now
+        assert second.process.wait(WAIT_S) == 0 and time.monotonic() - signalled < 30
 
 
 def test_the_cpu_seconds_by_role_never_go_down_from_one_reading_to_the_next():
