@@ -541,6 +541,11 @@ def server_config(args) -> ServerConfig:
     """The replicas' ServerConfig from --model (or stage 2's) and the server flags."""
     model, _ = cli.serving_model(args)
     config = parse_server_args(["--model", str(model), *args.server_flags], prog=PROG)
+    if config.shutdown_delay_s:  # the plain server's uvicorn holds its port open meanwhile; Ray's proxy is Ray's
+        raise cli.UsageError(
+            "--shutdown-delay-s is the plain server's (python -m mnv3.server): under Ray Serve, SIGTERM drains "
+            "through Ray's proxy as this command's README section says"
+        )
     if args.max_replicas is None and args.min_replicas is not None:
         raise cli.UsageError("--min-replicas is autoscaling's floor: give --max-replicas too")
     floor = args.replicas if args.min_replicas is None else args.min_replicas
