@@ -164,7 +164,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             # In the body or trailers of the request under way, which can then never end: answered now, if its
             # answer has not begun (nor been sent: an early refusal that kept the connection) and no earlier one
             # is still being written, else the connection is just closed.
-            log.warning("%s: %s; closing the connection", status, detail)
+            log.warning("%s to %s: %s; closing the connection", status, self.peer(), detail)
             if self.pipeline or self.cycle.response_started or self.cycle.response_complete:
                 self.transport.close()
             else:
@@ -172,12 +172,17 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             note_body_refused(self.cycle.scope["state"], status, detail)  # the app reading it sees the connection end
             return
         if self.cycle is not None and not self.cycle.response_complete:
-            log.warning("%s: %s; closing the connection after the answers under way", status, detail)
+            log.warning("%s to %s: %s; closing the connection after the answers under way", status, self.peer(), detail)
             self.cycle.keep_alive = False  # the newest cycle: the last queued, or the one being answered
             self.flow.pause_reading()
             return
-        log.warning("%s: %s; closing the connection", status, detail)
+        log.warning("%s to %s: %s; closing the connection", status, self.peer(), detail)
         self.write_and_close(status, detail, self.head_shape())
+
+    def peer(self) -> str:
+        """The client, as the access log names it (host:port): a refusal before any route is known is in no
+        access log line, and its own line said nothing of who was refused."""
+        return f"{self.client[0]}:{self.client[1]}" if self.client else "an unknown client"
 
     def head_shape(self) -> Callable[[str], dict]:
         """The error shape of a refusal in a request's head: its path's, once the request line has come (the

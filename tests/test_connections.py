@@ -1,6 +1,7 @@
 """The server's HTTP protocol bounds a request head's size and the time it takes to arrive (mnv3.connections);
 HEAD is answered as GET without a body. A real uvicorn with the protocol `python -m mnv3.server` runs."""
 
+import logging
 import socket
 import time
 from contextlib import contextmanager
@@ -47,8 +48,11 @@ def answer(sock: socket.socket) -> bytes:
     return received
 
 
-def test_a_head_over_the_limit_is_a_431_and_the_connection_closes(monkeypatch):
+def test_a_head_over_the_limit_is_a_431_and_the_connection_closes(monkeypatch, caplog):
     with bounded_server(monkeypatch) as port, socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
+        client_port = sock.getsockname()[1]
+        monkeypatch.setattr(connections.log, "handlers", [caplog.handler])  # uvicorn's logger does not propagate
+        caplog.set_level(logging.WARNING, logger=connections.log.name)  # the server in this test logs errors only
         sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: ")
         try:
             for _ in range(2 * connections.MAX_HEAD_BYTES // 65536):
@@ -58,6 +62,8 @@ def test_a_head_over_the_limit_is_a_431_and_the_connection_closes(monkeypatch):
         response = answer(sock)
     assert response.startswith(b"HTTP/1.1 431 ") and b"connection: close" in response
     assert response.endswith(b'{"detail": "the request\'s headers are over 1048576 bytes"}')
+    # in no access log line (no route was reached): its own line says whom it refused
+    assert f"431 to 127.0.0.1:{client_port}: the request's headers are over" in caplog.text
 
 
 def test_a_head_of_too_many_fields_is_a_431(monkeypatch):
