@@ -218,8 +218,8 @@ async def healthz() -> Status:
     summary="Every model is loaded and warmed up",
 )
 async def readyz(s: Serving = Depends(serving)):
-    if s.not_ready_reason:
-        return JSONResponse({"status": s.not_ready_reason}, 503)
+    if s.unready:
+        return JSONResponse({"status": s.unready}, 503)
     return Status(status="ready")
 
 
@@ -548,7 +548,10 @@ def main(argv=None) -> None:
         config.shutdown_delay_s,
         app,
     )
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # Ctrl-C, re-raised by uvicorn once it has stopped: a stop asked for (uvicorn.run's)
+        pass
 
 
 class DelayedShutdownServer(uvicorn.Server):
@@ -556,7 +559,7 @@ class DelayedShutdownServer(uvicorn.Server):
     503 before it stops as uvicorn does (the port closed, in-flight requests given --shutdown-timeout-s). A load
     balancer goes on sending for a moment after it is told a pod is going (Kubernetes removes the endpoint while
     the pod is signalled): closed at once, those requests find no one listening. A second SIGTERM, or Ctrl-C,
-    stops at once."""
+    ends the wait: uvicorn's stop begins then."""
 
     def __init__(self, config: uvicorn.Config, delay_s: float, app: FastAPI):
         super().__init__(config)
@@ -565,7 +568,8 @@ class DelayedShutdownServer(uvicorn.Server):
 
     def handle_exit(self, sig, frame) -> None:
         serving: Serving | None = getattr(self.app.state, "serving", None)  # None: still starting, nothing served
-        if sig != signal.SIGTERM or not self.delay_s or self.delayed is not None or serving is None:
+        waiting = sig == signal.SIGTERM and self.delay_s and self.delayed is None and not self.should_exit
+        if not waiting or serving is None:
             if self.delayed is not None:
                 self.delayed.cancel()
             super().handle_exit(sig, frame)

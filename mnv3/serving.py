@@ -186,7 +186,7 @@ class Serving:
         }
         self.default = self.models[specs[0].name]
         self.not_ready_reason: str | None = "warming up"
-        self.draining = False  # drain() was called: not ready whatever warm-up does
+        self.draining = False  # drain() was called: not ready, whatever warm-up says (`unready`)
 
     # The default model's pieces: what a one-model server has (tests hold them).
     @property
@@ -212,7 +212,12 @@ class Serving:
         """Not ready from now on, while requests are still served (a SIGTERM's --shutdown-delay-s): a load
         balancer polling /readyz stops sending before the port closes."""
         self.draining = True
-        self.not_ready_reason = "shutting down"
+
+    @property
+    def unready(self) -> str | None:
+        """Why the server is not ready (what /readyz says with its 503), or None: draining comes first, so a
+        warm-up ending meanwhile cannot make it ready again."""
+        return "shutting down" if self.draining else self.not_ready_reason
 
     async def warm_up(self) -> None:
         """Warm every model up, one after the other, then start batching. Requests queue meanwhile. A model
@@ -226,9 +231,7 @@ class Serving:
                 log.error("warm-up of %s failed: %s", served.name, exc)
                 served.not_ready_reason = f"failed to warm up: {exc}"
                 failures.append(f"{served.name}: {exc}")
-        if self.draining:  # told to stop while it warmed up: it stays not ready
-            pass
-        elif failures:
+        if failures:
             self.not_ready_reason = f"warm-up failed: {'; '.join(failures)}"
         else:
             self.not_ready_reason = None

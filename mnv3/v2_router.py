@@ -148,8 +148,8 @@ async def live() -> Response:
     summary="Readiness: 200 once every model is warmed up, else 503",
 )
 async def ready(s: Serving = Depends(serving)) -> Response:
-    if s.not_ready_reason:
-        raise V2Error(503, s.not_ready_reason)
+    if s.unready:
+        raise V2Error(503, s.unready)
     return Response()
 
 

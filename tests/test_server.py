@@ -205,6 +205,14 @@ def test_a_shutdown_delay_serves_on_with_readyz_503_before_the_port_closes(fp32_
         assert second.process.wait(WAIT_S) == 0 and time.monotonic() - signalled < 30
 
 
+def test_ctrl_c_stops_the_server_with_exit_0_and_no_traceback(fp32_model_path):
+    server = ServerProcess(fp32_model_path)
+    with server:
+        server.process.send_signal(signal.SIGINT)
+        assert server.process.wait(WAIT_S) == 0
+        assert "Traceback" not in server.output_tail()
+
+
 def test_the_cpu_seconds_by_role_never_go_down_from_one_reading_to_the_next():
     """engine_and_other (the process's time less its threads') also held what threads burnt while they were read,
     and gave it back at the next reading: the counter went down in about half of the scrapes of a server at rest,
