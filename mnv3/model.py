@@ -138,7 +138,7 @@ def _state_dict(path, data: bytes) -> dict:
             f"save one with {SAVE_STATE_DICT}"
         ) from exc
     if isinstance(loaded, dict):
-        entry = next((key for key in CHECKPOINT_ENTRIES if isinstance(loaded.get(key), dict)), None)
+        entry = next((key for key in CHECKPOINT_ENTRIES if _holds_tensors(loaded.get(key))), None)
         loaded = _unwrapped(loaded[entry] if entry else loaded)
     if not isinstance(loaded, dict) or not all(isinstance(value, torch.Tensor) for value in loaded.values()):
         found = ""
@@ -158,17 +158,32 @@ CHECKPOINT_ENTRIES = ("model", "model_state_dict", "state_dict")
 MOBILENET_V3_MODULES = frozenset({"features", "avgpool", "classifier"})
 
 
+def _holds_tensors(entry) -> bool:
+    """Whether a checkpoint's `entry` is a state_dict: a dict of tensors (not, say, the model's config)."""
+    return isinstance(entry, dict) and bool(entry) and all(isinstance(value, torch.Tensor) for value in entry.values())
+
+
 def _unwrapped(state: dict) -> dict:
     """`state` without the prefix a wrapper put before every name: (Distributed)DataParallel's and train.py's
     model_ema's "module." (an AveragedModel, with its n_averaged count beside), a Lightning module's attribute
-    (e.g. "model."). Names that are already torchvision's, or that share no prefix, are left as they are."""
+    (e.g. "model.", or "classifier." itself). Names that are already torchvision's, or that share no prefix,
+    are left as they are."""
     while True:
         keys = [key for key in state if key != "n_averaged"]
-        prefixes = {str(key).split(".", 1)[0] for key in keys}
-        if len(prefixes) != 1 or prefixes & MOBILENET_V3_MODULES or not all("." in str(key) for key in keys):
+        if not keys or _is_mobilenet_v3(keys) or not all(isinstance(key, str) and "." in key for key in keys):
+            return state
+        prefixes = {key.split(".", 1)[0] for key in keys}
+        if len(prefixes) != 1:
             return state
         prefix = f"{prefixes.pop()}."
         state = {key.removeprefix(prefix): state[key] for key in keys}
+
+
+def _is_mobilenet_v3(names) -> bool:
+    """Whether `names` are a torchvision MobileNetV3's: each begins with one of its modules' names, and both
+    its features and its classifier are there."""
+    tops = {str(name).split(".", 1)[0] for name in names}
+    return tops <= MOBILENET_V3_MODULES and {"features", "classifier"} <= tops
 
 
 # How a file torch.save wrote begins: its zip format, or the legacy format's pickle protocol byte.

@@ -135,8 +135,8 @@ def test_a_checkpoint_without_a_model_entry_names_its_keys(tmp_path):
 
 @pytest.mark.parametrize(
     ("entry", "prefix"),
-    [("model_state_dict", ""), ("state_dict", "model."), ("state_dict", "module.net.")],
-    ids=["PyTorch tutorial", "Lightning", "Lightning with DataParallel"],
+    [("model_state_dict", ""), ("state_dict", "model."), ("state_dict", "module.net."), ("state_dict", "classifier.")],
+    ids=["PyTorch tutorial", "Lightning", "Lightning with DataParallel", "Lightning, an attribute named classifier"],
 )
 def test_the_state_dict_of_other_training_scripts_checkpoints_loads(tmp_path, entry, prefix):
     """Their state_dict was said to be none: "holds no state_dict (its keys: model_state_dict, ...)"."""
@@ -144,7 +144,8 @@ def test_the_state_dict_of_other_training_scripts_checkpoints_loads(tmp_path, en
     source = mobilenet_v3_small(num_classes=4)
     path = tmp_path / "checkpoint.ckpt"
     state = {f"{prefix}{key}": value for key, value in source.state_dict().items()}
-    torch.save({"epoch": 2, entry: state, "optimizer_states": [], "lr_schedulers": []}, path)
+    # "model" here is the model's config, not its weights: the entry that holds tensors is the one
+    torch.save({"epoch": 2, "model": {"arch": "small"}, entry: state, "optimizer_states": []}, path)
     model, _ = load_model("mobilenet_v3_small", path)
     assert num_classes(model) == 4 and torch.equal(model.classifier[3].weight, source.classifier[3].weight)
 
