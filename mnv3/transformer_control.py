@@ -46,7 +46,7 @@ from mnv3.model import RANDOM_INIT_SEED, check_export, export_onnx
 from mnv3.preprocess import CROP_SIZE
 from mnv3.profiling import op_type_summary, profile_model
 from mnv3.quantize import quantize_dynamic_int8
-from mnv3.report import markdown_table
+from mnv3.report import machine_columns, markdown_table
 from mnv3.runtime import DEFAULT_INTRA_OP_THREADS, make_session, ort_runner
 
 INTEGER_MATMUL_OPS = ("MatMulInteger", "DynamicQuantizeMatMul")
@@ -143,6 +143,7 @@ def transformer_control(
             "export_max_abs_diff": f"{export_diff:.2e}" if variant == "onnx_fp32" else "",
             # Its own ONNX FP32 is the reference, as for MobileNetV3.
             **evaluate(run, held_out, None if variant == "onnx_fp32" else reference, batch_size=batch_size),
+            **machine_columns(),
         }
         for variant, (run, path) in variants.items()
     ]

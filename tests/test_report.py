@@ -56,9 +56,11 @@ def test_summary_states_the_machine_its_rows_record_and_drops_only_columns_that_
     assert "- Machine: Intel Xeon, 2 cores, ISA: avx2 amx_int8\n- Libraries: onnxruntime 1.32.0\n" in text
     assert "- Not recorded where they were measured (written before rows said so): 01_baseline\n" in text
     assert "| req_per_s |\n" in text.split("## 03_here")[1]
-    write_csv(tmp_path / "04_elsewhere.csv", [{"req_per_s": 6, **xeon, "cpu": cpu_info()["cpu"] + " (another)"}])
+    other = {"cpu": cpu_info()["cpu"] + " (another)", "onnxruntime_version": "1.31.0"}
+    write_csv(tmp_path / "04_elsewhere.csv", [{"req_per_s": 6, **xeon, **other}])
     text = write_summary(tmp_path).read_text()
     assert "- Machine: several: see each table's cpu column\n" in text
+    assert "- Libraries: onnxruntime: not the same in every table (see their version columns)\n" in text
     here, elsewhere = text.split("## 03_here")[1].split("## 04_elsewhere")
     assert "| req_per_s | cpu |" in here and "| req_per_s | cpu |" in elsewhere and "cores" not in text.split("## ")[2]
 

@@ -90,6 +90,9 @@ def test_stage_1_transformer_control_writes_its_rows_and_integer_matmul_profile(
     assert {row["model"] for row in rows.values()} == {"vit_2x64"}  # --quick's ViT, not MobileNetV3
     assert float(rows["onnx_dynamic_int8"]["size_mb"]) < 0.5 * float(rows["onnx_fp32"]["size_mb"])
     assert float(rows["onnx_dynamic_int8"]["sqnr_db"]) > 20
+    assert all(row["cpu"] and row["onnxruntime_version"] for row in rows.values())  # where it was measured
+    summary = (stage_dirs["results"] / "summary.md").read_text()
+    assert "Not recorded where they were measured" not in summary  # every table stage 1-2 write today says
     profiled = {row["op_type"] for row in read_csv(stage_dirs["results"] / "01_transformer_control_profile.csv")}
     assert profiled & {"MatMulInteger", "DynamicQuantizeMatMul"}
     # The baseline table stays MobileNetV3's alone: goals and model_variants compare its rows with its FP32.
