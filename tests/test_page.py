@@ -545,7 +545,7 @@ def test_a_failed_photo_can_be_sent_again_with_the_options_as_they_are_now(page,
     card.locator(".error").wait_for()
     assert "over the server's upload limit" in card.locator(".error").inner_text()
     page.get_by_label("Shrink large photos in the browser before upload").check()
-    card.get_by_role("button", name="Send large.jpg again").click()  # the same file, not chosen again
+    card.get_by_role("button", name="Send again (large.jpg)").click()  # the same file, not chosen again
     # the button went with its outcome: focus stays on the photo, where it fell back to the page's start
     assert page.evaluate("document.activeElement.classList.contains('photo')")
     assert len(shown_predictions(card)) == 5

@@ -18,7 +18,9 @@ const BUSY_RETRIES = 3;  // a 503'd upload is sent again this often, after its R
 // rate, so several photos chosen at once take turns (six at 30/min: ten seconds), which a count of tries would cut.
 const RATE_TURNS_MAX_S = 60;
 const RETRY_AFTER_MAX_S = 10;  // a longer Retry-After is said, not waited for
-const RESENDING_CANNOT_HELP = [400, 415];  // the file is not an image the server reads: no Send again
+// The file is not an image the server reads: sent again as it is, it is refused again. Unless the browser shows it
+// (a HEIC in Safari, an AVIF): "Shrink large photos" then sends it as a JPEG.
+const RESENDING_CANNOT_HELP = [400, 415];
 const RETRY_SPREAD = 0.5;  // up to half the wait again, at random: uploads refused together do not return together
 const MODELS_RETRY_S = 5;  // GET /models failed (server down, rate limit): asked again after this
 const STAND_IN_WEIGHTS = "random-init";  // GET /model's weights for stage 1's seeded stand-in (mnv3.artifacts)
@@ -288,7 +290,9 @@ async function classifyPhoto(file, card) {
     : `${file.name}: most likely ${first.predictions[0].label}, ${formatPercent(first.predictions[0].probability)}`;
   const failed = results.filter((result) => result.error);
   // Not where the file is the fault (not an image, a format the server does not read): sent again, it is again.
-  if (failed.some((result) => !RESENDING_CANNOT_HELP.includes(result.status))) {
+  const preview = card.querySelector(".thumb img");
+  const shown = preview !== null && preview.complete && preview.naturalWidth > 0;
+  if (failed.some((result) => shown || !RESENDING_CANNOT_HELP.includes(result.status))) {
     outcomes.append(sendAgainButton(file, card));
   }
   return !failed.length;
@@ -297,8 +301,9 @@ async function classifyPhoto(file, card) {
 // A failed photo can be sent again as it is, with the options as they are now (a server back up, "Shrink large
 // photos" ticked after a 413, another model chosen), without choosing the file again.
 function sendAgainButton(file, card) {
-  const again = element("button", {type: "button", className: "send-again", "aria-label": `Send ${file.name} again`},
-    "Send again");
+  // Its photo's name for a screen reader, after the words it shows (a voice user says what they see)
+  const again = element("button", {type: "button", className: "send-again"}, "Send again",
+    element("span", {className: "visually-hidden"}, ` (${file.name})`));
   again.addEventListener("click", () => {
     // The button goes with the outcome it replaces: focus stays on its photo, not back at the page's start.
     card.tabIndex = -1;
@@ -326,7 +331,7 @@ async function predict(blob, filename, modelName, shrunk, waiting, original = bl
   const form = new FormData();
   form.append("file", blob, filename);
   const url = modelName ? `predict?model=${encodeURIComponent(modelName)}` : "predict";  // none known: the default
-  let response, text, started, sent = 0;
+  let response, text, started, sent = 0, busy = 0;
   const firstSent = performance.now();
   try {
     for (;;) {
@@ -334,14 +339,14 @@ async function predict(blob, filename, modelName, shrunk, waiting, original = bl
       response = await api(url, {method: "POST", body: form});
       text = await response.text();
       sent += 1;
-      const waitS = retryAfterS(response);
+      const waitMs = 1000 * retryAfterS(response) * (1 + RETRY_SPREAD * Math.random());
       const turnsLeft = response.status === 429
-        ? performance.now() - firstSent + 1000 * waitS <= 1000 * RATE_TURNS_MAX_S
-        : sent <= BUSY_RETRIES;
-      if (!RETRIED_STATUSES.includes(response.status) || !turnsLeft || waitS > RETRY_AFTER_MAX_S) break;
+        ? performance.now() - firstSent + waitMs <= 1000 * RATE_TURNS_MAX_S
+        : ++busy <= BUSY_RETRIES;  // 503s counted on their own: turns taken at a key's rate spend none
+      if (!RETRIED_STATUSES.includes(response.status) || !turnsLeft || retryAfterS(response) > RETRY_AFTER_MAX_S) break;
       const why = response.status === 429 ? "Over this key's rate" : "Server busy";
-      waiting(`${why} (${response.status}): sending again in ${waitS} s…`);
-      await sleep(1000 * waitS * (1 + RETRY_SPREAD * Math.random()));
+      waiting(`${why} (${response.status}): sending again in ${retryAfterS(response)} s…`);
+      await sleep(waitMs);
     }
   } catch (error) {
     return {error: `The server could not be reached (${error.message})`};
