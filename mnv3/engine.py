@@ -160,9 +160,7 @@ class Engine:
             raise
         except Exception as exc:  # both runtimes raise their own untyped errors for bad protobufs
             kind = "OpenVINO IR" if path.suffix == OPENVINO_IR_SUFFIX else "ONNX model"
-            raise ModelLoadError(
-                f"{path} is not a loadable {kind} ({_one_line(exc)}), cut short or not a model: {remake_hint(path)}"
-            ) from exc
+            raise ModelLoadError(f"{path} is not a loadable {kind} ({_one_line(exc)}): {remake_hint(path)}") from exc
         after = rss_bytes()
         _check_input(path, session.get_inputs(), max_batch_size, preprocessing.input_shape)
         if choice.requested == AUTO:  # once the model is known to load: a bad file's error stays one line

@@ -408,7 +408,7 @@ def start_local_cluster(
     ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=log_to_driver)
     # ray.init's own handler exits with status 15 at once, skipping the caller's way of stopping (the --bench
     # run's cli.Terminated: its cluster and servers stopped, exit 143)
-    if sigterm is not None and threading.current_thread() is threading.main_thread():
+    if callable(sigterm) and threading.current_thread() is threading.main_thread():  # a handler of this program's
         signal.signal(signal.SIGTERM, sigterm)
     serve.start(http_options={"host": host, "port": port})
 
@@ -543,8 +543,8 @@ def server_config(args) -> ServerConfig:
     config = parse_server_args(["--model", str(model), *args.server_flags], prog=PROG)
     if config.shutdown_delay_s:  # the plain server's uvicorn holds its port open meanwhile; Ray's proxy is Ray's
         raise cli.UsageError(
-            "--shutdown-delay-s is the plain server's (python -m mnv3.server): under Ray Serve, SIGTERM drains "
-            "through Ray's proxy as this command's README section says"
+            "--shutdown-delay-s (or MNV3_SHUTDOWN_DELAY_S) is the plain server's (python -m mnv3.server): under "
+            "Ray Serve, SIGTERM drains through Ray's proxy as this command's README section says"
         )
     if args.max_replicas is None and args.min_replicas is not None:
         raise cli.UsageError("--min-replicas is autoscaling's floor: give --max-replicas too")
