@@ -143,7 +143,7 @@ def test_more_cpus_than_the_machine_has_is_one_line_and_exit_2(fp32_model_path, 
         (["--min-replicas", "2"], "give --max-replicas too"),  # a floor without autoscaling
         (["--replicas", "2", "--max-replicas", "1"], "below the autoscaling floor 2"),
         (["--min-replicas", "2", "--max-replicas", "1"], "below the autoscaling floor 2"),  # was pydantic's traceback
-        (["--shutdown-delay-s", "5"], "--shutdown-delay-s is the plain server's"),  # would be taken and ignored
+        (["--shutdown-delay-s", "5"], "(or MNV3_SHUTDOWN_DELAY_S) is the plain server's"),  # taken, then ignored
     ],
 )
 def test_replica_counts_that_cannot_work_are_one_line_and_exit_2(fp32_model_path, capsys, flags, says):
