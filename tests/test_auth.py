@@ -603,3 +603,21 @@ def test_a_key_in_the_url_does_not_reach_the_access_log(live_server, caplog):
         assert time.monotonic() < give_up, "no access log record"
         time.sleep(0.01)
     assert "/stats?model=fp32&api_key=REDACTED" in caplog.text and INFER_KEY not in caplog.text
+
+
+def test_keys_read_again_keep_the_buckets_of_unchanged_rates_and_the_counts_of_requests_under_way():
+    """SIGHUP's reload (mnv3.server): a kept key's bucket is not refilled by it, a changed rate gets a new one, and a
+    request under way stays counted (its end is counted down on the keys as they are then)."""
+    clock = Clock()
+    first = f"{LIMITED_KEY} infer rate=1/min burst=1 in_flight=2\n{INFER_KEY} infer rate=1/min burst=1\n"
+    keys = parse_keys(first, clock=clock)
+    limited, other = (keys.match(key) for key in (LIMITED_KEY, INFER_KEY))
+    assert keys.take(limited).wait_s == 0 and keys.take(other).wait_s == 0  # each bucket spent
+    keys.in_flight[limited.digest] += 1  # a request under way
+    keys.replace_with(parse_keys(f"{LIMITED_KEY} infer rate=1/min burst=1 in_flight=2\n{INFER_KEY} infer rate=2/min\n"))
+    assert keys.take(keys.match(LIMITED_KEY)).wait_s > 0  # the same rate: still spent, no fresh burst
+    assert keys.take(keys.match(INFER_KEY)).wait_s == 0  # another rate: a new bucket
+    assert keys.in_flight[limited.digest] == 1
+    keys.replace_with(parse_keys(f"{INFER_KEY} infer\n"))  # the limited key revoked while its request runs
+    assert keys.match(LIMITED_KEY) is None and keys.in_flight[limited.digest] == 1
+    keys.in_flight[limited.digest] -= 1  # its end, counted down without a KeyError
