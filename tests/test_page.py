@@ -596,6 +596,8 @@ def test_the_live_panel_blanks_its_figures_when_the_server_stops(browser, fp32_m
         page.get_by_text("No stats:").wait_for()
         figures = page.locator(".live dd").all_inner_texts()
         assert figures and set(figures) == {"–"}, figures  # not the last figures, as if the server still answered
+        # the header, which said what is served, says it is not answering (it went on naming the models)
+        assert page.locator("#model-line").inner_text().endswith(" (the server does not answer now)")
 
 
 def test_long_model_names_wrap_instead_of_widening_the_page(

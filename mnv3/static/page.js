@@ -555,6 +555,10 @@ async function refreshStats() {
     if (!response.ok) throw new Error(`GET /stats answered ${response.status}`);
     stats = await response.json();
   } catch (error) {
+    // What is served, said above, may be gone too: say so until it answers again (describeModels says it anew).
+    if (!statsFailed && server.models.length && error instanceof TypeError) {
+      $("model-line").textContent += " (the server does not answer now)";
+    }
     statsFailed = true;
     // Figures from before would read as the server's now: blank them.
     const why = error instanceof TypeError ? `the server does not answer (${error.message})` : error.message;
