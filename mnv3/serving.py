@@ -204,8 +204,10 @@ class Serving:
         try:
             return self.models[name]
         except KeyError:
+            empty = "; leave ?model= out for the default" if not name else ""  # ?model= with nothing after it
             raise UnknownModel(
-                f"no model named {name!r}; this server serves {', '.join(self.models)} (default {self.default.name})"
+                f"no model named {name!r}{empty}; this server serves {', '.join(self.models)} "
+                f"(default {self.default.name})"
             ) from None
 
     def drain(self) -> None:

@@ -648,3 +648,14 @@ def test_the_open_file_limit_is_raised_to_the_hard_one_at_most_65536_never_lower
     monkeypatch.setattr(resource, "setrlimit", lambda which, values: calls.append(values))
     raise_open_file_limit()
     assert calls == ([] if set_to is None else [tuple(map(real, set_to))])
+
+
+def test_an_empty_model_name_says_to_leave_it_out(fp32_model_path):
+    with serving_client(fp32_model_path) as client:
+        empty, unknown = client.get("/model?model="), client.get("/model?model=nope")
+    assert empty.status_code == unknown.status_code == 404
+    assert (
+        empty.json()["detail"]
+        == "no model named ''; leave ?model= out for the default; this server serves fp32 (default fp32)"
+    )
+    assert unknown.json()["detail"] == "no model named 'nope'; this server serves fp32 (default fp32)"
