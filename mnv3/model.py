@@ -114,12 +114,14 @@ def _state_dict(path, data: bytes) -> dict:
             f"zip archive nor a pickle); save one with {SAVE_STATE_DICT}"
         )
     if data.startswith(TORCH_SAVE_MAGIC[0]):
-        if not zipfile.is_zipfile(io.BytesIO(data)):  # torch.load's reason would be the zip reader's
+        try:
+            names = zipfile.ZipFile(io.BytesIO(data)).namelist()
+        except (zipfile.BadZipFile, OSError):  # as zipfile.is_zipfile; torch.load's reason would be the zip reader's
             raise BadWeights(
                 f"--weights {path}: a zip archive cut short or damaged (its end is missing), as a copy or a "
                 f"save that did not finish leaves one: copy it again, or save it again with {SAVE_STATE_DICT}"
-            )
-        if any(name.endswith("/constants.pkl") for name in zipfile.ZipFile(io.BytesIO(data)).namelist()):
+            ) from None
+        if any(name.endswith("/constants.pkl") for name in names):
             raise BadWeights(  # torch.load's own answer advises weights_only=False
                 f"--weights {path} is a TorchScript archive (torch.jit.save), whose weights cannot be loaded "
                 f"without its code; save the model's weights instead: {SAVE_STATE_DICT}"
