@@ -84,9 +84,24 @@ def remake_hint(model_path) -> str:
         stage = 2
     else:
         return "if one of this project's stages wrote it, rerun that stage"
-    folder = "" if path.parent.resolve() == ARTIFACTS_DIR.resolve() else f" --artifacts-dir {path.parent}"
     flags = " (with the flags that made the model, if it is your own)" if stage == 1 else ""
-    return f"stage {stage} writes it: run python {STAGE_SCRIPTS[stage]}{folder}{flags}"
+    return f"stage {stage} writes it: run {stage_command(stage, path.parent)}{flags}"
+
+
+def stage_command(stage: int, artifacts_dir=ARTIFACTS_DIR, results_dir=RESULTS_DIR) -> str:
+    """The command that runs `stage` on these folders: each named where it is not the default `make run` uses."""
+    return " ".join(["python", STAGE_SCRIPTS[stage], *_folder_flags(artifacts_dir, results_dir)])
+
+
+def _folder_flags(artifacts_dir, results_dir) -> list[str]:
+    return [
+        f"--{flag} {folder}"
+        for flag, folder, default in (
+            ("artifacts-dir", artifacts_dir, ARTIFACTS_DIR),
+            ("results-dir", results_dir, RESULTS_DIR),
+        )
+        if Path(folder) != Path(default)
+    ]
 
 
 class MissingArtifact(FileNotFoundError):
@@ -101,18 +116,10 @@ def require(path, stage: int, artifacts_dir=ARTIFACTS_DIR, results_dir=RESULTS_D
         if Path(folder).is_file() and path.is_relative_to(folder):  # not "run stage N" into a file: it cannot
             raise MissingArtifact(f"--{flag} {folder} is a file: pass the folder stage {stage} wrote to")
     if not path.exists():
-        folders = [
-            f"--{flag} {folder}"
-            for flag, folder, default in (
-                ("artifacts-dir", artifacts_dir, ARTIFACTS_DIR),
-                ("results-dir", results_dir, RESULTS_DIR),
-            )
-            if Path(folder) != Path(default)
-        ]
-        command = " ".join(["python", STAGE_SCRIPTS[stage], *folders])
+        command = stage_command(stage, artifacts_dir, results_dir)
         raise MissingArtifact(
             f"{path} not found: it is written by stage {stage}. Run `{command}` first"
-            + ("." if folders else " (or `make run` for all stages).")
+            + (" (or `make run` for all stages)." if command == stage_command(stage) else ".")
         )
     return path
 
