@@ -289,7 +289,7 @@ async function classifyPhoto(file, card) {
     ? `${file.name}: ${first.error}`
     : `${file.name}: most likely ${first.predictions[0].label}, ${formatPercent(first.predictions[0].probability)}`;
   const failed = results.filter((result) => result.error);
-  // Not where the file is the fault (not an image, a format the server does not read): sent again, it is again.
+  // Not where the file is the fault and the browser cannot show it either (see RESENDING_CANNOT_HELP).
   const preview = card.querySelector(".thumb img");
   const shown = preview !== null && preview.complete && preview.naturalWidth > 0;
   if (failed.some((result) => shown || !RESENDING_CANNOT_HELP.includes(result.status))) {
@@ -339,13 +339,14 @@ async function predict(blob, filename, modelName, shrunk, waiting, original = bl
       response = await api(url, {method: "POST", body: form});
       text = await response.text();
       sent += 1;
-      const waitMs = 1000 * retryAfterS(response) * (1 + RETRY_SPREAD * Math.random());
+      const waitS = retryAfterS(response);
+      const waitMs = 1000 * waitS * (1 + RETRY_SPREAD * Math.random());
       const turnsLeft = response.status === 429
         ? performance.now() - firstSent + waitMs <= 1000 * RATE_TURNS_MAX_S
         : ++busy <= BUSY_RETRIES;  // 503s counted on their own: turns taken at a key's rate spend none
-      if (!RETRIED_STATUSES.includes(response.status) || !turnsLeft || retryAfterS(response) > RETRY_AFTER_MAX_S) break;
+      if (!RETRIED_STATUSES.includes(response.status) || !turnsLeft || waitS > RETRY_AFTER_MAX_S) break;
       const why = response.status === 429 ? "Over this key's rate" : "Server busy";
-      waiting(`${why} (${response.status}): sending again in ${retryAfterS(response)} s…`);
+      waiting(`${why} (${response.status}): sending again in ${waitS} s…`);
       await sleep(waitMs);
     }
   } catch (error) {
