@@ -14,7 +14,7 @@ from PIL import Image
 
 from mnv3.auth import new_key_line
 from mnv3.browser import CHROMIUM, local_browser
-from mnv3.loadtest import ServerProcess
+from mnv3.loadtest import ServerProcess, read_metrics
 from mnv3.photos import load_images
 
 pytestmark = [
@@ -667,3 +667,54 @@ def test_the_page_asks_again_what_is_served_when_the_live_panel_sees_other_model
     )
     assert page.locator("#model-line").inner_text().startswith("Serving ")
     assert "from_before_a_restart" not in page.locator("#model-line").inner_text()
+
+
+@contextmanager
+def upload_throttled(browser, page, bytes_per_s: int):
+    """Chromium's own network emulation: the page's uploads go at most `bytes_per_s`, as over a slow link."""
+    cdp = browser.context.new_cdp_session(page)
+    cdp.send("Network.enable")
+    conditions = {"offline": False, "latency": 0, "downloadThroughput": -1}
+    cdp.send("Network.emulateNetworkConditions", conditions | {"uploadThroughput": bytes_per_s})
+    try:
+        yield
+    finally:
+        cdp.send("Network.emulateNetworkConditions", conditions | {"uploadThroughput": -1})
+        cdp.detach()
+
+
+def test_a_slow_upload_shows_its_progress_and_a_photo_can_be_cancelled(browser, fp32_model_path, tmp_path):
+    """Nine photos over a slow link: eight upload at once (UPLOADS_AT_ONCE), saying how far each has gone; one
+    is cancelled mid-upload and the ninth while it waits its turn, which is then never sent."""
+    paths = []
+    for i, data in enumerate(load_images(9, seed=11)):
+        paths.append(tmp_path / f"slow{i}.jpg")
+        paths[-1].write_bytes(data)
+    with ServerProcess(fp32_model_path, cache_size=0) as url, opened(browser, url) as page:
+        page.get_by_text("Serving fp32.onnx").wait_for()
+        with upload_throttled(browser, page, 30_000):
+            page.locator("#file-input").set_input_files(paths)
+            first = page.locator("#photos .photo").last  # photos are listed newest first
+            progress = first.locator(".pending").filter(has_text=re.compile(r"^Uploading: \d+ KiB of \d+ KiB \(\d+%\)…$"))
+            progress.wait_for()
+            total_kib = int(re.search(r"of (\d+) KiB", progress.inner_text())[1])
+            assert abs(total_kib * 1024 - paths[0].stat().st_size) < 1024  # the photo and its multipart framing
+            waiting = page.locator("#photos .photo").first  # the ninth, not sent yet: its turn comes after one of eight
+            for card, name in ((first, "slow0.jpg"), (waiting, "slow8.jpg")):
+                card.get_by_role("button", name=f"Cancel ({name})").click()
+                assert card.locator(".outcomes").inner_text().startswith("Cancelled")
+                assert card.get_attribute("aria-busy") is None and card.locator(".cancel").count() == 0
+                assert page.evaluate("document.activeElement.classList.contains('photo')")  # not <body>
+                assert page.locator("#announce").inner_text() == f"{name}: cancelled"
+        page.wait_for_function(
+            "() => document.getElementById('announce').textContent.startsWith('9 photos done')", timeout=60_000
+        )
+        assert page.locator("#announce").inner_text() == "9 photos done: 7 classified, 2 not (see each photo)"
+        metrics = read_metrics(url)
+        # seven photos decoded; slow0's upload was cut short (the server's one refusal), slow8's never began
+        assert metrics[("mnv3_preprocess_seconds_count", "")] == 7
+        assert metrics[("mnv3_rejections_total", "")] == 1
+        for card in (first, waiting):
+            assert card.locator(".top5").count() == 0
+            card.get_by_role("button", name="Send again").click()
+            assert len(shown_predictions(card)) == 5

@@ -83,11 +83,11 @@ let keyEntered = null;  // while the key form is shown: the promise every refuse
 // Every API call goes through here. It sends the key this tab was given, if any; on a 401 (the server
 // wants a key, or not that one), or a 403 for a key whose scope does not cover the page's own calls (a
 // metrics key), it shows the key form and, once a key is entered, sends the call again. `ownCall` false: a
-// 403 is the answer to show (the metrics link with an infer key).
+// 403 is the answer to show (the metrics link with an infer key). `options`: fetch's, and see send().
 async function api(url, options = {}, ownCall = true) {
   for (;;) {
     const key = sessionStorage.getItem(KEY_STORAGE);
-    const response = await fetch(url, key ? {...options, headers: {Authorization: `Bearer ${key}`}} : options);
+    const response = await send(url, key ? {...options, headers: {Authorization: `Bearer ${key}`}} : options);
     const outOfScope = ownCall && response.status === 403 &&
       /insufficient_scope/.test(response.headers.get("WWW-Authenticate") || "");
     if (response.status !== 401 && !outOfScope) {
@@ -102,6 +102,36 @@ async function api(url, options = {}, ownCall = true) {
                     : "This server needs an API key.");
     for (const pending of document.querySelectorAll("#photos .pending")) pending.textContent = "Classifying…";
   }
+}
+
+// fetch, or with `onUploadProgress(sentBytes, totalBytes)` an XMLHttpRequest: only it tells how much of a body
+// has gone, and a phone photo over a slow link takes many seconds. Either way a Response, or fetch's errors: a
+// TypeError when the server cannot be reached, an AbortError when `signal` aborts.
+function send(url, {onUploadProgress, ...options}) {
+  if (!onUploadProgress) return fetch(url, options);
+  const {method = "GET", headers = {}, body = null, signal} = options;
+  return new Promise((resolve, reject) => {
+    if (signal?.aborted) {
+      reject(new DOMException("cancelled", "AbortError"));
+      return;
+    }
+    const xhr = new XMLHttpRequest();
+    xhr.open(method, url);
+    for (const [name, value] of Object.entries(headers)) xhr.setRequestHeader(name, value);
+    xhr.responseType = "blob";
+    xhr.upload.addEventListener("progress", (event) => {
+      if (event.lengthComputable) onUploadProgress(event.loaded, event.total);
+    });
+    xhr.addEventListener("load", () => {
+      const fields = xhr.getAllResponseHeaders().trim().split(/\r\n/).filter(Boolean)
+        .map((line) => [line.slice(0, line.indexOf(":")), line.slice(line.indexOf(":") + 1).trim()]);
+      resolve(new Response(xhr.response, {status: xhr.status, statusText: xhr.statusText, headers: fields}));
+    });
+    xhr.addEventListener("error", () => reject(new TypeError("network error")));
+    xhr.addEventListener("abort", () => reject(new DOMException("cancelled", "AbortError")));
+    signal?.addEventListener("abort", () => xhr.abort(), {once: true});
+    xhr.send(body);
+  });
 }
 
 function noteKeyRate(response) {
@@ -237,11 +267,13 @@ async function classifyAll(files) {
   if (!photos.length) return;
   $("empty").hidden = $("drop-note").hidden = true;
   const cards = photos.map(addCard);
+  const attempts = cards.map((card, i) => showPending(photos[i], card));
   let next = 0, answered = 0;
   const worker = async () => {
     while (next < photos.length) {
       const i = next++;
-      if (await classifyPhoto(photos[i], cards[i])) answered += 1;
+      // A photo cancelled while it waited for its turn is never sent.
+      if (!attempts[i].signal.aborted && await classifyPhoto(photos[i], cards[i], attempts[i])) answered += 1;
     }
   };
   await Promise.all(Array.from({length: Math.min(UPLOADS_AT_ONCE, photos.length)}, worker));
@@ -264,20 +296,51 @@ function addCard(file) {
     image.replaceWith(element("span", {className: "no-preview"}, "no preview"));
   }, {once: true});
   card.querySelector("figcaption").textContent = `${file.name} · ${formatBytes(file.size)}`;
-  card.querySelector(".outcomes").append(element("p", {className: "pending"}, "Classifying…"));
-  card.setAttribute("aria-busy", "true");
   $("photos").prepend(card);
   return card;
 }
 
-async function classifyPhoto(file, card) {
+// The card's "Classifying…" with a Cancel button, for a new attempt at its photo; the attempt's AbortController.
+// Cancelling answers the card at once (a photo still waiting its turn is never sent), and aborts the attempt's
+// uploads: the server then drops the work of any it has (a closed connection).
+function showPending(file, card) {
+  const attempt = new AbortController();
+  const cancel = element("button", {type: "button", className: "cancel"}, "Cancel",
+    element("span", {className: "visually-hidden"}, ` (${file.name})`));
+  cancel.addEventListener("click", () => {
+    attempt.abort();
+    card.tabIndex = -1;  // the button goes with the outcome it ends: focus stays on the photo
+    card.focus();
+    card.querySelector(".outcomes").replaceChildren(element("p", {className: "cancelled"}, "Cancelled"),
+      sendAgainButton(file, card));
+    card.removeAttribute("aria-busy");
+    $("announce").textContent = `${file.name}: cancelled`;
+  });
+  card.querySelector(".outcomes").replaceChildren(element("p", {className: "pending"}, "Classifying…"), cancel);
+  card.setAttribute("aria-busy", "true");
+  return attempt;
+}
+
+async function classifyPhoto(file, card, attempt) {
   const outcomes = card.querySelector(".outcomes");
   const {blob, note} = $("downscale").checked ? await downscale(file) : {blob: file, note: null};
   const comparing = $("compare").checked && server.models.length > 1;
   const names = comparing ? server.models.map((m) => m.name) : [$("model-select").value || server.defaultModel];
   const shrunk = $("downscale").checked;
   const waiting = (text) => outcomes.querySelector(".pending")?.replaceChildren(text);
-  const results = await Promise.all(names.map((name) => predict(blob, file.name, name, shrunk, waiting, file)));
+  // Every model's upload of the photo, summed: what has gone of the bytes to send.
+  const sent = names.map(() => [0, 0]);
+  const uploaded = (i) => (sentBytes, totalBytes) => {
+    sent[i] = [sentBytes, totalBytes];
+    const [done, total] = sent.reduce(([d, t], [s, n]) => [d + s, t + n], [0, 0]);
+    if (sent.every(([, n]) => n > 0)) {
+      waiting(done < total ? `Uploading: ${formatBytes(done)} of ${formatBytes(total)} ` +
+                             `(${Math.floor((100 * done) / total)}%)…` : "Classifying…");
+    }
+  };
+  const results = await Promise.all(names.map((name, i) =>
+    predict(blob, file.name, name, shrunk, waiting, file, attempt.signal, uploaded(i))));
+  if (attempt.signal.aborted) return false;  // the Cancel button answered the card
   // With several models served, every answer says whose it is, compared or not.
   const nodes = results.map((result, i) => renderResult(result, server.models.length > 1 ? names[i] : null));
   outcomes.replaceChildren(...(comparing ? [element("div", {className: "compare"}, ...nodes)] : nodes));
@@ -308,9 +371,7 @@ function sendAgainButton(file, card) {
     // The button goes with the outcome it replaces: focus stays on its photo, not back at the page's start.
     card.tabIndex = -1;
     card.focus();
-    card.querySelector(".outcomes").replaceChildren(element("p", {className: "pending"}, "Classifying…"));
-    card.setAttribute("aria-busy", "true");
-    classifyPhoto(file, card);
+    classifyPhoto(file, card, showPending(file, card));
   });
   return again;
 }
@@ -320,8 +381,9 @@ const MULTIPART_OVERHEAD_BYTES = 512;
 const SHRINK_ADVICE = "tick “Shrink large photos” to send a smaller copy of a photo over 512 px on its short " +
   "side, or save it smaller";
 
-// `original`: the photo chosen, of which `blob` may be the shrunk copy (for advice on a refusal).
-async function predict(blob, filename, modelName, shrunk, waiting, original = blob) {
+// `original`: the photo chosen, of which `blob` may be the shrunk copy (for advice on a refusal). `signal` aborts
+// the upload and any wait to send it again; `onUploadProgress` as send() takes it.
+async function predict(blob, filename, modelName, shrunk, waiting, original = blob, signal, onUploadProgress) {
   const limits = modelNamed(modelName)?.limits ?? {};
   const limit = limits.max_upload_bytes;
   if (limit && blob.size + MULTIPART_OVERHEAD_BYTES + filename.length > limit) {
@@ -336,7 +398,7 @@ async function predict(blob, filename, modelName, shrunk, waiting, original = bl
   try {
     for (;;) {
       started = performance.now();  // the round trip is the answered attempt's, not the waits before it
-      response = await api(url, {method: "POST", body: form});
+      response = await api(url, {method: "POST", body: form, signal, onUploadProgress});
       text = await response.text();
       sent += 1;
       const waitS = retryAfterS(response);
@@ -347,9 +409,10 @@ async function predict(blob, filename, modelName, shrunk, waiting, original = bl
       if (!RETRIED_STATUSES.includes(response.status) || !turnsLeft || waitS > RETRY_AFTER_MAX_S) break;
       const why = response.status === 429 ? "Over this key's rate" : "Server busy";
       waiting(`${why} (${response.status}): sending again in ${waitS} s…`);
-      await sleep(waitMs);
+      await sleep(waitMs, signal);
     }
   } catch (error) {
+    if (signal?.aborted) return {error: "Cancelled"};  // not shown: the Cancel button answered the card
     return {error: `The server could not be reached (${error.message})`};
   }
   const roundTripMs = performance.now() - started;
@@ -390,8 +453,15 @@ function retryAfterS(response) {
   return Number(response.headers.get("Retry-After")) || 1;  // the server sends whole seconds with 429 and 503
 }
 
-function sleep(ms) {
-  return new Promise((resolve) => setTimeout(resolve, ms));
+// Rejects with an AbortError as soon as `signal` aborts.
+function sleep(ms, signal) {
+  return new Promise((resolve, reject) => {
+    const timer = setTimeout(resolve, ms);
+    signal?.addEventListener("abort", () => {
+      clearTimeout(timer);
+      reject(new DOMException("cancelled", "AbortError"));
+    }, {once: true});
+  });
 }
 
 function renderResult(result, heading) {
