@@ -700,6 +700,7 @@ def test_a_slow_upload_shows_its_progress_and_a_photo_can_be_cancelled(browser, 
             total_kib = int(re.search(r"of (\d+) KiB", progress.inner_text())[1])
             assert abs(total_kib * 1024 - paths[0].stat().st_size) < 1024  # the photo and its multipart framing
             waiting = page.locator("#photos .photo").first  # the ninth, not sent yet: its turn comes after one of eight
+            assert waiting.locator(".pending").inner_text() == "Waiting for its turn to upload…"
             for card, name in ((first, "slow0.jpg"), (waiting, "slow8.jpg")):
                 card.get_by_role("button", name=f"Cancel ({name})").click()
                 assert card.locator(".outcomes").inner_text().startswith("Cancelled")

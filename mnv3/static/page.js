@@ -94,13 +94,19 @@ async function api(url, options = {}, ownCall = true) {
       if (response.ok || response.status === 429) noteKeyRate(response);  // a 403 says nothing of the key's rate
       return response;
     }
-    // Photos sent meanwhile wait for the key too: say so on their cards rather than "Classifying…".
-    for (const pending of document.querySelectorAll("#photos .pending")) pending.textContent = "Waiting for an API key…";
+    // Photos sent meanwhile wait for the key too: say so on their cards, then what they said before.
+    for (const pending of document.querySelectorAll("#photos .pending")) {
+      pending.dataset.before ??= pending.textContent;  // the first refused call's: the others find the key wait
+      pending.textContent = "Waiting for an API key…";
+    }
     await askForKey(outOfScope ? "This tab's API key may not use the page (a key of scope infer or admin may): " +
                                  "enter another."
                     : key ? "The server did not accept this tab's API key: enter another."
                     : "This server needs an API key.");
-    for (const pending of document.querySelectorAll("#photos .pending")) pending.textContent = "Classifying…";
+    for (const pending of document.querySelectorAll("#photos .pending[data-before]")) {
+      pending.textContent = pending.dataset.before;
+      delete pending.dataset.before;
+    }
   }
 }
 
@@ -300,7 +306,7 @@ function addCard(file) {
   return card;
 }
 
-// The card's "Classifying…" with a Cancel button, for a new attempt at its photo; the attempt's AbortController.
+// The card's pending line with a Cancel button, for a new attempt at its photo; the attempt's AbortController.
 // Cancelling answers the card at once (a photo still waiting its turn is never sent), and aborts the attempt's
 // uploads: the server then drops the work of any it has (a closed connection).
 function showPending(file, card) {
@@ -316,7 +322,8 @@ function showPending(file, card) {
     card.removeAttribute("aria-busy");
     $("announce").textContent = `${file.name}: cancelled`;
   });
-  card.querySelector(".outcomes").replaceChildren(element("p", {className: "pending"}, "Classifying…"), cancel);
+  const pending = element("p", {className: "pending"}, "Waiting for its turn to upload…");  // UPLOADS_AT_ONCE
+  card.querySelector(".outcomes").replaceChildren(pending, cancel);
   card.setAttribute("aria-busy", "true");
   return attempt;
 }
@@ -328,6 +335,7 @@ async function classifyPhoto(file, card, attempt) {
   const names = comparing ? server.models.map((m) => m.name) : [$("model-select").value || server.defaultModel];
   const shrunk = $("downscale").checked;
   const waiting = (text) => outcomes.querySelector(".pending")?.replaceChildren(text);
+  waiting("Uploading…");
   // Every model's upload of the photo, summed: what has gone of the bytes to send.
   const sent = names.map(() => [0, 0]);
   const uploaded = (i) => (sentBytes, totalBytes) => {
