@@ -14,6 +14,11 @@ FP32_ONNX = "fp32.onnx"
 DYNAMIC_INT8_ONNX = "dynamic_int8.onnx"
 DYNAMIC_INT8_U8_WEIGHTS_ONNX = "dynamic_int8_u8_weights.onnx"
 STATIC_INT8_ONNX = "static_int8.onnx"
+# Stage 2's OpenVINO INT8 builds (NNCF), each an IR (.xml, the weights in a .bin beside it): from the graph as
+# exported, from the rewritten graph, and from the rewritten graph with the logits layer in INT8 too.
+NNCF_INT8_XML = "nncf_int8.xml"
+NNCF_REWRITTEN_INT8_XML = "nncf_rewritten_int8.xml"
+NNCF_REWRITTEN_FULL_INT8_XML = "nncf_rewritten_full_int8.xml"
 # The model's class names (a JSON list, index = class id) written beside the models by stage 1, so
 # serving needs neither torchvision nor the training folders.
 CLASS_NAMES_JSON = "class_names.json"
@@ -71,21 +76,25 @@ STAGE_SCRIPTS = {
 
 
 STAGE_1_MODELS = (FP32_ONNX, DYNAMIC_INT8_ONNX, DYNAMIC_INT8_U8_WEIGHTS_ONNX)
+STAGE_2_MODELS = (STATIC_INT8_ONNX, NNCF_INT8_XML, NNCF_REWRITTEN_INT8_XML, NNCF_REWRITTEN_FULL_INT8_XML)
 
 
 def remake_hint(model_path) -> str:
     """How to get a model file back that is missing or broken: the stage that writes it (stage 1 its own
-    models, stage 2 static_int8.onnx and any other model beside a manifest), with the model's folder where that
-    is not the default."""
+    models, stage 2 its INT8 builds and its --compare-recipes models), with the model's folder where that is not
+    the default."""
     path = Path(model_path)
+    folder = path.parent
     if path.name in STAGE_1_MODELS:
         stage = 1
-    elif path.name == STATIC_INT8_ONNX or (path.parent / MANIFEST_JSON).exists():
+    elif path.name in STAGE_2_MODELS:
         stage = 2
+    elif folder.name == RECIPES_DIR:
+        return f"stage 2 writes it with --compare-recipes: run {stage_command(2, folder.parent)} --compare-recipes"
     else:
         return "if one of this project's stages wrote it, rerun that stage"
     flags = " (with the flags that made the model, if it is your own)" if stage == 1 else ""
-    return f"stage {stage} writes it: run {stage_command(stage, path.parent)}{flags}"
+    return f"stage {stage} writes it: run {stage_command(stage, folder)}{flags}"
 
 
 def stage_command(stage: int, artifacts_dir=ARTIFACTS_DIR, results_dir=RESULTS_DIR) -> str:

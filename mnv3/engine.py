@@ -224,10 +224,10 @@ class Engine:
 
 def check_model_file(path) -> Path:
     """`path` as a Path if it is a file, else a ModelLoadError saying what it is instead (a folder, with the
-    models in it; missing, with a hint when NAME=PATH was read as one path)."""
+    models in it; missing, with the models beside it and a hint when NAME=PATH was read as one path)."""
     path = Path(path)
     if path.is_dir():
-        models = sorted(p.name for p in path.iterdir() if p.suffix in MODEL_SUFFIXES)
+        models = _models_in(path)
         raise ModelLoadError(
             f"{path} is a folder: pass a model file in it"
             + (f" ({', '.join(models)})" if models else f" (it holds no {' or '.join(MODEL_SUFFIXES)} file)")
@@ -238,8 +238,14 @@ def check_model_file(path) -> Path:
             raise ModelLoadError(
                 f"model file {path} not found; if {name!r} is its name, a model name cannot contain '/'"
             )
-        raise ModelLoadError(f"model file {path} not found: {remake_hint(path)}")
+        beside = _models_in(path.parent) if path.parent.is_dir() else []
+        listed = f" (the models in {path.parent}: {', '.join(beside)})" if beside else ""
+        raise ModelLoadError(f"model file {path} not found{listed}: {remake_hint(path)}")
     return path
+
+
+def _models_in(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.suffix in MODEL_SUFFIXES)
 
 
 def open_session(

@@ -487,8 +487,8 @@ def get_args_parser():
         description="Serve the mnv3 app with Ray Serve (a local cluster on 127.0.0.1, or --address), or --bench it.",
         epilog="Every `python -m mnv3.server` flag is accepted too (--cache-size, --max-batch-size, ...; "
         "`python -m mnv3.server --help` lists them); "
-        "--host/--port are where Ray's HTTP proxy listens. Engine and preprocess threads per replica = --num-cpus "
-        "(rounded down, at least 1).",
+        "--host/--port are where Ray's HTTP proxy listens; --shutdown-delay-s is refused (SIGTERM drains through "
+        "Ray's proxy). Engine and preprocess threads per replica = --num-cpus (rounded down, at least 1).",
     )
     cli.add_common_args(parser, "where stages 1-2 wrote models")
     cli.add_load_args(

@@ -19,7 +19,16 @@ import numpy as np
 
 from mnv3 import report
 from mnv3.accuracy import array_batches, evaluate, held_out_batch, predict
-from mnv3.artifacts import FP32_ONNX, MANIFEST_JSON, RECIPES_DIR, STATIC_INT8_ONNX, drop_manifest_entries
+from mnv3.artifacts import (
+    FP32_ONNX,
+    MANIFEST_JSON,
+    NNCF_INT8_XML,
+    NNCF_REWRITTEN_FULL_INT8_XML,
+    NNCF_REWRITTEN_INT8_XML,
+    RECIPES_DIR,
+    STATIC_INT8_ONNX,
+    drop_manifest_entries,
+)
 from mnv3.backend_choice import MANIFEST_KEY, variant_name
 from mnv3.engine import model_files, model_size_mb, open_session
 from mnv3.latency import Timing, interleaved_benchmark
@@ -422,12 +431,10 @@ _OPENVINO_REWRITES = (
     *(name for name in RECIPES[DEFAULT_RECIPE].graph_rewrites if name != "pad16"),
     "global_pool_to_avgpool",
 )
-# NNCF INT8 IR files stage 2 builds: from the graph as exported, from the rewritten graph, and from the rewritten
-# graph with the logits layer in INT8 too.
 OPENVINO_INT8_BUILDS = {
-    "nncf_int8.xml": OpenVINOInt8Build(),
-    "nncf_rewritten_int8.xml": OpenVINOInt8Build(_OPENVINO_REWRITES),
-    "nncf_rewritten_full_int8.xml": OpenVINOInt8Build(_OPENVINO_REWRITES, quantize_logits=True),
+    NNCF_INT8_XML: OpenVINOInt8Build(),
+    NNCF_REWRITTEN_INT8_XML: OpenVINOInt8Build(_OPENVINO_REWRITES),
+    NNCF_REWRITTEN_FULL_INT8_XML: OpenVINOInt8Build(_OPENVINO_REWRITES, quantize_logits=True),
 }
 
 ENGINE_TABLE_COLUMNS = (

@@ -695,7 +695,9 @@ def test_a_slow_upload_shows_its_progress_and_a_photo_can_be_cancelled(browser, 
         with upload_throttled(browser, page, 30_000):
             page.locator("#file-input").set_input_files(paths)
             first = page.locator("#photos .photo").last  # photos are listed newest first
-            progress = first.locator(".pending").filter(has_text=re.compile(r"^Uploading: \d+ KiB of \d+ KiB \(\d+%\)…$"))
+            progress = first.locator(".pending").filter(
+                has_text=re.compile(r"^Uploading: \d+ KiB of \d+ KiB \(\d+%\)…$")
+            )
             progress.wait_for()
             total_kib = int(re.search(r"of (\d+) KiB", progress.inner_text())[1])
             assert abs(total_kib * 1024 - paths[0].stat().st_size) < 1024  # the photo and its multipart framing

@@ -378,14 +378,34 @@ def test_missing_model_exits_2_with_one_line(tmp_path):
     ("name", "says"),
     [
         ("static_int8.onnx", "stage 2 writes it: run python static_quantization.py --artifacts-dir {folder}"),
+        (
+            "nncf_rewritten_full_int8.xml",
+            "stage 2 writes it: run python static_quantization.py --artifacts-dir {folder}",
+        ),
+        (
+            "recipes/qdq_minmax.onnx",
+            "stage 2 writes it with --compare-recipes: run python static_quantization.py --artifacts-dir {folder} "
+            "--compare-recipes",
+        ),
         ("fp32.onnx", "stage 1 writes it: run python baseline_export_quantize.py --artifacts-dir {folder} (with the "),
+        # a mistyped name beside stage 1's models was said to be stage 2's, whose rerun would not write it either
+        ("fp23.onnx", "if one of this project's stages wrote it, rerun that stage"),
     ],
 )
-def test_a_missing_stage_model_names_the_stage_that_writes_it(tmp_path, name, says):
+def test_a_missing_model_names_the_stage_that_writes_it_and_the_models_beside_it(tmp_path, fp32_model_path, name, says):
     # e.g. after stage 1 on a new model removed stage 2's builds (and said so): the stages name it, the server did not
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "fp32.onnx").write_bytes(fp32_model_path.read_bytes())
+    (tmp_path / "manifest.json").write_text("{}")
+    if name == "fp32.onnx":
+        (tmp_path / name).unlink()
     with pytest.raises(ModelLoadError) as refused:
         Engine.load(tmp_path / name)
-    assert str(refused.value).startswith(f"model file {tmp_path / name} not found: {says.format(folder=tmp_path)}")
+    folder = (tmp_path / name).parent
+    beside = f" (the models in {folder}: fp32.onnx)" if folder == tmp_path and name != "fp32.onnx" else ""
+    assert str(refused.value).startswith(
+        f"model file {tmp_path / name} not found{beside}: {says.format(folder=tmp_path)}"
+    )
 
 
 def test_a_port_in_use_exits_2_with_one_line_before_loading_the_models(tmp_path):
