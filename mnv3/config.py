@@ -24,7 +24,7 @@ from typing import Any, NoReturn, cast
 
 from mnv3.auth import GRAMMAR as KEY_FILE_GRAMMAR
 from mnv3.engine import BACKEND_CHOICES
-from mnv3.preprocess import DEFAULT_DECODING, DEFAULT_MAX_PIXELS, PILLOW_MAX_PIXELS, Decoding
+from mnv3.preprocess import DEFAULT_DECODING, DEFAULT_MAX_PIXELS, MAX_IMAGE_SIDE, PILLOW_MAX_PIXELS, Decoding
 from mnv3.runtime import DEFAULT_INTER_OP_THREADS, DEFAULT_INTRA_OP_THREADS
 
 # Pillow's decode/resize and numpy's normalisation release the GIL, so two threads keep both cores
@@ -165,7 +165,7 @@ class ServerConfig:
     max_pixels: int = _option(
         DEFAULT_MAX_PIXELS,
         f"largest image, width x height, checked before decoding (413); at most {PILLOW_MAX_PIXELS}, "
-        "past which Pillow refuses every image",
+        f"past which Pillow refuses every image (a side over {MAX_IMAGE_SIDE} is refused too)",
         minimum=1,
         maximum=PILLOW_MAX_PIXELS,
     )

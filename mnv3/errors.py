@@ -72,7 +72,7 @@ ERRORS: dict[type[Exception], tuple[int, str | None, str]] = {
         "body over --max-upload-bytes: refused by its Content-Length before reading, or cut off where it passes "
         "the limit (chunked, or inflated), closing the connection",
     ),
-    ImageTooLarge: (413, "too_large", "image over --max-pixels, or a decompression bomb"),
+    ImageTooLarge: (413, "too_large", "image over --max-pixels or with a side over 65,535, or a decompression bomb"),
     UnknownModel: (404, "unknown_model", "no model of that name is served (the message lists them)"),
     UnsupportedMediaType: (
         415,

@@ -41,6 +41,9 @@ JPEG_DRAFT_REDUCTIONS = (8, 4, 2)  # the DCT scalings libjpeg offers, largest fi
 
 MAX_RESIZED_SIDE = 4096  # longer side of the full resize; beyond it, resample only the crop (aspect > 16:1)
 DEFAULT_MAX_PIXELS = 40_000_000  # ~ a 7300x5500 photo; larger is refused before decoding
+# Longest side decoded: JPEG's and GIF's own limit. A thinner image within the pixel limit (a 114 KB PNG of 1 x
+# 39M pixels) costs Pillow a row's bookkeeping per row, several times the pixels' memory and seconds of CPU.
+MAX_IMAGE_SIDE = 65_535
 # A progressive JPEG is decoded scan by scan, each over the whole image, so thousands of tiny scans keep a decode
 # thread busy out of all proportion to the file's bytes (libjpeg's djpeg has -maxscans for it). libjpeg's
 # progressive scripts write 6 (grey) to 18 (CMYK) scans, and encoders rarely write more than a few dozen.
@@ -211,8 +214,8 @@ def decode_image(
 
     - Opens only ACCEPTED_FORMATS; any image mode they carry (1-bit to 16-bit, CMYK, alpha, palette...)
       becomes RGB.
-    - Refuses images over `max_pixels` from the header alone (decompression bombs never decode), and JPEGs of
-      more than MAX_JPEG_SCANS scans (each decoded over the whole image).
+    - Refuses images over `max_pixels`, or with a side over MAX_IMAGE_SIDE, from the header alone (decompression
+      bombs never decode), and JPEGs of more than MAX_JPEG_SCANS scans (each decoded over the whole image).
     - Animated GIF/WebP/PNG: the first frame is classified.
     - EXIF orientation is honoured, as a phone camera intends.
     - With `jpeg_draft`, a JPEG at least 2 x JPEG_DRAFT_MARGIN x `resize_size` on its shorter side is
@@ -230,6 +233,10 @@ def decode_image(
             if w * h > max_pixels:
                 raise ImageTooLarge(
                     f"image is {w}x{h} = {w * h} pixels, over the limit of {max_pixels} (refused before decoding)"
+                )
+            if max(w, h) > MAX_IMAGE_SIDE:
+                raise ImageTooLarge(
+                    f"image is {w}x{h}: a side over {MAX_IMAGE_SIDE} pixels, the limit (refused before decoding)"
                 )
             if image.format in JPEG_DRAFT_FORMATS:
                 check_jpeg_scans(data)
@@ -300,7 +307,7 @@ def check_jpeg_scans(data: bytes) -> None:
 
 
 WIDE_GREY_MODES = ("I;16", "I;16B", "I;16L", "I", "F")
-WIDE_GREY_ROWS = 256  # rows scaled at a time: float32 copies of a block, never of the whole image
+WIDE_GREY_BLOCK_PIXELS = 1 << 18  # scaled at a time, in whole rows: float32 copies of a block, never of the image
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:
@@ -309,11 +316,13 @@ def _to_rgb(image: Image.Image) -> Image.Image:
         # bits, integers from 0 (or their minimum, if negative) to their peak, floats from their minimum to their
         # maximum. NaN and infinities have no place on that scale: they take its ends, the finite values keep it.
         # In float32, a block of rows at a time: whole-image float copies held several times the image's size.
+        # The block's rows from its pixels, not a fixed count: a thin image would otherwise take a block a few rows.
         width, height = image.size
-        tops = range(0, height, WIDE_GREY_ROWS)
+        block_rows = max(1, WIDE_GREY_BLOCK_PIXELS // width)
+        tops = range(0, height, block_rows)
 
         def rows_from(top: int) -> np.ndarray:  # a copy of those rows alone, where np.asarray(image) copies all
-            return np.array(image.crop((0, top, width, min(top + WIDE_GREY_ROWS, height))), dtype=np.float32)
+            return np.array(image.crop((0, top, width, min(top + block_rows, height))), dtype=np.float32)
 
         low, high, all_finite = math.inf, -math.inf, True
         for top in tops:

@@ -93,7 +93,7 @@ V2_ERROR_DOCS: dict[int | str, dict[str, Any]] = {
         ),
         (404, "no model of that name, or no such version (each model has version 1)"),
         (408, "the body did not arrive within --body-timeout-s"),
-        (413, "body over --max-upload-bytes; image over --max-pixels"),
+        (413, "body over --max-upload-bytes; image over --max-pixels or with a side over 65,535"),
         (415, "a Content-Encoding other than gzip or deflate"),
         (500, "inference failed for the batch an image ran in"),
         (

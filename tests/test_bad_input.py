@@ -2,8 +2,8 @@
 
 Refused (4xx, JSON {"detail": ...}, the status documented in the OpenAPI schema): no or empty body,
 not an image (text, HTML, PDF, SVG, EPS...), truncated or structurally corrupt images, images over
-the pixel limit (bombs, huge declared sizes), bodies over the byte limit or too slow to arrive,
-malformed or misnamed multipart, a wrong content type, a wrong method or path.
+the pixel limit or with a side over 65,535 (bombs, huge declared sizes), bodies over the byte limit or too
+slow to arrive, malformed or misnamed multipart, a wrong content type, a wrong method or path.
 Accepted (200): every image mode the accepted formats carry, tiny and extreme-aspect images,
 animated images (first frame), EXIF-rotated photos (turned upright), odd filenames and query strings,
 and JPEG scan data that libjpeg can conceal (garbage in, garbage out, as in any viewer).
@@ -33,6 +33,7 @@ from mnv3.loadtest import ServerProcess
 from mnv3.photos import load_images
 from mnv3.preprocess import (
     ACCEPTED_FORMATS,
+    MAX_IMAGE_SIDE,
     MAX_JPEG_SCANS,
     PILLOW_MAX_PIXELS,
     ImageTooLarge,
@@ -161,6 +162,16 @@ def test_max_pixels_alone_decides_up_to_where_pillow_refuses_every_image():
     assert ServerConfig(model="a.onnx", max_pixels=PILLOW_MAX_PIXELS).max_pixels == PILLOW_MAX_PIXELS
     with pytest.raises(ValueError, match=f"--max-pixels must be at most {PILLOW_MAX_PIXELS}"):
         ServerConfig(model="a.onnx", max_pixels=PILLOW_MAX_PIXELS + 1)
+
+
+def test_an_image_with_a_side_over_the_limit_is_refused_before_decoding():
+    # A 114 KB 16-bit PNG of 1 x 39M pixels, within --max-pixels, cost a decode thread 10 s and 1.2 GB (a helper
+    # reviewing the server as an attacker would): Pillow keeps a row's bookkeeping per row.
+    thin = png_declaring(1, 39_000_000)  # refused from its header: no pixel data needed
+    with pytest.raises(ImageTooLarge, match=r"^image is 1x39000000: a side over 65535 pixels, the limit \(refused"):
+        decode_image(thin)
+    longest = png_declaring(2, MAX_IMAGE_SIDE, zlib.compress(bytes(3 * MAX_IMAGE_SIDE), 9))  # 3 = filter byte + 2
+    assert decode_image(longest).size == (2, MAX_IMAGE_SIDE)  # JPEG's own limit, so every JPEG is within it
 
 
 def corrupt_huffman_table(jpeg: bytes) -> bytes:
@@ -476,6 +487,18 @@ def test_a_wide_grey_image_is_scaled_a_block_of_rows_at_a_time(mode):
         tracemalloc.stop()
     assert decoded.mode == "RGB" and decoded.size == (side, side)
     assert peak < 3 * side * side, f"{peak / side**2:.1f} B a pixel"  # the 8-bit result and its image: 2 B a pixel
+
+
+def test_a_thin_wide_grey_image_is_scaled_in_blocks_of_pixels_not_of_rows(monkeypatch):
+    # Blocks of 256 rows whatever the width took a 1-pixel-wide image ~150k blocks, each read twice in Python
+    image = Image.fromarray(np.arange(60_000, dtype=np.uint16).reshape(30_000, 2))
+    assert image.mode == "I;16"
+    blocks = []
+    crop = image.crop
+    monkeypatch.setattr(image, "crop", lambda box: blocks.append(box) or crop(box))
+    grey = np.asarray(_to_rgb(image).convert("L"))
+    assert len(blocks) == 2  # one block of 60,000 pixels, read once for the range and once to scale
+    assert grey[-1, -1] == 255 and grey[0, 0] == 0
 
 
 def full_range_gray(jpeg: bytes) -> np.ndarray:
