@@ -69,10 +69,17 @@ def opened(browser, url):
     tried_before = len(browser.off_host)
     page = browser.context.new_page()
     page.set_default_timeout(WAIT_MS)
+    # Every test runs the page under its Content-Security-Policy: anything it blocks is recorded
+    page.add_init_script(
+        "window.blocked = []; document.addEventListener('securitypolicyviolation', "
+        "(e) => window.blocked.push(`${e.effectiveDirective} ${e.blockedURI}`));"
+    )
     page.goto(url + "/")
     yield page
+    blocked = page.evaluate("window.blocked")
     page.close()
     assert browser.off_host[tried_before:] == [], "the page tried to load something from another host"
+    assert blocked == [], "the page's own Content-Security-Policy blocked it"
 
 
 @pytest.fixture
@@ -362,7 +369,7 @@ def test_compare_mode_shows_every_model_side_by_side_and_their_top1_agreement(
 def test_stand_in_weights_are_named_on_the_page_and_other_weights_are_not(
     browser, page, fp32_model_path, stand_in_model_path
 ):
-    page.wait_for_function("document.getElementById('model-line').textContent.startsWith('Serving')")
+    page.wait_for_function("() => document.getElementById('model-line').textContent.startsWith('Serving')")
     assert page.locator("#weights-notice").is_hidden()  # the fixture's weights are unknown, not the stand-in's
     with ServerProcess(f"standin={stand_in_model_path}", extra_models=(f"fp32={fp32_model_path}",)) as url:
         assert [m["weights"] for m in requests.get(url + "/models").json()["models"]] == ["random-init", "unknown"]
@@ -399,17 +406,40 @@ def test_docs_render_offline_and_list_every_operation(page, server):
 
 
 def test_requests_to_other_hosts_are_blocked_and_recorded(browser, server):
-    # The guard the other tests rely on: a request off 127.0.0.1 fails in the page and is recorded.
+    # The guard the other tests rely on: a request off 127.0.0.1 fails and is recorded. From /healthz, a document
+    # without the page's Content-Security-Policy, which would refuse it before the guard saw it.
     tried_before = len(browser.off_host)
     page = browser.context.new_page()
     try:
-        page.goto(server + "/")
+        page.goto(server + "/healthz")
         outcome = page.evaluate("fetch('http://192.0.2.1/x.js').then(() => 'loaded', () => 'failed')")
         assert outcome == "failed"
         assert browser.off_host[tried_before:] == ["http://192.0.2.1/x.js"]
     finally:
         page.close()
         del browser.off_host[tried_before:]  # recorded on purpose: not a failure of the other tests
+
+
+def test_the_pages_policy_lets_it_load_nothing_but_its_own(browser, server):
+    # It holds a tab's API key: a script injected into it could neither load from nor send to another host,
+    # and no other site may frame it (a helper reviewing the server as an attacker would found no such headers)
+    answer = requests.get(server + "/")
+    assert "default-src 'self'" in answer.headers["Content-Security-Policy"]
+    assert "frame-ancestors 'none'" in answer.headers["Content-Security-Policy"]
+    assert answer.headers["X-Content-Type-Options"] == "nosniff" and answer.headers["X-Frame-Options"] == "DENY"
+    tried_before = len(browser.off_host)
+    page = browser.context.new_page()
+    try:
+        page.add_init_script(
+            "window.blocked = []; document.addEventListener('securitypolicyviolation', "
+            "(e) => window.blocked.push(e.effectiveDirective));"
+        )
+        page.goto(server + "/")
+        outcome = page.evaluate("fetch('http://192.0.2.1/x.js').then(() => 'loaded', () => 'failed')")
+        assert outcome == "failed" and page.evaluate("window.blocked") == ["connect-src"]
+        assert browser.off_host[tried_before:] == []  # refused by the page itself: it never left the browser
+    finally:
+        page.close()
 
 
 def test_a_protected_server_gets_a_key_from_the_page_for_this_tab_only(browser, fp32_model_path, photos, tmp_path):
@@ -484,7 +514,7 @@ def test_a_protected_server_gets_a_key_from_the_page_for_this_tab_only(browser, 
 
 
 def test_the_header_says_what_is_served_and_when_batching_or_the_cache_is_off(page):
-    page.wait_for_function("document.getElementById('model-line').textContent.startsWith('Serving')")
+    page.wait_for_function("() => document.getElementById('model-line').textContent.startsWith('Serving')")
     off = "{batching: {max_batch_size: 1, batch_window_ms: 20}, cache: {size: 0}}"
     on = "{batching: {max_batch_size: 8, batch_window_ms: 20}, cache: {size: 64}}"
     assert page.evaluate(f"batchingAndCache({off})") == "no batching, no cache"
@@ -498,7 +528,7 @@ def test_the_header_says_what_is_served_and_when_batching_or_the_cache_is_off(pa
 def test_the_live_panel_leaves_a_rate_limited_keys_budget_to_the_photos(page):
     # The server's RateLimit-Policy field (mnv3.auth: q requests each w seconds) paces GET /stats to at most a
     # quarter of the key's rate; without the field, every 1.5 s.
-    page.wait_for_function("server.models.length > 0")
+    page.wait_for_function("() => server.models.length > 0")
     delays = page.evaluate("""() => [null, "q=50;w=1", "q=1;w=2", "q=5;w=6"].map((policy) => {
         noteKeyRate(new Response(null, policy === null ? {} : {headers: {"RateLimit-Policy": `"key";${policy}`}}));
         return statsDelayMs();
@@ -508,7 +538,7 @@ def test_the_live_panel_leaves_a_rate_limited_keys_budget_to_the_photos(page):
 
 
 def test_advice_for_a_photo_over_the_upload_limit_is_advice_that_helps(page):
-    page.wait_for_function("server.models.length > 0")
+    page.wait_for_function("() => server.models.length > 0")
     errors = page.evaluate("""async () => {
         const photo = async (width, height) => {  // a PNG of that size, drawn by the browser
             const canvas = new OffscreenCanvas(width, height);
@@ -535,7 +565,7 @@ def test_advice_for_a_photo_over_the_upload_limit_is_advice_that_helps(page):
 
 
 def test_a_failed_photo_can_be_sent_again_with_the_options_as_they_are_now(page, photos, tmp_path):
-    page.wait_for_function("server.models.length > 0")
+    page.wait_for_function("() => server.models.length > 0")
     large = Image.open(io.BytesIO(photos[0])).resize((2000, 1500))
     path = tmp_path / "large.jpg"
     large.save(path, quality=95)
@@ -624,7 +654,7 @@ def test_long_model_names_wrap_instead_of_widening_the_page(
 
 
 def test_agreement_starts_again_when_the_served_models_change_and_batches_show_before_models_are_known(page):
-    page.wait_for_function("server.models.length > 0")
+    page.wait_for_function("() => server.models.length > 0")
     state = page.evaluate("""() => {
         agreement.photos = 2; agreement.sameTop1 = {other: 1}; $("agreement").hidden = false;
         describeModels();  // the same models: the count stands
@@ -641,7 +671,7 @@ def test_agreement_starts_again_when_the_served_models_change_and_batches_show_b
 
 
 def test_agreement_starts_again_when_a_model_runs_another_file_under_its_name(page):
-    page.wait_for_function("server.models.length > 0")
+    page.wait_for_function("() => server.models.length > 0")
     photos = page.evaluate("""() => {
         describeModels();
         agreement.photos = 2; agreement.sameTop1 = {other: 1};
@@ -655,7 +685,7 @@ def test_agreement_starts_again_when_a_model_runs_another_file_under_its_name(pa
 def test_the_page_asks_again_what_is_served_when_the_live_panel_sees_other_models(page):
     # A server restarted with other models while the page was open kept its old header, selector and default:
     # the page asked GET /models again only after a 404.
-    page.wait_for_function("server.models.length > 0")
+    page.wait_for_function("() => server.models.length > 0")
     served = page.evaluate("server.models.map((m) => m.name)")
     page.evaluate("""() => {
         server.models = [{...server.models[0], name: "from_before_a_restart"}];
