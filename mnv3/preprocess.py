@@ -54,6 +54,14 @@ MAX_JPEG_MARKERS = 20 * MAX_JPEG_SCANS
 # A marker: 0xFF and a code other than 0x00 (a stuffed 0xFF in coded data), 0xFF (fill) and RST0-7 (no length)
 JPEG_MARKER = re.compile(rb"\xff[\x01-\xcf\xd8-\xfe]")
 JPEG_END_OF_IMAGE, JPEG_START_OF_SCAN, JPEG_START_OF_IMAGE, JPEG_TEM = 0xD9, 0xDA, 0xD8, 0x01
+# Pillow reads a PNG's chunks, and a GIF's blocks before its first image, one by one in Python: a few microseconds
+# each, so a 9 MB upload of empty ones held a decode thread 1.4-3 s. An encoder writes a handful of chunks
+# besides its image data, which comes in chunks of kilobytes, or one a row at the finest; a GIF's first image
+# follows a few extensions (its metadata: XMP takes a few hundred of their sub-blocks).
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+MAX_PNG_CHUNKS_BESIDES_ROWS = 1_000  # and one a row of the image
+GIF_SIGNATURES = (b"GIF87a", b"GIF89a")
+MAX_GIF_BLOCKS_BEFORE_IMAGE = 10_000
 # Pillow refuses an image of more than twice its MAX_IMAGE_PIXELS outright (DecompressionBombError), whatever
 # the caller allows; below that, `max_pixels` alone decides: Pillow's warning at MAX_IMAGE_PIXELS is ignored.
 # (None: the process turned Pillow's check off, and `max_pixels` alone decides.)
@@ -215,7 +223,8 @@ def decode_image(
     - Opens only ACCEPTED_FORMATS; any image mode they carry (1-bit to 16-bit, CMYK, alpha, palette...)
       becomes RGB.
     - Refuses images over `max_pixels`, or with a side over MAX_IMAGE_SIDE, from the header alone (decompression
-      bombs never decode), and JPEGs of more than MAX_JPEG_SCANS scans (each decoded over the whole image).
+      bombs never decode), JPEGs of more than MAX_JPEG_SCANS scans (each decoded over the whole image), and PNGs
+      and GIFs of more chunks or blocks than an encoder writes (`check_png_chunks`, `check_gif_blocks`).
     - Animated GIF/WebP/PNG: the first frame is classified.
     - EXIF orientation is honoured, as a phone camera intends.
     - With `jpeg_draft`, a JPEG at least 2 x JPEG_DRAFT_MARGIN x `resize_size` on its shorter side is
@@ -225,6 +234,10 @@ def decode_image(
     """
     if not data:
         raise InvalidImage(f"empty body: send an image file ({', '.join(ACCEPTED_FORMATS)})")
+    if data.startswith(PNG_SIGNATURE):  # before Pillow opens it: opening reads the chunks before the pixels
+        check_png_chunks(data)
+    elif data[:6] in GIF_SIGNATURES:
+        check_gif_blocks(data)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
@@ -280,6 +293,46 @@ def _format_claimed(data: bytes) -> str | None:
         if accept is not None and accept(prefix):
             return name
     return None
+
+
+def check_png_chunks(data: bytes) -> None:
+    """InvalidImage if the PNG `data` has more than MAX_PNG_CHUNKS_BESIDES_ROWS chunks and one a row of its image,
+    counted as Pillow reads them for the first frame: up to IEND, or an animation's next frame (fcTL after
+    IDAT). Each chunk is skipped by its length, so its bytes are never read."""
+    height = int.from_bytes(data[20:24], "big")  # IHDR's, the first chunk's; a corrupt one is Pillow's to refuse
+    limit = MAX_PNG_CHUNKS_BESIDES_ROWS + height
+    chunks, position, image_data = 0, len(PNG_SIGNATURE), False
+    while position + 8 <= len(data):
+        kind = data[position + 4 : position + 8]
+        if kind == b"IEND" or kind == b"fcTL" and image_data:
+            return
+        image_data |= kind == b"IDAT"
+        chunks += 1
+        if chunks > limit:
+            raise InvalidImage(
+                f"a PNG of more than {limit} chunks ({MAX_PNG_CHUNKS_BESIDES_ROWS} and one a row): corrupt, or built "
+                "to be slow to read; save it again"
+            )
+        position += 12 + int.from_bytes(data[position : position + 4], "big")  # length, type, data, CRC
+
+
+def check_gif_blocks(data: bytes) -> None:
+    """InvalidImage if the GIF `data` has more than MAX_GIF_BLOCKS_BEFORE_IMAGE extension sub-blocks before its
+    first image, the part Pillow reads on opening it. Sub-blocks are skipped by their lengths."""
+    flags = data[10] if len(data) > 10 else 0
+    position = 13 + (3 << ((flags & 7) + 1) if flags & 0x80 else 0)  # header, screen descriptor, global colours
+    blocks = 0
+    while position + 1 < len(data) and data[position] == 0x21:  # an extension: introducer, label, sub-blocks
+        position += 2
+        while position < len(data) and data[position]:
+            blocks += 1
+            if blocks > MAX_GIF_BLOCKS_BEFORE_IMAGE:
+                raise InvalidImage(
+                    f"a GIF of more than {MAX_GIF_BLOCKS_BEFORE_IMAGE} extension blocks before its image: corrupt, or "
+                    "built to be slow to read; save it again"
+                )
+            position += 1 + data[position]
+        position += 1  # the terminator
 
 
 def check_jpeg_scans(data: bytes) -> None:

@@ -36,6 +36,7 @@ from mnv3.preprocess import (
     MAX_IMAGE_SIDE,
     MAX_JPEG_SCANS,
     PILLOW_MAX_PIXELS,
+    PNG_SIGNATURE,
     ImageTooLarge,
     InvalidImage,
     _to_rgb,
@@ -172,6 +173,35 @@ def test_an_image_with_a_side_over_the_limit_is_refused_before_decoding():
         decode_image(thin)
     longest = png_declaring(2, MAX_IMAGE_SIDE, zlib.compress(bytes(3 * MAX_IMAGE_SIDE), 9))  # 3 = filter byte + 2
     assert decode_image(longest).size == (2, MAX_IMAGE_SIDE)  # JPEG's own limit, so every JPEG is within it
+
+
+def test_a_png_or_gif_of_far_more_chunks_than_an_encoder_writes_is_refused_before_decoding():
+    # A helper reviewing the server as an attacker would: 800k empty chunks in a 9.6 MB PNG held a decode thread
+    # 3.1 s, 1.9M comment blocks in a GIF 1.4 s and 364 MB (Pillow reads each in Python)
+    small = encode(Image.new("L", (8, 8)), "PNG")
+    before_pixels = small.index(b"IDAT") - 4
+    many = small[:before_pixels] + png_chunk(b"abCd", b"") * 20_000 + small[before_pixels:]
+    with pytest.raises(InvalidImage, match=r"^a PNG of more than 1008 chunks \(1000 and one a row\)"):
+        decode_image(many)
+    gif = encode(Image.new("P", (8, 8)), "GIF")
+    first_image = gif.index(b",")
+    comments = gif[:first_image] + b"!\xfe\x01X\x00" * 20_000 + gif[first_image:]
+    with pytest.raises(InvalidImage, match="^a GIF of more than 10000 extension blocks before its image"):
+        decode_image(comments)
+    # What encoders write is read: image data a chunk a row (some encoders), an animation's later frames (Pillow
+    # reads the first only), and a few comments
+    rows = np.random.default_rng(2).integers(0, 256, (3000, 4), dtype=np.uint8)
+    deflated = zlib.compressobj()
+    per_row = b"".join(
+        png_chunk(b"IDAT", deflated.compress(b"\0" + row.tobytes()) + deflated.flush(zlib.Z_FULL_FLUSH)) for row in rows
+    )
+    header = png_chunk(b"IHDR", struct.pack(">IIBBBBB", 4, 3000, 8, 0, 0, 0, 0))
+    png_of_rows = PNG_SIGNATURE + header + per_row + png_chunk(b"IDAT", deflated.flush()) + png_chunk(b"IEND", b"")
+    assert np.array_equal(np.asarray(decode_image(png_of_rows).convert("L")), rows)
+    frames = [Image.new("RGB", (16, 16), (i % 256, 0, 0)) for i in range(1_500)]
+    animated = encode(frames[0], "PNG", save_all=True, append_images=frames[1:])
+    assert animated.count(b"fcTL") == 1_500 and decode_image(animated).getpixel((0, 0)) == (0, 0, 0)
+    assert decode_image(gif[:first_image] + b"!\xfe\x01X\x00" * 100 + gif[first_image:]).size == (8, 8)
 
 
 def corrupt_huffman_table(jpeg: bytes) -> bytes:
