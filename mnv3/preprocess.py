@@ -17,6 +17,7 @@ then crop; with both off, preprocessing equals torchvision's (tests/test_preproc
 import io
 import math
 import re
+import struct
 import sys
 import warnings
 from dataclasses import asdict, dataclass
@@ -62,6 +63,14 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 MAX_PNG_CHUNKS_BESIDES_ROWS = 1_000  # and one a row of the image
 GIF_SIGNATURES = (b"GIF87a", b"GIF89a")
 MAX_GIF_BLOCKS_BEFORE_IMAGE = 10_000
+# A TIFF lists where each strip (or tile) of its image starts, and Pillow builds and decodes each one listed: an
+# 8x8 image listing a million strips, all of the same bytes, held a decode thread 10 s (3 of them opening it).
+# A TIFF's first directory: its byte order, then (classic) 42 and a 4-byte offset, or (BigTIFF) 43 and an 8-byte one.
+TIFF_BYTE_ORDERS = {b"II": "<", b"MM": ">"}
+TIFF_LAYOUTS = {42: ("I", "H", 12, "I"), 43: ("Q", "Q", 20, "Q")}  # offset, entry count, entry size, count
+TIFF_WIDTH, TIFF_HEIGHT, TIFF_SAMPLES, TIFF_ROWS_PER_STRIP, TIFF_PLANAR = 256, 257, 277, 278, 284
+TIFF_STRIP_OFFSETS, TIFF_TILE_WIDTH, TIFF_TILE_LENGTH, TIFF_TILE_OFFSETS = 273, 322, 323, 324
+TIFF_INLINE_TYPES = {3: "H", 4: "I", 16: "Q"}  # SHORT, LONG, LONG8: a single value sits in the entry itself
 # Pillow refuses an image of more than twice its MAX_IMAGE_PIXELS outright (DecompressionBombError), whatever
 # the caller allows; below that, `max_pixels` alone decides: Pillow's warning at MAX_IMAGE_PIXELS is ignored.
 # (None: the process turned Pillow's check off, and `max_pixels` alone decides.)
@@ -238,6 +247,8 @@ def decode_image(
         check_png_chunks(data)
     elif data[:6] in GIF_SIGNATURES:
         check_gif_blocks(data)
+    elif data[:2] in TIFF_BYTE_ORDERS:
+        check_tiff_parts(data)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
@@ -247,10 +258,7 @@ def decode_image(
                 raise ImageTooLarge(
                     f"image is {w}x{h} = {w * h} pixels, over the limit of {max_pixels} (refused before decoding)"
                 )
-            if max(w, h) > MAX_IMAGE_SIDE:
-                raise ImageTooLarge(
-                    f"image is {w}x{h}: a side over {MAX_IMAGE_SIDE} pixels, the limit (refused before decoding)"
-                )
+            check_sides(w, h)
             if image.format in JPEG_DRAFT_FORMATS:
                 check_jpeg_scans(data)
                 reduction = jpeg_draft_reduction(w, h, resize_size) if jpeg_draft else 1
@@ -333,6 +341,58 @@ def check_gif_blocks(data: bytes) -> None:
                 )
             position += 1 + data[position]
         position += 1  # the terminator
+
+
+def check_sides(width: int, height: int) -> None:
+    if max(width, height) > MAX_IMAGE_SIDE:
+        raise ImageTooLarge(
+            f"image is {width}x{height}: a side over {MAX_IMAGE_SIDE} pixels, the limit (refused before decoding)"
+        )
+
+
+def check_tiff_parts(data: bytes) -> None:
+    """InvalidImage if the TIFF `data`'s first image lists more strips or tiles than its size calls for (the
+    spec's count: one a RowsPerStrip rows, or a tile, per plane), ImageTooLarge if a side is over the limit:
+    both before Pillow builds the list on opening it. A directory it cannot read is left to Pillow."""
+    order = TIFF_BYTE_ORDERS[data[:2]]
+    try:
+        offset_format, entries_format, entry_size, count_format = TIFF_LAYOUTS[
+            struct.unpack_from(order + "H", data, 2)[0]
+        ]
+        directory = struct.unpack_from(order + offset_format, data, 4 if offset_format == "I" else 8)[0]
+        entries = struct.unpack_from(order + entries_format, data, directory)[0]
+        start = directory + struct.calcsize(entries_format)
+        values, counts = {}, {}
+        for entry in range(min(entries, 1_000)):
+            at = start + entry * entry_size
+            tag, kind, count = struct.unpack_from(order + "HH" + count_format, data, at)
+            counts[tag] = count
+            if count == 1 and kind in TIFF_INLINE_TYPES:
+                values[tag] = struct.unpack_from(
+                    order + TIFF_INLINE_TYPES[kind], data, at + 4 + struct.calcsize(count_format)
+                )[0]
+    except (KeyError, struct.error):
+        return
+    width, height = values.get(TIFF_WIDTH, 0), values.get(TIFF_HEIGHT, 0)
+    check_sides(width, height)
+    planes = values.get(TIFF_SAMPLES, 1) if values.get(TIFF_PLANAR) == 2 else 1
+    if TIFF_TILE_OFFSETS in counts:
+        tile_width, tile_length = values.get(TIFF_TILE_WIDTH, 0), values.get(TIFF_TILE_LENGTH, 0)
+        if not (tile_width and tile_length):
+            return
+        parts, listed = -(-width // tile_width) * -(-height // tile_length) * planes, counts[TIFF_TILE_OFFSETS]
+    elif TIFF_STRIP_OFFSETS in counts:
+        rows = min(values.get(TIFF_ROWS_PER_STRIP, height), height)
+        if not rows:
+            return
+        parts, listed = -(-height // rows) * planes, counts[TIFF_STRIP_OFFSETS]
+    else:
+        return
+    if listed > parts:
+        raise InvalidImage(
+            f"a TIFF whose {width}x{height} image has {parts} strips or tiles but lists {listed}: corrupt, or built "
+            "to be slow to read; save it again"
+        )
 
 
 def check_jpeg_scans(data: bytes) -> None:

@@ -23,6 +23,7 @@ import zlib
 import numpy as np
 import pytest
 import requests
+import tifffile
 from PIL import Image
 from starlette.requests import Request
 
@@ -202,6 +203,51 @@ def test_a_png_or_gif_of_far_more_chunks_than_an_encoder_writes_is_refused_befor
     animated = encode(frames[0], "PNG", save_all=True, append_images=frames[1:])
     assert animated.count(b"fcTL") == 1_500 and decode_image(animated).getpixel((0, 0)) == (0, 0, 0)
     assert decode_image(gif[:first_image] + b"!\xfe\x01X\x00" * 100 + gif[first_image:]).size == (8, 8)
+
+
+def tiff_listing_strips(width: int, height: int, strips: int) -> bytes:
+    """A little-endian grey TIFF of one row a strip that lists `strips` strips, all of the same zero bytes."""
+    pixels = bytes(width)
+    offsets = struct.pack(f"<{strips}I", *[8] * strips)
+    lengths = struct.pack(f"<{strips}I", *[width] * strips)
+    directory = 8 + len(pixels) + len(offsets) + len(lengths)
+    entries = [
+        (256, 4, 1, width),
+        (257, 4, 1, height),
+        (258, 3, 1, 8),
+        (259, 3, 1, 1),
+        (262, 3, 1, 1),
+        (273, 4, strips, 8 + len(pixels)),
+        (277, 3, 1, 1),
+        (278, 4, 1, 1),
+        (279, 4, strips, 8 + len(pixels) + len(offsets)),
+    ]
+    ifd = struct.pack("<H", len(entries)) + b"".join(struct.pack("<HHII", *entry) for entry in entries) + bytes(4)
+    return b"II*\0" + struct.pack("<I", directory) + pixels + offsets + lengths + ifd
+
+
+def test_a_tiff_listing_more_strips_than_its_image_has_is_refused_before_pillow_opens_it():
+    # An 8x8 image listing a million strips (8 MB) held a decode thread 10 s and was answered 200; one of 1M rows
+    # took Pillow 2.6 s to open before its side was refused
+    assert decode_image(tiff_listing_strips(8, 8, 8)).size == (8, 8)  # one strip a row: what it should list
+    started = time.perf_counter()
+    with pytest.raises(InvalidImage, match=r"^a TIFF whose 8x8 image has 8 strips or tiles but lists 200000"):
+        decode_image(tiff_listing_strips(8, 8, 200_000))
+    with pytest.raises(ImageTooLarge, match=r"^image is 8x200000: a side over 65535 pixels"):
+        decode_image(tiff_listing_strips(8, 200_000, 200_000))
+    assert time.perf_counter() - started < 1.0
+    # What writers make is read: strips and tiles, planes apart, BigTIFF, either byte order (tifffile writes them)
+    image = np.random.default_rng(4).integers(0, 256, (3, 40, 48), dtype=np.uint8)
+    for options in (
+        {"rowsperstrip": 7},
+        {"tile": (16, 32)},
+        {"tile": (16, 16), "bigtiff": True},  # little-endian: Pillow reads no big-endian BigTIFF
+        {"tile": (16, 16), "byteorder": ">"},
+        {"rowsperstrip": 1, "byteorder": ">"},
+    ):
+        written = io.BytesIO()
+        tifffile.imwrite(written, image, planarconfig="separate", photometric="rgb", **options)
+        assert np.array_equal(np.asarray(decode_image(written.getvalue())), image.transpose(1, 2, 0)), options
 
 
 def corrupt_huffman_table(jpeg: bytes) -> bytes:
