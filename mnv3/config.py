@@ -210,7 +210,9 @@ class ServerConfig:
     top_k: int = _option(5, "predictions per response", minimum=1)
     max_request_images: int = _option(0, "images in one /v2 infer request (400 above); 0: --max-batch-size", minimum=0)
     log_level: str = _option(
-        "info", "logging level; info includes uvicorn's access log, a line a request", choices=LOG_LEVELS
+        "info",
+        "logging level; info includes uvicorn's access log, a line a request; debug adds a line a batch",
+        choices=LOG_LEVELS,
     )
     api_keys: str = _option(
         "",

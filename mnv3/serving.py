@@ -156,8 +156,11 @@ class ServedModel:
                     "model %s: %s (a batch of %d images: each request in it gets 500)", self.name, exc, len(batch)
                 )
                 raise
-            self.metrics.inference.observe(time.perf_counter() - started)
+            inference_s = time.perf_counter() - started
+            self.metrics.inference.observe(inference_s)
         self.metrics.batch_size.observe(len(batch))
+        # --log-level debug: how batching behaves, a line a batch (what /metrics sums up)
+        log.debug("model %s: a batch of %d, inference %.1f ms", self.name, len(batch), 1000 * inference_s)
         return probabilities
 
 

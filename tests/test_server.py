@@ -2,6 +2,8 @@
 
 import io
 import json
+import logging
+import re
 import resource
 import shutil
 import signal
@@ -345,6 +347,21 @@ def test_onnxruntime_error_fails_only_its_batch_and_the_server_serves_on(fp32_mo
         failures = [r for r in caplog.records if r.levelname == "ERROR" and "failed on a batch" in r.getMessage()]
         assert len(failures) == 1 and "a batch of 2 images: each request in it gets 500" in failures[0].getMessage()
         assert 'mnv3_rejections_total{reason="inference_failed"} 2.0' in client.get("/metrics").text
+
+
+def test_debug_logs_a_line_a_batch(fp32_model_path, images, caplog):
+    with serving_client(fp32_model_path, cache_size=0) as client:
+        name = client.app.state.serving.model(None).name
+        with caplog.at_level(logging.INFO, logger="mnv3.serving"):
+            assert post_file(client, images[0]).status_code == 200
+        assert not [r for r in caplog.records if "a batch of" in r.getMessage()]  # info: the access log only
+        with caplog.at_level(logging.DEBUG, logger="mnv3.serving"):
+            for data in images[:2]:
+                assert post_file(client, data).status_code == 200
+        lines = [r.getMessage() for r in caplog.records if "a batch of" in r.getMessage()]
+        assert len(lines) == 2 and all(
+            re.fullmatch(rf"model {name}: a batch of 1, inference \d+\.\d ms", line) for line in lines
+        )
 
 
 @pytest.mark.parametrize("trusted", ["", "10.0.0.1"])
