@@ -510,7 +510,11 @@ def uvicorn_log_config() -> dict:
 
 def main(argv=None) -> None:
     config = parse_args(argv)
-    logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT)
+    level = logging.getLevelName(config.log_level.upper())
+    # debug is this server's (a line a batch) and uvicorn's: other libraries' debug lines, such as Pillow's line a
+    # PNG chunk, stay out
+    logging.basicConfig(level=max(level, logging.INFO), format=LOG_FORMAT)
+    logging.getLogger("mnv3").setLevel(level)
     # uvicorn re-raises the SIGTERM it shut down gracefully on; a requested, completed stop is a success, and
     # so is one while the models load.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

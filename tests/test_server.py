@@ -364,6 +364,18 @@ def test_debug_logs_a_line_a_batch(fp32_model_path, images, caplog):
         )
 
 
+def test_debug_is_the_servers_own_not_every_librarys(fp32_model_path):
+    # Pillow wrote a debug line per chunk of every PNG uploaded
+    png = io.BytesIO()
+    Image.new("RGB", (64, 48), "teal").save(png, "PNG")
+    server = ServerProcess(fp32_model_path, log_level="debug")
+    with server as url:
+        assert requests.post(url + "/predict", files={"file": ("a.png", png.getvalue(), "image/png")}).ok
+        wait_until(lambda: "a batch of 1" in server.output_tail(), "the batch's debug line")
+        debug = [line for line in server.output_tail(1000).splitlines() if " DEBUG " in line]
+    assert debug and all(" DEBUG mnv3." in line for line in debug), debug
+
+
 @pytest.mark.parametrize("trusted", ["", "10.0.0.1"])
 def test_behind_a_proxy_the_docs_carry_its_prefix_and_the_log_its_client(fp32_model_path, trusted):
     # A reverse proxy on 127.0.0.1 serving the app under /mnv3 and stripping it: the page's URLs are relative,
