@@ -386,7 +386,8 @@ def _json_fp32(data, shape: list[int]) -> np.ndarray:
 def _flatten(data, at_most: int) -> list:
     """Row-major elements of flat or nested JSON data (iterative: the nesting depth is the client's), the first
     `at_most` of them if it holds more."""
-    items, pending = [], [data]
+    items: list = []
+    pending = [data]
     while pending and len(items) < at_most:
         item = pending.pop()
         if isinstance(item, list):
