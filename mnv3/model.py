@@ -343,16 +343,22 @@ def export_onnx(model: torch.nn.Module, path, preprocessing: Preprocessing = DEF
     # Written beside it, then renamed over it: an export cut short never leaves a truncated model for stage 2.
     partial = path.with_suffix(".partial")
     try:
-        torch.onnx.export(
-            model,
-            (example,),
-            str(partial),
-            dynamo=False,
-            opset_version=OPSET,
-            input_names=[INPUT_NAME],
-            output_names=[OUTPUT_NAME],
-            dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}},
-        )
+        with warnings.catch_warnings():
+            # Chosen, not left over: the graph rewrites (mnv3.graph_rewrites) and INT8 recipes were written against
+            # this exporter's graph, and the results measured on it; torch.export's exporter writes another graph.
+            warnings.filterwarnings(
+                "ignore", "You are using the legacy TorchScript-based ONNX export", DeprecationWarning
+            )
+            torch.onnx.export(
+                model,
+                (example,),
+                str(partial),
+                dynamo=False,
+                opset_version=OPSET,
+                input_names=[INPUT_NAME],
+                output_names=[OUTPUT_NAME],
+                dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}},
+            )
     except BaseException:  # a failed or interrupted export leaves neither a model nor its remains
         partial.unlink(missing_ok=True)
         raise
