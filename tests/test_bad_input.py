@@ -686,6 +686,11 @@ def saved_variants() -> list[tuple[str, str, bytes]]:
 VARIANTS = saved_variants()
 
 
+def test_the_formats_refused_here_are_not_accepted_ones():
+    # one accepted, then listed here too, would be sent twice and pass twice, and this list would go unnoticed
+    assert not set(OTHER_FORMATS) & set(ACCEPTED_FORMATS)
+
+
 @pytest.mark.parametrize("format", ACCEPTED_FORMATS + OTHER_FORMATS)
 def test_every_mode_in_every_format_works_or_fails_cleanly(client, format):
     sent = [(mode, data) for mode, f, data in VARIANTS if f == format]

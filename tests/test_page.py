@@ -74,12 +74,15 @@ def opened(browser, url):
         "window.blocked = []; document.addEventListener('securitypolicyviolation', "
         "(e) => window.blocked.push(`${e.effectiveDirective} ${e.blockedURI}`));"
     )
+    thrown: list[str] = []  # uncaught in the page's script: a test would otherwise see only a wait time out
+    page.on("pageerror", lambda error: thrown.append(str(error)))
     page.goto(url + "/")
     yield page
     blocked = page.evaluate("window.blocked")
     page.close()
     assert browser.off_host[tried_before:] == [], "the page tried to load something from another host"
     assert blocked == [], "the page's own Content-Security-Policy blocked it"
+    assert thrown == [], "the page's script threw"
 
 
 @pytest.fixture
