@@ -1,10 +1,14 @@
 """Server settings: several --model specs (NAME=PATH@BACKEND), their names, and MNV3_MODEL for one model."""
 
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
 from mnv3.config import ModelSpec, ServerConfig, flag, parse_args, unknown_variables
+from mnv3.errors import REJECTION_REASONS
+
+README = Path(__file__).parent.parent / "README.md"
 
 pytestmark = pytest.mark.unit
 
@@ -145,3 +149,14 @@ def test_a_mistyped_backend_after_the_model_file_is_named_as_such(tmp_path):
     named = tmp_path / "v1@beta"  # a file that really is named so is a path
     named.touch()
     assert ServerConfig(model=f"v1={named}").models[0].path == named
+
+
+def test_the_readme_documents_every_server_flag_and_rejection_reason():
+    # A new setting or refusal is a flag or a metric label a user meets: nothing else says it needs documenting
+    readme = README.read_text()
+    undocumented = [
+        flag(f.name) for f in fields(ServerConfig) if f.name != "extra_models" and f"`{flag(f.name)}" not in readme
+    ]
+    assert undocumented == [], "add them to the README's server flags (and the limits table, for a limit)"
+    unnamed = [reason for reason in REJECTION_REASONS if f"`{reason}`" not in readme]
+    assert unnamed == [], "name them in the README where mnv3_rejections_total's reasons are"
