@@ -1,6 +1,10 @@
+import shutil
+from pathlib import Path
+
 import pytest
 
-from mnv3.goals import measured_goals
+from mnv3.artifacts import GOALS_CSV, RESULTS_DIR
+from mnv3.goals import get_args_parser, measured_goals, write_goals
 from mnv3.report import write_csv
 
 pytestmark = pytest.mark.unit
@@ -195,3 +199,13 @@ def test_a_ratio_next_to_its_target_is_shown_with_the_digits_that_decide_it(tmp_
     )
     size = {row["goal"]: row for row in measured_goals(tmp_path)}["static INT8 size / ONNX FP32"]
     assert (size["measured"], size["met"]) == (measured, met)
+
+
+def test_the_committed_summary_and_goals_are_what_the_committed_results_give(tmp_path):
+    # A change to how they are written left the committed summary.md as the old code wrote it: python -m mnv3.goals
+    # then changed a file of a clean clone (a helper running the README's examples)
+    committed = Path(__file__).parent.parent / RESULTS_DIR
+    copy = shutil.copytree(committed, tmp_path / "results")
+    write_goals(get_args_parser().parse_args(["--results-dir", str(copy)]))
+    for name in ("summary.md", GOALS_CSV):
+        assert (copy / name).read_text() == (committed / name).read_text(), "regenerate it: python -m mnv3.goals"
