@@ -60,17 +60,25 @@ JPEG_END_OF_IMAGE, JPEG_START_OF_SCAN, JPEG_START_OF_IMAGE, JPEG_TEM = 0xD9, 0xD
 # besides its image data, which comes in chunks of kilobytes, or one a row at the finest; a GIF's first image
 # follows a few extensions (its metadata: XMP takes a few hundred of their sub-blocks).
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-MAX_PNG_CHUNKS_BESIDES_ROWS = 1_000  # and one a row of the image
+MAX_PNG_CHUNKS_BESIDES_ROWS = 1_000  # and two a row of the image: interlaced, it has up to 15/8 scanlines a row
 GIF_SIGNATURES = (b"GIF87a", b"GIF89a")
 MAX_GIF_BLOCKS_BEFORE_IMAGE = 10_000
+GIF_EXTENSION, GIF_IMAGE_OR_END = 0x21, (0x2C, 0x3B)  # "!", and "," (an image) or ";" (the trailer)
 # A TIFF lists where each strip (or tile) of its image starts, and Pillow builds and decodes each one listed: an
 # 8x8 image listing a million strips, all of the same bytes, held a decode thread 10 s (3 of them opening it).
 # A TIFF's first directory: its byte order, then (classic) 42 and a 4-byte offset, or (BigTIFF) 43 and an 8-byte one.
 TIFF_BYTE_ORDERS = {b"II": "<", b"MM": ">"}
-TIFF_LAYOUTS = {42: ("I", "H", 12, "I"), 43: ("Q", "Q", 20, "Q")}  # offset, entry count, entry size, count
+TIFF_BIG = 43  # the header's third byte in a BigTIFF, as Pillow tells them apart (it accepts 42 written either way)
+# (directory offset, entry count, entry size, value count): classic, BigTIFF
+TIFF_LAYOUTS = {False: ("I", "H", 12, "I"), True: ("Q", "Q", 20, "Q")}
 TIFF_WIDTH, TIFF_HEIGHT, TIFF_SAMPLES, TIFF_ROWS_PER_STRIP, TIFF_PLANAR = 256, 257, 277, 278, 284
 TIFF_STRIP_OFFSETS, TIFF_TILE_WIDTH, TIFF_TILE_LENGTH, TIFF_TILE_OFFSETS = 273, 322, 323, 324
-TIFF_INLINE_TYPES = {3: "H", 4: "I", 16: "Q"}  # SHORT, LONG, LONG8: a single value sits in the entry itself
+# The integer types, by TIFF's numbers: BYTE, SHORT, LONG, SBYTE, SSHORT, SLONG, LONG8, SLONG8
+TIFF_INTEGER_TYPES = {1: "B", 3: "H", 4: "I", 6: "b", 8: "h", 9: "i", 16: "Q", 17: "q"}
+# A directory holds tens of entries, a few hundred with a camera's private tags; Pillow reads each in Python.
+MAX_TIFF_ENTRIES = 1_000
+# Strips or tiles listed by a directory whose image size cannot be read here (Pillow then decides what it is)
+MAX_TIFF_PARTS_OF_UNKNOWN_SIZE = 1_000
 # Pillow refuses an image of more than twice its MAX_IMAGE_PIXELS outright (DecompressionBombError), whatever
 # the caller allows; below that, `max_pixels` alone decides: Pillow's warning at MAX_IMAGE_PIXELS is ignored.
 # (None: the process turned Pillow's check off, and `max_pixels` alone decides.)
@@ -232,8 +240,9 @@ def decode_image(
     - Opens only ACCEPTED_FORMATS; any image mode they carry (1-bit to 16-bit, CMYK, alpha, palette...)
       becomes RGB.
     - Refuses images over `max_pixels`, or with a side over MAX_IMAGE_SIDE, from the header alone (decompression
-      bombs never decode), JPEGs of more than MAX_JPEG_SCANS scans (each decoded over the whole image), and PNGs
-      and GIFs of more chunks or blocks than an encoder writes (`check_png_chunks`, `check_gif_blocks`).
+      bombs never decode), JPEGs of more than MAX_JPEG_SCANS scans (each decoded over the whole image), and PNGs,
+      GIFs and TIFFs of more chunks, blocks or strips than an encoder writes (`check_png_chunks`,
+      `check_gif_blocks`, `check_tiff_parts`).
     - Animated GIF/WebP/PNG: the first frame is classified.
     - EXIF orientation is honoured, as a phone camera intends.
     - With `jpeg_draft`, a JPEG at least 2 x JPEG_DRAFT_MARGIN x `resize_size` on its shorter side is
@@ -304,11 +313,12 @@ def _format_claimed(data: bytes) -> str | None:
 
 
 def check_png_chunks(data: bytes) -> None:
-    """InvalidImage if the PNG `data` has more than MAX_PNG_CHUNKS_BESIDES_ROWS chunks and one a row of its image,
-    counted as Pillow reads them for the first frame: up to IEND, or an animation's next frame (fcTL after
-    IDAT). Each chunk is skipped by its length, so its bytes are never read."""
+    """InvalidImage if the PNG `data` has more than MAX_PNG_CHUNKS_BESIDES_ROWS chunks and two a row of its image
+    (its rows as declared, at most MAX_IMAGE_SIDE: the size is checked only once Pillow has read the chunks before
+    the pixels), counted as Pillow reads them for the first frame: up to IEND, or an animation's next frame (fcTL
+    after IDAT). Each chunk is skipped by its length, so its bytes are never read."""
     height = int.from_bytes(data[20:24], "big")  # IHDR's, the first chunk's; a corrupt one is Pillow's to refuse
-    limit = MAX_PNG_CHUNKS_BESIDES_ROWS + height
+    limit = MAX_PNG_CHUNKS_BESIDES_ROWS + 2 * min(height, MAX_IMAGE_SIDE)
     chunks, position, image_data = 0, len(PNG_SIGNATURE), False
     while position + 8 <= len(data):
         kind = data[position + 4 : position + 8]
@@ -318,29 +328,32 @@ def check_png_chunks(data: bytes) -> None:
         chunks += 1
         if chunks > limit:
             raise InvalidImage(
-                f"a PNG of more than {limit} chunks ({MAX_PNG_CHUNKS_BESIDES_ROWS} and one a row): corrupt, or built "
+                f"a PNG of more than {limit} chunks ({MAX_PNG_CHUNKS_BESIDES_ROWS} and two a row): corrupt, or built "
                 "to be slow to read; save it again"
             )
         position += 12 + int.from_bytes(data[position : position + 4], "big")  # length, type, data, CRC
 
 
 def check_gif_blocks(data: bytes) -> None:
-    """InvalidImage if the GIF `data` has more than MAX_GIF_BLOCKS_BEFORE_IMAGE extension sub-blocks before its
-    first image, the part Pillow reads on opening it. Sub-blocks are skipped by their lengths."""
+    """InvalidImage if the GIF `data` has more than MAX_GIF_BLOCKS_BEFORE_IMAGE blocks before its first image, the
+    part Pillow reads on opening it, counted as Pillow steps through them: an extension and each of its
+    sub-blocks, and each stray byte (which Pillow skips one at a time). Sub-blocks are skipped by their lengths."""
     flags = data[10] if len(data) > 10 else 0
     position = 13 + (3 << ((flags & 7) + 1) if flags & 0x80 else 0)  # header, screen descriptor, global colours
     blocks = 0
-    while position + 1 < len(data) and data[position] == 0x21:  # an extension: introducer, label, sub-blocks
-        position += 2
-        while position < len(data) and data[position]:
-            blocks += 1
-            if blocks > MAX_GIF_BLOCKS_BEFORE_IMAGE:
-                raise InvalidImage(
-                    f"a GIF of more than {MAX_GIF_BLOCKS_BEFORE_IMAGE} extension blocks before its image: corrupt, or "
-                    "built to be slow to read; save it again"
-                )
-            position += 1 + data[position]
-        position += 1  # the terminator
+    while position < len(data) and data[position] not in GIF_IMAGE_OR_END:
+        if data[position] == GIF_EXTENSION:  # the introducer, a label, then sub-blocks up to an empty one
+            position += 2
+            while position < len(data) and data[position] and blocks <= MAX_GIF_BLOCKS_BEFORE_IMAGE:
+                blocks += 1
+                position += 1 + data[position]
+        blocks += 1
+        position += 1
+        if blocks > MAX_GIF_BLOCKS_BEFORE_IMAGE:
+            raise InvalidImage(
+                f"a GIF of more than {MAX_GIF_BLOCKS_BEFORE_IMAGE} blocks before its image: corrupt, or built to be "
+                "slow to read; save it again"
+            )
 
 
 def check_sides(width: int, height: int) -> None:
@@ -351,47 +364,52 @@ def check_sides(width: int, height: int) -> None:
 
 
 def check_tiff_parts(data: bytes) -> None:
-    """InvalidImage if the TIFF `data`'s first image lists more strips or tiles than its size calls for (the
-    spec's count: one a RowsPerStrip rows, or a tile, per plane), ImageTooLarge if a side is over the limit:
-    both before Pillow builds the list on opening it. A directory it cannot read is left to Pillow."""
+    """InvalidImage if the TIFF `data`'s first directory has more than MAX_TIFF_ENTRIES entries, or its image lists
+    more strips or tiles than its size calls for (the spec's count: one a RowsPerStrip rows, or a tile, per plane;
+    strips where it lists both, as Pillow reads them); ImageTooLarge if a side is over the limit: all before Pillow
+    reads the directory and builds the list on opening it. Read as Pillow reads it: either byte order, classic or
+    BigTIFF, the first of a repeated tag, any integer type. A header or directory cut short is left to Pillow."""
     order = TIFF_BYTE_ORDERS[data[:2]]
+    offset_format, entries_format, entry_size, count_format = TIFF_LAYOUTS[data[2:3] == bytes([TIFF_BIG])]
+    values: dict[int, int] = {}
+    counts: dict[int, int] = {}
     try:
-        offset_format, entries_format, entry_size, count_format = TIFF_LAYOUTS[
-            struct.unpack_from(order + "H", data, 2)[0]
-        ]
         directory = struct.unpack_from(order + offset_format, data, 4 if offset_format == "I" else 8)[0]
         entries = struct.unpack_from(order + entries_format, data, directory)[0]
+        if entries > MAX_TIFF_ENTRIES:
+            raise InvalidImage(
+                f"a TIFF directory of {entries} entries, over {MAX_TIFF_ENTRIES}: corrupt, or built to be slow to "
+                "read; save it again"
+            )
         start = directory + struct.calcsize(entries_format)
-        values, counts = {}, {}
-        for entry in range(min(entries, 1_000)):
-            at = start + entry * entry_size
+        value_at = 4 + struct.calcsize(count_format)  # after the tag, its type and its count
+        for at in range(start, start + entries * entry_size, entry_size):
             tag, kind, count = struct.unpack_from(order + "HH" + count_format, data, at)
+            if tag in counts:
+                continue
             counts[tag] = count
-            if count == 1 and kind in TIFF_INLINE_TYPES:
-                values[tag] = struct.unpack_from(
-                    order + TIFF_INLINE_TYPES[kind], data, at + 4 + struct.calcsize(count_format)
-                )[0]
-    except (KeyError, struct.error):
+            integer = TIFF_INTEGER_TYPES.get(kind)
+            if count == 1 and integer and struct.calcsize(integer) <= entry_size - value_at:  # the value in the entry
+                values[tag] = max(0, struct.unpack_from(order + integer, data, at + value_at)[0])
+    except struct.error:
         return
     width, height = values.get(TIFF_WIDTH, 0), values.get(TIFF_HEIGHT, 0)
     check_sides(width, height)
     planes = values.get(TIFF_SAMPLES, 1) if values.get(TIFF_PLANAR) == 2 else 1
-    if TIFF_TILE_OFFSETS in counts:
-        tile_width, tile_length = values.get(TIFF_TILE_WIDTH, 0), values.get(TIFF_TILE_LENGTH, 0)
-        if not (tile_width and tile_length):
-            return
-        parts, listed = -(-width // tile_width) * -(-height // tile_length) * planes, counts[TIFF_TILE_OFFSETS]
-    elif TIFF_STRIP_OFFSETS in counts:
-        rows = min(values.get(TIFF_ROWS_PER_STRIP, height), height)
-        if not rows:
-            return
-        parts, listed = -(-height // rows) * planes, counts[TIFF_STRIP_OFFSETS]
+    tile_width, tile_length = values.get(TIFF_TILE_WIDTH, 0), values.get(TIFF_TILE_LENGTH, 0)
+    rows = min(values.get(TIFF_ROWS_PER_STRIP, height), height)
+    if TIFF_STRIP_OFFSETS in counts:
+        listed, parts = counts[TIFF_STRIP_OFFSETS], -(-height // rows) * planes if rows else 0
+    elif TIFF_TILE_OFFSETS in counts:
+        listed = counts[TIFF_TILE_OFFSETS]
+        parts = -(-width // tile_width) * -(-height // tile_length) * planes if tile_width and tile_length else 0
     else:
         return
-    if listed > parts:
+    if listed > (parts or MAX_TIFF_PARTS_OF_UNKNOWN_SIZE):
+        size = f"{width}x{height} image has {parts}" if parts else "image size cannot be read here"
         raise InvalidImage(
-            f"a TIFF whose {width}x{height} image has {parts} strips or tiles but lists {listed}: corrupt, or built "
-            "to be slow to read; save it again"
+            f"a TIFF whose {size} but lists {listed} strips or tiles: corrupt, or built to be slow to read; save it "
+            "again"
         )
 
 
