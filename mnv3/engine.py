@@ -245,7 +245,10 @@ def check_model_file(path) -> Path:
 
 
 def _models_in(folder: Path) -> list[str]:
-    return sorted(p.name for p in folder.iterdir() if p.suffix in MODEL_SUFFIXES)
+    try:
+        return sorted(p.name for p in folder.iterdir() if p.suffix in MODEL_SUFFIXES)
+    except OSError:  # unreadable: the message goes without the list
+        return []
 
 
 def open_session(

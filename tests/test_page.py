@@ -754,3 +754,46 @@ def test_a_slow_upload_shows_its_progress_and_a_photo_can_be_cancelled(browser, 
             assert card.locator(".top5").count() == 0
             card.get_by_role("button", name="Send again").click()
             assert len(shown_predictions(card)) == 5
+
+
+def test_uploads_refused_for_an_old_key_go_again_with_the_new_one_without_asking_again(
+    browser, fp32_model_path, tmp_path
+):
+    """Slow uploads sent with a wrong key were refused after the right key was entered, and asked for a key again:
+    their photos waited until it was typed a second time (a reviewer of the diff, with uploads at 40 KB/s)."""
+    key = new_key_line()[0]
+    (tmp_path / "api_keys").write_text(f"{key} infer\n")
+    paths = []
+    for i, data in enumerate(load_images(6, seed=13)):
+        paths.append(tmp_path / f"k{i}.jpg")
+        paths[-1].write_bytes(data)
+    with ServerProcess(fp32_model_path, api_keys=tmp_path / "api_keys") as url, opened(browser, url) as page:
+        page.evaluate("sessionStorage.setItem('mnv3-api-key', 'not-the-key-0123456789')")
+        with upload_throttled(browser, page, 40_000):
+            page.locator("#file-input").set_input_files(paths)
+            page.locator("#key-form").wait_for()
+            page.fill("#key-input", key)
+            page.locator("#key-form").evaluate("form => form.requestSubmit()")
+            page.wait_for_function(
+                "() => document.getElementById('announce').textContent.startsWith('6 photos done')", timeout=60_000
+            )
+            assert page.locator("#key-form").is_hidden()
+        assert page.locator("#announce").inner_text() == "6 photos done: 6 classified"
+
+
+@pytest.mark.parametrize("status", [204, 600])
+def test_an_answer_that_is_no_classification_is_said_not_left_pending(page, photos, tmp_path, status):
+    # A 204 (no body) or a status outside HTTP's range made the page's Response throw: the photo stayed
+    # "Uploading…" for good, holding one of the eight upload turns
+    page.route("**/predict*", lambda route: route.fulfill(status=status, body=""))
+    path = tmp_path / "odd.jpg"
+    path.write_bytes(photos[0])
+    page.locator("#file-input").set_input_files(path)
+    error = page.locator("#photos .photo").first.locator(".error")
+    error.wait_for()
+    said = {
+        204: "204: not a classification (an empty answer)",
+        600: "the server answered status 600, which is not HTTP's",
+    }
+    assert error.inner_text() == said[status]
+    assert page.locator("#photos .photo").first.get_attribute("aria-busy") is None

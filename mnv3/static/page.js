@@ -94,15 +94,22 @@ async function api(url, options = {}, ownCall = true) {
       if (response.ok || response.status === 429) noteKeyRate(response);  // a 403 says nothing of the key's rate
       return response;
     }
-    // Photos sent meanwhile wait for the key too: say so on their cards, then what they said before.
+    // Sent with a key the tab has replaced meanwhile (a slow upload refused after the new key was entered): the
+    // new key has not been refused, so it is tried before anyone is asked again.
+    if (sessionStorage.getItem(KEY_STORAGE) !== key) continue;
+    // Photos sent meanwhile wait for the key too: say so on their cards, then what they said before (an upload
+    // starts again: not how far it had gone).
     for (const pending of document.querySelectorAll("#photos .pending")) {
-      pending.dataset.before ??= pending.textContent;  // the first refused call's: the others find the key wait
+      pending.dataset.before ??= pending.textContent.startsWith("Uploading") ? "Uploading…" : pending.textContent;
       pending.textContent = "Waiting for an API key…";
     }
-    await askForKey(outOfScope ? "This tab's API key may not use the page (a key of scope infer or admin may): " +
-                                 "enter another."
-                    : key ? "The server did not accept this tab's API key: enter another."
-                    : "This server needs an API key.");
+    await Promise.race([  // a photo cancelled meanwhile frees its turn, key or no key
+      askForKey(outOfScope ? "This tab's API key may not use the page (a key of scope infer or admin may): " +
+                             "enter another."
+                : key ? "The server did not accept this tab's API key: enter another."
+                : "This server needs an API key."),
+      sleep(Infinity, options.signal),
+    ]);
     for (const pending of document.querySelectorAll("#photos .pending[data-before]")) {
       pending.textContent = pending.dataset.before;
       delete pending.dataset.before;
@@ -128,14 +135,24 @@ function send(url, {onUploadProgress, ...options}) {
     xhr.upload.addEventListener("progress", (event) => {
       if (event.lengthComputable) onUploadProgress(event.loaded, event.total);
     });
+    const cancel = () => xhr.abort();
+    const settle = (outcome, value) => {
+      signal?.removeEventListener("abort", cancel);
+      outcome(value);
+    };
     xhr.addEventListener("load", () => {
       const fields = xhr.getAllResponseHeaders().trim().split(/\r\n/).filter(Boolean)
         .map((line) => [line.slice(0, line.indexOf(":")), line.slice(line.indexOf(":") + 1).trim()]);
-      resolve(new Response(xhr.response, {status: xhr.status, statusText: xhr.statusText, headers: fields}));
+      try {  // 204, 205 and 304 carry no body, and a status outside 200-599 none that Response takes
+        const body = [204, 205, 304].includes(xhr.status) ? null : xhr.response;
+        settle(resolve, new Response(body, {status: xhr.status, statusText: xhr.statusText, headers: fields}));
+      } catch {
+        settle(reject, new RangeError(`the server answered status ${xhr.status}, which is not HTTP's`));
+      }
     });
-    xhr.addEventListener("error", () => reject(new TypeError("network error")));
-    xhr.addEventListener("abort", () => reject(new DOMException("cancelled", "AbortError")));
-    signal?.addEventListener("abort", () => xhr.abort(), {once: true});
+    xhr.addEventListener("error", () => settle(reject, new TypeError("network error")));
+    xhr.addEventListener("abort", () => settle(reject, new DOMException("cancelled", "AbortError")));
+    signal?.addEventListener("abort", cancel, {once: true});
     xhr.send(body);
   });
 }
@@ -334,17 +351,16 @@ async function classifyPhoto(file, card, attempt) {
   const comparing = $("compare").checked && server.models.length > 1;
   const names = comparing ? server.models.map((m) => m.name) : [$("model-select").value || server.defaultModel];
   const shrunk = $("downscale").checked;
-  const waiting = (text) => outcomes.querySelector(".pending")?.replaceChildren(text);
+  const pending = outcomes.querySelector(".pending");  // this attempt's: after Send again, another's is there
+  const waiting = (text) => { if (pending.isConnected) pending.replaceChildren(text); };
   waiting("Uploading…");
-  // Every model's upload of the photo, summed: what has gone of the bytes to send.
+  // The photo's uploads under way (one a model), summed: what has gone of the bytes they send.
   const sent = names.map(() => [0, 0]);
   const uploaded = (i) => (sentBytes, totalBytes) => {
     sent[i] = [sentBytes, totalBytes];
     const [done, total] = sent.reduce(([d, t], [s, n]) => [d + s, t + n], [0, 0]);
-    if (sent.every(([, n]) => n > 0)) {
-      waiting(done < total ? `Uploading: ${formatBytes(done)} of ${formatBytes(total)} ` +
-                             `(${Math.floor((100 * done) / total)}%)…` : "Classifying…");
-    }
+    waiting(done < total ? `Uploading: ${formatBytes(done)} of ${formatBytes(total)} ` +
+                           `(${Math.floor((100 * done) / total)}%)…` : "Classifying…");
   };
   const results = await Promise.all(names.map((name, i) =>
     predict(blob, file.name, name, shrunk, waiting, file, attempt.signal, uploaded(i))));
@@ -421,6 +437,7 @@ async function predict(blob, filename, modelName, shrunk, waiting, original = bl
     }
   } catch (error) {
     if (signal?.aborted) return {error: "Cancelled"};  // not shown: the Cancel button answered the card
+    if (error instanceof RangeError) return {error: error.message};  // an answer, not one a Response can hold
     return {error: `The server could not be reached (${error.message})`};
   }
   const roundTripMs = performance.now() - started;
@@ -432,6 +449,9 @@ async function predict(blob, filename, modelName, shrunk, waiting, original = bl
     const advice = response.status === 413 ? await shrinkAdvice(original, shrunk, limits.max_pixels) : "";
     const tries = RETRIED_STATUSES.includes(response.status) && sent > 1 ? ` (sent ${sent} times)` : "";
     return {error: `${response.status}: ${reason}${advice}${tries}`, status: response.status};
+  }
+  if (!Array.isArray(body?.predictions) || !body.predictions.length) {  // e.g. a proxy's page or empty answer
+    return {error: `${response.status}: not a classification (${text.slice(0, 100) || "an empty answer"})`};
   }
   return {...body, roundTripMs};
 }
@@ -461,14 +481,25 @@ function retryAfterS(response) {
   return Number(response.headers.get("Retry-After")) || 1;  // the server sends whole seconds with 429 and 503
 }
 
-// Rejects with an AbortError as soon as `signal` aborts.
+// Rejects with an AbortError as soon as `signal` aborts (at once if it has); `ms` Infinity: only then.
 function sleep(ms, signal) {
   return new Promise((resolve, reject) => {
-    const timer = setTimeout(resolve, ms);
-    signal?.addEventListener("abort", () => {
+    let timer = null;
+    const cancelled = () => {
       clearTimeout(timer);
       reject(new DOMException("cancelled", "AbortError"));
-    }, {once: true});
+    };
+    if (signal?.aborted) {
+      cancelled();
+      return;
+    }
+    if (ms !== Infinity) {
+      timer = setTimeout(() => {
+        signal?.removeEventListener("abort", cancelled);
+        resolve();
+      }, ms);
+    }
+    signal?.addEventListener("abort", cancelled, {once: true});
   });
 }
 
