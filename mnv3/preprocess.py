@@ -55,17 +55,17 @@ MAX_JPEG_MARKERS = 20 * MAX_JPEG_SCANS
 # A marker: 0xFF and a code other than 0x00 (a stuffed 0xFF in coded data), 0xFF (fill) and RST0-7 (no length)
 JPEG_MARKER = re.compile(rb"\xff[\x01-\xcf\xd8-\xfe]")
 JPEG_END_OF_IMAGE, JPEG_START_OF_SCAN, JPEG_START_OF_IMAGE, JPEG_TEM = 0xD9, 0xDA, 0xD8, 0x01
-# Pillow reads a PNG's chunks, and a GIF's blocks before its first image, one by one in Python: a few microseconds
-# each, so a 9 MB upload of empty ones held a decode thread 1.4-3 s. An encoder writes a handful of chunks
-# besides its image data, which comes in chunks of kilobytes, or one a row at the finest; a GIF's first image
-# follows a few extensions (its metadata: XMP takes a few hundred of their sub-blocks).
+# Pillow reads a PNG's chunks, and a GIF's blocks before its first image, one by one in Python, so an upload of
+# millions of empty ones holds a decode thread for seconds. An encoder writes a handful of chunks besides its image
+# data, which comes in chunks of kilobytes, or one a scanline at the finest; a GIF's first image follows a few
+# extensions (its metadata: XMP takes a few hundred of their sub-blocks).
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 MAX_PNG_CHUNKS_BESIDES_ROWS = 1_000  # and two a row of the image: interlaced, it has up to 15/8 scanlines a row
 GIF_SIGNATURES = (b"GIF87a", b"GIF89a")
 MAX_GIF_BLOCKS_BEFORE_IMAGE = 10_000
 GIF_EXTENSION, GIF_IMAGE_OR_END = 0x21, (0x2C, 0x3B)  # "!", and "," (an image) or ";" (the trailer)
-# A TIFF lists where each strip (or tile) of its image starts, and Pillow builds and decodes each one listed: an
-# 8x8 image listing a million strips, all of the same bytes, held a decode thread 10 s (3 of them opening it).
+# A TIFF lists where each strip (or tile) of its image starts, and Pillow builds and decodes each one listed: a
+# tiny image listing a million strips, all of the same bytes, holds a decode thread for seconds.
 # A TIFF's first directory: its byte order, then (classic) 42 and a 4-byte offset, or (BigTIFF) 43 and an 8-byte one.
 TIFF_BYTE_ORDERS = {b"II": "<", b"MM": ">"}
 TIFF_BIG = 43  # the header's third byte in a BigTIFF, as Pillow tells them apart (it accepts 42 written either way)
