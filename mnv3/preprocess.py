@@ -52,16 +52,30 @@ MAX_JPEG_SCANS = 100
 # Markers read before the image ends, at most: a scan brings a few (its tables, its header), so a real JPEG is far
 # below; past it, reading them one by one would cost more than the bound on scans saves.
 MAX_JPEG_MARKERS = 20 * MAX_JPEG_SCANS
+# Scans x pixels at most: a scan of a 40 Mpixel image costs what 100 of a small one do (and the whole image's
+# coefficients are held, whatever the draft scale), so a large image is allowed fewer: 30 at the pixel limit.
+MAX_JPEG_SCAN_PIXELS = 30 * 40_000_000
+# Bytes outside any segment before the first scan (fill bytes, junk): an encoder writes none, or a few.
+MAX_JPEG_STRAY_BYTES = 4_096
+# Start-of-frame markers, which give the image's size: every SOFn but DHT (C4), JPG (C8) and DAC (CC)
+JPEG_START_OF_FRAME = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
 # A marker: 0xFF and a code other than 0x00 (a stuffed 0xFF in coded data), 0xFF (fill) and RST0-7 (no length)
 JPEG_MARKER = re.compile(rb"\xff[\x01-\xcf\xd8-\xfe]")
 JPEG_END_OF_IMAGE, JPEG_START_OF_SCAN, JPEG_START_OF_IMAGE, JPEG_TEM = 0xD9, 0xDA, 0xD8, 0x01
+JPEG_SIGNATURE = b"\xff\xd8"
 # Pillow reads a PNG's chunks, and a GIF's blocks before its first image, one by one in Python, so an upload of
 # millions of empty ones holds a decode thread for seconds. An encoder writes a handful of chunks besides its image
 # data, which comes in chunks of kilobytes, or one a scanline at the finest; a GIF's first image follows a few
 # extensions (its metadata: XMP takes a few hundred of their sub-blocks).
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 MAX_PNG_CHUNKS_BESIDES_ROWS = 1_000  # and two a row of the image: interlaced, it has up to 15/8 scanlines a row
+# Chunks Pillow inflates on opening (a megabyte each at most): a colour profile (one, says the spec) and text
+PNG_COMPRESSED_CHUNKS = (b"iCCP", b"zTXt", b"iTXt")
+MAX_PNG_COMPRESSED_CHUNKS = 64
 GIF_SIGNATURES = (b"GIF87a", b"GIF89a")
+# BMP's run-length encodings, which Pillow decodes in Python: a few kept for old files, larger ones refused
+BMP_SIGNATURE, BMP_INFO_HEADER_SIZE, BMP_RUN_LENGTH_CODES = b"BM", 40, (1, 2)  # RLE8, RLE4
+MAX_BMP_RLE_BYTES = 1 << 20
 MAX_GIF_BLOCKS_BEFORE_IMAGE = 10_000
 GIF_EXTENSION, GIF_IMAGE_OR_END = 0x21, (0x2C, 0x3B)  # "!", and "," (an image) or ";" (the trailer)
 # A TIFF lists where each strip (or tile) of its image starts, and Pillow builds and decodes each one listed: a
@@ -79,6 +93,10 @@ TIFF_INTEGER_TYPES = {1: "B", 3: "H", 4: "I", 6: "b", 8: "h", 9: "i", 16: "Q", 1
 MAX_TIFF_ENTRIES = 1_000
 # Strips or tiles listed by a directory whose image size cannot be read here (Pillow then decides what it is)
 MAX_TIFF_PARTS_OF_UNKNOWN_SIZE = 1_000
+# Strips or tiles at most, whatever the size: each costs Pillow microseconds in Python, and strips of a row or the
+# smallest tiles the spec allows (16 x 16) let an uncompressed image of many megapixels fit a small upload.
+MAX_TIFF_PARTS = 65_536
+MIN_TIFF_TILE_SIDE = 16  # the spec's: tiles are multiples of 16 pixels
 # Pillow refuses an image of more than twice its MAX_IMAGE_PIXELS outright (DecompressionBombError), whatever
 # the caller allows; below that, `max_pixels` alone decides: Pillow's warning at MAX_IMAGE_PIXELS is ignored.
 # (None: the process turned Pillow's check off, and `max_pixels` alone decides.)
@@ -240,9 +258,9 @@ def decode_image(
     - Opens only ACCEPTED_FORMATS; any image mode they carry (1-bit to 16-bit, CMYK, alpha, palette...)
       becomes RGB.
     - Refuses images over `max_pixels`, or with a side over MAX_IMAGE_SIDE, from the header alone (decompression
-      bombs never decode), JPEGs of more than MAX_JPEG_SCANS scans (each decoded over the whole image), and PNGs,
-      GIFs and TIFFs of more chunks, blocks or strips than an encoder writes (`check_png_chunks`,
-      `check_gif_blocks`, `check_tiff_parts`).
+      bombs never decode), and, before Pillow opens them, JPEGs of more scans than `check_jpeg_scans` allows
+      (each decoded over the whole image), PNGs, GIFs and TIFFs of more chunks, blocks or strips than an encoder
+      writes (`check_png_chunks`, `check_gif_blocks`, `check_tiff_parts`), and large run-length encoded BMPs.
     - Animated GIF/WebP/PNG: the first frame is classified.
     - EXIF orientation is honoured, as a phone camera intends.
     - With `jpeg_draft`, a JPEG at least 2 x JPEG_DRAFT_MARGIN x `resize_size` on its shorter side is
@@ -258,6 +276,10 @@ def decode_image(
         check_gif_blocks(data)
     elif data[:2] in TIFF_BYTE_ORDERS:
         check_tiff_parts(data)
+    elif data[:2] == JPEG_SIGNATURE:  # JPEG and MPO: Pillow's opening steps over what precedes the first scan
+        check_jpeg_scans(data)
+    elif data[:2] == BMP_SIGNATURE:
+        check_bmp_compression(data)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
@@ -269,7 +291,6 @@ def decode_image(
                 )
             check_sides(w, h)
             if image.format in JPEG_DRAFT_FORMATS:
-                check_jpeg_scans(data)
                 reduction = jpeg_draft_reduction(w, h, resize_size) if jpeg_draft else 1
                 if reduction > 1:
                     # Pillow picks the largest reduction r with size // (requested size) >= r.
@@ -315,23 +336,28 @@ def _format_claimed(data: bytes) -> str | None:
 def check_png_chunks(data: bytes) -> None:
     """InvalidImage if the PNG `data` has more than MAX_PNG_CHUNKS_BESIDES_ROWS chunks and two a row of its image
     (its rows as declared, at most MAX_IMAGE_SIDE: the size is checked only once Pillow has read the chunks before
-    the pixels), counted as Pillow reads them for the first frame: up to IEND, or an animation's next frame (fcTL
-    after IDAT). Each chunk is skipped by its length, so its bytes are never read."""
+    the pixels), or more than MAX_PNG_COMPRESSED_CHUNKS that Pillow inflates (each up to a megabyte), counted as
+    Pillow reads them for the first frame: up to IEND, or an animation's next frame (an fcTL after the image
+    data, in a PNG whose acTL says it has more than one). Each chunk is skipped by its length, its data unread."""
     height = int.from_bytes(data[20:24], "big")  # IHDR's, the first chunk's; a corrupt one is Pillow's to refuse
     limit = MAX_PNG_CHUNKS_BESIDES_ROWS + 2 * min(height, MAX_IMAGE_SIDE)
-    chunks, position, image_data = 0, len(PNG_SIGNATURE), False
+    chunks = compressed = 0
+    position, image_data, animated = len(PNG_SIGNATURE), False, False
     while position + 8 <= len(data):
-        kind = data[position + 4 : position + 8]
-        if kind == b"IEND" or kind == b"fcTL" and image_data:
+        length, kind = int.from_bytes(data[position : position + 4], "big"), data[position + 4 : position + 8]
+        if kind == b"IEND" or kind == b"fcTL" and image_data and animated:
             return
+        if kind == b"acTL" and not image_data:  # its first field: the number of frames
+            animated = int.from_bytes(data[position + 8 : position + 12], "big") > 1
         image_data |= kind == b"IDAT"
         chunks += 1
-        if chunks > limit:
-            raise InvalidImage(
-                f"a PNG of more than {limit} chunks ({MAX_PNG_CHUNKS_BESIDES_ROWS} and two a row): corrupt, or built "
-                "to be slow to read; save it again"
-            )
-        position += 12 + int.from_bytes(data[position : position + 4], "big")  # length, type, data, CRC
+        compressed += kind in PNG_COMPRESSED_CHUNKS
+        if chunks > limit or compressed > MAX_PNG_COMPRESSED_CHUNKS:
+            what = f"{limit} chunks ({MAX_PNG_CHUNKS_BESIDES_ROWS} and two a row)"
+            if compressed > MAX_PNG_COMPRESSED_CHUNKS:
+                what = f"{MAX_PNG_COMPRESSED_CHUNKS} compressed text or colour-profile chunks"
+            raise InvalidImage(f"a PNG of more than {what}: corrupt, or built to be slow to read; save it again")
+        position += 12 + length  # length, type, data, CRC
 
 
 def check_gif_blocks(data: bytes) -> None:
@@ -356,6 +382,18 @@ def check_gif_blocks(data: bytes) -> None:
             )
 
 
+def check_bmp_compression(data: bytes) -> None:
+    """InvalidImage if the BMP `data` is run-length encoded (RLE8 or RLE4) and over MAX_BMP_RLE_BYTES: Pillow
+    decodes those runs in Python, a couple of bytes at a time."""
+    header_size = int.from_bytes(data[14:18], "little")
+    compression = int.from_bytes(data[30:34], "little") if header_size >= BMP_INFO_HEADER_SIZE else 0
+    if compression in BMP_RUN_LENGTH_CODES and len(data) > MAX_BMP_RLE_BYTES:
+        raise InvalidImage(
+            f"a run-length encoded BMP of over {MAX_BMP_RLE_BYTES} bytes, which this server decodes slowly: save it "
+            "as PNG"
+        )
+
+
 def check_sides(width: int, height: int) -> None:
     if max(width, height) > MAX_IMAGE_SIDE:
         raise ImageTooLarge(
@@ -365,8 +403,9 @@ def check_sides(width: int, height: int) -> None:
 
 def check_tiff_parts(data: bytes) -> None:
     """InvalidImage if the TIFF `data`'s first directory has more than MAX_TIFF_ENTRIES entries, or its image lists
-    more strips or tiles than its size calls for (the spec's count: one a RowsPerStrip rows, or a tile, per plane;
-    strips where it lists both, as Pillow reads them); ImageTooLarge if a side is over the limit: all before Pillow
+    more strips or tiles than MAX_TIFF_PARTS, or than its size calls for (the spec's count: one a RowsPerStrip
+    rows, or a tile, per plane; strips where it lists both, as Pillow reads them), or tiles smaller than the spec
+    allows; ImageTooLarge if a side is over the limit: all before Pillow
     reads the directory and builds the list on opening it. Read as Pillow reads it: either byte order, classic or
     BigTIFF, the first of a repeated tag, any integer type. A header or directory cut short is left to Pillow."""
     order = TIFF_BYTE_ORDERS[data[:2]]
@@ -401,8 +440,13 @@ def check_tiff_parts(data: bytes) -> None:
     if TIFF_STRIP_OFFSETS in counts:
         listed, parts = counts[TIFF_STRIP_OFFSETS], -(-height // rows) * planes if rows else 0
     elif TIFF_TILE_OFFSETS in counts:
+        if min(tile_width, tile_length) < MIN_TIFF_TILE_SIDE:
+            raise InvalidImage(
+                f"a TIFF of {tile_width}x{tile_length} tiles: the spec's are multiples of {MIN_TIFF_TILE_SIDE} "
+                "pixels; save it again"
+            )
         listed = counts[TIFF_TILE_OFFSETS]
-        parts = -(-width // tile_width) * -(-height // tile_length) * planes if tile_width and tile_length else 0
+        parts = -(-width // tile_width) * -(-height // tile_length) * planes
     else:
         return
     if listed > (parts or MAX_TIFF_PARTS_OF_UNKNOWN_SIZE):
@@ -411,28 +455,46 @@ def check_tiff_parts(data: bytes) -> None:
             f"a TIFF whose {size} but lists {listed} strips or tiles: corrupt, or built to be slow to read; save it "
             "again"
         )
+    if listed > MAX_TIFF_PARTS:
+        raise InvalidImage(
+            f"a TIFF of {listed} strips or tiles, over {MAX_TIFF_PARTS}: save it again with larger strips or tiles"
+        )
 
 
 def check_jpeg_scans(data: bytes) -> None:
-    """InvalidImage if the JPEG `data` begins with has more than MAX_JPEG_SCANS scans, or more than
-    MAX_JPEG_MARKERS markers, up to its end-of-image marker: what comes after it (a phone's motion-photo video,
-    an MPO's next frame) is not this image's, and a segment's payload (an EXIF thumbnail, an ICC profile) is
-    skipped by its length, so their bytes are never taken for markers."""
-    scans, markers, position = 0, 0, 2  # after the start-of-image marker
+    """InvalidImage if the JPEG `data` begins with has more than MAX_JPEG_SCANS scans, or more scans than
+    MAX_JPEG_SCAN_PIXELS allows at its size (each is decoded over the whole image), or more than MAX_JPEG_MARKERS
+    markers, up to its end-of-image marker, or more than MAX_JPEG_STRAY_BYTES outside any segment before its
+    first scan (Pillow steps over those one at a time on opening it). What comes after the end (a phone's
+    motion-photo video, an MPO's next frame) is not this image's, and a segment's payload (an EXIF thumbnail, an
+    ICC profile) is skipped by its length, so their bytes are never taken for markers."""
+    scans, markers, position, stray, pixels = 0, 0, 2, 0, 0  # after the start-of-image marker
     while match := JPEG_MARKER.search(data, position):
         code, markers = match[0][1], markers + 1
         if code == JPEG_END_OF_IMAGE:
             return
+        if not scans:
+            stray += match.start() - position
+            if stray > MAX_JPEG_STRAY_BYTES:
+                raise InvalidImage(
+                    f"a JPEG of more than {MAX_JPEG_STRAY_BYTES} bytes outside its segments before its image data: "
+                    "corrupt, or built to be slow to read; save it again"
+                )
         if markers > MAX_JPEG_MARKERS:
             raise InvalidImage(f"a JPEG of more than {MAX_JPEG_MARKERS} markers: corrupt, or built to be slow to read")
         if code in (JPEG_START_OF_IMAGE, JPEG_TEM):  # no length follows these
             position = match.end()
             continue
+        if code in JPEG_START_OF_FRAME and not pixels:  # length, precision, then height and width
+            pixels = int.from_bytes(data[match.end() + 3 : match.end() + 5], "big") * int.from_bytes(
+                data[match.end() + 5 : match.end() + 7], "big"
+            )
         scans += code == JPEG_START_OF_SCAN
-        if scans > MAX_JPEG_SCANS:
+        if scans > min(MAX_JPEG_SCANS, max(1, MAX_JPEG_SCAN_PIXELS // max(pixels, 1))):
             raise InvalidImage(
-                f"a JPEG of more than {MAX_JPEG_SCANS} scans (refused before decoding: ordinary progressive JPEGs "
-                "have a few dozen at most); save it again as an ordinary JPEG"
+                f"a JPEG of more than {scans - 1} scans at {pixels} pixels (refused before decoding: each scan is "
+                "decoded over the whole image, and ordinary progressive JPEGs have a few dozen at most); save it "
+                "again as an ordinary JPEG"
             )
         position = match.end() + int.from_bytes(data[match.end() : match.end() + 2], "big")
 

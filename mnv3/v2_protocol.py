@@ -372,15 +372,20 @@ def _binary_fp32(raw: bytes, shape: list[int]) -> np.ndarray:
 
 
 def _json_fp32(data, shape: list[int]) -> np.ndarray:
+    count = math.prod(shape)
+    # Counted and typed before numpy sees them: one long string among the numbers made np.asarray build a
+    # fixed-width text array of (count x its length) characters, gigabytes from a small body.
+    values = _flatten(data, count + 1)
+    if len(values) != count:
+        held = f"{len(values)}" if len(values) < count else f"more than {count}"
+        raise _bad(f"{PIXELS_INPUT} has shape {shape} ({count} elements) but holds {held}")
+    if not all(type(value) in (int, float) for value in values):
+        raise _bad(f"{PIXELS_INPUT}'s data must be numbers")
     try:
-        values = np.asarray(data)
+        array = np.asarray(data, dtype=np.float32)
     except (ValueError, RecursionError):  # ragged, or nested deeper than numpy's dimensions
         raise _bad(f"{PIXELS_INPUT}'s data is not a rectangular array of numbers") from None
-    if values.dtype.kind not in "fiu":
-        raise _bad(f"{PIXELS_INPUT}'s data must be numbers")
-    if values.size != math.prod(shape):
-        raise _bad(f"{PIXELS_INPUT} has shape {shape} ({math.prod(shape)} elements) but holds {values.size}")
-    return values.astype(np.float32).reshape(shape)
+    return array.reshape(shape)
 
 
 def _flatten(data, at_most: int) -> list:

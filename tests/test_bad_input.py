@@ -126,11 +126,17 @@ def test_a_jpeg_of_too_many_scans_is_refused_before_decoding():
     # 2000 tiny scans of a 6320x6320 image kept a decode thread busy 11 s (95,000 fit the upload limit): the
     # deadline's 504 cannot stop a decode once it runs.
     assert decode_image(progressive_jpeg_of_scans(64, MAX_JPEG_SCANS - 1)).size == (64, 64)  # a real JPEG
+    with pytest.raises(InvalidImage, match=f"^a JPEG of more than {MAX_JPEG_SCANS} scans at 4096 pixels"):
+        decode_image(progressive_jpeg_of_scans(64, MAX_JPEG_SCANS + 1))
+    # A large image is allowed fewer: 100 scans of 6144x6144 held a decode thread 2 s and 400 MB (a reviewer)
     many = progressive_jpeg_of_scans(6320, 5000)
     started = time.perf_counter()
-    with pytest.raises(InvalidImage, match=f"a JPEG of more than {MAX_JPEG_SCANS} scans"):
+    with pytest.raises(InvalidImage, match="^a JPEG of more than 30 scans at 39942400 pixels"):
         decode_image(many)
     assert time.perf_counter() - started < 1.0
+    # Fill bytes and junk before the first scan: Pillow's opening stepped over 10 MB of them one at a time (4.4 s)
+    with pytest.raises(InvalidImage, match="^a JPEG of more than 4096 bytes outside its segments before its image"):
+        decode_image(b"\xff\xd8" + b"\xff" * 5_000 + progressive_jpeg_of_scans(64, 1)[2:])
     ordinary = io.BytesIO()
     Image.new("RGB", (640, 480), "teal").save(ordinary, "JPEG", progressive=True)
     assert decode_image(ordinary.getvalue()).size == (640, 480)  # Pillow's progressive JPEG: about 10 scans
@@ -216,6 +222,47 @@ def test_a_png_or_gif_of_far_more_chunks_than_an_encoder_writes_is_refused_befor
     animated = encode(frames[0], "PNG", save_all=True, append_images=frames[1:])
     assert animated.count(b"fcTL") == 1_500 and decode_image(animated).getpixel((0, 0)) == (0, 0, 0)
     assert decode_image(gif[:first_image] + b"!\xfe\x01X\x00" * 100 + gif[first_image:]).size == (8, 8)
+
+
+def test_what_pillow_reads_slowly_is_refused_before_it_does_a_second_round():
+    """A reviewer's second round: a non-animated PNG with an fcTL after its image data (Pillow reads on past it: 3 s),
+    a megabyte inflated per iCCP or zTXt chunk (26-40 s extrapolated), 1x1 TIFF tiles (44 s), strips at the
+    allowed maximum (2.5 s), a run-length encoded BMP of 5M one-pixel runs (3.5 s)."""
+    small = encode(Image.new("L", (8, 8)), "PNG")
+    end = small.index(b"IEND") - 4
+    frame = png_chunk(b"fcTL", struct.pack(">IIIIIHHBB", 0, 8, 8, 0, 0, 1, 1, 0, 0))
+    with pytest.raises(InvalidImage, match=r"^a PNG of more than 1016 chunks"):
+        decode_image(small[:end] + frame + png_chunk(b"prIv", b"") * 2_000 + small[end:])
+    profile = png_chunk(b"iCCP", b"p\0\0" + zlib.compress(b""))
+    with pytest.raises(InvalidImage, match=r"^a PNG of more than 64 compressed text or colour-profile chunks"):
+        decode_image(small[:end] + profile * 65 + small[end:])
+    assert decode_image(small[:end] + png_chunk(b"zTXt", b"k\0\0" + zlib.compress(b"v")) * 64 + small[end:])
+
+    def tiled(side: int, tile: int) -> bytes:  # grey, every tile the same zero bytes
+        tiles = (-(-side // tile)) ** 2
+        offsets, lengths = struct.pack(f"<{tiles}I", *[8] * tiles), struct.pack(f"<{tiles}I", *[tile * tile] * tiles)
+        directory = 8 + tile * tile + len(offsets) + len(lengths)
+        entries = [(256, 4, 1, side), (257, 4, 1, side), (258, 3, 1, 8), (259, 3, 1, 1), (262, 3, 1, 1)]
+        entries += [(277, 3, 1, 1), (322, 3, 1, tile), (323, 3, 1, tile)]
+        entries += [(324, 4, tiles, 8 + tile * tile), (325, 4, tiles, 8 + tile * tile + len(offsets))]
+        ifd = struct.pack("<H", len(entries)) + b"".join(struct.pack("<HHII", *e) for e in entries) + bytes(4)
+        return b"II*\0" + struct.pack("<I", directory) + bytes(tile * tile) + offsets + lengths + ifd
+
+    assert decode_image(tiled(64, 16)).size == (64, 64)
+    with pytest.raises(InvalidImage, match=r"^a TIFF of 1x1 tiles: the spec's are multiples of 16"):
+        decode_image(tiled(64, 1))
+    with pytest.raises(InvalidImage, match=r"^a TIFF of 66049 strips or tiles, over 65536"):
+        decode_image(tiled(4112, 16))
+    rle8 = bytes([2, 0, 0, 1])  # a run of two pixels of colour 0, end of bitmap
+
+    def bmp(pixel_data: bytes, width: int = 2, height: int = 1) -> bytes:
+        info = struct.pack("<IiiHHIIiiII", 40, width, height, 1, 8, 1, len(pixel_data), 0, 0, 2, 0)
+        offset = 14 + len(info) + 8
+        return b"BM" + struct.pack("<IHHI", offset + len(pixel_data), 0, 0, offset) + info + bytes(8) + pixel_data
+
+    assert decode_image(bmp(rle8)).size == (2, 1)
+    with pytest.raises(InvalidImage, match="^a run-length encoded BMP of over 1048576 bytes"):
+        decode_image(bmp(bytes([1, 0]) * (1 << 19) + rle8, width=2048, height=512))
 
 
 def tiff_listing_strips(

@@ -330,7 +330,7 @@ BAD_REQUESTS = {
     ),
     "ragged json": (
         lambda: json_request(
-            {"name": PIXELS_INPUT, "datatype": "FP32", "shape": [1, 3, 4, 5], "data": [[0.5] * 30, [0.5] * 29]}
+            {"name": PIXELS_INPUT, "datatype": "FP32", "shape": [1, 3, 4, 5], "data": [[0.5] * 31, [0.5] * 29]}
         ),
         "not a rectangular array",
     ),
@@ -474,6 +474,16 @@ def test_image_elements_past_the_shape_are_not_read():
     # or [N, 1] would have ended, before the element after them
     assert _flatten([[]] * 1_000 + ["a"], 3) == []
     assert _flatten([["a"], ["b"]], 3) == ["a", "b"]
+
+
+def test_a_long_string_among_the_pixels_is_refused_before_numpy_sizes_an_array_for_it():
+    # np.asarray made a fixed-width text array of (elements x the string's length) characters: about 800 MB for a
+    # 60 KB body, or a MemoryError that escaped as a 500 (a reviewer's second round)
+    data = [0.0] * (4 * 3 * 4 * 5 - 1) + ["x" * 50_000_000]  # 4 images of the test model's 3x4x5: 48 GB of text
+    pixels = {"name": PIXELS_INPUT, "datatype": "FP32", "shape": [4, 3, 4, 5], "data": data}
+    with pytest.raises(V2Error, match="PIXELS's data must be numbers") as caught:
+        parse(*json_request(pixels))
+    assert caught.value.status == 400
 
 
 @pytest.mark.parametrize("case", BAD_REQUESTS)
