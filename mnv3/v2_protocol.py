@@ -390,8 +390,9 @@ def _json_fp32(data, shape: list[int]) -> np.ndarray:
 
 def _flatten(data, at_most: int) -> list:
     """Row-major elements of flat or nested JSON data (iterative: the nesting depth is the client's), the first
-    `at_most` of them if it holds more. It visits at most 2 x `at_most` + 1 lists and elements, what a shape of
-    [N] or [N, 1] needs: a body of empty lists (`[[], [], ...]`) adds no elements, and was walked in full."""
+    `at_most` of them if it holds more. It visits at most 2 x `at_most` + 1 lists and elements, enough for every
+    tensor this server takes ([N] or [N, 1] images, [N, 3, H, W] pixels): a body of empty lists (`[[], [], ...]`)
+    adds no elements, and was walked in full."""
     budget = 2 * at_most + 1
     items: list = []
     pending = [data]
