@@ -62,7 +62,6 @@ JPEG_START_OF_FRAME = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
 # A marker: 0xFF and a code other than 0x00 (a stuffed 0xFF in coded data), 0xFF (fill) and RST0-7 (no length)
 JPEG_MARKER = re.compile(rb"\xff[\x01-\xcf\xd8-\xfe]")
 JPEG_END_OF_IMAGE, JPEG_START_OF_SCAN, JPEG_START_OF_IMAGE, JPEG_TEM = 0xD9, 0xDA, 0xD8, 0x01
-JPEG_SIGNATURE = b"\xff\xd8"
 # Pillow reads a PNG's chunks, and a GIF's blocks before its first image, one by one in Python, so an upload of
 # millions of empty ones holds a decode thread for seconds. An encoder writes a handful of chunks besides its image
 # data, which comes in chunks of kilobytes, or one a scanline at the finest; a GIF's first image follows a few
@@ -72,9 +71,8 @@ MAX_PNG_CHUNKS_BESIDES_ROWS = 1_000  # and two a row of the image: interlaced, i
 # Chunks Pillow inflates on opening (a megabyte each at most): a colour profile (one, says the spec) and text
 PNG_COMPRESSED_CHUNKS = (b"iCCP", b"zTXt", b"iTXt")
 MAX_PNG_COMPRESSED_CHUNKS = 64
-GIF_SIGNATURES = (b"GIF87a", b"GIF89a")
 # BMP's run-length encodings, which Pillow decodes in Python: a few kept for old files, larger ones refused
-BMP_SIGNATURE, BMP_INFO_HEADER_SIZE, BMP_RUN_LENGTH_CODES = b"BM", 40, (1, 2)  # RLE8, RLE4
+BMP_INFO_HEADER_SIZE, BMP_RUN_LENGTH_CODES = 40, (1, 2)  # RLE8, RLE4
 MAX_BMP_RLE_BYTES = 1 << 20
 MAX_GIF_BLOCKS_BEFORE_IMAGE = 10_000
 GIF_EXTENSION, GIF_IMAGE_OR_END = 0x21, (0x2C, 0x3B)  # "!", and "," (an image) or ";" (the trailer)
@@ -270,16 +268,9 @@ def decode_image(
     """
     if not data:
         raise InvalidImage(f"empty body: send an image file ({', '.join(ACCEPTED_FORMATS)})")
-    if data.startswith(PNG_SIGNATURE):  # before Pillow opens it: opening reads the chunks before the pixels
-        check_png_chunks(data)
-    elif data[:6] in GIF_SIGNATURES:
-        check_gif_blocks(data)
-    elif data[:2] in TIFF_BYTE_ORDERS:
-        check_tiff_parts(data)
-    elif data[:2] == JPEG_SIGNATURE:  # JPEG and MPO: Pillow's opening steps over what precedes the first scan
-        check_jpeg_scans(data)
-    elif data[:2] == BMP_SIGNATURE:
-        check_bmp_compression(data)
+    claimed = _format_claimed(data)
+    if claimed in PRE_CHECKS:  # before Pillow opens it: opening already walks much of what the check bounds
+        PRE_CHECKS[claimed](data)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
@@ -312,7 +303,6 @@ def decode_image(
                 "(an iPhone saves JPEG with Settings > Camera > Formats > Most Compatible); accepted: "
                 f"{', '.join(ACCEPTED_FORMATS)}"
             ) from exc
-        claimed = _format_claimed(data)
         if claimed:  # its signature is one accepted, but the decoder refused it (e.g. a TIFF's pixel layout)
             raise InvalidImage(
                 f"a {claimed} image the decoder cannot read (cut short, corrupt, or a variant it does not support): "
@@ -325,6 +315,7 @@ def decode_image(
 
 def _format_claimed(data: bytes) -> str | None:
     """The accepted format whose signature `data` begins with, by Pillow's own test of each."""
+    Image.init()  # every format's test registered (at once once done; Image.open does it on first use)
     prefix = data[:16]  # what Pillow's openers look at
     for name in ACCEPTED_FORMATS:
         accept = Image.OPEN[name][1]
@@ -498,6 +489,15 @@ def check_jpeg_scans(data: bytes) -> None:
             )
         position = match.end() + int.from_bytes(data[match.end() : match.end() + 2], "big")
 
+
+# What Pillow walks in Python as it opens each format (decode_image bounds it first), by the format a file claims
+PRE_CHECKS = {
+    "JPEG": check_jpeg_scans,  # and MPO, which Pillow opens as JPEG
+    "PNG": check_png_chunks,
+    "GIF": check_gif_blocks,
+    "BMP": check_bmp_compression,
+    "TIFF": check_tiff_parts,
+}
 
 WIDE_GREY_MODES = ("I;16", "I;16B", "I;16L", "I", "F")
 WIDE_GREY_BLOCK_PIXELS = 1 << 18  # scaled at a time, in whole rows: float32 copies of a block, never of the image
