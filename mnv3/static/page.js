@@ -328,12 +328,8 @@ function addCard(file) {
 // uploads: the server then drops the work of any it has (a closed connection).
 function showPending(file, card) {
   const attempt = new AbortController();
-  const cancel = element("button", {type: "button", className: "cancel"}, "Cancel",
-    element("span", {className: "visually-hidden"}, ` (${file.name})`));
-  cancel.addEventListener("click", () => {
+  const cancel = photoButton("cancel", "Cancel", file, card, () => {
     attempt.abort();
-    card.tabIndex = -1;  // the button goes with the outcome it ends: focus stays on the photo
-    card.focus();
     card.querySelector(".outcomes").replaceChildren(element("p", {className: "cancelled"}, "Cancelled"),
       sendAgainButton(file, card));
     card.removeAttribute("aria-busy");
@@ -388,16 +384,21 @@ async function classifyPhoto(file, card, attempt) {
 // A failed photo can be sent again as it is, with the options as they are now (a server back up, "Shrink large
 // photos" ticked after a 413, another model chosen), without choosing the file again.
 function sendAgainButton(file, card) {
-  // Its photo's name for a screen reader, after the words it shows (a voice user says what they see)
-  const again = element("button", {type: "button", className: "send-again"}, "Send again",
+  return photoButton("send-again", "Send again", file, card, () => classifyPhoto(file, card, showPending(file, card)));
+}
+
+// A button of a photo's outcome, which `pressed` replaces: named with its photo for a screen reader, after the
+// words it shows (a voice user says what they see); once pressed, focus stays on the photo, as the button goes,
+// not back at the page's start.
+function photoButton(className, words, file, card, pressed) {
+  const button = element("button", {type: "button", className}, words,
     element("span", {className: "visually-hidden"}, ` (${file.name})`));
-  again.addEventListener("click", () => {
-    // The button goes with the outcome it replaces: focus stays on its photo, not back at the page's start.
+  button.addEventListener("click", () => {
     card.tabIndex = -1;
     card.focus();
-    classifyPhoto(file, card, showPending(file, card));
+    pressed();
   });
-  return again;
+  return button;
 }
 
 // Multipart's part headers and boundaries around the file: what the server's upload limit counts besides it.
