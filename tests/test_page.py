@@ -25,6 +25,11 @@ pytestmark = [
     ),
 ]
 WAIT_MS = 30_000  # upper bound on any wait in the page; a broken page fails instead of hanging
+# What the page's Content-Security-Policy blocks, recorded in window.blocked as "directive URI"
+RECORD_BLOCKED = (
+    "window.blocked = []; document.addEventListener('securitypolicyviolation', "
+    "(e) => window.blocked.push(`${e.effectiveDirective} ${e.blockedURI}`));"
+)
 
 
 @pytest.fixture(scope="module")
@@ -69,11 +74,7 @@ def opened(browser, url):
     tried_before = len(browser.off_host)
     page = browser.context.new_page()
     page.set_default_timeout(WAIT_MS)
-    # Every test runs the page under its Content-Security-Policy: anything it blocks is recorded
-    page.add_init_script(
-        "window.blocked = []; document.addEventListener('securitypolicyviolation', "
-        "(e) => window.blocked.push(`${e.effectiveDirective} ${e.blockedURI}`));"
-    )
+    page.add_init_script(RECORD_BLOCKED)  # every test runs the page under its Content-Security-Policy
     thrown: list[str] = []  # uncaught in the page's script: a test would otherwise see only a wait time out
     page.on("pageerror", lambda error: thrown.append(str(error)))
     page.goto(url + "/")
@@ -433,13 +434,10 @@ def test_the_pages_policy_lets_it_load_nothing_but_its_own(browser, server):
     tried_before = len(browser.off_host)
     page = browser.context.new_page()
     try:
-        page.add_init_script(
-            "window.blocked = []; document.addEventListener('securitypolicyviolation', "
-            "(e) => window.blocked.push(e.effectiveDirective));"
-        )
+        page.add_init_script(RECORD_BLOCKED)
         page.goto(server + "/")
         outcome = page.evaluate("fetch('http://192.0.2.1/x.js').then(() => 'loaded', () => 'failed')")
-        assert outcome == "failed" and page.evaluate("window.blocked") == ["connect-src"]
+        assert outcome == "failed" and page.evaluate("window.blocked") == ["connect-src http://192.0.2.1/x.js"]
         assert browser.off_host[tried_before:] == []  # refused by the page itself: it never left the browser
     finally:
         page.close()
