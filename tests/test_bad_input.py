@@ -238,15 +238,8 @@ def test_what_pillow_reads_slowly_is_refused_before_it_does_a_second_round():
         decode_image(small[:end] + profile * 65 + small[end:])
     assert decode_image(small[:end] + png_chunk(b"zTXt", b"k\0\0" + zlib.compress(b"v")) * 64 + small[end:])
 
-    def tiled(side: int, tile: int) -> bytes:  # grey, every tile the same zero bytes
-        tiles = (-(-side // tile)) ** 2
-        offsets, lengths = struct.pack(f"<{tiles}I", *[8] * tiles), struct.pack(f"<{tiles}I", *[tile * tile] * tiles)
-        directory = 8 + tile * tile + len(offsets) + len(lengths)
-        entries = [(256, 4, 1, side), (257, 4, 1, side), (258, 3, 1, 8), (259, 3, 1, 1), (262, 3, 1, 1)]
-        entries += [(277, 3, 1, 1), (322, 3, 1, tile), (323, 3, 1, tile)]
-        entries += [(324, 4, tiles, 8 + tile * tile), (325, 4, tiles, 8 + tile * tile + len(offsets))]
-        ifd = struct.pack("<H", len(entries)) + b"".join(struct.pack("<HHII", *e) for e in entries) + bytes(4)
-        return b"II*\0" + struct.pack("<I", directory) + bytes(tile * tile) + offsets + lengths + ifd
+    def tiled(side: int, tile: int) -> bytes:
+        return tiff_listing(side, side, (-(-side // tile)) ** 2, tile=tile)
 
     assert decode_image(tiled(64, 16)).size == (64, 64)
     with pytest.raises(InvalidImage, match=r"^a TIFF of 1x1 tiles: the spec's are multiples of 16"):
@@ -265,50 +258,51 @@ def test_what_pillow_reads_slowly_is_refused_before_it_does_a_second_round():
         decode_image(bmp(bytes([1, 0]) * (1 << 19) + rle8, width=2048, height=512))
 
 
-def tiff_listing_strips(
-    width: int, height: int, strips: int, size_type: int = 4, header: bytes = b"II*\0", more_entries=()
+def tiff_listing(
+    width: int,
+    height: int,
+    parts: int,
+    tile: int | None = None,
+    size_type: int = 4,
+    header: bytes = b"II*\0",
+    more_entries=(),
 ) -> bytes:
-    """A little-endian grey TIFF of one row a strip that lists `strips` strips, all of the same zero bytes; its
-    size of TIFF type `size_type` (4 LONG, 9 SLONG...), after `header`, with `more_entries` (tag, type, count,
-    value) in its directory."""
-    pixels = bytes(width)
-    offsets = struct.pack(f"<{strips}I", *[8] * strips)
-    lengths = struct.pack(f"<{strips}I", *[width] * strips)
-    directory = 8 + len(pixels) + len(offsets) + len(lengths)
-    entries = [
-        (256, size_type, 1, width),
-        (257, size_type, 1, height),
-        (258, 3, 1, 8),
-        (259, 3, 1, 1),
-        (262, 3, 1, 1),
-        (273, 4, strips, 8 + len(pixels)),
-        (277, 3, 1, 1),
-        (278, 4, 1, 1),
-        (279, 4, strips, 8 + len(pixels) + len(offsets)),
-        *more_entries,
-    ]
+    """A little-endian grey TIFF that lists `parts` strips of a row, or with `tile` tiles of that side, all of the
+    same zero bytes; its size of TIFF type `size_type` (4 LONG, 9 SLONG...), after `header`, with `more_entries`
+    (tag, type, count, value) last in its directory."""
+    part = bytes(tile * tile if tile else width)
+    offsets = struct.pack(f"<{parts}I", *[8] * parts)
+    lengths = struct.pack(f"<{parts}I", *[len(part)] * parts)
+    at_offsets, at_lengths = 8 + len(part), 8 + len(part) + len(offsets)
+    if tile:  # TileWidth, TileLength, TileOffsets, TileByteCounts
+        layout = [(322, 3, 1, tile), (323, 3, 1, tile), (324, 4, parts, at_offsets), (325, 4, parts, at_lengths)]
+    else:  # StripOffsets, RowsPerStrip, StripByteCounts
+        layout = [(273, 4, parts, at_offsets), (278, 4, 1, 1), (279, 4, parts, at_lengths)]
+    sizes = [(256, size_type, 1, width), (257, size_type, 1, height)]
+    grey = [(258, 3, 1, 8), (259, 3, 1, 1), (262, 3, 1, 1), (277, 3, 1, 1)]
+    entries = [*sorted(sizes + grey + layout), *more_entries]
     ifd = struct.pack("<H", len(entries)) + b"".join(struct.pack("<HHII", *entry) for entry in entries) + bytes(4)
-    return header + struct.pack("<I", directory) + pixels + offsets + lengths + ifd
+    return header + struct.pack("<I", at_lengths + len(lengths)) + part + offsets + lengths + ifd
 
 
 def test_a_tiff_listing_more_strips_than_its_image_has_is_refused_before_pillow_opens_it():
     # An 8x8 image listing a million strips (8 MB) held a decode thread 10 s and was answered 200; one of 1M rows
     # took Pillow 2.6 s to open before its side was refused
-    assert decode_image(tiff_listing_strips(8, 8, 8)).size == (8, 8)  # one strip a row: what it should list
+    assert decode_image(tiff_listing(8, 8, 8)).size == (8, 8)  # one strip a row: what it should list
     listed = r"^a TIFF whose 8x8 image has 8 but lists 200000 strips or tiles"
     with pytest.raises(InvalidImage, match=listed):
-        decode_image(tiff_listing_strips(8, 8, 200_000))
+        decode_image(tiff_listing(8, 8, 200_000))
     # Read as Pillow reads it (a reviewer got each past the first version): its size as a signed type, 42 written
     # the other way round, tiles listed besides the strips Pillow reads
     tiles = ((322, 3, 1, 16), (323, 3, 1, 16), (324, 4, 1, 8))
     for odd in ({"size_type": 9}, {"header": b"II\0*"}, {"more_entries": tiles}):
         with pytest.raises(InvalidImage, match=listed):
-            decode_image(tiff_listing_strips(8, 8, 200_000, **odd))
+            decode_image(tiff_listing(8, 8, 200_000, **odd))
     # and a directory of so many entries that the strips could come after those read (Pillow reads them all)
     with pytest.raises(InvalidImage, match=r"^a TIFF directory of 1010 entries, over 1000"):
-        decode_image(tiff_listing_strips(8, 8, 8, more_entries=[(60_000 + i, 3, 1, 0) for i in range(1_001)]))
+        decode_image(tiff_listing(8, 8, 8, more_entries=[(60_000 + i, 3, 1, 0) for i in range(1_001)]))
     with pytest.raises(ImageTooLarge, match=r"^image is 8x200000: a side over 65535 pixels"):
-        decode_image(tiff_listing_strips(8, 200_000, 200_000))
+        decode_image(tiff_listing(8, 200_000, 200_000))
     # What writers make is read: strips and tiles, planes apart, BigTIFF, either byte order (tifffile writes them)
     image = np.random.default_rng(4).integers(0, 256, (3, 40, 48), dtype=np.uint8)
     for options in (
