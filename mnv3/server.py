@@ -563,7 +563,8 @@ class DelayedShutdownServer(uvicorn.Server):
     503 before it stops as uvicorn does (the port closed, in-flight requests given --shutdown-timeout-s). A load
     balancer goes on sending for a moment after it is told a pod is going (Kubernetes removes the endpoint while
     the pod is signalled): closed at once, those requests find no one listening. A second SIGTERM, or Ctrl-C,
-    ends the wait: uvicorn's stop begins then."""
+    ends the wait: uvicorn's stop begins then. A second Ctrl-C during that stop quits without waiting for
+    requests in flight (uvicorn's force quit), each answered 503."""
 
     def __init__(self, config: uvicorn.Config, delay_s: float, app: FastAPI):
         super().__init__(config)
@@ -584,6 +585,17 @@ class DelayedShutdownServer(uvicorn.Server):
         self.delayed = threading.Timer(self.delay_s, super().handle_exit, (sig, frame))
         self.delayed.daemon = True
         self.delayed.start()
+
+    async def shutdown(self, sockets=None) -> None:
+        await super().shutdown(sockets)
+        if self.force_exit:
+            # A second Ctrl-C: uvicorn skips the app's shutdown, which asyncio.run then cancels, and Starlette
+            # logs that as a failed shutdown with a traceback. It runs here instead, without a drain: whatever
+            # still waits for inference is answered 503 at once.
+            serving: Serving | None = getattr(self.app.state, "serving", None)
+            if serving is not None:
+                serving.stop_drain_s = 0
+            await self.lifespan.shutdown()
 
 
 if __name__ == "__main__":

@@ -77,3 +77,24 @@ def test_a_request_still_running_when_the_drain_runs_out_answers_503(fp32_model_
     assert "retry-after: 1" in headers.lower().splitlines()
     assert json.loads(body) == {shape: "the server stopped before this request finished (--shutdown-timeout-s)"}
     assert "Exception in ASGI application" not in log
+
+
+def test_a_second_ctrl_c_quits_at_once_without_a_traceback(fp32_model_path):
+    """uvicorn's force quit skipped the app's shutdown, which asyncio.run then cancelled: Starlette logged a
+    CancelledError traceback as a failed shutdown. A request still in flight is answered 503 either way."""
+    server = ServerProcess(fp32_model_path, body_timeout_s=WAIT_S, shutdown_timeout_s=WAIT_S)
+    with server as url:
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as stalled:
+            head = "POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\nContent-Length: 1000\r\n\r\n"
+            stalled.sendall(head.encode() + b"\xff\xd8" * 50)  # a tenth of the body, then nothing
+            wait_until(lambda: in_flight(url) == 1, "the upload to be admitted")
+            server.process.send_signal(signal.SIGINT)  # waits for the upload, up to --shutdown-timeout-s
+            time.sleep(0.5)
+            server.process.send_signal(signal.SIGINT)
+            stalled.settimeout(WAIT_S)
+            answer = b"".join(iter(lambda: stalled.recv(65536), b""))
+        assert server.process.wait(WAIT_S) == 0
+        log = server.output_tail()
+    assert answer.startswith(b"HTTP/1.1 503 ")
+    assert "Traceback" not in log and "ERROR" not in log, log
