@@ -64,6 +64,8 @@ def top_k_ids(probabilities: np.ndarray, k: int) -> np.ndarray:
     candidate (all its equals too, so ties keep id order), and only the candidates are sorted. NaN, which
     the partition puts above every number, can leave fewer than k candidates: then the whole row is sorted."""
     k = min(k, len(probabilities))
+    if k <= 0:  # none asked for (the partition below has no 0th largest)
+        return np.empty(0, np.intp)
     kth = np.partition(probabilities, len(probabilities) - k)[len(probabilities) - k]
     candidates = np.flatnonzero(probabilities >= kth)
     if len(candidates) < k:
@@ -112,12 +114,13 @@ class Engine:
         intra_op_threads: int = DEFAULT_INTRA_OP_THREADS,
         inter_op_threads: int = DEFAULT_INTER_OP_THREADS,
         max_batch_size: int = 1,
-        allow_spinning: bool = True,
+        allow_spinning: bool = False,
         batch_threads: int | None = None,
     ) -> "Engine":
         """Open, validate and name a model, or raise ModelLoadError saying what is wrong.
 
         OpenVINO's inference precision is the chosen one under backend auto, else its default.
+        `allow_spinning`: onnxruntime's idle threads busy-wait; off, as the server has it (--ort-spinning 0).
         `batch_threads`: OpenVINO's threads for batches of more than one (default `intra_op_threads`, as stage
         2 and the limit time an engine alone); 0, a server's default: what stage 2 measured fastest under load
         for the choice served, if measured with `intra_op_threads`, else half of them. onnxruntime runs every
