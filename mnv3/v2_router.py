@@ -26,7 +26,7 @@ from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mnv3.auth import route_path
-from mnv3.errors import ERRORS, BodyTooLarge, error_response
+from mnv3.errors import ERRORS, BadUpload, BodyTooLarge, UnknownModel, error_response
 from mnv3.preprocess import InvalidImage
 from mnv3.serving import ServedModel, Serving, serving, unless_disconnected
 from mnv3.uploads import read_body
@@ -52,9 +52,10 @@ MODEL_VERSION = "1"  # one version per model: the file it was started with
 SERVER_VERSION = "1"
 
 
-# What a V2Error counts as in mnv3_rejections_total (a 503 "not ready" answers a probe, refuses no work). A 404
-# is a model the request names that is not served, by its name or its version.
-V2_REJECTION_REASONS = {400: "bad_input", 404: "unknown_model"}
+# The mnv3.errors class a V2Error counts as in mnv3_rejections_total, by its status: so its reason is the one
+# table's. A 404 is a model the request names that is not served, by its name or its version; a 503 "not
+# ready" answers a probe and refuses no work.
+V2_ERROR_CLASSES: dict[int, type[Exception]] = {400: BadUpload, 404: UnknownModel}
 
 
 class V2Route(APIRoute):
@@ -69,8 +70,8 @@ class V2Route(APIRoute):
             try:
                 return await handle(request)
             except V2Error as exc:
-                if exc.status in V2_REJECTION_REASONS:
-                    request.app.state.serving.metrics.rejections.labels(V2_REJECTION_REASONS[exc.status]).inc()
+                if exc.status in V2_ERROR_CLASSES:
+                    request.app.state.serving.metrics.count_rejection(V2_ERROR_CLASSES[exc.status](exc.message))
                 return JSONResponse(error_body(exc.message), exc.status)
             except tuple(ERRORS) as exc:
                 request.app.state.serving.metrics.count_rejection(exc)

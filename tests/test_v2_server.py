@@ -194,9 +194,13 @@ def test_classification_extension_gives_predicts_top_k(server, client, photos, f
         )  # printed with 6 decimals
 
 
-def unknown_model_rejections(server) -> float:
+def rejections(server, reason: str) -> float:
     metrics = requests.get(server + "/metrics", timeout=WAIT_S).text
-    return float(re.search(r'^mnv3_rejections_total\{reason="unknown_model"\} (\S+)$', metrics, re.M)[1])
+    return float(re.search(rf'^mnv3_rejections_total\{{reason="{reason}"\}} (\S+)$', metrics, re.M)[1])
+
+
+def unknown_model_rejections(server) -> float:
+    return rejections(server, "unknown_model")
 
 
 def test_unknown_model_or_version_is_404(server, client, photos):
@@ -342,9 +346,12 @@ def bad_requests(photo: bytes) -> dict[str, tuple[bytes, dict, int, str]]:
 @pytest.mark.parametrize("case", bad_requests(b"").keys())
 def test_bad_input_is_a_4xx_error_and_the_server_serves_on(server, client, photos, case):
     body, headers, status, message = bad_requests(photos[0])[case]
+    reason = "too_large" if status == 413 else "bad_input"
+    counted_before = rejections(server, reason)
     response = requests.post(server + "/v2/models/large/infer", data=body, headers=headers, timeout=WAIT_S)
     assert response.status_code == status, response.text
     assert message in response.json()["error"]
+    assert rejections(server, reason) == counted_before + 1
     documented = requests.get(server + "/openapi.json", timeout=WAIT_S).json()["paths"]
     assert str(status) in documented["/v2/models/{name}/infer"]["post"]["responses"]
     assert client.infer("large", [image_input(photos[:1])]).as_numpy("PROBABILITIES").shape == (1, 1000)
