@@ -1,10 +1,11 @@
 """GET /: a page to classify photos in the browser and watch the server, served by the server itself.
 
-Plain HTML, CSS and JavaScript from `mnv3/static/` (no build step, no framework, no CDN or external
-font: nothing the page loads comes from another host). Every URL the page uses is relative, so it
-also works when the app is served under a path prefix. What the page does is in `static/page.js`;
-it talks only to the API every client uses (`/predict`, `/models`, `/stats`, and `/metrics` when its
-link is followed with an API key in use), so it adds no work to the /predict path.
+Plain HTML (`mnv3/page.html`, served only at `/`, with its headers), CSS and JavaScript (`mnv3/static/`;
+no build step, no framework, no CDN or external font: nothing the page loads comes from another host).
+Every URL the page uses is relative, so it also works when the app is served under a path prefix. What
+the page does is in `static/page.js`; it talks only to the API every client uses (`/predict`, `/models`,
+`/stats`, and `/metrics` when its link is followed with an API key in use), so it adds no work to the
+/predict path.
 """
 
 from pathlib import Path
@@ -14,6 +15,9 @@ from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
 STATIC = Path(__file__).parent / "static"
+# Not among the static files: served from there too, it would come without PAGE_HEADERS, and its relative URLs
+# would point under /static/static/.
+PAGE = Path(__file__).with_name("page.html")
 FAVICON_PATH = "/static/favicon.svg"
 
 # The page runs its own script and styles and nothing else: no inline script an injected string could become, no
@@ -32,4 +36,4 @@ page_router.mount("/static", StaticFiles(directory=STATIC), name="static")
 
 @page_router.get("/")
 async def page() -> FileResponse:
-    return FileResponse(STATIC / "index.html", headers=PAGE_HEADERS)
+    return FileResponse(PAGE, headers=PAGE_HEADERS)

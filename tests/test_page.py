@@ -431,6 +431,8 @@ def test_the_pages_policy_lets_it_load_nothing_but_its_own(browser, server):
     assert "default-src 'self'" in answer.headers["Content-Security-Policy"]
     assert "frame-ancestors 'none'" in answer.headers["Content-Security-Policy"]
     assert answer.headers["X-Content-Type-Options"] == "nosniff" and answer.headers["X-Frame-Options"] == "DENY"
+    # nowhere else, where it would come without them (and its relative URLs would lead nowhere)
+    assert requests.get(server + "/static/index.html").status_code == 404
     tried_before = len(browser.off_host)
     page = browser.context.new_page()
     try:
