@@ -32,6 +32,7 @@ from mnv3.runtime import DEFAULT_INTER_OP_THREADS, DEFAULT_INTRA_OP_THREADS
 # threads for the same two cores. Raise it with the core count.
 DEFAULT_PREPROCESS_THREADS = 2
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+MAX_BATCH_SIZE = 256
 
 
 PROG = "python -m mnv3.server"  # how its errors begin, from argparse or from loading a model
@@ -129,7 +130,11 @@ class ServerConfig:
     )
     cache_size: int = _option(1024, "result cache entries; 0 disables the cache", minimum=0)
     batch_window_ms: float = _option(20.0, "how long a batch waits for more requests after its first", minimum=0)
-    max_batch_size: int = _option(32, "largest batch; 1 runs every request alone, with no window wait", minimum=1)
+    # Bounded: each place in a batch holds two preprocessed rows (1.2 MB) from start-up on, and on a CPU a batch
+    # past a few dozen images adds latency, not throughput.
+    max_batch_size: int = _option(
+        32, "largest batch; 1 runs every request alone, with no window wait", minimum=1, maximum=MAX_BATCH_SIZE
+    )
     max_in_flight: int = _option(
         512,
         "requests admitted at once (uploading, decoding, queued or running); more get 503 before their body is read",
@@ -341,7 +346,8 @@ def parse_args(argv=None, environ=os.environ, prog: str = PROG) -> ServerConfig:
             type=f.type,
             default=argparse.SUPPRESS,  # absent from the parsed flags unless given
             choices=f.metadata.get("choices"),
-            help=f"{f.metadata['help']} [{env}; {environ.get(env, f.default)}]",
+            # argparse formats help with %: a variable's value holding one must not break --help
+            help=f"{f.metadata['help']} [{env}; {str(environ.get(env, f.default)).replace('%', '%%')}]",
         )
     args = vars(parser.parse_args(argv))
     models = args.pop("model") or ([Path(environ["MNV3_MODEL"])] if environ.get("MNV3_MODEL") else [])

@@ -71,7 +71,7 @@ class Metrics:
             "mnv3_batch_size",
             "requests per inference call",
             labels,
-            buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),  # up to --max-batch-size's maximum
             registry=registry,
         )
         self.rejections = Counter(

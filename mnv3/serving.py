@@ -234,10 +234,11 @@ class Serving:
         for served in self.models.values():
             try:
                 await asyncio.to_thread(served.warm_up)
-            except InferenceError as exc:
-                log.error("warm-up of %s failed: %s", served.name, exc)
-                served.not_ready_reason = f"failed to warm up: {exc}"
-                failures.append(f"{served.name}: {exc}")
+            except Exception as exc:  # any: a warm-up task that died silently left /readyz "warming up" for good
+                what = str(exc) if isinstance(exc, InferenceError) else f"{type(exc).__name__}: {exc}"
+                log.error("warm-up of %s failed: %s", served.name, what, exc_info=not isinstance(exc, InferenceError))
+                served.not_ready_reason = f"failed to warm up: {what}"
+                failures.append(f"{served.name}: {what}")
         if failures:
             self.not_ready_reason = f"warm-up failed: {'; '.join(failures)}"
         else:

@@ -82,6 +82,13 @@ def test_batch_threads_flag_and_variable():
         ServerConfig(model="a.onnx", batch_threads=-1)
 
 
+def test_a_batch_size_past_the_maximum_is_refused_before_a_model_loads():
+    # 10**7 places had the warm-up's batch fail to allocate, once the server had started
+    assert ServerConfig(model="a.onnx", max_batch_size=256).max_batch_size == 256
+    with pytest.raises(ValueError, match="--max-batch-size must be at most 256, got 10000000"):
+        ServerConfig(model="a.onnx", max_batch_size=10**7)
+
+
 def test_a_port_past_65535_is_refused_not_wrapped():
     # uvloop would bind 99999 modulo 65536 (34463) while logging 99999
     assert parse_args(["--model", "a.onnx", "--port", "65535"], environ={}).port == 65535
@@ -138,6 +145,9 @@ def test_an_error_names_the_variable_when_no_flag_gave_the_value(capsys):
     with pytest.raises(SystemExit) as help_exit:
         parse_args(["--help"], {"MNV3_PORT": "auto"})
     assert help_exit.value.code == 0 and "MNV3_PORT; auto" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as help_exit:  # argparse formats help with %: a value holding one is text
+        parse_args(["--help"], {"MNV3_ROOT_PATH": "/a%zb"})
+    assert help_exit.value.code == 0 and "MNV3_ROOT_PATH; /a%zb" in capsys.readouterr().out
     assert parse_args(["--model", "a.onnx"], {"MNV3_DEADLINE_MS": "250"}).deadline_ms == 250.0
 
 

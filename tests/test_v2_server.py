@@ -403,19 +403,28 @@ def test_duplicate_or_unsafe_model_names_are_one_line_cli_errors(fp32_model_path
         assert result.returncode == 2 and message in result.stderr.strip().splitlines()[-1]
 
 
-def test_a_model_whose_warm_up_failed_says_so_and_the_others_are_ready(fp32_model_path, monkeypatch):
+# An InferenceError says which runtime failed; any other exception (a MemoryError allocating the warm-up batch)
+# had ended the warm-up task silently, leaving the server "warming up" for good.
+@pytest.mark.parametrize(
+    "error, said",
+    [
+        (InferenceError("out of memory (simulated)"), "out of memory (simulated)"),
+        (MemoryError("out of memory (simulated)"), "MemoryError: out of memory (simulated)"),
+    ],
+)
+def test_a_model_whose_warm_up_failed_says_so_and_the_others_are_ready(fp32_model_path, monkeypatch, error, said):
     config = ServerConfig(model=f"a={fp32_model_path}", extra_models=(f"b={fp32_model_path}",))
     engines = load_engines(config)
 
     def failing(batch_sizes):
-        raise InferenceError("out of memory (simulated)")
+        raise error
 
     monkeypatch.setattr(engines[0], "warm_up", failing)
     with TestClient(create_app(config, *engines)) as client:
         wait_until(lambda: "failed" in client.get("/readyz").json()["status"], "the warm-up's failure")
-        assert client.get("/readyz").json() == {"status": "warm-up failed: a: out of memory (simulated)"}
+        assert client.get("/readyz").json() == {"status": f"warm-up failed: a: {said}"}
         failed = client.get("/v2/models/a/ready")
         assert failed.status_code == 503
-        assert failed.json() == {"error": "model a failed to warm up: out of memory (simulated)"}
+        assert failed.json() == {"error": f"model a failed to warm up: {said}"}
         assert client.get("/v2/models/b/ready").status_code == 200
         assert client.get("/v2/health/ready").status_code == 503
