@@ -80,8 +80,11 @@ class ServedModel:
     ):
         self.name, self.engine, self.default, self.config = spec.name, engine, default, config
         self.preprocess_pool, self.inference_lock = preprocess_pool, inference_lock
+        # An inference failure is its batch's (the README: only that batch fails), not the image's.
         self.cache = ResultCache(
-            config.cache_size, engine.model_id, leader_only_errors=(DeadlineExceeded, QueueFull, ClientDisconnect)
+            config.cache_size,
+            engine.model_id,
+            leader_only_errors=(DeadlineExceeded, QueueFull, ClientDisconnect, InferenceError),
         )
         self.batcher = DynamicBatcher(
             self._run_batch, config.max_batch_size, config.batch_window_ms, config.queue_limit

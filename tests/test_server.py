@@ -349,6 +349,28 @@ def test_onnxruntime_error_fails_only_its_batch_and_the_server_serves_on(fp32_mo
         assert 'mnv3_rejections_total{reason="inference_failed"} 2.0' in client.get("/metrics").text
 
 
+def test_an_inference_failure_is_not_handed_to_followers_of_the_same_image(fp32_model_path, images):
+    # Only the batch that failed fails: requests for the same image that waited on it compute again (they had
+    # all got the leader's 500).
+    with (
+        serving_client(fp32_model_path, max_batch_size=1, cache_size=8) as client,
+        ThreadPoolExecutor(3) as pool,
+    ):
+        engine = client.app.state.serving.engine
+        gate = Gate(engine)
+        engine.session = FailingSession(engine.session, fail_call=1)
+        leader = gate.hold(pool, post_file, client, images[0])
+        followers = [pool.submit(post_file, client, images[0]) for _ in range(2)]
+        wait_until(lambda: client.app.state.serving.in_flight == 3, "the followers to wait for the leader")
+        gate.release.set()
+        assert leader.result().status_code == 500
+        answers = [follower.result() for follower in followers]
+        assert [answer.status_code for answer in answers] == [200, 200]
+        assert sorted(answer.json()["cache_hit"] for answer in answers) == [False, True]  # one computed, one shared
+        assert gate.batch_sizes == [1, 1]
+        assert 'mnv3_rejections_total{reason="inference_failed"} 1.0' in client.get("/metrics").text
+
+
 def test_debug_logs_a_line_a_batch(fp32_model_path, images, caplog):
     with serving_client(fp32_model_path, cache_size=0) as client:
         name = client.app.state.serving.model(None).name
