@@ -36,7 +36,11 @@ class ResultCache:
         return f"{key}:{kind}" if kind else key
 
     async def get_or_compute(
-        self, data: bytes, compute: Callable[[], Awaitable[Result]], kind: str = ""
+        self,
+        data: bytes,
+        compute: Callable[[], Awaitable[Result]],
+        kind: str = "",
+        follow: Callable[[Awaitable[Result]], Awaitable[Result]] | None = None,
     ) -> tuple[Result, bool]:
         """Return (result, hit). A hit is a stored result or one shared with an identical request in flight.
         `kind` tells apart results of different shapes computed from the same bytes.
@@ -44,6 +48,8 @@ class ResultCache:
         The first request for a key (the leader) computes; identical requests arriving meanwhile await
         its future. A leader's exception reaches its followers and is not stored, except a
         `leader_only_errors` one: then, as when the leader's client went away, one follower takes over.
+        `follow` wraps a follower's wait (the server's ends it when the follower's own client leaves); an
+        exception it raises ends only that follower, not the leader.
         """
         if self._results is None:
             return await compute(), False
@@ -56,13 +62,14 @@ class ResultCache:
             if shared is None:
                 return await self._lead(key, compute), False
             try:
-                result = await asyncio.shield(shared)
+                waiting = asyncio.shield(shared)
+                result = await (follow(waiting) if follow else waiting)
             except asyncio.CancelledError:
                 if not shared.cancelled() or asyncio.current_task().cancelling():  # type: ignore[union-attr]
                     raise  # this request itself was cancelled
                 continue  # the leader was cancelled, not us: try again, perhaps as leader
             finally:
-                del shared  # the leader's exception, raised here, would hold this frame in a cycle (_lead)
+                del shared, waiting  # the leader's exception, raised here, would hold this frame in a cycle (_lead)
             self.hits += 1
             return result, True
 

@@ -126,10 +126,12 @@ async def predict(request: Request, model_name: ModelName = None) -> PredictResp
     with s.request(model):
         data = await read_upload(request, s.config.max_upload_bytes, s.config.body_timeout_s)
         deadline = s.deadline()
-        # Only the computation watches for a disconnect: a cache hit is answered before a watcher
-        # task would even start, and a follower's wait on an identical request costs nothing.
+        # The computation and a follower's wait on an identical request watch for a disconnect (a follower
+        # left waiting holds its --max-in-flight place); a cache hit is answered before a watcher would start.
         result, hit = await model.cache.get_or_compute(
-            data, lambda: unless_disconnected(request, model.classify(data, deadline))
+            data,
+            lambda: unless_disconnected(request, model.classify(data, deadline)),
+            follow=lambda waiting: unless_disconnected(request, waiting),
         )
     if hit:
         result = result.as_cache_hit()

@@ -215,6 +215,24 @@ def test_disconnected_clients_work_is_dropped_and_nothing_leaks(fp32_model_path,
         assert 'mnv3_rejections_total{reason="disconnected"} 5.0' in metrics and "mnv3_dropped_total 5.0" in metrics
 
 
+def test_a_follower_whose_client_left_ends_then_not_when_its_leader_does(fp32_model_path, images):
+    # It had held its --max-in-flight place until the leader's answer, and was counted a cache hit: a client
+    # sending one slow image and hanging up could fill every place without keeping a socket open.
+    with live_server(fp32_model_path, max_batch_size=1, cache_size=8) as (url, serving), ThreadPoolExecutor(1) as pool:
+        gate = Gate(serving.engine)
+        leader = gate.hold(pool, post, url, images[0])
+        followers = [open_socket(url, len(images[0]), images[0]) for _ in range(3)]
+        wait_until(lambda: serving.in_flight == 4, "the followers to wait for the leader")
+        for sock in followers:
+            sock.close()
+        wait_until(lambda: serving.in_flight == 1, "the followers to end")
+        gate.release.set()
+        assert leader.result().status_code == 200
+        assert gate.batch_sizes == [1] and serving.default.cache.hits == 0
+        metrics = requests.get(url + "/metrics", timeout=WAIT_S).text
+        assert 'mnv3_rejections_total{reason="disconnected"} 3.0' in metrics
+
+
 @pytest.mark.slow
 def test_twice_the_sustainable_rate_sheds_load_and_answers_every_accepted_request_right(fp32_model_path, images):
     deadline_s = 0.5
