@@ -89,7 +89,10 @@ ERRORS: dict[type[Exception], tuple[int, str | None, str]] = {
 }
 # The refusals of --api-keys (mnv3.auth.ApiKeyAuth.decide gives each its label), as mnv3_rejections_total counts them.
 ACCESS_REFUSALS = ("key_in_url", "no_valid_key", "out_of_scope", "rate_limited", "key_in_flight")
-REJECTION_REASONS = sorted({reason for _, reason, _ in ERRORS.values() if reason} | set(ACCESS_REFUSALS))
+# Any other exception is a bug: answered 500 all the same, with a JSON reason, and counted under this one.
+INTERNAL = "internal"
+INTERNAL_DOC = "an unexpected failure (a bug: the server logs its traceback)"
+REJECTION_REASONS = sorted({reason for _, reason, _ in ERRORS.values() if reason} | set(ACCESS_REFUSALS) | {INTERNAL})
 
 
 class ErrorDetail(BaseModel):
@@ -102,6 +105,7 @@ ERROR_DOCS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorDetail, "description": "; ".join(doc for s, _, doc in ERRORS.values() if s == status)}
     for status in sorted({status for status, _, _ in ERRORS.values()} - {499})
 }
+ERROR_DOCS[500]["description"] += f"; {INTERNAL_DOC}"
 ERROR_DOCS[503]["headers"] = {
     "Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "integer"}}
 }
@@ -121,6 +125,10 @@ def body_for_path(path: str) -> Callable[[str], dict]:
     """The error shape a request path answers in: the Open Inference Protocol's `{"error"}` under /v2, else
     `{"detail"}`, for answers given outside a router (a middleware's)."""
     return error_body if is_protocol_path(path) else detail_body
+
+
+def internal_error_message(exc: Exception) -> str:
+    return f"internal server error ({type(exc).__name__}); the server's log has its traceback"
 
 
 def error_response(exc: Exception, body: Callable[[str], dict] = detail_body) -> JSONResponse:

@@ -40,7 +40,7 @@ from mnv3.batcher import ShuttingDown
 from mnv3.config import PROG, ModelSpec, ServerConfig, parse_args, unknown_variables
 from mnv3.connections import BoundedHeadProtocol
 from mnv3.engine import Engine, ModelLoadError, Prediction
-from mnv3.errors import CUT_OFF, ERROR_DOCS, ERRORS, body_for_path, error_response
+from mnv3.errors import CUT_OFF, ERROR_DOCS, ERRORS, INTERNAL, body_for_path, error_response, internal_error_message
 from mnv3.page import page_router
 from mnv3.serving import ModelName, ServedModel, Serving, served_model, serving, unless_disconnected
 from mnv3.stats import stats_router
@@ -299,6 +299,13 @@ async def reject(request: Request, exc: Exception) -> JSONResponse:
     return error_response(exc)
 
 
+async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+    """Any exception no other handler takes (a bug): a 500 with a JSON reason in the path's error shape, where
+    Starlette answered plain text, counted as `internal`. Starlette then raises it on, and uvicorn logs it."""
+    request.app.state.serving.metrics.rejections.labels(INTERNAL).inc()
+    return JSONResponse(body_for_path(route_path(request.scope))(internal_error_message(exc)), 500)
+
+
 def reload_keys_on_sighup(keys: Keys, path) -> bool:
     """From now on, SIGHUP reads the key file at `path` again into `keys` (a key revoked, added or rotated
     without a restart; a file that cannot be used leaves the keys as they were, and says why). Whether it
@@ -356,6 +363,7 @@ def create_app(config: ServerConfig, *engines: Engine) -> FastAPI:
     for exc_type in ERRORS:
         app.add_exception_handler(exc_type, reject)
     app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, internal_error)
     app.add_middleware(HeadAsGet)
     app.add_middleware(CloseUnreadBody, limit=config.max_upload_bytes)
     if keys is not None:

@@ -26,7 +26,7 @@ from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mnv3.auth import route_path
-from mnv3.errors import ERRORS, BadUpload, BodyTooLarge, UnknownModel, error_response
+from mnv3.errors import ERRORS, INTERNAL_DOC, BadUpload, BodyTooLarge, UnknownModel, error_response
 from mnv3.preprocess import InvalidImage
 from mnv3.serving import ServedModel, Serving, serving, unless_disconnected
 from mnv3.uploads import read_body
@@ -96,7 +96,7 @@ V2_ERROR_DOCS: dict[int | str, dict[str, Any]] = {
         (408, "the body did not arrive within --body-timeout-s"),
         (413, "body over --max-upload-bytes; image over --max-pixels or with a side over 65,535"),
         (415, "a Content-Encoding other than gzip or deflate"),
-        (500, "inference failed for the batch an image ran in"),
+        (500, f"inference failed for the batch an image ran in; {INTERNAL_DOC}"),
         (
             503,
             "--max-in-flight or --queue-limit reached, or shutting down (+ Retry-After); not ready (warming up, or "

@@ -428,3 +428,22 @@ def test_a_model_whose_warm_up_failed_says_so_and_the_others_are_ready(fp32_mode
         assert failed.json() == {"error": f"model a failed to warm up: {said}"}
         assert client.get("/v2/models/b/ready").status_code == 200
         assert client.get("/v2/health/ready").status_code == 503
+
+
+def test_an_unexpected_failure_is_a_json_500_in_the_paths_shape_counted_as_internal(fp32_model_path, photos):
+    # A bug's exception (here a MemoryError) got Starlette's plain-text 500, counted nowhere.
+    async def failing(*args):
+        raise MemoryError
+
+    with TestClient(create_app(ServerConfig(model=fp32_model_path)), raise_server_exceptions=False) as client:
+        wait_until(lambda: client.get("/readyz").status_code == 200, "warm-up")
+        served = client.app.state.serving.default
+        served.classify = served.probabilities = failing
+        element = struct.pack("<I", len(photos[0])) + photos[0]
+        body, headers = binary_request(image_header(1, len(element)), element)
+        answers = [post_file(client, photos[0]), client.post("/v2/models/fp32/infer", content=body, headers=headers)]
+        message = "internal server error (MemoryError); the server's log has its traceback"
+        assert [(a.status_code, a.json()) for a in answers] == [(500, {"detail": message}), (500, {"error": message})]
+        assert 'mnv3_rejections_total{reason="internal"} 2.0' in client.get("/metrics").text
+        del served.classify  # the instance attribute: the method again
+        assert post_file(client, photos[0]).status_code == 200  # and it serves on
