@@ -56,7 +56,8 @@ class Metrics:
         labels = ["model"] if self.labelled else []
         self.request_latency = Histogram(
             "mnv3_request_latency_seconds",
-            "POST /predict or /v2 infer admitted (within --max-in-flight), arrival to response",
+            "POST /predict or /v2 infer admitted (within --max-in-flight), from arrival until its result or error "
+            "is ready (encoding and sending the answer not included)",
             labels,
             registry=registry,
         )

@@ -192,9 +192,12 @@ class Stages(BaseModel):
 
 
 class ModelStats(BaseModel):
-    requests: int = Field(description="this model's requests answered in the window, any status")
+    requests: int = Field(
+        description="this model's requests answered in the window, any status, of those admitted (a refusal "
+        "before admission, such as a 503 busy or a 404 unknown model, is counted only in `rejected`)"
+    )
     requests_per_s: float
-    latency: LatencySummary = Field(description="arrival to response")
+    latency: LatencySummary = Field(description="arrival until its result or error is ready")
     cache_hit_rate: float | None = Field(description="in the window; None without requests")
     queue_depth: int = Field(description="now: this model's requests waiting for inference")
 
@@ -205,10 +208,12 @@ class StatsResponse(BaseModel):
         "start-up, or more if /stats was not called for longer than that"
     )
     requests: int = Field(
-        description="POST /predict and /v2 infer requests answered in the window, any status, any model"
+        description="POST /predict and /v2 infer requests answered in the window, any status, any model, of "
+        "those admitted (a refusal before admission, such as a 503 busy or a 404 unknown model, is counted only "
+        "in `rejected`)"
     )
     requests_per_s: float
-    latency: LatencySummary = Field(description="those requests, arrival to response")
+    latency: LatencySummary = Field(description="those requests, arrival until the result or error is ready")
     stages: Stages
     batch_size: BatchSizes
     cache: CacheStats
