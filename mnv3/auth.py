@@ -257,7 +257,8 @@ class Keys:
         self.buckets = {
             key.digest: TokenBucket(key.limit.rate_per_s, key.limit.burst, clock) for key in keys if key.limit
         }
-        self.in_flight = {key.digest: 0 for key in keys if key.in_flight}  # changed on the event loop only
+        # Every key's, bounded or not: a reload that gives a key a bound then knows what it has under way.
+        self.in_flight = {key.digest: 0 for key in keys}  # changed on the event loop only
         self.digests = frozenset(key.digest for key in keys)  # to spot a key where none belongs, not to admit one
 
     def __repr__(self):
@@ -265,11 +266,15 @@ class Keys:
 
     def replace_with(self, new: "Keys") -> None:
         """On the event loop: accept `new`'s keys from now on (a key file read again). A key kept with the same
-        rate keeps its bucket, so a reload grants no fresh burst; requests in flight stay counted, those of a key
-        that went included, until they end."""
-        limits = {key.digest: key.limit for key in self.keys}
+        rate keeps its bucket (however the rate is written: 60/min is 1/s), so a reload grants no fresh burst;
+        requests in flight stay counted, those of a key that went included, until they end."""
+
+        def rate(limit: RateLimit | None) -> tuple[float, int] | None:
+            return (limit.rate_per_s, limit.burst) if limit else None
+
+        rates = {key.digest: rate(key.limit) for key in self.keys}
         self.buckets = {
-            digest: self.buckets[digest] if limits.get(digest) == key.limit else new.buckets[digest]
+            digest: self.buckets[digest] if rates.get(digest) == rate(key.limit) else new.buckets[digest]
             for key in new.keys
             if (digest := key.digest) in new.buckets
         }
@@ -430,7 +435,7 @@ class ApiKeyAuth:
         decision = self.decide(scope)
         refusal, limit_headers, key = decision.refusal, decision.limit_headers, decision.key
         if refusal is None:
-            if key is None or key.digest not in self.keys.in_flight:
+            if key is None:
                 return await self.pass_on(scope, receive, send, limit_headers)
             self.keys.in_flight[key.digest] += 1
             try:

@@ -621,3 +621,14 @@ def test_keys_read_again_keep_the_buckets_of_unchanged_rates_and_the_counts_of_r
     keys.replace_with(parse_keys(f"{INFER_KEY} infer\n"))  # the limited key revoked while its request runs
     assert keys.match(LIMITED_KEY) is None and keys.in_flight[limited.digest] == 1
     keys.in_flight[limited.digest] -= 1  # its end, counted down without a KeyError
+
+
+def test_keys_read_again_keep_a_bucket_whose_rate_is_only_written_otherwise_and_count_what_a_new_bound_covers():
+    clock = Clock()
+    keys = parse_keys(f"{LIMITED_KEY} infer rate=60/min burst=1\n{INFER_KEY} infer\n", clock=clock)
+    limited, unbounded = keys.match(LIMITED_KEY), keys.match(INFER_KEY)
+    assert keys.take(limited).wait_s == 0  # its burst spent
+    keys.in_flight[unbounded.digest] += 2  # two requests under way, of a key with no bound yet
+    keys.replace_with(parse_keys(f"{LIMITED_KEY} infer rate=1/s burst=1\n{INFER_KEY} infer in_flight=2\n"))
+    assert keys.take(keys.match(LIMITED_KEY)).wait_s > 0  # the same rate, spelt otherwise: no fresh burst
+    assert keys.in_flight[unbounded.digest] == 2  # its new bound already reached
