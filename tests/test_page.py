@@ -117,6 +117,14 @@ def shown_predictions(card):
     ]
 
 
+# Every text the status line (#announce) is given, in order: what a screen reader is told.
+RECORD_ANNOUNCED = """() => {
+    window.announced = [];
+    new MutationObserver(() => window.announced.push(document.getElementById("announce").textContent))
+        .observe(document.getElementById("announce"), {childList: true, characterData: true, subtree: true});
+}"""
+
+
 def timings(card) -> dict[str, str]:
     terms, values = card.locator(".timings dt").all_inner_texts(), card.locator(".timings dd").all_inner_texts()
     return dict(zip(terms, values, strict=True))
@@ -137,10 +145,17 @@ def top5(predictions) -> list[tuple]:
 def test_a_chosen_photo_shows_the_same_top5_as_predict(page, server, photos, tmp_path):
     path = tmp_path / "street.jpg"
     path.write_bytes(photos[0])
+    page.evaluate(RECORD_ANNOUNCED)
     page.get_by_label("Choose photos").set_input_files(path)  # the file input is labelled
 
     card = page.locator("#photos .photo").first
     shown = shown_predictions(card)
+    # a screen reader hears the upload start and its outcome, and can go to the photo by its heading
+    assert page.evaluate("window.announced") == [
+        "street.jpg: Uploading…",
+        f"street.jpg: most likely {shown[0]['label']}, {shown[0]['percent']}",
+    ]
+    assert card.get_by_role("heading", level=3).inner_text() == "street.jpg"
     answer = requests.post(server + "/predict", files={"file": ("street.jpg", photos[0], "image/jpeg")}).json()
     assert answer["cache_hit"], "the page did not upload the photo's exact bytes"
     assert [(p["class_id"], p["label"], p["probability"]) for p in shown] == [
@@ -165,10 +180,16 @@ def test_several_photos_at_once_each_get_their_own_answer(page, server, photos, 
     for i, data in enumerate(photos[1:]):
         paths.append(tmp_path / f"photo{i}.jpg")
         paths[-1].write_bytes(data)
+    page.evaluate(RECORD_ANNOUNCED)
     page.locator("#file-input").set_input_files(paths)
 
     cards = page.locator("#photos .photo")
     cards.nth(len(paths) - 1).wait_for()
+    # Their start and their end are said, not each photo's steps and outcome: a dozen photos' would be half a
+    # minute of speech, or be dropped.
+    done = f"{len(paths)} photos done: {len(paths)} classified"
+    page.wait_for_function("done => window.announced.includes(done)", arg=done)
+    assert page.evaluate("window.announced") == [f"Classifying {len(paths)} photos…", done]
     for card in cards.all():
         name = card.locator("figcaption").inner_text().split(" · ")[0]
         data = photos[1:][paths.index(tmp_path / name)]
@@ -264,6 +285,41 @@ def test_a_dropped_link_says_to_drop_the_saved_file(page):
     assert page.locator("#drop-note").is_hidden()  # a file came after all: the note is old news
 
 
+def test_pasted_images_each_get_a_name_of_their_own(page, photos):
+    # Browsers call every pasted image image.png: their cards, buttons and announcements were all alike.
+    page.evaluate(
+        """(bytes) => {
+        for (let i = 0; i < 2; i++) {
+            const pasted = new DataTransfer();
+            pasted.items.add(new File([new Uint8Array(bytes)], "image.png", {type: "image/png"}));
+            document.dispatchEvent(new ClipboardEvent("paste", {clipboardData: pasted}));
+        }
+    }""",
+        list(photos[0]),
+    )
+    page.wait_for_function("() => document.querySelectorAll('#photos .photo .top5').length === 2")
+    captions = page.locator("#photos figcaption").all_inner_texts()
+    assert [caption.split(" · ")[0] for caption in captions] == ["pasted image 2.png", "pasted image 1.png"]
+
+
+def test_the_live_figures_can_be_paused(page, server, photos):
+    # They change every 1.5 s, for as long as the page is open: WCAG's "pause, stop, hide"
+    pause = page.get_by_role("button", name="Pause live figures")
+    page.wait_for_function("() => /^[0-9]+$/.test(document.getElementById('stat-requests').textContent)")
+    pause.click()
+    assert pause.get_attribute("aria-pressed") == "true"
+    page.wait_for_timeout(600)  # a refresh under way when it was pressed has landed
+    shown, asked = page.locator("#stat-requests").inner_text(), []
+    page.on("request", lambda request: asked.append(request.url) if request.url.endswith("/stats") else None)
+    assert requests.post(server + "/predict", files={"file": ("p.jpg", photos[3], "image/jpeg")}).ok
+    page.wait_for_timeout(3200)  # two refreshes' time
+    assert asked == [] and page.locator("#stat-requests").inner_text() == shown
+    assert page.locator("#live-window").inner_text().startswith("Paused")
+    pause.click()
+    assert pause.get_attribute("aria-pressed") == "false"
+    page.wait_for_function("shown => document.getElementById('stat-requests').textContent !== shown", arg=shown)
+
+
 def test_a_probability_short_of_one_never_shows_as_a_certain_hundred_percent(page):
     shown = page.evaluate("[0.9995, 0.99996, 1, 0.9994, 0.5, 0.01234].map(formatPercent)")
     assert shown == [">99.9%", ">99.9%", "100.0%", "99.9%", "50.0%", "1.23%"]
@@ -301,7 +357,7 @@ def test_the_selector_lists_every_model_and_the_chosen_one_answers(two_model_pag
     page.locator("#file-input").set_input_files(path)
     card = page.locator("#photos .photo").first
     shown = shown_predictions(card)
-    assert card.locator(".result h3").all_inner_texts() == ["shifted"]
+    assert card.locator(".result h4").all_inner_texts() == ["shifted"]
     answer = predict(two_models, photos[0], "shifted")
     assert answer["cache_hit"], "the page did not send the photo to ?model=shifted"
     assert [(p["class_id"], p["label"], p["probability"]) for p in shown] == top5(answer["predictions"])
@@ -331,7 +387,7 @@ def test_compare_mode_shows_every_model_side_by_side_and_their_top1_agreement(
     for card in cards.all():
         data = photos[1:][paths.index(tmp_path / card.locator("figcaption").inner_text().split(" · ")[0])]
         sides = card.locator(".compare .result")
-        assert sides.locator("h3").all_inner_texts() == ["fp32", "shifted"]
+        assert sides.locator("h4").all_inner_texts() == ["fp32", "shifted"]
         answers = {}
         for side, name in zip(sides.all(), ("fp32", "shifted"), strict=True):
             answers[name] = predict(two_models, data, name)
@@ -647,13 +703,17 @@ def test_long_model_names_wrap_instead_of_widening_the_page(
         page.locator("#file-input").set_input_files(path)
         page.locator("#photos .agreement-line").wait_for()
         page.wait_for_function("() => !document.getElementById('per-model').hidden")
-        for width in (1280, 390):
+        for width in (1280, 390, 320):  # 320 CSS px: a 1280 px window at 400% zoom (WCAG's reflow)
             page.set_viewport_size({"width": width, "height": 900})
             assert page.evaluate("document.documentElement.scrollWidth <= document.documentElement.clientWidth"), width
-            headings = page.locator(".compare .result h3").evaluate_all(
+            # every label whole, wrapped where it must be (a tooltip, its only other place, reaches no keyboard)
+            assert page.locator(".top5 .label").evaluate_all(
+                "labels => labels.every((l) => l.scrollWidth <= l.clientWidth)"
+            ), width
+            headings = page.locator(".compare .result h4").evaluate_all(
                 "hs => hs.map((h) => { const r = h.getBoundingClientRect(); return [r.left, r.right]; })"
             )
-            assert headings[0][1] <= headings[1][0] or width == 390, headings  # side by side, not drawn over
+            assert headings[0][1] <= headings[1][0] or width <= 390, headings  # side by side, not drawn over
 
 
 def test_agreement_starts_again_when_the_served_models_change_and_batches_show_before_models_are_known(page):

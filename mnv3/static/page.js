@@ -170,10 +170,18 @@ function statsDelayMs() {
   return Math.min(3_600_000, Math.max(STATS_EVERY_MS, 1000 / (STATS_SHARE_OF_RATE * keyRatePerS)));
 }
 
+// Sets a live region's text so that the same words are announced again: cleared first, then set a moment later.
+function say(region, text) {
+  region.textContent = "";
+  setTimeout(() => { region.textContent = text; }, 50);
+}
+
 function askForKey(reason) {
   if (!keyEntered) {
     const form = $("key-form");
     $("key-reason").textContent = reason;
+    // Invalid when a key was refused (the tab's own, or one entered), not when none was asked for yet.
+    $("key-input").setAttribute("aria-invalid", String(!reason.startsWith("This server needs")));
     form.hidden = false;
     $("key-input").focus();
     keyEntered = new Promise((resolve) => {
@@ -181,8 +189,9 @@ function askForKey(reason) {
         event.preventDefault();
         const key = $("key-input").value.trim();
         if (!KEY_CHARACTERS.test(key)) {
-          $("key-reason").textContent = "That is not an API key: a key is letters, digits and ASCII symbols, " +
-            "with no spaces or typographic quotes. Enter it as it was given.";
+          $("key-input").setAttribute("aria-invalid", "true");
+          say($("key-reason"), "That is not an API key: a key is letters, digits and ASCII symbols, " +
+            "with no spaces or typographic quotes. Enter it as it was given.");
           return;
         }
         form.removeEventListener("submit", submitted);
@@ -291,17 +300,20 @@ async function classifyAll(files) {
   $("empty").hidden = $("drop-note").hidden = true;
   const cards = photos.map(addCard);
   const attempts = cards.map((card, i) => showPending(photos[i], card));
+  // A screen reader hears one photo's steps and outcome; for several, their start and the batch's outcome only
+  // (a dozen outcomes within a second are half a minute of speech, or dropped).
+  const several = photos.length > 1;
+  if (several) $("announce").textContent = `Classifying ${photos.length} photos…`;
   let next = 0, answered = 0;
   const worker = async () => {
     while (next < photos.length) {
       const i = next++;
       // A photo cancelled while it waited for its turn is never sent.
-      if (!attempts[i].signal.aborted && await classifyPhoto(photos[i], cards[i], attempts[i])) answered += 1;
+      if (!attempts[i].signal.aborted && await classifyPhoto(photos[i], cards[i], attempts[i], several)) answered += 1;
     }
   };
   await Promise.all(Array.from({length: Math.min(UPLOADS_AT_ONCE, photos.length)}, worker));
-  // Each photo said its own outcome as it came; for several, the last word is the whole batch's.
-  if (photos.length > 1) {
+  if (several) {
     const failed = photos.length - answered;
     $("announce").textContent = `${photos.length} photos done: ${answered} classified` +
       (failed ? `, ${failed} not (see each photo)` : "");
@@ -319,6 +331,7 @@ function addCard(file) {
     image.replaceWith(element("span", {className: "no-preview"}, "no preview"));
   }, {once: true});
   card.querySelector("figcaption").textContent = `${file.name} · ${formatBytes(file.size)}`;
+  card.querySelector("h3").textContent = file.name;  // to go from photo to photo by heading
   $("photos").prepend(card);
   return card;
 }
@@ -341,15 +354,21 @@ function showPending(file, card) {
   return attempt;
 }
 
-async function classifyPhoto(file, card, attempt) {
+// `quiet`: one of several photos chosen together, whose steps and outcome are not announced (classifyAll).
+async function classifyPhoto(file, card, attempt, quiet = false) {
   const outcomes = card.querySelector(".outcomes");
   const {blob, note} = $("downscale").checked ? await downscale(file) : {blob: file, note: null};
   const comparing = $("compare").checked && server.models.length > 1;
   const names = comparing ? server.models.map((m) => m.name) : [$("model-select").value || server.defaultModel];
   const shrunk = $("downscale").checked;
   const pending = outcomes.querySelector(".pending");  // this attempt's: after Send again, another's is there
-  const waiting = (text) => { if (pending.isConnected) pending.replaceChildren(text); };
-  waiting("Uploading…");
+  // `announced`: a step said aloud too (not each progress tick)
+  const waiting = (text, announced = false) => {
+    if (!pending.isConnected) return;
+    pending.replaceChildren(text);
+    if (announced && !quiet) $("announce").textContent = `${file.name}: ${text}`;
+  };
+  waiting("Uploading…", true);
   // The photo's uploads under way (one a model), summed: what has gone of the bytes they send.
   const sent = names.map(() => [0, 0]);
   const uploaded = (i) => (sentBytes, totalBytes) => {
@@ -368,9 +387,12 @@ async function classifyPhoto(file, card, attempt) {
   if (comparing) outcomes.append(compareTop1(names, results));
   card.removeAttribute("aria-busy");
   const first = results[0];
-  $("announce").textContent = first.error
-    ? `${file.name}: ${first.error}`
-    : `${file.name}: most likely ${first.predictions[0].label}, ${formatPercent(first.predictions[0].probability)}`;
+  if (!quiet) {
+    $("announce").textContent = (first.error
+      ? `${file.name}: ${first.error}`
+      : `${file.name}: most likely ${first.predictions[0].label}, ${formatPercent(first.predictions[0].probability)}`) +
+      (comparing ? `. ${outcomes.querySelector(".agreement-line").textContent}` : "");
+  }
   const failed = results.filter((result) => result.error);
   // Not where the file is the fault and the browser cannot show it either (see RESENDING_CANNOT_HELP).
   const preview = card.querySelector(".thumb img");
@@ -433,7 +455,7 @@ async function predict(blob, filename, modelName, shrunk, waiting, original = bl
         : ++busy <= BUSY_RETRIES;  // 503s counted on their own: turns taken at a key's rate spend none
       if (!RETRIED_STATUSES.includes(response.status) || !turnsLeft || waitS > RETRY_AFTER_MAX_S) break;
       const why = response.status === 429 ? "Over this key's rate" : "Server busy";
-      waiting(`${why} (${response.status}): sending again in ${waitS} s…`);
+      waiting(`${why} (${response.status}): sending again in ${waitS} s…`, true);
       await sleep(waitMs, signal);
     }
   } catch (error) {
@@ -506,13 +528,15 @@ function sleep(ms, signal) {
 
 function renderResult(result, heading) {
   const box = element("div", {className: "result"});
-  if (heading) box.append(element("h3", {}, heading));
+  if (heading) box.append(element("h4", {}, heading));
   if (result.error) {
     box.append(element("p", {className: "error"}, result.error));  // announced by #announce, once a batch
     return box;
   }
   const count = result.predictions.length;
-  box.append(element("ol", {className: "top5", "aria-label": `Top ${count} classes`}, ...result.predictions.map(topItem)));
+  // role list: Safari drops it from a list styled without markers
+  box.append(element("ol", {className: "top5", role: "list", "aria-label": `Top ${count} classes`},
+    ...result.predictions.map(topItem)));
   const hit = result.cache_hit;
   box.append(definitions("timings", [
     ["queue", hit ? "–" : formatMs(result.queue_ms)],
@@ -618,8 +642,12 @@ function wireInputs() {
       ? "That was a link, not a file: save the image, then drop or choose the saved file." : "";
     classifyAll(event.dataTransfer.files);  // anything dropped is sent: the server says what is wrong with it
   });
+  let pasted = 0;
   document.addEventListener("paste", (event) => {
-    classifyAll(event.clipboardData.files);  // pasted text has no files: nothing is sent
+    // Browsers call every pasted image image.png: numbered, their cards, buttons and announcements differ.
+    const files = [...event.clipboardData.files].map((file) =>
+      new File([file], `pasted image ${++pasted}${file.name.slice(file.name.lastIndexOf("."))}`, {type: file.type}));
+    classifyAll(files);  // pasted text has no files: nothing is sent
   });
 }
 
@@ -652,7 +680,8 @@ function wireMetricsLink() {
 
 // Returns how long to wait before asking again: the refresh interval, or a 429's Retry-After.
 async function refreshStats() {
-  if (document.hidden) return STATS_EVERY_MS;  // nobody is looking: ask the server nothing
+  // nobody is looking, or the figures are paused (they change every refresh, WCAG's "pause, stop, hide")
+  if (document.hidden || statsPaused) return STATS_EVERY_MS;
   let stats;
   try {
     const response = await api("stats", {cache: "no-store"});
@@ -776,6 +805,18 @@ function drawSpark() {
   $("spark-peak").textContent = `peak ${Math.max(...rpsHistory).toFixed(1)}/s`;
 }
 
+let statsPaused = false;
+
+function wireStatsPause() {
+  const pause = $("pause-stats");
+  pause.addEventListener("click", () => {
+    statsPaused = !statsPaused;
+    pause.setAttribute("aria-pressed", String(statsPaused));
+    if (statsPaused) $("live-window").textContent = "Paused: these are the figures of the last refresh.";
+    else refreshStats();
+  });
+}
+
 async function statsLoop() {
   setTimeout(statsLoop, await refreshStats());  // not setInterval: a slow answer never piles up requests
 }
@@ -788,5 +829,6 @@ if (!KEY_CHARACTERS.test(sessionStorage.getItem(KEY_STORAGE) ?? "-")) sessionSto
 wireKeyForgetting();
 wireInputs();
 wireMetricsLink();
+wireStatsPause();
 loadModels();
 statsLoop();
