@@ -131,7 +131,9 @@ QUICK = Defaults(
     batch_size=8,
     held_out_images=16,
     guarded_held_out_images=16,
-    bn_recalibration_images=16,
+    # As FULL's: the model stage 1 exports is the model, whatever the mode, so a smoke run on the default
+    # artifacts/ keeps the stage-2 files built from it (a model of its own would have them removed).
+    bn_recalibration_images=FULL.bn_recalibration_images,
     profile_runs=3,
     calibration_images=16,
     comparison_repeats=1,
