@@ -257,8 +257,8 @@ _client_loop_lock = threading.Lock()
 
 def client_loop() -> asyncio.AbstractEventLoop:
     """The event loop every client here runs on: uvloop, in a daemon thread of its own, started on first use.
-    One loop for the process, not one a run: a client's kept-alive connections outlive a run (a warm-up, then
-    the timed run on the same connections), and the callers stay plain blocking code."""
+    One loop for the process, not one a run: aiohttp's sessions belong to the loop they were made on, every
+    run's client shares it, and the callers stay plain blocking code."""
     global _client_loop
     with _client_loop_lock:
         if _client_loop is None:
@@ -639,8 +639,10 @@ def metrics_row(metrics: dict) -> dict:
 
 
 def warm_up(base_url: str, bodies: list, concurrency: int, client=PredictClient) -> None:
-    """One untimed round at `concurrency`: connections open, and the engine has met the batch sizes this load
-    makes, so a timed run measures the steady state and a server measured first is not at a disadvantage.
+    """One untimed round at `concurrency`: the engine has met the batch sizes this load makes, so a timed run
+    measures the steady state and a server measured first is not at a disadvantage. On connections of its own:
+    a timed run's client opens its own, so every run's window includes setting up its connections, the same
+    for every configuration compared (and for none of the in-process limit's).
     Only for a server whose cache is off: with it on, these bodies would be hits afterwards. `client(base_url)`
     makes the sender (default: POST /predict)."""
     with client(base_url) as send:
