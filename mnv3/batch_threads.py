@@ -59,8 +59,10 @@ def measure(
         ]
 
 
-def choose(turns: list[tuple[int, int, LoadResult]]) -> tuple[dict, str]:
-    """The manifest keys for the candidate whose turns, pooled, answered the most requests a second, and why."""
+def choose(turns: list[tuple[int, int, LoadResult]], streams: int = 1) -> tuple[dict, str]:
+    """The manifest keys for the candidate whose turns, pooled, answered the most requests a second, and why.
+    `streams`: the chosen engine's, as its row was timed alone; its batches get no more streams than threads
+    (mnv3.openvino_backend), which the reason then says: the engine table's figures are not what serves."""
     pooled = {
         batch_threads: round(LoadResult.pooled(*(run for threads, _, run in turns if threads == batch_threads)).rps, 1)
         for batch_threads in dict.fromkeys(threads for threads, _, _ in turns)
@@ -72,4 +74,9 @@ def choose(turns: list[tuple[int, int, LoadResult]]) -> tuple[dict, str]:
         f"a server's batches on {best} thread(s), which answered {'as many as any' if tied else 'the most'} of "
         f"{rates}, "
         f"its batching server timed in turns at concurrency {turns[0][2].concurrency}"
+        + (
+            f"; so its batches run on {best} stream(s), not the {streams} its row was timed on alone"
+            if best < streams
+            else ""
+        )
     )

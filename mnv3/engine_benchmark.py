@@ -158,7 +158,7 @@ def choose_batch_threads(args, entry: dict, bench: Bench) -> tuple[dict, str]:
     except BaseException:  # stopped midway (Ctrl-C, a server that would not start): the choice is not whole yet
         drop_manifest_entries(args.artifacts_dir, MANIFEST_KEY)
         raise
-    keys, why = batch_threads.choose(turns)
+    keys, why = batch_threads.choose(turns, entry["streams"])
     rows = [
         {
             "batch_threads": threads,

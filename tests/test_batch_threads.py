@@ -26,6 +26,16 @@ def test_the_threads_that_answered_the_most_are_chosen_and_a_tie_is_called_one()
     assert "which answered as many as any of 1 thread(s) 100.0 req/s, 2 thread(s) 100.0 req/s" in reason
 
 
+def test_a_choice_of_fewer_threads_than_the_engines_streams_says_its_batches_get_fewer_streams():
+    # The engine table timed the chosen engine alone on 2 streams; a batch on 1 thread runs on 1 stream.
+    turns = [turn(1, 1, 1.0), turn(2, 1, 2.0)]
+    assert choose(turns, streams=2)[1].endswith(
+        "; so its batches run on 1 stream(s), not the 2 its row was timed on alone"
+    )
+    assert "stream" not in choose(turns, streams=1)[1]
+    assert "stream" not in choose([turn(1, 1, 2.0), turn(2, 1, 1.0)], streams=2)[1]  # 2 threads: both streams
+
+
 def test_a_measurement_stopped_midway_leaves_no_choice_for_auto(tmp_path, monkeypatch):
     # The servers it times serve the choice under --backend auto, so it is in the manifest while they run;
     # stopped then (Ctrl-C), it stayed, without the threads it was being measured for.
