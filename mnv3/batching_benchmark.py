@@ -246,7 +246,8 @@ class BatchingResult:
                 f"(per round {' / '.join(str(r['server_to_limit_ratio']) for r in per_round)})",
                 self.cpu_summary(),
                 *[
-                    f"in-process limit of {name}: {other.images_per_s:.1f} images/s (the served engine's is "
+                    f"in-process limit of {name}, after the servers: {other.images_per_s:.1f} images/s (the served "
+                    "engine's, not timed in turns with it, is "
                     f"{loadtest.ratio(limit.images_per_s, other.images_per_s)}x)"
                     for name, (other, _, _) in self.other_limits.items()
                 ],

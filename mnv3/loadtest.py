@@ -365,6 +365,9 @@ class LoadResult:
     latency: LatencyStats | None  # successful requests only
     server: dict  # means of what the server reported per request, and how many were cache hits
     target_rps: float | None = None
+    # open loop: the rate its random schedule drew (requests scheduled / seconds), which is what was offered:
+    # a short run's draw can miss the target by a few percent either way
+    offered_rps: float | None = None
     dropped: int = 0  # open loop: not sent, because the client fell too far behind its schedule
     metrics: dict = field(default_factory=dict)  # the server's /metrics for this run alone, if read
     client_cpu_s: float | None = None  # CPU the sending process spent during the run, if measured
@@ -441,7 +444,11 @@ class LoadResult:
             "req_per_s": round(self.rps, 2),
         }
         if self.target_rps is not None:
-            row |= {"target_rps": round(self.target_rps, 2), "dropped": self.dropped}
+            row |= {
+                "target_rps": round(self.target_rps, 2),
+                "offered_rps": _round(self.offered_rps),
+                "dropped": self.dropped,
+            }
         nan = float("nan")
         latency = (self.latency or LatencyStats(nan, nan, nan, nan, 0)).as_row("latency_")
         server = {key: _round(value) for key, value in self.server.items()}
@@ -474,7 +481,8 @@ class LoadResult:
         load = (
             f"{self.rps:.1f} req/s at concurrency {self.concurrency}"
             if self.target_rps is None
-            else f"{self.rps:.1f} req/s answered of {self.target_rps:.1f} offered"
+            else f"{self.rps:.1f} req/s answered of {self.offered_rps:.1f} offered "
+            f"(the draw of {self.target_rps:.1f}/s)"
         )
         errors = f", {sum(self.errors.values())} errors ({self.errors})" if self.errors else ""
         dropped = f", {self.dropped} dropped" if self.dropped else ""
@@ -586,7 +594,9 @@ def run_open_loop(
         return [request.result() for request in requests], time.perf_counter() - start
 
     samples, elapsed = on_client_loop(load())
-    return LoadResult.from_samples("open", max_in_flight, samples, elapsed, target_rps=rate)
+    return LoadResult.from_samples(
+        "open", max_in_flight, samples, elapsed, target_rps=rate, offered_rps=len(schedule) / seconds
+    )
 
 
 # ---------------------------------------------------------------------------------------- /metrics

@@ -223,6 +223,9 @@ def test_open_loop_latency_counts_from_the_scheduled_send_time():
     assert result.latency.p99_ms >= 0.8 * 20 * n
     assert result.latency.mean_ms >= 0.8 * 20 * (n + 1) / 2
     assert result.target_rps == 1000.0 and result.mode == "open"
+    # what the random draw offered: its requests over the run's seconds, not the target it was drawn at
+    assert result.offered_rps == n / 0.01 and result.as_row()["offered_rps"] == n / 0.01
+    assert f"of {n / 0.01:.1f} offered (the draw of 1000.0/s)" in result.summary()
 
 
 def test_open_loop_drops_what_it_cannot_send_in_time():
