@@ -525,6 +525,9 @@ def main(argv=None) -> None:
     # PNG chunk, stay out
     logging.basicConfig(level=max(level, logging.INFO), format=LOG_FORMAT)
     logging.getLogger("mnv3").setLevel(level)
+    # python-multipart logs every malformed body at WARNING: any client could fill the log with them, and the
+    # 400 answered says the same (counted as bad_input)
+    logging.getLogger("python_multipart").setLevel(max(level, logging.ERROR))
     # uvicorn re-raises the SIGTERM it shut down gracefully on; a requested, completed stop is a success, and
     # so is one while the models load.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

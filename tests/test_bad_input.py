@@ -841,3 +841,15 @@ def test_a_body_the_connection_refuses_counts_as_what_it_is_not_as_a_disconnect(
                 assert read_response(sock).startswith(b"HTTP/1.1 4"), reason
             wait_until(lambda counted=expected: rejections(url) == counted, f"the {reason} refusal to be counted")
         assert requests.post(url + "/predict", files={"file": ("a.jpg", jpeg)}, timeout=WAIT_S).status_code == 200
+
+
+def test_a_malformed_multipart_body_is_answered_not_logged_by_the_multipart_parser(fp32_model_path):
+    # python-multipart logged each one at WARNING: any client could fill the server's log with them.
+    garbage = {"Content-Type": "multipart/form-data; boundary=xx"}
+    server = ServerProcess(fp32_model_path, cache_size=0)  # logging warnings and above
+    with server as url:
+        for _ in range(3):
+            answer = requests.post(url + "/predict", data=b"garbage", headers=garbage, timeout=WAIT_S)
+            assert answer.status_code == 400 and "malformed multipart body" in answer.json()["detail"]
+        log = server.output_tail()
+    assert "Expected boundary character" not in log, log
