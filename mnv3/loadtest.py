@@ -679,9 +679,13 @@ def run_with_metrics(base_url: str, run, client=PredictClient) -> LoadResult:
 
 def busy_share(before, after) -> float | None:
     """The share of every core's time spent busy between two `psutil.cpu_times()` readings: all but idle
-    and (where the system reports it) I/O wait. None if no time passed."""
+    and (where the system reports it) I/O wait, of the time the machine had its cores: a virtual machine's
+    steal time, when the host ran something else, is neither busy nor idle here. None if no time passed."""
     elapsed = {name: getattr(after, name) - getattr(before, name) for name in before._fields}
-    total = sum(elapsed.values()) - elapsed.get("guest", 0.0) - elapsed.get("guest_nice", 0.0)  # already in user
+    # guest time is already in user time
+    total = (
+        sum(elapsed.values()) - elapsed.get("guest", 0.0) - elapsed.get("guest_nice", 0.0) - elapsed.get("steal", 0.0)
+    )
     waiting = elapsed["idle"] + elapsed.get("iowait", 0.0)
     return (total - waiting) / total if total > 0 else None
 

@@ -95,7 +95,7 @@ def test_metrics_delta_isolates_one_run():
     assert batch_size_histogram(metrics_delta(before, after)) == {"1": 0, "2": 0, "4": 0, "8": 1, "+Inf": 0}
 
 
-def test_busy_share_counts_all_but_idle_and_io_wait_and_guest_time_once():
+def test_busy_share_counts_all_but_idle_and_io_wait_guest_time_once_and_no_stolen_time():
     fields = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal", "guest", "guest_nice")
     times = namedtuple("scputimes", fields)
     before = times(*[10.0] * len(fields))
@@ -103,6 +103,8 @@ def test_busy_share_counts_all_but_idle_and_io_wait_and_guest_time_once():
     after = before._replace(user=14.0, guest=11.0, system=11.0, idle=12.0, iowait=11.0)
     assert busy_share(before, after) == pytest.approx(5 / 8)
     assert busy_share(before, before) is None  # no time passed: no share, not a division by zero
+    # 2 s more stolen by a virtual machine's host: the machine had its cores 8 s, not 10
+    assert busy_share(before, after._replace(steal=12.0)) == pytest.approx(5 / 8)
     # where the system reports neither I/O wait nor guest time (macOS: user, nice, system, idle)
     plain = namedtuple("scputimes", ("user", "nice", "system", "idle"))
     assert busy_share(plain(1.0, 0.0, 1.0, 1.0), plain(2.0, 0.0, 2.0, 4.0)) == pytest.approx(2 / 5)
