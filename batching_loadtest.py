@@ -33,7 +33,7 @@ import argparse
 from mnv3 import cli
 from mnv3.artifacts import BATCHING_CSV, PHONE_PHOTOS_CSV, SIDE_BY_SIDE_CSV, V2_VS_PREDICT_CSV
 from mnv3.batching_benchmark import BatchingPlan, plot_batching, run_batching_benchmark
-from mnv3.config import ServerConfig
+from mnv3.config import MAX_BATCH_SIZE, ServerConfig
 from mnv3.phone_benchmark import PhonePlan, run_phone_benchmark
 from mnv3.photos import load_images, phone_photos
 from mnv3.v2_benchmark import run_side_by_side, run_v2_vs_predict, side_by_side_models
@@ -50,7 +50,9 @@ def get_args_parser():
     )
     parser.add_argument(
         "--max-batch-size",
-        type=cli.positive_int,
+        type=cli.bounded(
+            int, 1, MAX_BATCH_SIZE, what=f"a whole number from 1 to {MAX_BATCH_SIZE} (the server's bound)"
+        ),
         default=ServerConfig.max_batch_size,
         help="most images per inference call (default %(default)s)",
     )

@@ -260,7 +260,7 @@ def open_session(
     intra_op_threads: int = DEFAULT_INTRA_OP_THREADS,
     inter_op_threads: int = DEFAULT_INTER_OP_THREADS,
     max_batch_size: int = 1,
-    allow_spinning: bool = True,
+    allow_spinning: bool = False,
     precision: str = "auto",
     streams: int = 1,
     batch_threads: int | None = None,

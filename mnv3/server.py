@@ -601,7 +601,8 @@ class DelayedShutdownServer(uvicorn.Server):
 
     async def shutdown(self, sockets=None) -> None:
         await super().shutdown(sockets)
-        if self.force_exit:
+        # not when uvicorn ran it before the second Ctrl-C came (that one drained as the first asked)
+        if self.force_exit and not getattr(self.lifespan, "shutdown_event", asyncio.Event()).is_set():
             # A second Ctrl-C: uvicorn skips the app's shutdown, which asyncio.run then cancels, and Starlette
             # logs that as a failed shutdown with a traceback. It runs here instead, without a drain: whatever
             # still waits for inference is answered 503 at once.

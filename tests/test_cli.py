@@ -267,3 +267,11 @@ def test_quick_mode_exports_the_same_model_as_a_full_run():
     # A model of its own (BatchNorm re-estimated on fewer photos) made a smoke run of stage 1 on the default
     # artifacts/ remove every stage-2 file built from the real one.
     assert cli.QUICK.bn_recalibration_images == cli.FULL.bn_recalibration_images
+
+
+def test_stage_5_refuses_a_batch_size_its_server_would_refuse(capsys):
+    # accepted here, it failed only once the stage's server refused it at start-up
+    assert parse(batching_loadtest, "--max-batch-size", "256").max_batch_size == 256
+    with pytest.raises(SystemExit) as exit:
+        parse(batching_loadtest, "--max-batch-size", "257")
+    assert exit.value.code == 2 and "'257' is not a whole number from 1 to 256" in capsys.readouterr().err

@@ -286,20 +286,22 @@ def test_a_dropped_link_says_to_drop_the_saved_file(page):
 
 
 def test_pasted_images_each_get_a_name_of_their_own(page, photos):
-    # Browsers call every pasted image image.png: their cards, buttons and announcements were all alike.
+    # Browsers call every image pasted from the clipboard image.png: their cards, buttons and announcements were all
+    # alike. A file copied in a file manager comes with its own name, which it keeps.
     page.evaluate(
         """(bytes) => {
-        for (let i = 0; i < 2; i++) {
+        for (const name of ["image.png", "image.png", "holiday.jpg", "image"]) {
             const pasted = new DataTransfer();
-            pasted.items.add(new File([new Uint8Array(bytes)], "image.png", {type: "image/png"}));
+            pasted.items.add(new File([new Uint8Array(bytes)], name, {type: "image/jpeg"}));
             document.dispatchEvent(new ClipboardEvent("paste", {clipboardData: pasted}));
         }
     }""",
         list(photos[0]),
     )
-    page.wait_for_function("() => document.querySelectorAll('#photos .photo .top5').length === 2")
+    page.wait_for_function("() => document.querySelectorAll('#photos .photo .top5').length === 4")
     captions = page.locator("#photos figcaption").all_inner_texts()
-    assert [caption.split(" · ")[0] for caption in captions] == ["pasted image 2.png", "pasted image 1.png"]
+    names = ["image", "holiday.jpg", "pasted image 2.png", "pasted image 1.png"]  # newest first
+    assert [caption.split(" · ")[0] for caption in captions] == names
 
 
 def test_the_live_figures_can_be_paused(page, server, photos):
@@ -318,6 +320,25 @@ def test_the_live_figures_can_be_paused(page, server, photos):
     pause.click()
     assert pause.get_attribute("aria-pressed") == "false"
     page.wait_for_function("shown => document.getElementById('stat-requests').textContent !== shown", arg=shown)
+
+
+def test_figures_asked_for_before_a_pause_are_not_shown_after_it(page, server, photos):
+    # The answer of a GET /stats under way when Pause was pressed was drawn when it came, and said no more that
+    # the figures were paused.
+    page.wait_for_function("() => /^[0-9]+$/.test(document.getElementById('stat-requests').textContent)")
+    page.evaluate("""() => {
+        const fetched = window.fetch;
+        window.fetch = (url, options) => url !== "stats" ? fetched(url, options)
+            : new Promise((resolve) => { window.answerStats = () => resolve(fetched(url, options)); });
+    }""")
+    page.wait_for_function("() => window.answerStats !== undefined")  # a refresh is under way
+    assert requests.post(server + "/predict", files={"file": ("p.jpg", photos[2], "image/jpeg")}).ok
+    page.get_by_role("button", name="Pause live figures").click()
+    shown = page.locator("#stat-requests").inner_text()
+    page.evaluate("window.answerStats()")
+    page.wait_for_timeout(500)
+    assert page.locator("#stat-requests").inner_text() == shown
+    assert page.locator("#live-window").inner_text().startswith("Paused")
 
 
 def test_a_probability_short_of_one_never_shows_as_a_certain_hundred_percent(page):

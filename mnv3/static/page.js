@@ -179,7 +179,7 @@ function say(region, text) {
 function askForKey(reason) {
   if (!keyEntered) {
     const form = $("key-form");
-    $("key-reason").textContent = reason;
+    say($("key-reason"), reason);  // the same refusal again is said again
     // Invalid when a key was refused (the tab's own, or one entered), not when none was asked for yet.
     $("key-input").setAttribute("aria-invalid", String(!reason.startsWith("This server needs")));
     form.hidden = false;
@@ -554,7 +554,7 @@ function topItem(prediction) {
   const bar = element("span", {className: "bar", "aria-hidden": "true"}, element("span"));
   bar.firstChild.style.width = `${Math.max(100 * prediction.probability, 0.5)}%`;
   return element("li", {"data-class-id": String(prediction.class_id), "data-probability": String(prediction.probability)},
-    element("span", {className: "label", title: prediction.label}, prediction.label),
+    element("span", {className: "label"}, prediction.label),
     element("span", {className: "percent"}, percent),
     bar);
 }
@@ -644,9 +644,11 @@ function wireInputs() {
   });
   let pasted = 0;
   document.addEventListener("paste", (event) => {
-    // Browsers call every pasted image image.png: numbered, their cards, buttons and announcements differ.
-    const files = [...event.clipboardData.files].map((file) =>
-      new File([file], `pasted image ${++pasted}${file.name.slice(file.name.lastIndexOf("."))}`, {type: file.type}));
+    // Browsers call every image pasted from the clipboard image.png (a file copied in a file manager keeps its
+    // name): numbered, their cards, buttons and announcements differ.
+    const files = [...event.clipboardData.files].map((file) => /^image\.\w+$/.test(file.name)
+      ? new File([file], `pasted ${file.name.replace("image", `image ${++pasted}`)}`, {type: file.type})
+      : file);
     classifyAll(files);  // pasted text has no files: nothing is sent
   });
 }
@@ -685,6 +687,7 @@ async function refreshStats() {
   let stats;
   try {
     const response = await api("stats", {cache: "no-store"});
+    if (statsPaused) return STATS_EVERY_MS;  // paused while it was asked for: the figures stay as they are
     if (response.status === 429) {  // this key's rate: keep the figures, and spend none of its budget for a while
       const waitMs = Math.max(statsDelayMs(), 1000 * retryAfterS(response));
       const figures = rpsHistory.length ? "Figures from before: this" : "No figures yet: this";
@@ -695,6 +698,7 @@ async function refreshStats() {
     if (!response.ok) throw new Error(`GET /stats answered ${response.status}`);
     stats = await response.json();
   } catch (error) {
+    if (statsPaused) return STATS_EVERY_MS;
     // What is served, said above, may be gone too: say so until it answers again (describeModels says it anew).
     if (!statsFailed && server.models.length && error instanceof TypeError) {
       $("model-line").textContent += " (the server does not answer now)";
@@ -713,6 +717,7 @@ async function refreshStats() {
     $("spark-peak").textContent = "";
     return STATS_EVERY_MS;
   }
+  if (statsPaused) return STATS_EVERY_MS;
   const names = Object.keys(stats.models);
   if (statsFailed || names.join() !== server.models.map((m) => m.name).join()) {
     if (server.models.length) loadModels();  // back after it stopped, or other models: what is served now?
