@@ -44,6 +44,11 @@ class SlowUpload(BadUpload):
     pass
 
 
+class UnknownQueryParameter(ValueError):
+    """The request's query string has a parameter the endpoint does not take (a misspelt ?model= would
+    otherwise be ignored, and the default model answer as if asked)."""
+
+
 class UnknownModel(LookupError):
     """The request names a model this server does not serve."""
 
@@ -65,6 +70,7 @@ ERRORS: dict[type[Exception], tuple[int, str | None, str]] = {
         f"{MAX_FORM_FIELDS} other fields, or a malformed multipart body",
     ),
     InvalidImage: (400, "bad_input", "empty body, not an image, or a corrupt/truncated image"),
+    UnknownQueryParameter: (400, "bad_input", "a query parameter other than model"),
     SlowUpload: (408, "slow_upload", "the body did not arrive within --body-timeout-s"),
     BodyTooLarge: (
         413,

@@ -40,7 +40,16 @@ from mnv3.batcher import ShuttingDown
 from mnv3.config import PROG, ModelSpec, ServerConfig, parse_args, unknown_variables
 from mnv3.connections import BoundedHeadProtocol
 from mnv3.engine import Engine, ModelLoadError, Prediction
-from mnv3.errors import CUT_OFF, ERROR_DOCS, ERRORS, INTERNAL, body_for_path, error_response, internal_error_message
+from mnv3.errors import (
+    CUT_OFF,
+    ERROR_DOCS,
+    ERRORS,
+    INTERNAL,
+    UnknownQueryParameter,
+    body_for_path,
+    error_response,
+    internal_error_message,
+)
 from mnv3.page import page_router
 from mnv3.serving import ModelName, ServedModel, Serving, served_model, serving, unless_disconnected
 from mnv3.stats import stats_router
@@ -122,6 +131,9 @@ async def predict(request: Request, model_name: ModelName = None) -> PredictResp
     # Not Depends(serving) and Depends(served_model), as the other endpoints have them: FastAPI solves each
     # dependency anew for every request, which on the busiest path costs the event loop more than the lookups.
     s: Serving = request.app.state.serving
+    if request.scope["query_string"]:  # a misspelt ?model= would be ignored, and the default model answer
+        if unknown := [name for name in request.query_params if name != "model"]:
+            raise UnknownQueryParameter(f"unknown query parameter {unknown[0]!r}: /predict takes only ?model=NAME")
     model = s.model(model_name)
     with s.request(model):
         data = await read_upload(request, s.config.max_upload_bytes, s.config.body_timeout_s)

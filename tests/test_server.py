@@ -730,3 +730,15 @@ def test_an_empty_model_name_says_to_leave_it_out(fp32_model_path):
         == "no model named ''; leave ?model= out for the default; this server serves fp32 (default fp32)"
     )
     assert unknown.json()["detail"] == "no model named 'nope'; this server serves fp32 (default fp32)"
+
+
+def test_predict_refuses_a_query_parameter_it_does_not_take(fp32_model_path, images):
+    # ?modle=int8 was ignored: the default model answered, as if it had been asked for
+    with serving_client(fp32_model_path) as client:
+        for query in ("?modle=int8", "?model=fp32&k=10"):
+            answer = client.post(f"/predict{query}", files={"file": ("a.jpg", images[0], "image/jpeg")})
+            name = query.split("&")[-1].lstrip("?").split("=")[0]
+            assert answer.status_code == 400, query
+            assert answer.json() == {"detail": f"unknown query parameter '{name}': /predict takes only ?model=NAME"}
+        assert client.post("/predict?model=fp32", files={"file": ("a.jpg", images[0], "image/jpeg")}).status_code == 200
+        assert 'mnv3_rejections_total{reason="bad_input"} 2.0' in client.get("/metrics").text
