@@ -433,6 +433,9 @@ class HeadAsGet:
         await self.app(scope, receive, send)
 
 
+FORCED_STOP = "the server was stopped at once (a second Ctrl-C) before this request finished"
+
+
 class AnswerCancelledAtShutdown:
     """A request uvicorn cancels when `--shutdown-timeout-s` runs out answers 503 + Retry-After in its path's
     error shape, as one refused while stopping does, where uvicorn would send a plain-text 500 and log the
@@ -460,7 +463,8 @@ class AnswerCancelledAtShutdown:
             if started or task is None or not task.cancelling():
                 raise
             task.uncancel()  # the task ends with this answer; nothing is left to cancel
-            stopped = ShuttingDown(CUT_OFF)
+            forced = scope["app"].state.serving.stop_drain_s == 0  # a second Ctrl-C: no drain was waited for
+            stopped = ShuttingDown(FORCED_STOP if forced else CUT_OFF)
             scope["app"].state.serving.metrics.count_rejection(stopped)
             await error_response(stopped, body=body_for_path(route_path(scope)))(scope, receive, send)
 

@@ -12,6 +12,7 @@ import requests
 from conftest import WAIT_S, post, wait_until
 from mnv3.loadtest import ServerProcess
 from mnv3.photos import load_images
+from mnv3.server import FORCED_STOP
 
 pytestmark = pytest.mark.integration
 
@@ -97,4 +98,5 @@ def test_a_second_ctrl_c_quits_at_once_without_a_traceback(fp32_model_path):
         assert server.process.wait(WAIT_S) == 0
         log = server.output_tail()
     assert answer.startswith(b"HTTP/1.1 503 ")
+    assert json.loads(answer.partition(b"\r\n\r\n")[2]) == {"detail": FORCED_STOP}  # not the drain's timeout
     assert "Traceback" not in log and "ERROR" not in log, log
