@@ -120,7 +120,10 @@ def shown_predictions(card):
 # Every text the status line (#announce) is given, in order: what a screen reader is told.
 RECORD_ANNOUNCED = """() => {
     window.announced = [];
-    new MutationObserver(() => window.announced.push(document.getElementById("announce").textContent))
+    new MutationObserver(() => {
+        const text = document.getElementById("announce").textContent;
+        if (text) window.announced.push(text);  // not the moment it is cleared, to be set anew
+    })
         .observe(document.getElementById("announce"), {childList: true, characterData: true, subtree: true});
 }"""
 
@@ -151,6 +154,7 @@ def test_a_chosen_photo_shows_the_same_top5_as_predict(page, server, photos, tmp
     card = page.locator("#photos .photo").first
     shown = shown_predictions(card)
     # a screen reader hears the upload start and its outcome, and can go to the photo by its heading
+    page.wait_for_function("() => window.announced.length === 2")
     assert page.evaluate("window.announced") == [
         "street.jpg: Uploading…",
         f"street.jpg: most likely {shown[0]['label']}, {shown[0]['percent']}",
@@ -197,6 +201,31 @@ def test_several_photos_at_once_each_get_their_own_answer(page, server, photos, 
         assert [p["label"] for p in shown_predictions(card)] == [p["label"] for p in answer["predictions"]]
 
 
+def test_focus_on_a_photos_cancel_button_stays_on_the_photo_when_its_answer_comes(page, photos, tmp_path):
+    # The answer replaced the Cancel button, and focus fell to <body>: a screen reader starts again at the top.
+    page.evaluate("""() => {
+        const send = XMLHttpRequest.prototype.send;
+        XMLHttpRequest.prototype.send = function (body) { setTimeout(() => send.call(this, body), 1500); };
+    }""")
+    path = tmp_path / "focused.jpg"
+    path.write_bytes(photos[1])
+    page.locator("#file-input").set_input_files(path)
+    card = page.locator("#photos .photo").first
+    card.get_by_role("button", name="Cancel (focused.jpg)").focus()
+    card.locator(".top5").first.wait_for()
+    focused = page.evaluate("document.activeElement.matches('li.photo') && document.activeElement.textContent.trim()")
+    assert focused and focused.startswith("focused.jpg"), focused  # the card, whose heading comes first
+
+
+def test_answers_that_come_together_are_each_announced(page, photos):
+    # The status line held one message, replaced by the next: two photos answered by one batch, and only the
+    # second was said.
+    page.evaluate(RECORD_ANNOUNCED)
+    page.evaluate("""() => { announce("first.jpg: most likely a cat"); announce("second.jpg: most likely a dog"); }""")
+    page.wait_for_function("() => window.announced.length === 2")
+    assert page.evaluate("window.announced") == ["first.jpg: most likely a cat", "second.jpg: most likely a dog"]
+
+
 def test_a_non_image_shows_the_servers_reason(page, server):
     body = b"these are notes, not a photo"
     page.locator("#file-input").set_input_files({"name": "notes.txt", "mimeType": "text/plain", "buffer": body})
@@ -208,7 +237,8 @@ def test_a_non_image_shows_the_servers_reason(page, server):
     assert error.inner_text() == f"400: {answer.json()['detail']}"
     # Said once by the page's status line, not as an alert per card (a batch of bad files fired one each).
     assert error.get_attribute("role") is None
-    assert page.locator("#announce").inner_text() == f"notes.txt: 400: {answer.json()['detail']}"
+    said = f"notes.txt: 400: {answer.json()['detail']}"
+    page.wait_for_function("said => document.getElementById('announce').textContent === said", arg=said)
     # the file is the fault: sent again, it would be refused again
     assert page.locator("#photos .photo").first.locator(".send-again").count() == 0
 
@@ -277,9 +307,8 @@ def test_a_dropped_link_says_to_drop_the_saved_file(page):
         dropped.setData("text/uri-list", "https://example.com/cat.jpg");
         window.dispatchEvent(new DragEvent("drop", {dataTransfer: dropped, cancelable: true}));
     }""")
-    assert page.locator("#drop-note").inner_text() == (
-        "That was a link, not a file: save the image, then drop or choose the saved file."
-    )
+    said = "That was a link, not a file: save the image, then drop or choose the saved file."
+    page.wait_for_function("said => document.getElementById('drop-note').textContent === said", arg=said)
     assert page.locator("#photos .photo").count() == 0
     page.locator("#file-input").set_input_files({"name": "notes.txt", "mimeType": "text/plain", "buffer": b"x"})
     assert page.locator("#drop-note").is_hidden()  # a file came after all: the note is old news
@@ -822,7 +851,9 @@ def test_a_slow_upload_shows_its_progress_and_a_photo_can_be_cancelled(browser, 
                 assert card.locator(".outcomes").inner_text().startswith("Cancelled")
                 assert card.get_attribute("aria-busy") is None and card.locator(".cancel").count() == 0
                 assert page.evaluate("document.activeElement.classList.contains('photo')")  # not <body>
-                assert page.locator("#announce").inner_text() == f"{name}: cancelled"
+                page.wait_for_function(
+                    "said => document.getElementById('announce').textContent === said", arg=f"{name}: cancelled"
+                )
         page.wait_for_function(
             "() => document.getElementById('announce').textContent.startsWith('9 photos done')", timeout=60_000
         )

@@ -176,10 +176,33 @@ function say(region, text) {
   setTimeout(() => { region.textContent = text; }, 50);
 }
 
+// The status line (#announce) says one message at a time, each left for a moment before the next: two set in the
+// same instant (two photos answered by one batch) would leave only the last, and words set again unchanged (a
+// retry's) may not be said again.
+const ANNOUNCE_GAP_MS = 500;
+const announcements = [];
+let announcing = false;
+
+function announce(text) {
+  announcements.push(text);
+  if (!announcing) nextAnnouncement();
+}
+
+function nextAnnouncement() {
+  announcing = announcements.length > 0;
+  if (!announcing) return;
+  say($("announce"), announcements.shift());
+  setTimeout(nextAnnouncement, ANNOUNCE_GAP_MS);
+}
+
 function askForKey(reason) {
   if (!keyEntered) {
     const form = $("key-form");
-    say($("key-reason"), reason);  // the same refusal again is said again
+    // Set at once when the form appears, so the field's description is there as it takes focus; said anew
+    // (cleared, then set) when the form was already shown, so the same refusal again is said again.
+    if (form.hidden) $("key-reason").textContent = reason;
+    else say($("key-reason"), reason);
+    const focused = document.activeElement;
     // Invalid when a key was refused (the tab's own, or one entered), not when none was asked for yet.
     $("key-input").setAttribute("aria-invalid", String(!reason.startsWith("This server needs")));
     form.hidden = false;
@@ -199,7 +222,9 @@ function askForKey(reason) {
         $("forget-key").hidden = false;
         $("key-input").value = "";
         form.hidden = true;
-        $("file-input").focus();  // the form's controls are gone: on to the next thing to do, not <body>
+        $("key-input").removeAttribute("aria-invalid");
+        // back where the user was (the form's controls are gone), or on to the next thing to do, not <body>
+        (focused?.isConnected && focused !== document.body ? focused : $("file-input")).focus();
         keyEntered = null;
         resolve();
       };
@@ -303,7 +328,7 @@ async function classifyAll(files) {
   // A screen reader hears one photo's steps and outcome; for several, their start and the batch's outcome only
   // (a dozen outcomes within a second are half a minute of speech, or dropped).
   const several = photos.length > 1;
-  if (several) $("announce").textContent = `Classifying ${photos.length} photos…`;
+  if (several) announce(`Classifying ${photos.length} photos…`);
   let next = 0, answered = 0;
   const worker = async () => {
     while (next < photos.length) {
@@ -315,8 +340,8 @@ async function classifyAll(files) {
   await Promise.all(Array.from({length: Math.min(UPLOADS_AT_ONCE, photos.length)}, worker));
   if (several) {
     const failed = photos.length - answered;
-    $("announce").textContent = `${photos.length} photos done: ${answered} classified` +
-      (failed ? `, ${failed} not (see each photo)` : "");
+    announce(`${photos.length} photos done: ${answered} classified` +
+      (failed ? `, ${failed} not (see each photo)` : ""));
   }
 }
 
@@ -346,7 +371,7 @@ function showPending(file, card) {
     card.querySelector(".outcomes").replaceChildren(element("p", {className: "cancelled"}, "Cancelled"),
       sendAgainButton(file, card));
     card.removeAttribute("aria-busy");
-    $("announce").textContent = `${file.name}: cancelled`;
+    announce(`${file.name}: cancelled`);
   });
   const pending = element("p", {className: "pending"}, "Waiting for its turn to upload…");  // UPLOADS_AT_ONCE
   card.querySelector(".outcomes").replaceChildren(pending, cancel);
@@ -366,7 +391,7 @@ async function classifyPhoto(file, card, attempt, quiet = false) {
   const waiting = (text, announced = false) => {
     if (!pending.isConnected) return;
     pending.replaceChildren(text);
-    if (announced && !quiet) $("announce").textContent = `${file.name}: ${text}`;
+    if (announced && !quiet) announce(`${file.name}: ${text}`);
   };
   waiting("Uploading…", true);
   // The photo's uploads under way (one a model), summed: what has gone of the bytes they send.
@@ -382,16 +407,23 @@ async function classifyPhoto(file, card, attempt, quiet = false) {
   if (attempt.signal.aborted) return false;  // the Cancel button answered the card
   // With several models served, every answer says whose it is, compared or not.
   const nodes = results.map((result, i) => renderResult(result, server.models.length > 1 ? names[i] : null));
+  // Focus on the Cancel button going away stays on the photo, not at the page's start.
+  const hadFocus = outcomes.contains(document.activeElement);
   outcomes.replaceChildren(...(comparing ? [element("div", {className: "compare"}, ...nodes)] : nodes));
   if (note) outcomes.prepend(element("p", {className: "hint"}, note));
   if (comparing) outcomes.append(compareTop1(names, results));
   card.removeAttribute("aria-busy");
+  if (hadFocus) {
+    card.tabIndex = -1;
+    card.focus();
+  }
   const first = results[0];
   if (!quiet) {
-    $("announce").textContent = (first.error
-      ? `${file.name}: ${first.error}`
-      : `${file.name}: most likely ${first.predictions[0].label}, ${formatPercent(first.predictions[0].probability)}`) +
-      (comparing ? `. ${outcomes.querySelector(".agreement-line").textContent}` : "");
+    const whose = comparing ? `${names[0]}: ` : "";  // compare mode: the first model's, then the top-1 line
+    announce(`${file.name}: ${whose}` + (first.error
+      ? first.error
+      : `most likely ${first.predictions[0].label}, ${formatPercent(first.predictions[0].probability)}`) +
+      (comparing ? `. ${outcomes.querySelector(".agreement-line").textContent}` : ""));
   }
   const failed = results.filter((result) => result.error);
   // Not where the file is the fault and the browser cannot show it either (see RESENDING_CANNOT_HELP).
@@ -455,7 +487,7 @@ async function predict(blob, filename, modelName, shrunk, waiting, original = bl
         : ++busy <= BUSY_RETRIES;  // 503s counted on their own: turns taken at a key's rate spend none
       if (!RETRIED_STATUSES.includes(response.status) || !turnsLeft || waitS > RETRY_AFTER_MAX_S) break;
       const why = response.status === 429 ? "Over this key's rate" : "Server busy";
-      waiting(`${why} (${response.status}): sending again in ${waitS} s…`, true);
+      waiting(`${why} (${response.status}): sending again in ${waitS} s (try ${sent + 1})…`, true);
       await sleep(waitMs, signal);
     }
   } catch (error) {
@@ -638,8 +670,8 @@ function wireInputs() {
     // An image dragged from another site's page comes as its address: fetching that is the browser's to refuse.
     const linkOnly = !event.dataTransfer.files.length && event.dataTransfer.types.includes("text/uri-list");
     $("drop-note").hidden = !linkOnly;
-    $("drop-note").textContent = linkOnly
-      ? "That was a link, not a file: save the image, then drop or choose the saved file." : "";
+    say($("drop-note"), linkOnly  // said again when the same link is dropped again
+      ? "That was a link, not a file: save the image, then drop or choose the saved file." : "");
     classifyAll(event.dataTransfer.files);  // anything dropped is sent: the server says what is wrong with it
   });
   let pasted = 0;
