@@ -70,7 +70,7 @@ ERRORS: dict[type[Exception], tuple[int, str | None, str]] = {
         f"{MAX_FORM_FIELDS} other fields, or a malformed multipart body",
     ),
     InvalidImage: (400, "bad_input", "empty body, not an image, or a corrupt/truncated image"),
-    UnknownQueryParameter: (400, "bad_input", "a query parameter other than model"),
+    UnknownQueryParameter: (400, "bad_input", "a query parameter other than model, or model more than once"),
     SlowUpload: (408, "slow_upload", "the body did not arrive within --body-timeout-s"),
     BodyTooLarge: (
         413,

@@ -133,7 +133,9 @@ async def predict(request: Request, model_name: ModelName = None) -> PredictResp
     s: Serving = request.app.state.serving
     if request.scope["query_string"]:  # a misspelt ?model= would be ignored, and the default model answer
         if unknown := [name for name in request.query_params if name != "model"]:
-            raise UnknownQueryParameter(f"unknown query parameter {unknown[0]!r}: /predict takes only ?model=NAME")
+            raise UnknownQueryParameter(f"unknown query parameter {unknown[0][:64]!r}: /predict takes only ?model=NAME")
+        if len(request.query_params.getlist("model")) > 1:  # one of them would be ignored
+            raise UnknownQueryParameter("?model= given more than once: /predict takes one model")
     model = s.model(model_name)
     with s.request(model):
         data = await read_upload(request, s.config.max_upload_bytes, s.config.body_timeout_s)
@@ -463,8 +465,7 @@ class AnswerCancelledAtShutdown:
             if started or task is None or not task.cancelling():
                 raise
             task.uncancel()  # the task ends with this answer; nothing is left to cancel
-            forced = scope["app"].state.serving.stop_drain_s == 0  # a second Ctrl-C: no drain was waited for
-            stopped = ShuttingDown(FORCED_STOP if forced else CUT_OFF)
+            stopped = ShuttingDown(FORCED_STOP if scope["app"].state.serving.stopped_at_once else CUT_OFF)
             scope["app"].state.serving.metrics.count_rejection(stopped)
             await error_response(stopped, body=body_for_path(route_path(scope)))(scope, receive, send)
 
@@ -624,7 +625,7 @@ class DelayedShutdownServer(uvicorn.Server):
             # still waits for inference is answered 503 at once.
             serving: Serving | None = getattr(self.app.state, "serving", None)
             if serving is not None:
-                serving.stop_drain_s = 0
+                serving.stopped_at_once = True
             await self.lifespan.shutdown()
 
 

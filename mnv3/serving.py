@@ -193,8 +193,8 @@ class Serving:
         self.default = self.models[specs[0].name]
         self.not_ready_reason: str | None = "warming up"
         self.draining = False  # drain() was called: not ready, whatever warm-up says (`unready`)
-        # How long stop() lets queued and running work finish; 0 once a second Ctrl-C asks to quit now.
-        self.stop_drain_s: float = config.shutdown_timeout_s
+        # A second Ctrl-C asked to quit now: stop() lets queued and running work no time to finish.
+        self.stopped_at_once = False
 
     # The default model's pieces: what a one-model server has (tests hold them).
     @property
@@ -276,7 +276,8 @@ class Serving:
         return asyncio.get_running_loop().time() + self.config.deadline_ms / 1000
 
     async def stop(self) -> None:
-        await asyncio.gather(*(served.batcher.stop(self.stop_drain_s) for served in self.models.values()))
+        drain_s = 0 if self.stopped_at_once else self.config.shutdown_timeout_s
+        await asyncio.gather(*(served.batcher.stop(drain_s) for served in self.models.values()))
         self.preprocess_pool.shutdown(wait=False, cancel_futures=True)
 
 

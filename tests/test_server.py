@@ -740,5 +740,10 @@ def test_predict_refuses_a_query_parameter_it_does_not_take(fp32_model_path, ima
             name = query.split("&")[-1].lstrip("?").split("=")[0]
             assert answer.status_code == 400, query
             assert answer.json() == {"detail": f"unknown query parameter '{name}': /predict takes only ?model=NAME"}
+        twice = client.post("/predict?model=nope&model=fp32", files={"file": ("a.jpg", images[0], "image/jpeg")})
+        assert (twice.status_code, twice.json()) == (
+            400,
+            {"detail": "?model= given more than once: /predict takes one model"},  # the last one had answered
+        )
         assert client.post("/predict?model=fp32", files={"file": ("a.jpg", images[0], "image/jpeg")}).status_code == 200
-        assert 'mnv3_rejections_total{reason="bad_input"} 2.0' in client.get("/metrics").text
+        assert 'mnv3_rejections_total{reason="bad_input"} 3.0' in client.get("/metrics").text
