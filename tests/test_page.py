@@ -221,8 +221,13 @@ def test_answers_that_come_together_are_each_announced(page, photos):
     # The status line held one message, replaced by the next: two photos answered by one batch, and only the
     # second was said.
     page.evaluate(RECORD_ANNOUNCED)
-    page.evaluate("""() => { announce("first.jpg: most likely a cat"); announce("second.jpg: most likely a dog"); }""")
+    page.evaluate("""() => {
+        announce("first.jpg: most likely a cat", "first.jpg");
+        announce("second.jpg: sending again in 1 s (try 2)…", "second.jpg");
+        announce("second.jpg: most likely a dog", "second.jpg");  // its step, still waiting, is stale: replaced
+    }""")
     page.wait_for_function("() => window.announced.length === 2")
+    page.wait_for_timeout(700)  # nothing more comes
     assert page.evaluate("window.announced") == ["first.jpg: most likely a cat", "second.jpg: most likely a dog"]
 
 

@@ -178,30 +178,31 @@ function say(region, text) {
 
 // The status line (#announce) says one message at a time, each left for a moment before the next: two set in the
 // same instant (two photos answered by one batch) would leave only the last, and words set again unchanged (a
-// retry's) may not be said again.
+// retry's) may not be said again. A message waiting its turn is replaced by a newer one about the same thing
+// (`about`: a photo's name, or "batch"), so a photo's steps never queue up behind each other: only its latest is said.
 const ANNOUNCE_GAP_MS = 500;
-const announcements = [];
+const announcements = [];  // [about, text], in turn
 let announcing = false;
 
-function announce(text) {
-  announcements.push(text);
+function announce(text, about = text) {
+  const waiting = announcements.find(([subject]) => subject === about);
+  if (waiting) waiting[1] = text;
+  else announcements.push([about, text]);
   if (!announcing) nextAnnouncement();
 }
 
 function nextAnnouncement() {
   announcing = announcements.length > 0;
   if (!announcing) return;
-  say($("announce"), announcements.shift());
+  say($("announce"), announcements.shift()[1]);
   setTimeout(nextAnnouncement, ANNOUNCE_GAP_MS);
 }
 
 function askForKey(reason) {
   if (!keyEntered) {
     const form = $("key-form");
-    // Set at once when the form appears, so the field's description is there as it takes focus; said anew
-    // (cleared, then set) when the form was already shown, so the same refusal again is said again.
-    if (form.hidden) $("key-reason").textContent = reason;
-    else say($("key-reason"), reason);
+    // Set as the form appears (it was emptied as it went), so the field's description is there as it takes focus.
+    $("key-reason").textContent = reason;
     const focused = document.activeElement;
     // Invalid when a key was refused (the tab's own, or one entered), not when none was asked for yet.
     $("key-input").setAttribute("aria-invalid", String(!reason.startsWith("This server needs")));
@@ -223,8 +224,10 @@ function askForKey(reason) {
         $("key-input").value = "";
         form.hidden = true;
         $("key-input").removeAttribute("aria-invalid");
+        $("key-reason").textContent = "";  // so the same refusal, if it comes again, is new text to say
         // back where the user was (the form's controls are gone), or on to the next thing to do, not <body>
-        (focused?.isConnected && focused !== document.body ? focused : $("file-input")).focus();
+        if (focused !== document.body) focused?.focus();
+        if (document.activeElement !== focused || focused === document.body) $("file-input").focus();
         keyEntered = null;
         resolve();
       };
@@ -328,7 +331,7 @@ async function classifyAll(files) {
   // A screen reader hears one photo's steps and outcome; for several, their start and the batch's outcome only
   // (a dozen outcomes within a second are half a minute of speech, or dropped).
   const several = photos.length > 1;
-  if (several) announce(`Classifying ${photos.length} photos…`);
+  if (several) announce(`Classifying ${photos.length} photos…`, "batch");
   let next = 0, answered = 0;
   const worker = async () => {
     while (next < photos.length) {
@@ -341,7 +344,7 @@ async function classifyAll(files) {
   if (several) {
     const failed = photos.length - answered;
     announce(`${photos.length} photos done: ${answered} classified` +
-      (failed ? `, ${failed} not (see each photo)` : ""));
+      (failed ? `, ${failed} not (see each photo)` : ""), "batch");
   }
 }
 
@@ -371,7 +374,7 @@ function showPending(file, card) {
     card.querySelector(".outcomes").replaceChildren(element("p", {className: "cancelled"}, "Cancelled"),
       sendAgainButton(file, card));
     card.removeAttribute("aria-busy");
-    announce(`${file.name}: cancelled`);
+    announce(`${file.name}: cancelled`, file.name);
   });
   const pending = element("p", {className: "pending"}, "Waiting for its turn to upload…");  // UPLOADS_AT_ONCE
   card.querySelector(".outcomes").replaceChildren(pending, cancel);
@@ -391,7 +394,7 @@ async function classifyPhoto(file, card, attempt, quiet = false) {
   const waiting = (text, announced = false) => {
     if (!pending.isConnected) return;
     pending.replaceChildren(text);
-    if (announced && !quiet) announce(`${file.name}: ${text}`);
+    if (announced && !quiet) announce(`${file.name}: ${text}`, file.name);
   };
   waiting("Uploading…", true);
   // The photo's uploads under way (one a model), summed: what has gone of the bytes they send.
@@ -423,7 +426,7 @@ async function classifyPhoto(file, card, attempt, quiet = false) {
     announce(`${file.name}: ${whose}` + (first.error
       ? first.error
       : `most likely ${first.predictions[0].label}, ${formatPercent(first.predictions[0].probability)}`) +
-      (comparing ? `. ${outcomes.querySelector(".agreement-line").textContent}` : ""));
+      (comparing ? `. ${outcomes.querySelector(".agreement-line").textContent}` : ""), file.name);
   }
   const failed = results.filter((result) => result.error);
   // Not where the file is the fault and the browser cannot show it either (see RESENDING_CANNOT_HELP).
