@@ -211,7 +211,8 @@ class Taken:
 class RateLimit:
     rate_per_s: float
     burst: int
-    rate: str  # as the key file writes it (30/min), for messages
+    # as the key file writes it (30/min), for messages; not compared: 60/min and 1/s are the same limit
+    rate: str = dataclasses.field(compare=False)
 
     def __str__(self):
         return f"{self.rate}, burst {self.burst}"
@@ -268,13 +269,9 @@ class Keys:
         """On the event loop: accept `new`'s keys from now on (a key file read again). A key kept with the same
         rate keeps its bucket (however the rate is written: 60/min is 1/s), so a reload grants no fresh burst;
         requests in flight stay counted, those of a key that went included, until they end."""
-
-        def rate(limit: RateLimit | None) -> tuple[float, int] | None:
-            return (limit.rate_per_s, limit.burst) if limit else None
-
-        rates = {key.digest: rate(key.limit) for key in self.keys}
+        limits = {key.digest: key.limit for key in self.keys}
         self.buckets = {
-            digest: self.buckets[digest] if rates.get(digest) == rate(key.limit) else new.buckets[digest]
+            digest: self.buckets[digest] if limits.get(digest) == key.limit else new.buckets[digest]
             for key in new.keys
             if (digest := key.digest) in new.buckets
         }
