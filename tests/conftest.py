@@ -108,6 +108,12 @@ def wait_until(condition, what: str):
         time.sleep(0.01)
 
 
+def metric(url: str, sample: str) -> float:
+    """The value of the first line of a server's /metrics that starts with `sample` (a name, with its labels)."""
+    text = requests.get(url + "/metrics", timeout=WAIT_S).text
+    return float(next(line for line in text.splitlines() if line.startswith(sample)).split()[-1])
+
+
 @contextmanager
 def uvicorn_in_thread(app, **options):
     """`app` under a real uvicorn on 127.0.0.1 (`options`: uvicorn.Config's) in a thread, for raw sockets; yields

@@ -27,7 +27,7 @@ import tifffile
 from PIL import Image
 from starlette.requests import Request
 
-from conftest import WAIT_S, post_file, post_raw, serving_client, wait_until
+from conftest import WAIT_S, metric, post_file, post_raw, serving_client, wait_until
 from mnv3 import connections
 from mnv3.config import ServerConfig
 from mnv3.loadtest import ServerProcess
@@ -793,11 +793,6 @@ def read_response(sock: socket.socket) -> bytes:
     while chunk := sock.recv(65536):  # the server closes the connection after these errors
         received += chunk
     return received
-
-
-def metric(url: str, line_start: str) -> float:
-    text = requests.get(url + "/metrics", timeout=WAIT_S).text
-    return float(next(line for line in text.splitlines() if line.startswith(line_start)).split()[-1])
 
 
 def test_stalled_cut_and_oversized_uploads_never_hold_the_server(fp32_model_path, jpeg):

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from conftest import WAIT_S, post, wait_until
+from conftest import WAIT_S, metric, post, wait_until
 from mnv3.loadtest import ServerProcess
 from mnv3.photos import load_images
 from mnv3.server import FORCED_STOP
@@ -20,8 +20,7 @@ REQUESTS = 48
 
 
 def in_flight(url: str) -> float:
-    text = requests.get(url + "/metrics", timeout=WAIT_S).text
-    return float(next(line for line in text.splitlines() if line.startswith("mnv3_in_flight ")).split()[1])
+    return metric(url, "mnv3_in_flight ")
 
 
 def test_sigterm_answers_every_accepted_request_then_exits_0(fp32_model_path):

@@ -3,7 +3,6 @@ Inference Protocol, and by /predict: the two paths must give the same answers fo
 
 import gzip
 import json
-import re
 import struct
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import tritonclient.http as triton
 from starlette.testclient import TestClient
 from tritonclient.utils import InferenceServerException
 
-from conftest import Gate, post_file, serving_client, wait_until
+from conftest import Gate, metric, post_file, serving_client, wait_until
 from mnv3.artifacts import CLASS_NAMES_JSON
 from mnv3.config import ServerConfig
 from mnv3.engine import InferenceError
@@ -195,8 +194,7 @@ def test_classification_extension_gives_predicts_top_k(server, client, photos, f
 
 
 def rejections(server, reason: str) -> float:
-    metrics = requests.get(server + "/metrics", timeout=WAIT_S).text
-    return float(re.search(rf'^mnv3_rejections_total\{{reason="{reason}"\}} (\S+)$', metrics, re.M)[1])
+    return metric(server, f'mnv3_rejections_total{{reason="{reason}"}} ')
 
 
 def unknown_model_rejections(server) -> float:
