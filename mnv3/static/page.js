@@ -107,7 +107,7 @@ async function api(url, options = {}, ownCall = true) {
       askForKey(outOfScope ? "This tab's API key may not use the page (a key of scope infer or admin may): " +
                              "enter another."
                 : key ? "The server did not accept this tab's API key: enter another."
-                : "This server needs an API key."),
+                : "This server needs an API key.", outOfScope || Boolean(key)),
       sleep(Infinity, options.signal),
     ]);
     for (const pending of document.querySelectorAll("#photos .pending[data-before]")) {
@@ -198,14 +198,14 @@ function nextAnnouncement() {
   setTimeout(nextAnnouncement, ANNOUNCE_GAP_MS);
 }
 
-function askForKey(reason) {
+// `refused`: the tab's key was (its field is then marked invalid), not only none given yet.
+function askForKey(reason, refused) {
   if (!keyEntered) {
     const form = $("key-form");
     // Set as the form appears (it was emptied as it went), so the field's description is there as it takes focus.
     $("key-reason").textContent = reason;
     const focused = document.activeElement;
-    // Invalid when a key was refused (the tab's own, or one entered), not when none was asked for yet.
-    $("key-input").setAttribute("aria-invalid", String(!reason.startsWith("This server needs")));
+    $("key-input").setAttribute("aria-invalid", String(refused));
     form.hidden = false;
     $("key-input").focus();
     keyEntered = new Promise((resolve) => {
@@ -225,9 +225,11 @@ function askForKey(reason) {
         form.hidden = true;
         $("key-input").removeAttribute("aria-invalid");
         $("key-reason").textContent = "";  // so the same refusal, if it comes again, is new text to say
-        // back where the user was (the form's controls are gone), or on to the next thing to do, not <body>
-        if (focused !== document.body) focused?.focus();
-        if (document.activeElement !== focused || focused === document.body) $("file-input").focus();
+        // back where the user was (the form's controls are gone), or, where that cannot take focus now, on to the
+        // next thing to do, not <body>
+        const back = focused !== document.body ? focused : null;
+        back?.focus();
+        if (document.activeElement !== back) $("file-input").focus();
         keyEntered = null;
         resolve();
       };
@@ -416,10 +418,7 @@ async function classifyPhoto(file, card, attempt, quiet = false) {
   if (note) outcomes.prepend(element("p", {className: "hint"}, note));
   if (comparing) outcomes.append(compareTop1(names, results));
   card.removeAttribute("aria-busy");
-  if (hadFocus) {
-    card.tabIndex = -1;
-    card.focus();
-  }
+  if (hadFocus) focusPhoto(card);
   const first = results[0];
   if (!quiet) {
     const whose = comparing ? `${names[0]}: ` : "";  // compare mode: the first model's, then the top-1 line
@@ -451,11 +450,16 @@ function photoButton(className, words, file, card, pressed) {
   const button = element("button", {type: "button", className}, words,
     element("span", {className: "visually-hidden"}, ` (${file.name})`));
   button.addEventListener("click", () => {
-    card.tabIndex = -1;
-    card.focus();
+    focusPhoto(card);
     pressed();
   });
   return button;
+}
+
+// Focus on a photo's card: where it goes when what had it in the card is replaced.
+function focusPhoto(card) {
+  card.tabIndex = -1;
+  card.focus();
 }
 
 // Multipart's part headers and boundaries around the file: what the server's upload limit counts besides it.
