@@ -197,12 +197,8 @@ def rejections(server, reason: str) -> float:
     return metric(server, f'mnv3_rejections_total{{reason="{reason}"}} ')
 
 
-def unknown_model_rejections(server) -> float:
-    return rejections(server, "unknown_model")
-
-
 def test_unknown_model_or_version_is_404(server, client, photos):
-    counted_before = unknown_model_rejections(server)
+    counted_before = rejections(server, "unknown_model")
     for call in (
         lambda: client.infer("nope", [image_input(photos[:1])]),
         lambda: client.get_model_metadata("large", "2"),
@@ -213,13 +209,13 @@ def test_unknown_model_or_version_is_404(server, client, photos):
             call()
         assert failure.value.status() == "404"
         assert "large" in failure.value.message()  # the message says what is served
-    assert unknown_model_rejections(server) == counted_before + 4
+    assert rejections(server, "unknown_model") == counted_before + 4
 
 
 def test_paths_and_methods_the_server_lacks_answer_in_the_protocols_shape(server, client):
     """Triton's client reads only `error` from a failed call: its calls for extensions this server does
     not implement must surface the server's message, not a KeyError of the client's own."""
-    counted_before = unknown_model_rejections(server)
+    counted_before = rejections(server, "unknown_model")
     for call, extension in (
         (client.get_model_repository_index, "model repository"),
         (lambda: client.get_inference_statistics("large"), "statistics"),
@@ -232,7 +228,7 @@ def test_paths_and_methods_the_server_lacks_answer_in_the_protocols_shape(server
             call()
         assert failure.value.status() == "404"
         assert f"does not offer Triton's {extension} extension" in failure.value.message()
-    assert unknown_model_rejections(server) == counted_before  # a path the server lacks, not a refused model
+    assert rejections(server, "unknown_model") == counted_before  # a path the server lacks, not a refused model
     nowhere = requests.get(server + "/v2/nowhere", timeout=WAIT_S)
     assert (nowhere.status_code, nowhere.json()) == (404, {"error": "Not Found"})
     wrong_method = requests.get(server + "/v2/models/large/infer", timeout=WAIT_S)
