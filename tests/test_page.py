@@ -128,6 +128,11 @@ RECORD_ANNOUNCED = """() => {
 }"""
 
 
+def wait_for_text(page, element_id: str, text: str) -> None:
+    """Until the element's text is exactly `text` (the page says some after a moment: see page.js's say())."""
+    page.wait_for_function("([id, text]) => document.getElementById(id).textContent === text", arg=[element_id, text])
+
+
 def timings(card) -> dict[str, str]:
     terms, values = card.locator(".timings dt").all_inner_texts(), card.locator(".timings dd").all_inner_texts()
     return dict(zip(terms, values, strict=True))
@@ -243,7 +248,7 @@ def test_a_non_image_shows_the_servers_reason(page, server):
     # Said once by the page's status line, not as an alert per card (a batch of bad files fired one each).
     assert error.get_attribute("role") is None
     said = f"notes.txt: 400: {answer.json()['detail']}"
-    page.wait_for_function("said => document.getElementById('announce').textContent === said", arg=said)
+    wait_for_text(page, "announce", said)
     # the file is the fault: sent again, it would be refused again
     assert page.locator("#photos .photo").first.locator(".send-again").count() == 0
 
@@ -313,7 +318,7 @@ def test_a_dropped_link_says_to_drop_the_saved_file(page):
         window.dispatchEvent(new DragEvent("drop", {dataTransfer: dropped, cancelable: true}));
     }""")
     said = "That was a link, not a file: save the image, then drop or choose the saved file."
-    page.wait_for_function("said => document.getElementById('drop-note').textContent === said", arg=said)
+    wait_for_text(page, "drop-note", said)
     assert page.locator("#photos .photo").count() == 0
     page.locator("#file-input").set_input_files({"name": "notes.txt", "mimeType": "text/plain", "buffer": b"x"})
     assert page.locator("#drop-note").is_hidden()  # a file came after all: the note is old news
@@ -856,9 +861,7 @@ def test_a_slow_upload_shows_its_progress_and_a_photo_can_be_cancelled(browser, 
                 assert card.locator(".outcomes").inner_text().startswith("Cancelled")
                 assert card.get_attribute("aria-busy") is None and card.locator(".cancel").count() == 0
                 assert page.evaluate("document.activeElement.classList.contains('photo')")  # not <body>
-                page.wait_for_function(
-                    "said => document.getElementById('announce').textContent === said", arg=f"{name}: cancelled"
-                )
+                wait_for_text(page, "announce", f"{name}: cancelled")
         page.wait_for_function(
             "() => document.getElementById('announce').textContent.startsWith('9 photos done')", timeout=60_000
         )
