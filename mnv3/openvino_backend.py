@@ -111,6 +111,7 @@ class OpenVINOSession:
         self._parts: dict[int, ov.AsyncInferQueue] = {}
         self._compiled: dict[int, ov.CompiledModel] = {}  # each part size's, to build its queue anew
         self._jobs = jobs
+        self._outputs_in_progress = _CallOutputs()
         if shape.rank.is_static and shape.rank.get_length() > 0 and shape[0].is_dynamic:
             self._alone = core.compile_model(at_batch(model, 1), DEVICE, latency).create_infer_request()
             part_size = part_size or DEFAULT_PART_SIZE  # None: stage 2 measured none for this file
@@ -129,7 +130,6 @@ class OpenVINOSession:
         if not any(size > 1 for size in sizes):  # nothing but single images: they run on every thread
             self.batch_threads = threads
         self.streams = streams
-        self._out: list[np.ndarray] = []  # the outputs of the call in progress, filled in part by part
         self._lock = threading.Lock()  # one call at a time: parts write into that call's outputs
         self._warm_up()
 
@@ -146,7 +146,9 @@ class OpenVINOSession:
             if not self._parts:
                 raise ValueError(f"compiled for batch 1 only (max_batch_size=1), got a batch of {len(batch)}")
             sizes = split_batch(len(batch), self._parts, self.streams)
-            self._out = [np.empty((len(batch), *shape), dtype) for shape, dtype in self._output_rows]
+            out = self._outputs_in_progress.arrays = [
+                np.empty((len(batch), *shape), dtype) for shape, dtype in self._output_rows
+            ]
             offset = 0
             try:
                 for size in sizes:
@@ -175,18 +177,14 @@ class OpenVINOSession:
                 raise
             for size in set(sizes):
                 self._parts[size].wait_all()
-            return self._out
+            return out
 
     def _queue(self, compiled: ov.CompiledModel) -> ov.AsyncInferQueue:
         queue = ov.AsyncInferQueue(compiled, self._jobs)
-        queue.set_callback(self._copy_out)
+        # Not a method of the session: the queue holds its callback in C++, where the garbage collector cannot
+        # see the cycle, so a session its queues held would never be freed (its plugin threads and memory).
+        queue.set_callback(self._outputs_in_progress.copy_out)
         return queue
-
-    def _copy_out(self, request: ov.InferRequest, offset: int) -> None:
-        """A part's callback: its rows of every output, copied out of the request's reused buffers."""
-        for i, out in enumerate(self._out):
-            rows = request.get_output_tensor(i).data
-            out[offset : offset + len(rows)] = rows
 
     def _warm_up(self) -> None:
         """One run on every infer request, so no request pays for the plugin's first allocations."""
@@ -208,6 +206,19 @@ class OpenVINOSession:
     def get_providers(self) -> list[str]:
         """For /model: runtime, device and the precision it computes in, e.g. 'OpenVINO:CPU:f32'."""
         return [f"OpenVINO:{DEVICE}:{self.precision}"]
+
+
+class _CallOutputs:
+    """The outputs of the call in progress, which its parts' callbacks fill in, each its rows."""
+
+    def __init__(self):
+        self.arrays: list[np.ndarray] = []
+
+    def copy_out(self, request: ov.InferRequest, offset: int) -> None:
+        """A part's callback: its rows of every output, copied out of the request's reused buffers."""
+        for i, out in enumerate(self.arrays):
+            rows = request.get_output_tensor(i).data
+            out[offset : offset + len(rows)] = rows
 
 
 def split_batch(rows: int, sizes, streams: int = 1) -> list[int]:
