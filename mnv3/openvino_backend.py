@@ -211,7 +211,7 @@ class OpenVINOSession:
 class _CallOutputs:
     """The outputs of the call in progress, which its parts' callbacks fill in, each its rows."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.arrays: list[np.ndarray] = []
 
     def copy_out(self, request: ov.InferRequest, offset: int) -> None:
