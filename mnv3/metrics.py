@@ -29,6 +29,10 @@ from mnv3.cache import ResultCache
 from mnv3.errors import REJECTION_REASONS, error_entry
 from mnv3.thread_cpu import cpu_seconds_by_role
 
+# Seconds. prometheus_client's default buckets start at 5 ms, where a cache hit (a fraction of a millisecond)
+# and most queue waits would all fall in the first; and stop at 10 s, below --body-timeout-s's default.
+LATENCY_BUCKETS = (0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
 
 @dataclass(frozen=True)
 class ModelMetrics:
@@ -59,15 +63,26 @@ class Metrics:
             "POST /predict or /v2 infer admitted (within --max-in-flight), from arrival until its result or error "
             "is ready (encoding and sending the answer not included)",
             labels,
+            buckets=LATENCY_BUCKETS,
             registry=registry,
         )
         self.queue_wait = Histogram(
-            "mnv3_queue_wait_seconds", "queued until its batch's inference started", labels, registry=registry
+            "mnv3_queue_wait_seconds",
+            "queued until its batch's inference started",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
         )
         self.preprocess = Histogram(
-            "mnv3_preprocess_seconds", "decode + preprocess, including waiting for a thread", labels, registry=registry
+            "mnv3_preprocess_seconds",
+            "decode + preprocess, including waiting for a thread",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
         )
-        self.inference = Histogram("mnv3_inference_seconds", "one batched inference call", labels, registry=registry)
+        self.inference = Histogram(
+            "mnv3_inference_seconds", "one batched inference call", labels, buckets=LATENCY_BUCKETS, registry=registry
+        )
         self.batch_size = Histogram(
             "mnv3_batch_size",
             "requests per inference call",
