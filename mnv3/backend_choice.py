@@ -33,6 +33,8 @@ DEFAULT_MIN_AGREEMENT = 0.99  # top-1 agreement with FP32 a variant needs to be 
 SPEED_COLUMNS = ("mean_ms_vs_onnx_fp32", "per_image_ms_vs_onnx_fp32")
 # What resolve_auto reads of a MANIFEST_KEY entry (manifest_entry writes them all).
 SERVED_KEYS = ("variant", "engine", "file", "precision", "streams", "for_model", "reason")
+# The type each of them, and part_size (absent or null when stage 2 measured none), must have to be served.
+SERVED_TYPES: dict[str, type] = dict.fromkeys(SERVED_KEYS, str) | {"streams": int, "part_size": int}
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,18 @@ def resolve_auto(model: Path) -> Choice:
         return fallback(
             f"the engine choice in {model.parent}/manifest.json lacks {', '.join(missing)} (rerun stage 2, "
             "static_quantization.py, to measure it again)",
+            True,
+        )
+    mistyped = [
+        key
+        for key, kind in SERVED_TYPES.items()
+        if (entry.get(key) is not None or key != "part_size")
+        and (not isinstance(entry.get(key), kind) or isinstance(entry.get(key), bool))
+    ]
+    if mistyped:
+        return fallback(
+            f"the engine choice in {model.parent}/manifest.json has a value of the wrong type for "
+            f"{', '.join(mistyped)} (rerun stage 2, static_quantization.py, to measure it again)",
             True,
         )
     if model.name not in (entry["for_model"], entry["file"]):

@@ -27,6 +27,7 @@ from mnv3.artifacts import (
     CLASS_NAMES_JSON,
     MANIFEST_JSON,
     STAND_IN_PROVENANCE,
+    UnreadableManifest,
     model_preprocessing,
     remake_hint,
     weights_provenance,
@@ -119,7 +120,11 @@ class Engine:
     ) -> "Engine":
         """Open, validate and name a model, or raise ModelLoadError saying what is wrong.
 
-        OpenVINO's inference precision is the chosen one under backend auto, else its default.
+        `backend` "auto" serves what stage 2 chose for `path` on this machine, as the server does by default.
+        `max_batch_size`: the largest batch `predict` is meant for (the server's --max-batch-size); OpenVINO
+        compiles the model at static batch sizes up to it, so a larger batch runs in parts of those sizes, or
+        one image at a time when it is 1. OpenVINO's inference precision is the chosen one under backend auto,
+        else its default.
         `allow_spinning`: onnxruntime's idle threads busy-wait; off, as the server has it (--ort-spinning 0).
         `batch_threads`: OpenVINO's threads for batches of more than one (default `intra_op_threads`, as stage
         2 and the limit time an engine alone); 0, a server's default: what stage 2 measured fastest under load
@@ -128,7 +133,10 @@ class Engine:
         if backend not in BACKEND_CHOICES:
             raise ModelLoadError(f"unknown backend {backend!r}; available: {', '.join(BACKEND_CHOICES)}")
         path = check_model_file(path)
-        choice = resolve_auto(path) if backend == AUTO else explicit(path, backend)
+        try:
+            choice = resolve_auto(path) if backend == AUTO else explicit(path, backend)
+        except UnreadableManifest as exc:  # the one error a caller catches: what _preprocessing raises for it too
+            raise ModelLoadError(str(exc)) from exc
         path, backend, precision = choice.path, choice.backend, choice.precision
         if batch_threads == 0:
             batch_threads = choice.batch_threads(intra_op_threads)
@@ -201,7 +209,15 @@ class Engine:
         return self.session.get_providers()
 
     def predict(self, batch: np.ndarray) -> np.ndarray:
-        """(N, 3, crop, crop) float32 -> (N, classes) softmax probabilities."""
+        """(N, 3, crop, crop) float32 -> (N, classes) softmax probabilities; a ValueError (or TypeError) for an
+        array of another shape (or type), as `mnv3.preprocess` makes them. InferenceError if the runtime fails."""
+        if not isinstance(batch, np.ndarray) or batch.dtype != np.float32:
+            raise TypeError(f"predict takes a float32 numpy array, got {getattr(batch, 'dtype', type(batch))}")
+        if batch.ndim != 4 or batch.shape[1:] != self.preprocessing.input_shape:
+            raise ValueError(
+                f"predict takes a batch of shape (N, {', '.join(map(str, self.preprocessing.input_shape))}), got "
+                f"{batch.shape}: preprocess each image (mnv3.preprocess.preprocess_batch) and stack them"
+            )
         try:
             logits = self.session.run(None, {self.input_name: batch})[0]
         except Exception as exc:

@@ -113,20 +113,22 @@ class OpenVINOSession:
         self._jobs = jobs
         self._outputs_in_progress = _CallOutputs()
         if shape.rank.is_static and shape.rank.get_length() > 0 and shape[0].is_dynamic:
-            self._alone = core.compile_model(at_batch(model, 1), DEVICE, latency).create_infer_request()
+            alone = core.compile_model(at_batch(model, 1), DEVICE, latency)
+            self._alone = alone.create_infer_request()
             part_size = part_size or DEFAULT_PART_SIZE  # None: stage 2 measured none for this file
             largest = min(part_size, max_batch_size or part_size)
             sizes = [1 << k for k in range(largest.bit_length()) if max_batch_size != 1]
         else:
             sizes = [shape[0].get_length() if shape.rank.is_static and shape.rank.get_length() > 0 else 1]
-        self._output_rows: list[tuple[tuple, np.dtype]] = []  # each output's row shape and type (static here)
+        # each output's row shape and type (static here)
+        self._output_rows: list[tuple[tuple, np.dtype]] = _output_rows(alone) if self._alone else []
         for size in sizes:
             # A file fixed at one image is the single-image path: every thread, as the batch-1 model.
             config = parts if self._alone or size > 1 else latency
             compiled = core.compile_model(at_batch(model, size) if self._alone else model, DEVICE, config)
             self._compiled[size] = compiled
             self._parts[size] = self._queue(compiled)
-            self._output_rows = [(tuple(o.get_shape())[1:], o.get_element_type().to_dtype()) for o in compiled.outputs]
+            self._output_rows = _output_rows(compiled)
         if not any(size > 1 for size in sizes):  # nothing but single images: they run on every thread
             self.batch_threads = threads
         self.streams = streams
@@ -143,8 +145,15 @@ class OpenVINOSession:
                 # share_inputs: no copy of the batch in; outputs are copied out, the request reuses its buffers.
                 self._alone.infer({0: batch}, share_inputs=True)
                 return [self._alone.get_output_tensor(i).data.copy() for i in range(len(self._outputs))]
-            if not self._parts:
-                raise ValueError(f"compiled for batch 1 only (max_batch_size=1), got a batch of {len(batch)}")
+            if not self._parts:  # compiled for single images only (max_batch_size 1): one at a time
+                if self._alone is None:  # a file of one batch size, whose queue could not be rebuilt (logged)
+                    raise ValueError("no OpenVINO queue is left to run this file's batches")
+                out = [np.empty((len(batch), *shape), dtype) for shape, dtype in self._output_rows]
+                for row in range(len(batch)):
+                    self._alone.infer({0: batch[row : row + 1]}, share_inputs=True)
+                    for i, rows in enumerate(out):
+                        rows[row] = self._alone.get_output_tensor(i).data[0]
+                return out
             sizes = split_batch(len(batch), self._parts, self.streams)
             out = self._outputs_in_progress.arrays = [
                 np.empty((len(batch), *shape), dtype) for shape, dtype in self._output_rows
@@ -219,6 +228,10 @@ class _CallOutputs:
         for i, out in enumerate(self.arrays):
             rows = request.get_output_tensor(i).data
             out[offset : offset + len(rows)] = rows
+
+
+def _output_rows(compiled: ov.CompiledModel) -> list[tuple[tuple, np.dtype]]:
+    return [(tuple(o.get_shape())[1:], o.get_element_type().to_dtype()) for o in compiled.outputs]
 
 
 def split_batch(rows: int, sizes, streams: int = 1) -> list[int]:

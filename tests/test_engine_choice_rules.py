@@ -97,6 +97,15 @@ def test_an_engine_choice_edited_by_hand_is_served_around_and_named(models, lack
     assert f"manifest.json lacks {lacks} (rerun stage 2" in choice.reason
 
 
+@pytest.mark.parametrize(("key", "value"), [("file", None), ("streams", "2"), ("streams", True), ("part_size", "16")])
+def test_an_engine_choice_with_a_value_of_the_wrong_type_is_served_around_and_named(models, key, value):
+    entry = engine_choice_entry("onnxruntime", STATIC_INT8_ONNX) | {key: value}
+    update_manifest(models, **{MANIFEST_KEY: entry})
+    choice = resolve_auto(models / STATIC_INT8_ONNX)  # file null was a TypeError; a text streams a load error
+    assert (choice.path, choice.backend, choice.unservable) == (models / STATIC_INT8_ONNX, "onnxruntime", True)
+    assert f"has a value of the wrong type for {key} (rerun stage 2" in choice.reason
+
+
 def test_an_engine_choice_that_is_not_a_record_is_named(models):
     manifest = models / MANIFEST_JSON
     manifest.write_text(json.dumps({MANIFEST_KEY: "openvino"}))

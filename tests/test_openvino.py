@@ -195,6 +195,14 @@ def test_batches_that_fail_to_start_leave_the_engine_serving(fp32_model_path, op
         np.testing.assert_array_equal(run_within(session, rows), expected)
 
 
+def test_an_openvino_engine_for_single_images_runs_a_batch_one_image_at_a_time(fp32_model_path, engines):
+    reference, _ = engines
+    single = Engine.load(fp32_model_path, "openvino", max_batch_size=1)  # a batch of 3 was an InferenceError
+    rows = np.stack([preprocess(decode_image(data)) for data in load_images(3, seed=5)])
+    assert_same_answers(reference.predict(rows), single.predict(rows), precision(single))
+    assert single.predict(rows[:0]).shape == (0, single.num_classes)
+
+
 def test_a_dropped_openvino_engine_is_freed(fp32_model_path, openvino_installed):
     # Its queues' callbacks were the session's own method, a cycle through OpenVINO's C++ that the garbage
     # collector cannot see: every engine loaded kept its memory and plugin threads (stage 2 loads many).

@@ -529,6 +529,28 @@ def test_a_manifest_cut_short_or_not_a_record_exits_2_with_one_line(fp32_model_d
     assert result.stderr.strip().endswith("stages 1 and 2 write it; remove it and rerun them")
 
 
+@pytest.mark.parametrize("backend", ["onnxruntime", "auto"])
+def test_engine_load_refuses_a_manifest_cut_short_with_its_own_error_under_either_backend(
+    fp32_model_dir, tmp_path, backend
+):
+    shutil.copy(fp32_model_dir / "fp32.onnx", tmp_path / "fp32.onnx")
+    (tmp_path / "manifest.json").write_text("[]")
+    with pytest.raises(ModelLoadError, match="manifest.json holds a JSON list"):  # auto: UnreadableManifest
+        Engine.load(tmp_path / "fp32.onnx", backend)
+
+
+def test_engine_predict_refuses_an_array_other_than_a_preprocessed_batch(fp32_model_path):
+    engine = Engine.load(fp32_model_path)
+    good = np.zeros((2, 3, 224, 224), np.float32)
+    assert engine.predict(good).shape == (2, 1000) and engine.predict(good[:0]).shape == (0, 1000)
+    for wrong_shape in (good[0], good[:, :, :200], good[..., None]):
+        with pytest.raises(ValueError, match=r"a batch of shape \(N, 3, 224, 224\), got"):
+            engine.predict(wrong_shape)  # (3, 224, 224) was "onnxruntime failed on a batch of 3"
+    for wrong_type in (good.astype(np.float64), good.astype(np.uint8), good.tolist()):
+        with pytest.raises(TypeError, match="float32 numpy array"):
+            engine.predict(wrong_type)  # OpenVINO answered a uint8 batch
+
+
 def test_a_pytorch_checkpoint_as_the_model_exits_2_saying_to_export_it(tmp_path):
     (tmp_path / "model_29.pth").write_bytes(b"PK\x03\x04 a zip, as torch.save writes")
     result = run_server("--model", str(tmp_path / "model_29.pth"), "--port", "0")
