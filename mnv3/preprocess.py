@@ -221,8 +221,10 @@ def preprocess(
     resize_crop_only: bool = DEFAULT_DECODING.resize_crop_only,
 ) -> np.ndarray:
     """PIL image -> float32 array of shape (3, crop, crop), ready to stack into an NCHW batch; resized as
-    `resize_and_crop` does with `crop_only=resize_crop_only`."""
-    rgb = image if image.mode == "RGB" else image.convert("RGB")  # convert() copies even an RGB image
+    `resize_and_crop` does with `crop_only=resize_crop_only`. Its pixels are taken as they are, in any mode
+    (16-bit and float grey scaled as uploads are); its EXIF orientation is not undone: `open_image` and
+    `decode_image` do that, as the server does to every upload."""
+    rgb = _to_rgb(image)
     hwc = np.asarray(resize_and_crop(rgb, preprocessing.resize, preprocessing.crop, resize_crop_only))
     scale, shift = preprocessing.scale_shift
     # One pass from uint8 into the result, then one in place: no float32 copy -> transpose ->
@@ -234,8 +236,9 @@ def preprocess(
 
 
 def preprocess_batch(images, preprocessing: Preprocessing = DEFAULT_PREPROCESSING) -> np.ndarray:
-    """Several PIL images -> one contiguous (N, 3, crop, crop) float32 batch."""
-    return np.stack([preprocess(image, preprocessing) for image in images])
+    """Several PIL images -> one contiguous (N, 3, crop, crop) float32 batch (N may be 0)."""
+    rows = [preprocess(image, preprocessing) for image in images]
+    return np.stack(rows) if rows else np.empty((0, *preprocessing.input_shape), np.float32)
 
 
 def jpeg_draft_reduction(width: int, height: int, resize_size: int = RESIZE_SIZE) -> int:
@@ -539,7 +542,7 @@ def _to_rgb(image: Image.Image) -> Image.Image:
             rows *= scale
             grey[top : top + len(rows)] = rows  # truncated, as astype(np.uint8) does
         image = Image.fromarray(grey, mode="L")
-    return image if image.mode == "RGB" else image.convert("RGB")
+    return image if image.mode == "RGB" else image.convert("RGB")  # convert() copies even an RGB image
 
 
 def decode_and_preprocess(

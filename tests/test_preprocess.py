@@ -4,10 +4,11 @@
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 from torchvision.models import MobileNet_V3_Large_Weights
 
 from mnv3.photos import HELD_OUT_SOURCES, source_photos
-from mnv3.preprocess import DEFAULT_PREPROCESSING, preprocess
+from mnv3.preprocess import DEFAULT_PREPROCESSING, open_image, preprocess, preprocess_batch
 
 pytestmark = pytest.mark.unit
 
@@ -82,3 +83,17 @@ def test_preprocessing_that_cannot_work_is_refused(values):
 
     with pytest.raises(ValueError):
         Preprocessing(**values)
+
+
+@pytest.mark.parametrize("mode", ["I;16", "F"])
+def test_an_image_given_as_it_is_preprocesses_as_the_server_decodes_it(mode, tmp_path):
+    # preprocess(image) took a 16-bit or float image through Pillow's convert("RGB"), which clips where an
+    # upload's decoding scales: the same pixels gave other inputs in a script than on the server.
+    values = np.linspace(0, 60000 if mode == "I;16" else 3.5, 300 * 280).reshape(280, 300)
+    image = Image.fromarray(values.astype(np.uint16 if mode == "I;16" else np.float32))
+    image.save(tmp_path / "wide.tiff")
+    np.testing.assert_array_equal(preprocess(image), preprocess(open_image(tmp_path / "wide.tiff")))
+
+
+def test_an_empty_list_of_images_is_an_empty_batch():
+    assert preprocess_batch([]).shape == (0, *DEFAULT_PREPROCESSING.input_shape)
