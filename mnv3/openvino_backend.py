@@ -27,6 +27,7 @@ batches fewer threads than the machine has: under load the next images are decod
 and a batch that takes every core takes them from the decoding, in bursts.
 """
 
+import functools
 import logging
 import math
 import threading
@@ -50,9 +51,17 @@ class Port(NamedTuple):
     shape: list
 
 
-def bf16_supported(core: ov.Core | None = None) -> bool:
+@functools.cache
+def shared_core() -> ov.Core:
+    """The process's one OpenVINO Core, kept for its life. With a Core per session, freeing the last session
+    also freed the last Core and OpenVINO unloaded its CPU plugin: a SIGTERM to the process after that was a
+    segfault (seen in the test suite, a stage's Ctrl-C/SIGTERM path, once freed sessions were freed for real)."""
+    return ov.Core()
+
+
+def bf16_supported() -> bool:
     """The CPU plugin runs BF16 natively here (AVX512_BF16 or AMX); otherwise BF16 would be emulated, and slower."""
-    return "BF16" in (core or ov.Core()).get_property(DEVICE, "OPTIMIZATION_CAPABILITIES")
+    return "BF16" in shared_core().get_property(DEVICE, "OPTIMIZATION_CAPABILITIES")
 
 
 def latency_config(threads: int, precision: str) -> dict:
@@ -83,9 +92,9 @@ class OpenVINOSession:
     ):
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-        core = ov.Core()
+        core = shared_core()
         if precision == "auto":
-            precision = "bf16" if bf16_supported(core) else "f32"
+            precision = "bf16" if bf16_supported() else "f32"
         model = core.read_model(str(path))
         self.precision = precision
         self.batch_threads = batch_threads or threads

@@ -37,11 +37,9 @@ def openvino_layer_summary(model_path, batch, runs: int, threads: int, precision
     batch's size, one stream of `threads` threads, `precision` for what is not quantized: time per layer type
     and kernel (e.g. Convolution, brgconv_avx512_1x1_I8), largest share first. Layers fused into another
     or not run report no time and are left out."""
-    import openvino as ov
+    from mnv3.openvino_backend import DEVICE, at_batch, latency_config, shared_core
 
-    from mnv3.openvino_backend import DEVICE, at_batch, latency_config
-
-    core = ov.Core()
+    core = shared_core()
     model = at_batch(core.read_model(str(model_path)), len(batch))
     config = latency_config(threads, precision) | {"PERF_COUNT": True}
     request = core.compile_model(model, DEVICE, config).create_infer_request()

@@ -89,17 +89,15 @@ def gemm_peaks(threads: int, precisions: Iterable[str] = PEAK_PRECISIONS) -> dic
     MatMul or as a 1x1 convolution, per precision (bf16 only where the CPU computes it natively); {} without
     openvino."""
     try:
-        import openvino as ov
-
-        from mnv3.openvino_backend import DEVICE, bf16_supported, latency_config
+        from mnv3.openvino_backend import DEVICE, bf16_supported, latency_config, shared_core
     except ModuleNotFoundError as exc:
         if exc.name != "openvino":
             raise
         return {}
-    core = ov.Core()
+    core = shared_core()
     peaks = {}
     for precision in precisions:
-        if precision == "bf16" and not bf16_supported(core):
+        if precision == "bf16" and not bf16_supported():
             continue
         config = latency_config(threads, "bf16" if precision == "bf16" else "f32")
         rates = []
