@@ -165,12 +165,14 @@ def run(args):
     else:
         print(f"weights: {args.arch} {provenance}, {len(class_names)} classes (names: {class_names_source})")
 
-    # The model is its export and the preprocessing it takes (the same file may take another --resize or --mean).
-    previous = (file_sha256(artifacts_dir / FP32_ONNX), read_manifest(artifacts_dir).get("preprocessing"))
+    # The model is its export and the preprocessing it takes (the same file may take another --resize or --mean):
+    # its id. Compared with the id the manifest records, not with the file this export replaces, as a run stopped
+    # between the export and the manifest leaves the new file beside the last model's stage-2 builds.
+    previous = read_manifest(artifacts_dir).get("model")
     fp32_path = export_onnx(model, artifacts_dir / FP32_ONNX, preprocessing)
     fp32_sha256 = file_sha256(fp32_path)
     assert fp32_sha256 is not None  # just written
-    if (fp32_sha256, preprocessing.record()) != previous:
+    if not isinstance(previous, dict) or previous.get("id") != model_id(fp32_sha256, preprocessing):
         # The last model's dynamic INT8 files are rewritten below: gone now, should this run stop before then.
         for stale, _ in DYNAMIC_INT8_VARIANTS.values():
             (artifacts_dir / stale).unlink(missing_ok=True)

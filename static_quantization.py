@@ -15,7 +15,6 @@ batching server with each, in turns (results/02_batch_threads.csv; mnv3/batch_th
 """
 
 import argparse
-import json
 import shutil
 import sys
 from pathlib import Path
@@ -37,9 +36,13 @@ from mnv3.artifacts import (
     RECIPES_DIR,
     STATIC_CSV,
     STATIC_INT8_ONNX,
+    UnreadableClassNames,
     drop_manifest_entries,
     model_preprocessing,
+    read_class_names,
     read_manifest,
+    remake_hint,
+    replaced_when_written,
     require,
     update_manifest,
     weights_provenance,
@@ -180,7 +183,11 @@ def run(args):
     mode = cli.defaults(args)
     artifacts_dir, results_dir = args.artifacts_dir, args.results_dir
     fp32_path = require(artifacts_dir / FP32_ONNX, 1, artifacts_dir, results_dir)
-    class_names = json.loads(require(artifacts_dir / CLASS_NAMES_JSON, 1, artifacts_dir, results_dir).read_text())
+    class_names_path = require(artifacts_dir / CLASS_NAMES_JSON, 1, artifacts_dir, results_dir)
+    try:
+        class_names = read_class_names(class_names_path)
+    except UnreadableClassNames as exc:
+        raise cli.UsageError(f"{exc}: {remake_hint(fp32_path)}") from None
     require(artifacts_dir / MANIFEST_JSON, 1, artifacts_dir, results_dir)  # what the model is: without it, no row says
     manifest = read_manifest(artifacts_dir)
     provenance, arch = weights_provenance(artifacts_dir), manifest.get("model", {}).get("arch", "unknown")
@@ -225,7 +232,8 @@ def run(args):
         )
         write_csv(results_dir / RECIPES_CSV, recipe_rows)
         print(markdown_table(ratio_table_rows(recipe_rows)))
-        shutil.copyfile(recipe_path(recipes_dir, args.recipe), artifacts_dir / STATIC_INT8_ONNX)
+        with replaced_when_written(artifacts_dir / STATIC_INT8_ONNX) as partial:
+            shutil.copyfile(recipe_path(recipes_dir, args.recipe), partial)
     else:
         print(f"calibrating recipe {args.recipe} on {len(calibration)} photos from {args.calibration_dir}")
         static_path = quantize_static_int8(fp32_path, artifacts_dir / STATIC_INT8_ONNX, calibration_images, recipe)

@@ -2,6 +2,10 @@
 
 import hashlib
 import json
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from mnv3.preprocess import DEFAULT_PREPROCESSING, Preprocessing
@@ -175,9 +179,22 @@ def weights_provenance(model_dir) -> str:
 
 
 def write_class_names(model_dir, names: list[str]) -> Path:
-    path = Path(model_dir) / CLASS_NAMES_JSON
-    path.write_text(json.dumps(names))
-    return path
+    return write_atomically(Path(model_dir) / CLASS_NAMES_JSON, json.dumps(names))
+
+
+class UnreadableClassNames(ValueError):
+    """The class names file is there but is not a JSON list of names (cut short, edited by hand)."""
+
+
+def read_class_names(path: Path) -> list[str]:
+    """The JSON list of class names at `path`, or UnreadableClassNames saying what it is instead."""
+    try:
+        names = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UnreadableClassNames(f"{path} is not a JSON list of class names ({' '.join(str(exc).split())})") from exc
+    if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+        raise UnreadableClassNames(f"{path} is not a JSON list of class names")
+    return names
 
 
 def model_preprocessing(model_dir) -> Preprocessing:
@@ -207,10 +224,26 @@ def _write_manifest(artifacts_dir, manifest: dict) -> dict:
 
 
 def write_atomically(path: Path, text: str) -> Path:
-    """`text` as the file at `path` (its folder made if need be), written beside it and then renamed over
-    it: a crash mid-write never leaves a truncated manifest or table."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(text, newline="")  # as given: the csv module writes its own line ends
-    tmp.replace(path)
+    """`text` as the file at `path`, as `replaced_when_written` writes it: never a truncated manifest or table."""
+    with replaced_when_written(path) as partial:
+        partial.write_text(text, newline="")  # as given: the csv module writes its own line ends
     return path
+
+
+@contextmanager
+def replaced_when_written(path: Path) -> Iterator[Path]:
+    """A path of `path`'s name in a new folder beside it, for the block to write; once the block ends without
+    an error, every file written in that folder is renamed over its namesake beside it (`path` last: an
+    OpenVINO IR's weights before its .xml), and the folder is removed whatever happens. So a crash, a full
+    disk or two runs at once never leave a truncated file under `path`'s name, and a process that has the old
+    file open keeps reading the old one (a server's OpenVINO maps an IR's weights, which an in-place write
+    changed under it, or cut short: a bus error)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent))
+    try:
+        yield folder / path.name
+        for written in sorted(folder.iterdir(), key=lambda file: file.name == path.name):
+            written.replace(path.parent / written.name)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

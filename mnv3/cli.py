@@ -9,7 +9,10 @@ measurement, writing its tables) are calls into the package, with the counts the
 
 import argparse
 import contextlib
+import errno
+import fcntl
 import math
+import os
 import signal
 import sys
 import tempfile
@@ -443,27 +446,61 @@ def run_stage(run, args, user_errors: tuple = (), writes: tuple[str, ...] = ()):
     not start or that refuses the key, or one of `user_errors`) is one line on stderr and exit code 2; the
     folders are checked first, so a run never does its work to fail at writing it down. Ctrl-C exits 130
     and SIGTERM (`kill`, a CI job cancelled) 143, each with one line, as a shell reports them, once the servers
-    the run started are stopped. Either way the folders in `writes` it made are removed if still empty."""
+    the run started are stopped. Either way the folders in `writes` it made are removed if still empty.
+    A stage that writes models (`writes` has "artifacts_dir") holds that folder for the run: a second one
+    there is refused at once, as two would interleave their models and manifest. A disk that fills up or a
+    file system that turns read-only midway is one line too."""
     made: list[Path] = []
+    held: list[int] = []
     python_format, warnings.formatwarning = warnings.formatwarning, _format_warning
     on_sigterm = _stop_on_sigterm()
     try:
         check_flag_pairs(args)
         for name in writes:
             made += check_writable(getattr(args, name), flag(name))
+        if "artifacts_dir" in writes:
+            held.append(hold_folder(args.artifacts_dir, flag("artifacts_dir")))
         return run(args)
     except (MissingArtifact, UnreadableManifest, ServerStartError, KeyRefused, UsageError, *user_errors) as exc:
         remove_if_empty(made)
         print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+            raise
+        remove_if_empty(made)
+        # The file it was writing is left as it was: every model, manifest and table is written beside it first.
+        print(
+            f"error: {exc.strerror}: {exc.filename or 'writing a file'}: free space, or pass another folder",
+            file=sys.stderr,
+        )
         sys.exit(2)
     except (KeyboardInterrupt, Terminated) as exc:  # what the user asked for, not a traceback
         remove_if_empty(made)
         print("interrupted" if isinstance(exc, KeyboardInterrupt) else "terminated", file=sys.stderr)
         sys.exit(130 if isinstance(exc, KeyboardInterrupt) else 128 + signal.SIGTERM)
     finally:
+        for descriptor in held:
+            os.close(descriptor)  # and with it the lock
         warnings.formatwarning = python_format
         if on_sigterm is not None:
             signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def hold_folder(folder: Path, flag: str) -> int:
+    """An exclusive lock on `folder` (flock on the folder itself, so no lock file is left in it, and the kernel
+    lets go when the process ends however it ends), held until the returned descriptor is closed; UsageError
+    when another process holds it."""
+    descriptor = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(descriptor)
+        raise UsageError(
+            f"another stage is writing models to {flag} {folder}; wait for it to finish, or give this run a "
+            f"{flag} of its own"
+        ) from None
+    return descriptor
 
 
 # A flag that means nothing without another one: (flag, the flag it needs, what it does with it).

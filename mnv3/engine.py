@@ -15,7 +15,6 @@ file beside the given one; `Engine.choice` says what was asked for, what runs, a
 """
 
 import hashlib
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -27,8 +26,10 @@ from mnv3.artifacts import (
     CLASS_NAMES_JSON,
     MANIFEST_JSON,
     STAND_IN_PROVENANCE,
+    UnreadableClassNames,
     UnreadableManifest,
     model_preprocessing,
+    read_class_names,
     remake_hint,
     weights_provenance,
 )
@@ -377,14 +378,9 @@ def _class_names(path: Path, num_classes) -> list[str]:
         log.warning("%s not found beside the model: labels will be class_<id>", path.name)
         return []
     try:
-        names = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ModelLoadError(
-            f"{path} is not a JSON list of class names ({_one_line(exc)}); "
-            "rerun stage 1 or delete it to label classes class_<id>"
-        ) from exc
-    if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
-        raise ModelLoadError(f"{path} is not a JSON list of class names")
+        names = read_class_names(path)
+    except UnreadableClassNames as exc:
+        raise ModelLoadError(f"{exc}; rerun stage 1 or delete it to label classes class_<id>") from exc
     if isinstance(num_classes, int) and len(names) != num_classes:
         raise ModelLoadError(f"{path} has {len(names)} class names but the model outputs {num_classes} classes")
     return names

@@ -24,7 +24,13 @@ from torchvision.models import (
     mobilenet_v3_small,
 )
 
-from mnv3.artifacts import FILE_PROVENANCE_PREFIX, INPUT_NAME, OUTPUT_NAME, STAND_IN_PROVENANCE
+from mnv3.artifacts import (
+    FILE_PROVENANCE_PREFIX,
+    INPUT_NAME,
+    OUTPUT_NAME,
+    STAND_IN_PROVENANCE,
+    replaced_when_written,
+)
 from mnv3.preprocess import DEFAULT_PREPROCESSING, Preprocessing, preprocess_batch
 
 ARCHS = {"mobilenet_v3_large": mobilenet_v3_large, "mobilenet_v3_small": mobilenet_v3_small}
@@ -338,31 +344,22 @@ def export_onnx(model: torch.nn.Module, path, preprocessing: Preprocessing = DEF
     """Export for `preprocessing`'s input size with a dynamic batch axis (the batcher needs it) via the
     TorchScript exporter, opset 17."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     example = torch.randn(1, *preprocessing.input_shape)
-    # Written beside it, then renamed over it: an export cut short never leaves a truncated model for stage 2.
-    partial = path.with_suffix(".partial")
-    try:
-        with warnings.catch_warnings():
-            # Chosen, not left over: the graph rewrites (mnv3.graph_rewrites) and INT8 recipes were written against
-            # this exporter's graph, and the results measured on it; torch.export's exporter writes another graph.
-            warnings.filterwarnings(
-                "ignore", "You are using the legacy TorchScript-based ONNX export", DeprecationWarning
-            )
-            torch.onnx.export(
-                model,
-                (example,),
-                str(partial),
-                dynamo=False,
-                opset_version=OPSET,
-                input_names=[INPUT_NAME],
-                output_names=[OUTPUT_NAME],
-                dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}},
-            )
-    except BaseException:  # a failed or interrupted export leaves neither a model nor its remains
-        partial.unlink(missing_ok=True)
-        raise
-    partial.replace(path)
+    # An export cut short never leaves a truncated model for stage 2.
+    with replaced_when_written(path) as partial, warnings.catch_warnings():
+        # Chosen, not left over: the graph rewrites (mnv3.graph_rewrites) and INT8 recipes were written against
+        # this exporter's graph, and the results measured on it; torch.export's exporter writes another graph.
+        warnings.filterwarnings("ignore", "You are using the legacy TorchScript-based ONNX export", DeprecationWarning)
+        torch.onnx.export(
+            model,
+            (example,),
+            str(partial),
+            dynamo=False,
+            opset_version=OPSET,
+            input_names=[INPUT_NAME],
+            output_names=[OUTPUT_NAME],
+            dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}},
+        )
     return path
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mnv3.artifacts import replaced_when_written
 from mnv3.graph_rewrites import rewritten_file
 
 
@@ -63,6 +64,6 @@ def quantize_nncf_int8(
         ),
     )
     out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    ov.save_model(quantized, str(out_path), compress_to_fp16=False)
+    with replaced_when_written(out_path) as partial:  # the .bin beside it too, before the .xml
+        ov.save_model(quantized, str(partial), compress_to_fp16=False)
     return out_path

@@ -25,7 +25,7 @@ from onnxruntime.quantization import (
 from onnxruntime.quantization.shape_inference import quant_pre_process
 
 from mnv3.accuracy import array_batches
-from mnv3.artifacts import INPUT_NAME
+from mnv3.artifacts import INPUT_NAME, replaced_when_written
 from mnv3.graph_rewrites import GRAPH_REWRITES, rewritten_file
 from mnv3.photos import fill_calibration_dir, is_generated, list_images, spread
 from mnv3.preprocess import DEFAULT_PREPROCESSING, Preprocessing, preprocess_files
@@ -130,9 +130,9 @@ def quantize_dynamic_int8(
     weights to onnxruntime's integer GEMM (MLAS) as the left operand, and on x86 MLAS has vector kernels for
     an unsigned left operand only (signed ones need AVX-VNNI-INT8): int8 weights run its portable C loop."""
     weight_type = QuantType.QUInt8 if unsigned_weights else QuantType.QInt8
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, replaced_when_written(out_path) as partial:
         prepared = pre_process(fp32_path, Path(tmp) / "prepared.onnx", symbolic_shapes)
-        quantize_dynamic(str(prepared), str(out_path), weight_type=weight_type, reduce_range=reduce_range)
+        quantize_dynamic(str(prepared), str(partial), weight_type=weight_type, reduce_range=reduce_range)
     return Path(out_path)
 
 
@@ -188,11 +188,11 @@ def quantize_static_int8(
     """
     reader = ArrayCalibrationReader(calibration_images)
     cache = Path(cache_dir) / f"{recipe.calibration_key()}.json" if cache_dir else None
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, replaced_when_written(out_path) as partial:
         prepared = pre_process(rewritten_file(fp32_path, recipe.graph_rewrites, tmp), Path(tmp) / "prepared.onnx")
         quantize_static(
             str(prepared),
-            str(out_path),
+            str(partial),
             reader,
             quant_format=QuantFormat[recipe.quant_format],
             per_channel=recipe.per_channel,
@@ -207,7 +207,7 @@ def quantize_static_int8(
             extra_options=recipe.extra_options,
             calibration_cache_path=cache,
         )
-    onnx.save(drop_zero_points(onnx.load(str(out_path))), str(out_path))
+        onnx.save(drop_zero_points(onnx.load(str(partial))), str(partial))
     return Path(out_path)
 
 

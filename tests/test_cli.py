@@ -1,9 +1,12 @@
 """The plumbing every entry point shares: --quick defaults that never override a flag, and one-line errors."""
 
+import errno
+import json
 import os
 import signal
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
@@ -13,7 +16,7 @@ import caching
 import fastapi_serving
 from conftest import WAIT_S
 from mnv3 import cli
-from mnv3.artifacts import MissingArtifact
+from mnv3.artifacts import MissingArtifact, replaced_when_written, write_atomically
 from mnv3.backend_choice import DEFAULT_MIN_AGREEMENT
 
 pytestmark = pytest.mark.unit
@@ -120,6 +123,74 @@ def test_a_refused_run_removes_the_folders_it_made_unless_it_wrote_there(tmp_pat
     assert not (tmp_path / "new").exists()
     assert (tmp_path / "typo" / "a" / "fp32.onnx").is_file()
     capsys.readouterr()
+
+
+def test_a_second_stage_writing_models_to_the_same_folder_is_refused_until_the_first_ends(tmp_path, capsys):
+    # Two runs on one --artifacts-dir interleaved their models and manifest (a stage-2 build of the old model
+    # left beside the new one, a manifest made unreadable).
+    args = SimpleNamespace(artifacts_dir=tmp_path, results_dir=tmp_path)
+    ran = []
+    first = cli.hold_folder(tmp_path, "--artifacts-dir")  # a first run, under way
+    with pytest.raises(SystemExit) as refused:
+        cli.run_stage(ran.append, args, writes=("artifacts_dir", "results_dir"))
+    assert refused.value.code == 2 and not ran
+    error = capsys.readouterr().err
+    assert error == (
+        f"error: another stage is writing models to --artifacts-dir {tmp_path}; wait for it to finish, or give "
+        "this run a --artifacts-dir of its own\n"
+    )
+    cli.run_stage(ran.append, SimpleNamespace(results_dir=tmp_path), writes=("results_dir",))  # a load test: not held
+    os.close(first)
+    cli.run_stage(ran.append, args, writes=("artifacts_dir", "results_dir"))
+    cli.run_stage(ran.append, args, writes=("artifacts_dir", "results_dir"))  # the last run let go of it
+    assert len(ran) == 3 and sorted(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS])
+def test_a_disk_that_fills_up_midway_is_one_line_and_exit_2(code, tmp_path, capsys):
+    def fills_up(args):
+        raise OSError(code, os.strerror(code), str(tmp_path / "fp32.onnx"))
+
+    with pytest.raises(SystemExit) as stopped:
+        cli.run_stage(fills_up, SimpleNamespace(results_dir=tmp_path), writes=("results_dir",))
+    assert stopped.value.code == 2
+    assert (
+        capsys.readouterr().err
+        == f"error: {os.strerror(code)}: {tmp_path / 'fp32.onnx'}: free space, or pass another folder\n"
+    )
+
+
+def test_a_file_is_replaced_only_once_written_in_full_and_a_reader_keeps_the_old_one(tmp_path):
+    ir, weights = tmp_path / "model.xml", tmp_path / "model.bin"
+    ir.write_text("old graph")
+    weights.write_text("old weights")
+    with weights.open() as served:  # as a server's OpenVINO maps the weights of the IR it serves
+        with pytest.raises(OSError), replaced_when_written(ir) as partial:
+            partial.with_suffix(".bin").write_text("new weights")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        assert (ir.read_text(), weights.read_text()) == ("old graph", "old weights")
+        assert sorted(path.name for path in tmp_path.iterdir()) == ["model.bin", "model.xml"]  # no remains
+        with replaced_when_written(ir) as partial:
+            partial.write_text("new graph")
+            partial.with_suffix(".bin").write_text("new weights")
+        assert (ir.read_text(), weights.read_text()) == ("new graph", "new weights")
+        assert served.read() == "old weights"  # written in place, the weights changed under the server
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["model.bin", "model.xml"]
+
+
+def test_two_writers_of_one_file_at_once_leave_it_whole(tmp_path):
+    # With one temporary name for both, one writer renamed the other's file away (FileNotFoundError) or
+    # wrote into it as it was renamed, leaving a manifest that was not JSON.
+    path = tmp_path / "manifest.json"
+
+    def write(writer: int) -> None:
+        for count in range(300):
+            write_atomically(path, json.dumps({"writer": writer, "count": count, "padding": "x" * 4000}))
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(write, range(4)))
+    assert json.loads(path.read_text())["count"] == 299
+    assert [file.name for file in tmp_path.iterdir()] == ["manifest.json"]
 
 
 def test_a_stages_own_warning_is_one_line_and_others_keep_pythons_format():

@@ -264,6 +264,23 @@ def nncf_kernels(fp32_model_path, out_path, graph_rewrites=(), quantize_logits=F
     return {(layer["layer_type"], layer["kernel"]) for layer in layers}
 
 
+def test_an_nncf_build_remade_under_its_name_leaves_an_engine_serving_it_as_it_was(
+    fp32_model_path, openvino_installed, tmp_path
+):
+    # OpenVINO maps an IR's weights, and stage 2 rewrote the .bin in place: a running server's answers changed
+    # the moment a rerun of stage 2 wrote it (and a .bin cut short was a bus error).
+    path, calibration = nncf_build(fp32_model_path, tmp_path / "int8.xml")
+    engine = Engine.load(path, "openvino", max_batch_size=8)
+    served = engine.predict(calibration)
+    from mnv3.openvino_int8 import quantize_nncf_int8
+
+    other_photos = np.stack([preprocess(decode_image(data)) for data in load_images(8, seed=12)])
+    quantize_nncf_int8(fp32_model_path, path, other_photos)  # another build under the same name
+    np.testing.assert_array_equal(engine.predict(calibration), served)
+    assert not np.array_equal(Engine.load(path, "openvino", max_batch_size=8).predict(calibration), served)
+    assert sorted(file.name for file in tmp_path.iterdir()) == ["int8.bin", "int8.xml"]
+
+
 def test_nncf_int8_weights_fit_in_7_bits(fp32_model_path, openvino_installed, tmp_path):
     """NNCF's overflow fix in every layer: the CPU plugin's INT8 kernels saturate their int16 sums without
     VNNI (NNCF's default fixed the first layer alone; on an AVX2-only EPYC its builds lost 2.3 dB of SQNR to

@@ -515,3 +515,39 @@ def test_a_stage_2_stopped_midway_leaves_no_choice_of_the_last_run(stage_dirs, t
         )  # fmt: skip
     assert exit_info.value.code == 130  # Ctrl-C: one line, no traceback
     assert "engine_choice" not in json.loads((artifacts / "manifest.json").read_text())
+
+
+def test_stage_1_removes_the_last_models_stage_2_builds_even_after_a_run_stopped_midway(stage_dirs, tmp_path, capsys):
+    import torch
+    from torchvision.models import mobilenet_v3_large
+
+    built, artifacts = stage_dirs["artifacts"], tmp_path / "artifacts"
+    shutil.copytree(built, artifacts)
+    torch.manual_seed(1)
+    torch.save(mobilenet_v3_large().state_dict(), tmp_path / "other.pth")
+    flags = ("--quick", "--backends", "onnxruntime", "--weights", tmp_path / "other.pth", "--artifacts-dir", artifacts)
+    run_stage(baseline_export_quantize, *flags, "--results-dir", tmp_path / "results")
+    assert "rerun stage 2" in capsys.readouterr().out and not (artifacts / "static_int8.onnx").exists()
+
+    # A run stopped (killed) after its export and before it removed them: the other model's fp32.onnx beside
+    # the last model's stage-2 builds and manifest. Its rerun compared the export with that file and kept them.
+    stage_2_builds = [path for path in built.iterdir() if path.is_file() and not (artifacts / path.name).exists()]
+    assert any(path.suffix == ".xml" for path in stage_2_builds) == bool(importlib.util.find_spec("openvino"))
+    for path in [*stage_2_builds, built / "manifest.json"]:
+        shutil.copy2(path, artifacts / path.name)
+    run_stage(baseline_export_quantize, *flags, "--results-dir", tmp_path / "results")
+    assert "rerun stage 2" in capsys.readouterr().out
+    assert not any((artifacts / path.name).exists() for path in stage_2_builds)
+    assert "engine_choice" not in json.loads((artifacts / "manifest.json").read_text())
+
+
+def test_stage_2_refuses_class_names_cut_short_with_one_line(stage_dirs, tmp_path, capsys):
+    artifacts = tmp_path / "artifacts"
+    shutil.copytree(stage_dirs["artifacts"], artifacts)
+    (artifacts / "class_names.json").write_text('["tench", "gold')  # was json's traceback
+    with pytest.raises(SystemExit) as exit_info:
+        run_stage(static_quantization, "--quick", "--artifacts-dir", artifacts, "--results-dir", tmp_path / "results")
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"error: {artifacts / 'class_names.json'} is not a JSON list of class names (")
+    assert "stage 1 writes it: run python baseline_export_quantize.py" in error and error.count("\n") == 1
