@@ -16,6 +16,8 @@ With `--api-keys FILE`, `mnv3.auth` lets a request in only with a key of the sco
 import asyncio
 import copy
 import gc
+import ipaddress
+import json
 import logging
 import resource
 import signal
@@ -25,6 +27,7 @@ import threading
 from contextlib import asynccontextmanager
 
 import uvicorn
+import uvicorn.logging
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -57,7 +60,8 @@ from mnv3.uploads import CloseUnreadBody, read_upload
 from mnv3.v2_protocol import HEADER_LENGTH
 from mnv3.v2_router import http_error_in_shape, v2_router
 
-log = logging.getLogger(__name__)
+# Named, not __name__: run as `python -m mnv3.server` that is "__main__", whose lines --log-level and "mnv3" miss.
+log = logging.getLogger("mnv3.server")
 
 
 def load_engine(config: ServerConfig, spec: ModelSpec | None = None) -> Engine:
@@ -222,8 +226,15 @@ class ModelsInfo(BaseModel):
 ops_router = APIRouter(tags=["operations"])
 
 
-@ops_router.get("/healthz", response_model=Status, summary="The process is up")
-async def healthz() -> Status:
+@ops_router.get(
+    "/healthz",
+    response_model=Status,
+    responses={503: {"model": Status, "description": "a model's warm-up failed: only a restart can mend it"}},
+    summary="Liveness: the process is up and not broken for good",
+)
+async def healthz(s: Serving = Depends(serving)):
+    if s.broken:
+        return JSONResponse({"status": s.broken}, 503)
     return Status(status="ok")
 
 
@@ -532,7 +543,27 @@ def uvicorn_log_config() -> dict:
     config["formatters"]["default"]["fmt"] = LOG_FORMAT
     access = '%(client_addr)s - "%(request_line)s" %(status_code)s'
     config["formatters"]["access"]["fmt"] = LOG_FORMAT.replace("%(message)s", access)
+    config["formatters"]["access"]["()"] = f"{__name__}.{AccessFormatter.__name__}"
     return config
+
+
+class AccessFormatter(uvicorn.logging.AccessFormatter):
+    """uvicorn's access line, with a client address that is not one quoted: behind --forwarded-allow-ips, uvicorn
+    takes X-Forwarded-For's text as the client's address unchecked, so a client could write what it liked into
+    the line (a second, forged request line; quotes, tabs, markup)."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        client_addr, *rest = record.args  # type: ignore[misc]
+        try:
+            ipaddress.ip_address(str(client_addr).rpartition(":")[0])  # "HOST:PORT", as uvicorn writes it
+        except ValueError:
+            if client_addr:  # "" when uvicorn knows no client
+                record = copy.copy(record)
+                record.args = (f"not-an-address:{json.dumps(str(client_addr)[:MAX_LOGGED_ADDRESS])}", *rest)
+        return super().formatMessage(record)
+
+
+MAX_LOGGED_ADDRESS = 64  # characters of a forwarded "address" that is not one
 
 
 def main(argv=None) -> None:

@@ -192,6 +192,9 @@ class Serving:
         }
         self.default = self.models[specs[0].name]
         self.not_ready_reason: str | None = "warming up"
+        # Why the server is broken for good (a model's warm-up failed), or None: what liveness probes are told,
+        # as only a restart can mend it; readiness alone would leave it unready, never restarted.
+        self.broken: str | None = None
         self.draining = False  # drain() was called: not ready, whatever warm-up says (`unready`)
         # A second Ctrl-C asked to quit now: stop() lets queued and running work no time to finish.
         self.stopped_at_once = False
@@ -243,7 +246,7 @@ class Serving:
                 served.not_ready_reason = f"failed to warm up: {what}"
                 failures.append(f"{served.name}: {what}")
         if failures:
-            self.not_ready_reason = f"warm-up failed: {'; '.join(failures)}"
+            self.not_ready_reason = self.broken = f"warm-up failed: {'; '.join(failures)}"
         else:
             self.not_ready_reason = None
             log.info(

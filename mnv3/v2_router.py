@@ -135,10 +135,15 @@ async def metadata() -> dict:
 @v2_router.get(
     "/health/live",
     response_class=Response,
-    responses={200: {"description": "the process is up"}},
-    summary="Liveness: 200, empty body",
+    responses={
+        200: {"description": "the process is up"},
+        503: {"model": V2ErrorBody, "description": "a model's warm-up failed: only a restart can mend it"},
+    },
+    summary="Liveness: 200, empty body; 503 once a model's warm-up failed",
 )
-async def live() -> Response:
+async def live(s: Serving = Depends(serving)) -> Response:
+    if s.broken:
+        raise V2Error(503, s.broken)
     return Response()
 
 

@@ -26,7 +26,7 @@ from mnv3.engine import Engine, ModelLoadError, top_k_ids
 from mnv3.loadtest import ServerProcess, parse_metrics
 from mnv3.photos import load_images
 from mnv3.preprocess import decode_image, preprocess
-from mnv3.server import raise_open_file_limit
+from mnv3.server import AccessFormatter, raise_open_file_limit, uvicorn_log_config
 from mnv3.thread_cpu import EVENT_LOOP, INFERENCE, PREPROCESS, ROLES
 
 pytestmark = pytest.mark.integration
@@ -772,3 +772,24 @@ def test_predict_refuses_a_query_parameter_it_does_not_take(fp32_model_path, ima
         )
         assert client.post("/predict?model=fp32", files={"file": ("a.jpg", images[0], "image/jpeg")}).status_code == 200
         assert 'mnv3_rejections_total{reason="bad_input"} 3.0' in client.get("/metrics").text
+
+
+def test_an_access_line_quotes_a_forwarded_address_that_is_not_one():
+    # uvicorn takes X-Forwarded-For's text as the client's address, from a trusted proxy (127.0.0.1 by default)
+    # unchecked: a client could write a second, forged request line into the log.
+    formatter = AccessFormatter(fmt=uvicorn_log_config()["formatters"]["access"]["fmt"], use_colors=False)
+
+    def access_line(client: str) -> str:
+        args = (client, "GET", "/healthz", "1.1", 200)
+        return formatter.format(
+            logging.LogRecord("uvicorn.access", logging.INFO, "", 0, '%s - "%s %s HTTP/%s" %d', args, None)
+        )
+
+    for address in ("127.0.0.1:53412", "::1:53412", "1.2.3.4:0"):
+        assert access_line(address).endswith(f' {address} - "GET /healthz HTTP/1.1" 200 OK')
+    forged = access_line('1.2.3.4 - "GET /admin HTTP/1.1" 200:0')
+    assert forged.endswith(
+        ' uvicorn.access: not-an-address:"1.2.3.4 - \\"GET /admin HTTP/1.1\\" 200:0" - "GET /healthz HTTP/1.1" 200 OK'
+    )
+    assert "\\t<script>" in access_line("\t<script>" + "x" * 100 + ":0")  # escaped, and cut at 64 characters
+    assert "x" * 60 not in access_line("\t<script>" + "x" * 100 + ":0")

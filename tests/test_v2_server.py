@@ -422,6 +422,10 @@ def test_a_model_whose_warm_up_failed_says_so_and_the_others_are_ready(fp32_mode
         assert failed.json() == {"error": f"model a failed to warm up: {said}"}
         assert client.get("/v2/models/b/ready").status_code == 200
         assert client.get("/v2/health/ready").status_code == 503
+        # and liveness, which stayed 200: a probe would have left the pod unready for good, never restarted
+        assert client.get("/healthz").status_code == 503
+        assert client.get("/healthz").json() == {"status": f"warm-up failed: a: {said}"}
+        assert client.get("/v2/health/live").status_code == 503
 
 
 def test_an_unexpected_failure_is_a_json_500_in_the_paths_shape_counted_as_internal(fp32_model_path, photos):
