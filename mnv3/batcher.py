@@ -63,7 +63,7 @@ class DeadlineExceeded(Exception):
 
 @dataclass(frozen=True)
 class BatchResult:
-    row: np.ndarray  # this request's output row
+    row: np.ndarray  # this request's output row: a view of its batch's output, whose rows it keeps alive
     batch_size: int  # how many requests shared the inference call
     queue_s: float  # from being queued (its input ready) to the start of the inference call
     inference_s: float  # the whole batch's inference call

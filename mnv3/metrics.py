@@ -136,10 +136,17 @@ class _LiveCounts:
             (
                 CounterMetricFamily,
                 "mnv3_cache_hits",
-                "answered from the cache or a shared computation",
+                "answered from the cache or by an identical request's computation in flight (a failure it shared "
+                "counts in neither)",
                 lambda cache, batcher: cache.hits,
             ),
-            (CounterMetricFamily, "mnv3_cache_misses", "computed", lambda cache, batcher: cache.misses),
+            (
+                CounterMetricFamily,
+                "mnv3_cache_misses",
+                "not in the cache, so computed or tried (a refused or failed computation too); with --cache-size 0 "
+                "nothing is looked up",
+                lambda cache, batcher: cache.misses,
+            ),
             (GaugeMetricFamily, "mnv3_cache_entries", "results stored", lambda cache, batcher: len(cache)),
             (
                 GaugeMetricFamily,
