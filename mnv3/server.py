@@ -233,9 +233,7 @@ ops_router = APIRouter(tags=["operations"])
     summary="Liveness: the process is up and not broken for good",
 )
 async def healthz(s: Serving = Depends(serving)):
-    if s.broken:
-        return JSONResponse({"status": s.broken}, 503)
-    return Status(status="ok")
+    return probe_answer(s.broken, "ok")
 
 
 @ops_router.get(
@@ -245,9 +243,12 @@ async def healthz(s: Serving = Depends(serving)):
     summary="Every model is loaded and warmed up",
 )
 async def readyz(s: Serving = Depends(serving)):
-    if s.unready:
-        return JSONResponse({"status": s.unready}, 503)
-    return Status(status="ready")
+    return probe_answer(s.unready, "ready")
+
+
+def probe_answer(problem: str | None, fine: str) -> Status | JSONResponse:
+    """A probe's answer: 503 saying `problem` if there is one, else 200 saying `fine`."""
+    return JSONResponse({"status": problem}, 503) if problem else Status(status=fine)
 
 
 @ops_router.get(
