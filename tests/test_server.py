@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -793,3 +794,19 @@ def test_an_access_line_quotes_a_forwarded_address_that_is_not_one():
     )
     assert "\\t<script>" in access_line("\t<script>" + "x" * 100 + ":0")  # escaped, and cut at 64 characters
     assert "x" * 60 not in access_line("\t<script>" + "x" * 100 + ":0")
+
+
+def test_the_readmes_python_example_answers_as_predict_does(fp32_model_path, capsys):
+    import skimage
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    example = readme.split("\n## From Python\n", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    photos = [str(Path(skimage.__file__).parent / "data" / name) for name in ("chelsea.png", "coffee.png")]
+    example = example.replace('"artifacts/static_int8.onnx"', repr(str(fp32_model_path)))
+    exec(example.replace('["cat.jpg", "dog.png"]', repr(photos)), {})
+    printed = capsys.readouterr().out.splitlines()
+    assert len(printed) == len(photos)
+    with serving_client(fp32_model_path) as client:
+        for photo, line in zip(photos, printed, strict=True):
+            answer = post_file(client, Path(photo).read_bytes()).json()["predictions"][:3]
+            assert line == str([(p["label"], round(p["probability"], 4)) for p in answer])
