@@ -230,6 +230,16 @@ def write_atomically(path: Path, text: str) -> Path:
     return path
 
 
+PARTIAL_SUFFIX = ".partial"  # replaced_when_written's folders: hidden, named .FILE.RANDOM.partial
+
+
+def remove_leftover_partials(folder: Path) -> None:
+    """Remove what writes in `folder` left when their process was killed (SIGKILL, power loss: nothing ran to
+    remove it). Only for a writer holding the folder (cli.hold_folder): another's writes would be under way."""
+    for leftover in Path(folder).glob(f".*{PARTIAL_SUFFIX}"):
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
 @contextmanager
 def replaced_when_written(path: Path) -> Iterator[Path]:
     """A path of `path`'s name in a new folder beside it, for the block to write; once the block ends without
@@ -240,7 +250,7 @@ def replaced_when_written(path: Path) -> Iterator[Path]:
     changed under it, or cut short: a bus error)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    folder = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent))
+    folder = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=PARTIAL_SUFFIX, dir=path.parent))
     try:
         yield folder / path.name
         for written in sorted(folder.iterdir(), key=lambda file: file.name == path.name):

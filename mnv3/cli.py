@@ -33,6 +33,7 @@ from mnv3.artifacts import (
     MissingArtifact,
     UnreadableManifest,
     read_manifest,
+    remove_leftover_partials,
     require,
     weights_provenance,
 )
@@ -460,6 +461,7 @@ def run_stage(run, args, user_errors: tuple = (), writes: tuple[str, ...] = ()):
             made += check_writable(getattr(args, name), flag(name))
         if "artifacts_dir" in writes:
             held.append(hold_folder(args.artifacts_dir, flag("artifacts_dir")))
+            remove_leftover_partials(args.artifacts_dir)
         return run(args)
     except (MissingArtifact, UnreadableManifest, ServerStartError, KeyRefused, UsageError, *user_errors) as exc:
         remove_if_empty(made)

@@ -141,7 +141,11 @@ def test_a_second_stage_writing_models_to_the_same_folder_is_refused_until_the_f
     )
     cli.run_stage(ran.append, SimpleNamespace(results_dir=tmp_path), writes=("results_dir",))  # a load test: not held
     os.close(first)
+    killed_midway = tmp_path / ".fp32.onnx.k1ll3d.partial"  # a write whose process was killed (SIGKILL)
+    killed_midway.mkdir()
+    (killed_midway / "fp32.onnx").write_bytes(b"\x08" * 1000)
     cli.run_stage(ran.append, args, writes=("artifacts_dir", "results_dir"))
+    assert not killed_midway.exists()  # the run that holds the folder removes what nothing else could
     cli.run_stage(ran.append, args, writes=("artifacts_dir", "results_dir"))  # the last run let go of it
     assert len(ran) == 3 and sorted(tmp_path.iterdir()) == []
 
