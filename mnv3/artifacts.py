@@ -244,16 +244,26 @@ def remove_leftover_partials(folder: Path) -> None:
 def replaced_when_written(path: Path) -> Iterator[Path]:
     """A path of `path`'s name in a new folder beside it, for the block to write; once the block ends without
     an error, every file written in that folder is renamed over its namesake beside it (`path` last: an
-    OpenVINO IR's weights before its .xml), and the folder is removed whatever happens. So a crash, a full
-    disk or two runs at once never leave a truncated file under `path`'s name, and a process that has the old
-    file open keeps reading the old one (a server's OpenVINO maps an IR's weights, which an in-place write
-    changed under it, or cut short: a bus error)."""
+    OpenVINO IR's weights before its .xml; a Ctrl-C or SIGTERM between the two renames both), and the folder is
+    removed whatever happens. So a crash, a full disk or two runs at once never leave a truncated file under
+    `path`'s name, and a process that has the old file open keeps reading the old one (a server's OpenVINO
+    maps an IR's weights, which an in-place write changed under it, or cut short: a bus error). A process
+    opening an IR in the instant between its two renames would read the new weights with the old graph."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=PARTIAL_SUFFIX, dir=path.parent))
     try:
         yield folder / path.name
-        for written in sorted(folder.iterdir(), key=lambda file: file.name == path.name):
-            written.replace(path.parent / written.name)
+        try:
+            _rename_into_place(folder, path)
+        except BaseException as exc:
+            if not isinstance(exc, Exception):  # Ctrl-C or SIGTERM between an IR's two files: rename the rest
+                _rename_into_place(folder, path)
+            raise
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _rename_into_place(folder: Path, path: Path) -> None:
+    for written in sorted(folder.iterdir(), key=lambda file: file.name == path.name):
+        written.replace(path.parent / written.name)

@@ -493,7 +493,10 @@ def hold_folder(folder: Path, flag: str) -> int:
     """An exclusive lock on `folder` (flock on the folder itself, so no lock file is left in it, and the kernel
     lets go when the process ends however it ends), held until the returned descriptor is closed; UsageError
     when another process holds it."""
-    descriptor = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        descriptor = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as exc:  # a folder one may write to but not read (mode 0333)
+        raise UsageError(f"{flag} {folder}: cannot open it to hold it ({exc.strerror}); make it readable") from None
     try:
         fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -211,7 +211,8 @@ class Engine:
 
     def predict(self, batch: np.ndarray) -> np.ndarray:
         """(N, 3, crop, crop) float32 -> (N, classes) softmax probabilities; a ValueError (or TypeError) for an
-        array of another shape (or type), as `mnv3.preprocess` makes them. InferenceError if the runtime fails."""
+        array whose images are of another shape (or type) than `mnv3.preprocess` makes them. InferenceError if the
+        runtime fails (a model file whose batch size is fixed refuses other batch sizes so)."""
         if not isinstance(batch, np.ndarray) or batch.dtype != np.float32:
             raise TypeError(f"predict takes a float32 numpy array, got {getattr(batch, 'dtype', type(batch))}")
         if batch.ndim != 4 or batch.shape[1:] != self.preprocessing.input_shape:

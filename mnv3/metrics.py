@@ -31,7 +31,11 @@ from mnv3.thread_cpu import cpu_seconds_by_role
 
 # Seconds. prometheus_client's default buckets start at 5 ms, where a cache hit (a fraction of a millisecond)
 # and most queue waits would all fall in the first; and stop at 10 s, below --body-timeout-s's default.
-LATENCY_BUCKETS = (0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+LATENCY_BUCKETS = (
+    *(0.00025, 0.0005, 0.001, 0.0025),  # below the default's: cache hits, queue waits
+    *(0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10),  # prometheus_client's default
+    *(30, 60),  # past --body-timeout-s's default
+)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,9 @@ static recipes quantize with reduce_range, and stage 2 may build on one CPU what
 `nncf` (requirements-openvino.txt).
 """
 
+import errno
+import os
+import shutil
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -63,7 +66,23 @@ def quantize_nncf_int8(
             activations_range_estimator_params=RangeEstimatorParametersSet.MINMAX, overflow_fix=OverflowFix.ENABLE
         ),
     )
-    out_path = Path(out_path)
-    with replaced_when_written(out_path) as partial:  # the .bin beside it too, before the .xml
-        ov.save_model(quantized, str(partial), compress_to_fp16=False)
-    return out_path
+    return save_ir(quantized, Path(out_path))
+
+
+# Free space under which a failed IR write is taken for a full disk: more than an NNCF build's weights need.
+FULL_DISK_BYTES = 64 << 20
+
+
+def save_ir(model, path: Path) -> Path:
+    """`model` as the IR at `path` (its .bin beside it), replaced whole; OSError(ENOSPC) where the disk filled
+    up, as Python's own writes raise it: OpenVINO raises its stream's error as a RuntimeError."""
+    import openvino as ov
+
+    with replaced_when_written(path) as partial:
+        try:
+            ov.save_model(model, str(partial), compress_to_fp16=False)
+        except RuntimeError as exc:
+            if shutil.disk_usage(partial.parent).free < FULL_DISK_BYTES:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from exc
+            raise
+    return path

@@ -555,16 +555,24 @@ class AccessFormatter(uvicorn.logging.AccessFormatter):
 
     def formatMessage(self, record: logging.LogRecord) -> str:
         client_addr, *rest = record.args  # type: ignore[misc]
-        try:
-            ipaddress.ip_address(str(client_addr).rpartition(":")[0])  # "HOST:PORT", as uvicorn writes it
-        except ValueError:
-            if client_addr:  # "" when uvicorn knows no client
-                record = copy.copy(record)
-                record.args = (f"not-an-address:{json.dumps(str(client_addr)[:MAX_LOGGED_ADDRESS])}", *rest)
+        if client_addr and not is_address(str(client_addr).rpartition(":")[0]):  # "HOST:PORT", as uvicorn has it
+            record = copy.copy(record)
+            record.args = (f"not-an-address:{json.dumps(str(client_addr)[:MAX_LOGGED_ADDRESS])}", *rest)
         return super().formatMessage(record)
 
 
 MAX_LOGGED_ADDRESS = 64  # characters of a forwarded "address" that is not one
+ADDRESS_CHARACTERS = frozenset("0123456789abcdefABCDEF.:")
+
+
+def is_address(host: str) -> bool:
+    """An IPv4 or IPv6 address, written with nothing else: no IPv6 scope id, which Python's ipaddress takes
+    after a % whatever its text (quotes, markup)."""
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return set(host) <= ADDRESS_CHARACTERS
 
 
 def main(argv=None) -> None:

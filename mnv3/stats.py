@@ -18,8 +18,9 @@ How exact it is:
 - quantiles are estimated from bucket counts as Prometheus's `histogram_quantile` does: the bucket
   holding the rank is found exactly, and the value within it is interpolated linearly between its
   bounds. The error is at most that bucket's width: the latency histograms' bounds are
-  `metrics.LATENCY_BUCKETS` (0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500 ms, 1, 2.5, 5, 10, 30, 60 s), so
-  a p95 of "700 ms" means somewhere in 500-1000 ms. A rank in the overflow bucket (> 60 s) reports 60 s;
+  `metrics.LATENCY_BUCKETS` (0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 75, 100, 250, 500, 750 ms, 1, 2.5, 5, 7.5, 10,
+  30, 60 s), so a p95 of "900 ms" means somewhere in 750-1000 ms. A rank in the overflow bucket (> 60 s)
+  reports 60 s;
 - the window is the time between the two readings: `window_s` says how long it really is. Right after
   start-up it is shorter (the first reading is taken at start-up); if nobody called for longer than
   `window_s`, it is the time since the last call's kept reading.

@@ -7,6 +7,7 @@ import signal
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -180,6 +181,32 @@ def test_a_file_is_replaced_only_once_written_in_full_and_a_reader_keeps_the_old
         assert (ir.read_text(), weights.read_text()) == ("new graph", "new weights")
         assert served.read() == "old weights"  # written in place, the weights changed under the server
     assert sorted(path.name for path in tmp_path.iterdir()) == ["model.bin", "model.xml"]
+
+
+def test_ctrl_c_while_an_ir_is_renamed_waits_until_both_of_its_files_are(tmp_path, monkeypatch):
+    ir = tmp_path / "model.xml"
+    rename, renamed = Path.replace, []
+
+    def interrupted(self, target):
+        renamed.append(rename(self, target))
+        if len(renamed) == 1:
+            os.kill(os.getpid(), signal.SIGINT)  # once the weights are renamed, before the graph is
+        return renamed[-1]
+
+    monkeypatch.setattr(Path, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt), replaced_when_written(ir) as partial:
+        partial.write_text("new graph")
+        partial.with_suffix(".bin").write_text("new weights")
+    assert (ir.read_text(), (tmp_path / "model.bin").read_text()) == ("new graph", "new weights")  # not half
+
+
+def test_a_folder_that_cannot_be_opened_to_hold_it_is_one_line(tmp_path, monkeypatch):
+    def refused(*args, **kwargs):  # a folder one may write to but not read (mode 0333; root reads anything)
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(os, "open", refused)
+    with pytest.raises(cli.UsageError, match=r"cannot open it to hold it \(Permission denied\); make it readable"):
+        cli.hold_folder(tmp_path, "--artifacts-dir")
 
 
 def test_two_writers_of_one_file_at_once_leave_it_whole(tmp_path):

@@ -281,6 +281,36 @@ def test_an_nncf_build_remade_under_its_name_leaves_an_engine_serving_it_as_it_w
     assert sorted(file.name for file in tmp_path.iterdir()) == ["int8.bin", "int8.xml"]
 
 
+def test_an_ir_written_to_a_full_disk_is_the_oserror_a_stage_reports_in_one_line(
+    fp32_model_path, openvino_installed, tmp_path, monkeypatch
+):
+    # OpenVINO's failed write is a RuntimeError ("basic_ios::clear: iostream error"), which a stage let
+    # through as a traceback, where Python's own writes raise OSError(ENOSPC): one line, exit 2.
+    import errno
+    import shutil
+
+    import openvino as ov
+
+    from mnv3.openvino_int8 import save_ir
+
+    model = ov.convert_model(str(fp32_model_path))
+    (tmp_path / "int8.xml").write_text("the last build")
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("basic_ios::clear: iostream error")
+
+    monkeypatch.setattr(ov, "save_model", fails)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9, 0))
+    with pytest.raises(OSError) as full:
+        save_ir(model, tmp_path / "int8.xml")
+    assert full.value.errno == errno.ENOSPC and full.value.filename == str(tmp_path / "int8.xml")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 0, 10**12))
+    with pytest.raises(RuntimeError, match="iostream"):  # not a full disk: OpenVINO's error as it is
+        save_ir(model, tmp_path / "int8.xml")
+    assert sorted(file.name for file in tmp_path.iterdir()) == ["int8.xml"]  # the last build, untouched
+    assert (tmp_path / "int8.xml").read_text() == "the last build"
+
+
 def test_nncf_int8_weights_fit_in_7_bits(fp32_model_path, openvino_installed, tmp_path):
     """NNCF's overflow fix in every layer: the CPU plugin's INT8 kernels saturate their int16 sums without
     VNNI (NNCF's default fixed the first layer alone; on an AVX2-only EPYC its builds lost 2.3 dB of SQNR to

@@ -792,6 +792,8 @@ def test_an_access_line_quotes_a_forwarded_address_that_is_not_one():
     assert forged.endswith(
         ' uvicorn.access: not-an-address:"1.2.3.4 - \\"GET /admin HTTP/1.1\\" 200:0" - "GET /healthz HTTP/1.1" 200 OK'
     )
+    scoped = access_line('::1%"><img src=x> - "GET \\admin HTTP 1.1" 200:0')  # any scope id but / and %
+    assert ' uvicorn.access: not-an-address:"::1%\\"><img' in scoped
     assert "\\t<script>" in access_line("\t<script>" + "x" * 100 + ":0")  # escaped, and cut at 64 characters
     assert "x" * 60 not in access_line("\t<script>" + "x" * 100 + ":0")
 
