@@ -55,7 +55,7 @@ class Port(NamedTuple):
 def shared_core() -> ov.Core:
     """The process's one OpenVINO Core, kept for its life. With a Core per session, freeing the last session
     also freed the last Core and OpenVINO unloaded its CPU plugin: a SIGTERM to the process after that was a
-    segfault (seen in the test suite, a stage's Ctrl-C/SIGTERM path, once freed sessions were freed for real)."""
+    segfault (seen in the test suite on a stage's SIGTERM path, once dropped sessions were really freed)."""
     return ov.Core()
 
 

@@ -229,7 +229,7 @@ ops_router = APIRouter(tags=["operations"])
 @ops_router.get(
     "/healthz",
     response_model=Status,
-    responses={503: {"model": Status, "description": "a model's warm-up failed: only a restart can mend it"}},
+    responses={503: {"model": Status, "description": "a model's warm-up failed: unready for good, until a restart"}},
     summary="Liveness: the process is up and not broken for good",
 )
 async def healthz(s: Serving = Depends(serving)):

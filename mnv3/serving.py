@@ -193,7 +193,7 @@ class Serving:
         self.default = self.models[specs[0].name]
         self.not_ready_reason: str | None = "warming up"
         # Why the server is broken for good (a model's warm-up failed), or None: what liveness probes are told,
-        # as only a restart can mend it; readiness alone would leave it unready, never restarted.
+        # as the server stays unready until a restart; readiness alone would leave it so, never restarted.
         self.broken: str | None = None
         self.draining = False  # drain() was called: not ready, whatever warm-up says (`unready`)
         # A second Ctrl-C asked to quit now: stop() lets queued and running work no time to finish.

@@ -137,7 +137,7 @@ async def metadata() -> dict:
     response_class=Response,
     responses={
         200: {"description": "the process is up"},
-        503: {"model": V2ErrorBody, "description": "a model's warm-up failed: only a restart can mend it"},
+        503: {"model": V2ErrorBody, "description": "a model's warm-up failed: unready for good, until a restart"},
     },
     summary="Liveness: 200, empty body; 503 once a model's warm-up failed",
 )
