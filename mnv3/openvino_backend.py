@@ -150,23 +150,19 @@ class OpenVINOSession:
         (batch,) = feeds.values()
         batch = np.ascontiguousarray(batch)
         with self._lock:
-            if len(batch) == 1 and self._alone is not None:
+            if self._alone is not None and (len(batch) == 1 or not self._parts):
+                # A single image, or a batch when compiled for single images only (max_batch_size 1): one at a time.
                 # share_inputs: no copy of the batch in; outputs are copied out, the request reuses its buffers.
-                self._alone.infer({0: batch}, share_inputs=True)
-                return [self._alone.get_output_tensor(i).data.copy() for i in range(len(self._outputs))]
-            if not self._parts:  # compiled for single images only (max_batch_size 1): one at a time
-                if self._alone is None:  # a file of one batch size, whose queue could not be rebuilt (logged)
-                    raise ValueError("no OpenVINO queue is left to run this file's batches")
-                out = [np.empty((len(batch), *shape), dtype) for shape, dtype in self._output_rows]
+                out = self._new_outputs(len(batch))
                 for row in range(len(batch)):
                     self._alone.infer({0: batch[row : row + 1]}, share_inputs=True)
                     for i, rows in enumerate(out):
                         rows[row] = self._alone.get_output_tensor(i).data[0]
                 return out
+            if not self._parts:  # a file of one batch size, whose queue could not be rebuilt (logged)
+                raise ValueError("no OpenVINO queue is left to run this file's batches")
             sizes = split_batch(len(batch), self._parts, self.streams)
-            out = self._outputs_in_progress.arrays = [
-                np.empty((len(batch), *shape), dtype) for shape, dtype in self._output_rows
-            ]
+            out = self._outputs_in_progress.arrays = self._new_outputs(len(batch))
             offset = 0
             try:
                 for size in sizes:
@@ -196,6 +192,9 @@ class OpenVINOSession:
             for size in set(sizes):
                 self._parts[size].wait_all()
             return out
+
+    def _new_outputs(self, images: int) -> list[np.ndarray]:
+        return [np.empty((images, *shape), dtype) for shape, dtype in self._output_rows]
 
     def _queue(self, compiled: ov.CompiledModel) -> ov.AsyncInferQueue:
         queue = ov.AsyncInferQueue(compiled, self._jobs)
