@@ -110,11 +110,10 @@ def resolve_auto(model: Path) -> Choice:
             "static_quantization.py, to measure it again)",
             True,
         )
-    mistyped = [
+    mistyped = [  # by type(), not isinstance(): JSON's true is a bool, which isinstance() takes for an int
         key
         for key, kind in SERVED_TYPES.items()
-        if (entry.get(key) is not None or key != "part_size")
-        and (not isinstance(entry.get(key), kind) or isinstance(entry.get(key), bool))
+        if type(entry.get(key)) is not kind and not (key == "part_size" and entry.get(key) is None)
     ]
     if mistyped:
         return fallback(

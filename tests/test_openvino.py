@@ -288,6 +288,7 @@ def test_an_ir_written_to_a_full_disk_is_the_oserror_a_stage_reports_in_one_line
     # through as a traceback, where Python's own writes raise OSError(ENOSPC): one line, exit 2.
     import errno
     import shutil
+    from types import SimpleNamespace
 
     import openvino as ov
 
@@ -300,11 +301,11 @@ def test_an_ir_written_to_a_full_disk_is_the_oserror_a_stage_reports_in_one_line
         raise RuntimeError("basic_ios::clear: iostream error")
 
     monkeypatch.setattr(ov, "save_model", fails)
-    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9, 0))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=0))
     with pytest.raises(OSError) as full:
         save_ir(model, tmp_path / "int8.xml")
     assert full.value.errno == errno.ENOSPC and full.value.filename == str(tmp_path / "int8.xml")
-    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 0, 10**12))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=10**12))
     with pytest.raises(RuntimeError, match="iostream"):  # not a full disk: OpenVINO's error as it is
         save_ir(model, tmp_path / "int8.xml")
     assert sorted(file.name for file in tmp_path.iterdir()) == ["int8.xml"]  # the last build, untouched
