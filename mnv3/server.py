@@ -25,6 +25,7 @@ import socket
 import sys
 import threading
 from contextlib import asynccontextmanager
+from datetime import datetime
 
 import uvicorn
 import uvicorn.logging
@@ -536,22 +537,36 @@ def raise_open_file_limit() -> None:
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
+class ZonedTimes(logging.Formatter):
+    """Times in ISO 8601 with milliseconds and the UTC offset, 2026-12-06T17:14:44.123+00:00: logging's own
+    (2026-12-06 17:14:44,123) names no zone, so lines read on a machine in another zone, or across a change
+    to or from summer time, were placed at the wrong hour."""
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        return datetime.fromtimestamp(record.created).astimezone().isoformat(timespec="milliseconds")
+
+
+class LifecycleFormatter(ZonedTimes, uvicorn.logging.DefaultFormatter):
+    """uvicorn's lines other than the access log's, timed as the server's own."""
+
+
 def uvicorn_log_config() -> dict:
     """uvicorn's logging, in the format of the server's own lines: its lifecycle and access lines had no time
     and a format of their own, so a log shipper saw three formats in one process. Access lines stay on stdout,
     the rest on stderr, as uvicorn has them."""
     config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
     config["formatters"]["default"]["fmt"] = LOG_FORMAT
+    config["formatters"]["default"]["()"] = f"{__name__}.{LifecycleFormatter.__name__}"
     access = '%(client_addr)s - "%(request_line)s" %(status_code)s'
     config["formatters"]["access"]["fmt"] = LOG_FORMAT.replace("%(message)s", access)
     config["formatters"]["access"]["()"] = f"{__name__}.{AccessFormatter.__name__}"
     return config
 
 
-class AccessFormatter(uvicorn.logging.AccessFormatter):
-    """uvicorn's access line, with a client address that is not one quoted: behind --forwarded-allow-ips, uvicorn
-    takes X-Forwarded-For's text as the client's address unchecked, so a client could write what it liked into
-    the line (a second, forged request line; quotes, tabs, markup)."""
+class AccessFormatter(ZonedTimes, uvicorn.logging.AccessFormatter):
+    """uvicorn's access line, timed as the server's own, with a client address that is not one quoted: behind
+    --forwarded-allow-ips, uvicorn takes X-Forwarded-For's text as the client's address unchecked, so a client
+    could write what it liked into the line (a second, forged request line; quotes, tabs, markup)."""
 
     def formatMessage(self, record: logging.LogRecord) -> str:
         client_addr, *rest = record.args  # type: ignore[misc]
@@ -580,7 +595,9 @@ def main(argv=None) -> None:
     level = logging.getLevelName(config.log_level.upper())
     # debug is this server's (a line a batch) and uvicorn's: other libraries' debug lines, such as Pillow's line a
     # PNG chunk, stay out
-    logging.basicConfig(level=max(level, logging.INFO), format=LOG_FORMAT)
+    own_lines = logging.StreamHandler()
+    own_lines.setFormatter(ZonedTimes(LOG_FORMAT))
+    logging.basicConfig(level=max(level, logging.INFO), handlers=[own_lines])
     logging.getLogger("mnv3").setLevel(level)
     # python-multipart logs every malformed body at WARNING: any client could fill the log with them, and the
     # 400 answered says the same (counted as bad_input)

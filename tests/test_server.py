@@ -402,6 +402,20 @@ def test_debug_is_the_servers_own_not_every_librarys(fp32_model_path):
     assert debug and all(" DEBUG mnv3." in line for line in debug), debug
 
 
+def test_every_log_line_gives_its_time_with_the_zone(fp32_model_path, monkeypatch):
+    # logging's default time (2026-12-06 17:14:44,123) named no zone: read elsewhere, a line was hours off
+    monkeypatch.setenv("TZ", "EST+5")  # the server's zone, 5 hours behind UTC all year
+    server = ServerProcess(fp32_model_path, log_level="info")
+    with server as url:
+        assert requests.get(url + "/healthz", timeout=WAIT_S).ok
+        wait_until(lambda: "GET /healthz" in server.output_tail(), "the access-log line")
+        lines = server.output_tail(1000).splitlines()
+    zoned = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}-05:00 INFO "
+    for logger in ("mnv3.", "uvicorn.error:", "uvicorn.access:"):  # the server's own, uvicorn's lifecycle, its access
+        logged = [line for line in lines if f" INFO {logger}" in line]
+        assert logged and all(re.match(zoned, line) for line in logged), (logger, lines)
+
+
 @pytest.mark.parametrize("trusted", ["", "10.0.0.1"])
 def test_behind_a_proxy_the_docs_carry_its_prefix_and_the_log_its_client(fp32_model_path, trusted):
     # A reverse proxy on 127.0.0.1 serving the app under /mnv3 and stripping it: the page's URLs are relative,
