@@ -3,12 +3,15 @@
 `load_key_file(path)` reads a key file (grammar below) into `Keys`; `ApiKeyAuth(app, keys=...)` is a pure
 ASGI middleware that lets a request through only with a key of the scope its path needs:
 
-- open (no key needed): the probes `/healthz`, `/readyz`, `/v2/health/live`, `/v2/health/ready`; the
-  page's shell `/` and its assets under `/static/`, so a browser can load the page and then ask for a key;
-  and the API description `/docs`, `/redoc`, `/openapi.json` with their assets. The API description
-  holds no data (no model, no predictions, no counts), only what the open-source code already says.
+- open (no key needed): the probes `/healthz`, `/readyz`, `/v2/health/live`, `/v2/health/ready` and a
+  model's `/v2/models/{m}[/versions/{v}]/ready` (KServe's health API, as Triton groups it: it tells a
+  caller whether a model of that name is served and ready, nothing more); the page's shell `/` and its
+  assets under `/static/`, so a browser can load the page and then ask for a key; and the API description
+  `/docs`, `/redoc`, `/openapi.json` with their assets. The API description holds no data (no model, no
+  predictions, no counts), only what the open-source code already says.
 - `infer`: `POST /predict`, `POST /v2/models/{m}[/versions/{v}]/infer`, and what a client reads to send them:
-  `GET /stats`, `/models`, `/model`, `/v2`, and a model's `/v2` metadata, `ready` and `config`.
+  `GET /stats`, `/models`, `/model`, `/v2`, and a model's `/v2` metadata and `config`; and the paths of
+  Triton's extensions this server does not offer, whose 404 says so.
 - `metrics`: `GET /metrics` only, for a Prometheus scraper: its key can neither classify nor read anything else.
 - `admin` (includes `infer` and `metrics`): everything else, any path nobody listed (default-deny: a new
   route needs admin until it is listed here).
@@ -64,6 +67,7 @@ from starlette.requests import Request
 
 from mnv3.errors import ACCESS_REFUSALS, body_for_path
 from mnv3.uploads import refusal_keeps_connection
+from mnv3.v2_protocol import UNOFFERED_EXTENSIONS
 
 log = logging.getLogger(__name__)
 
@@ -130,15 +134,20 @@ GET = frozenset({"GET", "HEAD"})
 # (methods, path pattern, scope), first match wins; no match means admin.
 RULES = [
     (GET, re.compile(r"/(healthz|readyz)"), Scope.OPEN),
-    (GET, re.compile(r"/v2/health/(live|ready)"), Scope.OPEN),
+    # KServe's health API, as Triton groups it: a model's readiness too, which probes and tritonclient's
+    # is_model_ready ask without a key (the client reads a 401 there as "not ready", for ever).
+    (GET, re.compile(r"/v2/health/(live|ready)|/v2/models/[^/]+(/versions/[^/]+)?/ready"), Scope.OPEN),
     (GET, re.compile(r"/|/static/.+"), Scope.OPEN),
     (GET, re.compile(r"/(docs|redoc)(/.+)?|/openapi\.json"), Scope.OPEN),
     (frozenset({"POST"}), re.compile(r"/predict"), Scope.INFER),
     (frozenset({"POST"}), re.compile(r"/v2/models/[^/]+(/versions/[^/]+)?/infer"), Scope.INFER),
+    # Triton's extensions this server does not offer: an infer key's client reaches the 404 saying so, not a
+    # 403 asking for an admin key, which would get the same 404.
+    (GET | {"POST"}, re.compile("|".join(pattern.pattern for pattern, _, _ in UNOFFERED_EXTENSIONS)), Scope.INFER),
     # What is served, as a client needs to know it to send requests (the page, Triton's clients and
     # perf_analyzer, which read a model's metadata and config first): what /models tells an infer key anyway.
     (GET, re.compile(r"/(stats|models?)"), Scope.INFER),
-    (GET, re.compile(r"/v2|/v2/models/[^/]+(/versions/[^/]+)?(/ready|/config)?"), Scope.INFER),
+    (GET, re.compile(r"/v2|/v2/models/[^/]+(/versions/[^/]+)?(/config)?"), Scope.INFER),
     (GET, re.compile(r"/metrics"), Scope.METRICS),
 ]
 

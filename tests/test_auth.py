@@ -68,7 +68,12 @@ ROUTES = [
     ("GET", "/v2", Scope.INFER),
     ("GET", "/v2/models/fp32", Scope.INFER),
     ("GET", "/v2/models/fp32/versions/1", Scope.INFER),
-    ("GET", "/v2/models/fp32/ready", Scope.INFER),
+    ("GET", "/v2/models/fp32/ready", Scope.OPEN),  # KServe's health API, as Triton groups it
+    ("GET", "/v2/models/fp32/versions/1/ready", Scope.OPEN),
+    ("GET", "/v2/models/stats", Scope.INFER),  # Triton's extensions not offered: the 404 says so
+    ("GET", "/v2/models/fp32/stats", Scope.INFER),
+    ("POST", "/v2/repository/index", Scope.INFER),
+    ("POST", "/v2/systemsharedmemory/region/r/register", Scope.INFER),
     ("GET", "/v2/models/fp32/config", Scope.INFER),
     ("GET", "/debug/unlisted", Scope.ADMIN),  # nobody listed it: default-deny
 ]

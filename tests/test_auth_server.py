@@ -52,10 +52,10 @@ ROUTE_SCOPES = {
     ("GET", "/metrics"): Scope.METRICS,
     ("GET", "/v2"): Scope.INFER,
     ("GET", "/v2/models/{name}"): Scope.INFER,
-    ("GET", "/v2/models/{name}/ready"): Scope.INFER,
+    ("GET", "/v2/models/{name}/ready"): Scope.OPEN,
     ("GET", "/v2/models/{name}/config"): Scope.INFER,
     ("GET", "/v2/models/{name}/versions/{version}"): Scope.INFER,
-    ("GET", "/v2/models/{name}/versions/{version}/ready"): Scope.INFER,
+    ("GET", "/v2/models/{name}/versions/{version}/ready"): Scope.OPEN,
     ("GET", "/v2/models/{name}/versions/{version}/config"): Scope.INFER,
 }
 
@@ -123,6 +123,8 @@ def test_tritonclient_passes_the_key_in_headers(protected):
     )
     try:
         assert client.is_server_live()  # a probe: open
+        # a model's readiness too, as Triton groups it: the client read the 401 as "not ready", for ever
+        assert client.is_model_ready("fp32") and not client.is_model_ready("nope")
         image = triton.InferInput("IMAGE", [1], "BYTES")
         image.set_data_from_numpy(np.array(load_images(1, seed=4), dtype=object))
         with pytest.raises(InferenceServerException) as refused:
@@ -136,6 +138,14 @@ def test_tritonclient_passes_the_key_in_headers(protected):
         with pytest.raises(InferenceServerException) as forbidden:
             client.get_model_metadata("fp32")
         assert forbidden.value.status() == "401"
+        # an extension not offered: the 404 saying so, not a 403 asking for an admin key that gets the same 404
+        for call in (client.get_inference_statistics, client.get_model_repository_index):
+            with pytest.raises(InferenceServerException) as unoffered:
+                call(headers=bearer(INFER_KEY))
+            assert unoffered.value.status() == "404" and "does not offer" in unoffered.value.message(), call
+        with pytest.raises(InferenceServerException) as per_model:
+            client.get_inference_statistics("fp32", headers=bearer(INFER_KEY))
+        assert per_model.value.status() == "404"
     finally:
         client.close()
 
