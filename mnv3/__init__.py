@@ -7,6 +7,11 @@ replica and stage that imports it; mnv3 counts a missing answer as no. Both libr
 no-op stubs when `openvino_telemetry` cannot be imported, which a None in sys.modules makes so. A consent file
 saying yes (`opt_in_out --opt_in`) leaves them as they are, and so does a program that imported openvino or
 nncf before mnv3 (their import has sent its event by then).
+
+onnxruntime (since 1.29) reports to Microsoft from Linux and macOS too: a process-start event, then session,
+model and error events, with a device id written to ~/.cache/Microsoft/DeveloperTools/.onnxruntime. Its
+documented full opt-out, ORT_DISABLE_TELEMETRY=1 before its environment is created, is set here unless the
+variable is already set (a user's own choice either way stands).
 """
 
 import os
@@ -27,3 +32,4 @@ def _said_yes_to_openvino_telemetry() -> bool:
 
 if not _said_yes_to_openvino_telemetry():
     sys.modules.setdefault("openvino_telemetry", None)  # type: ignore[arg-type]
+os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")

@@ -29,3 +29,22 @@ def test_serving_never_imports_torch(fp32_model_path):
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().endswith("torch imported: False")
+
+
+def test_serving_sends_no_onnxruntime_telemetry(fp32_model_path, tmp_path):
+    # onnxruntime (since 1.29) reports to Microsoft from Linux too, keeping a device id under ~/.cache; importing
+    # mnv3 sets its opt-out, ORT_DISABLE_TELEMETRY=1, unless the user set the variable.
+    home = tmp_path / "home"  # a fresh home, as on a new machine or container
+    home.mkdir()
+    serve = SERVE_ONE_IMAGE.replace("max_batch_size=2", "max_batch_size=2, backend='onnxruntime'")
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(home)}
+    result = subprocess.run(
+        [sys.executable, "-c", serve, str(fp32_model_path)], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert result.returncode == 0, result.stderr
+    assert list(home.rglob("*")) == []  # without the opt-out: .cache/Microsoft/DeveloperTools/.onnxruntime/deviceid
+    said = "import os, mnv3; print(os.environ['ORT_DISABLE_TELEMETRY'])"
+    for own in ("0", "1"):
+        chosen = env | {"ORT_DISABLE_TELEMETRY": own}
+        result = subprocess.run([sys.executable, "-c", said], capture_output=True, text=True, timeout=60, env=chosen)
+        assert result.stdout.strip() == own, result.stderr
