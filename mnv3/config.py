@@ -307,11 +307,33 @@ class OneLineErrors(argparse.ArgumentParser):
 API_KEY_ENV = "MNV3_API_KEY"
 
 
+# Kubernetes gives a pod variables for every Service in its namespace (service links, on by default): a Service
+# named mnv3 brings MNV3_SERVICE_HOST, MNV3_SERVICE_PORT, MNV3_PORT_8000_TCP_ADDR and the like, and MNV3_PORT set to
+# tcp://IP:PORT, which read as --port refused to start the pod. One named mnv3-api brings MNV3_API_SERVICE_HOST...
+SERVICE_LINK_NAME = re.compile(
+    r"MNV3(_\w+)?_(SERVICE_HOST|SERVICE_PORT(_\w+)?|PORT_\d+_(TCP|UDP|SCTP)(_(PROTO|PORT|ADDR))?)"
+)
+SERVICE_LINK_ADDRESS = re.compile(r"MNV3(_\w+)?_PORT")  # with a value such as tcp://10.96.0.12:8000
+SERVICE_LINK_VALUE = re.compile(r"(tcp|udp|sctp)://\S*")
+
+
+def without_service_links(environ) -> dict[str, str]:
+    """`environ` without the variables Kubernetes' service links set, which are not this server's settings."""
+    return {
+        name: value
+        for name, value in environ.items()
+        if not SERVICE_LINK_NAME.fullmatch(name)
+        and not (SERVICE_LINK_ADDRESS.fullmatch(name) and SERVICE_LINK_VALUE.fullmatch(value))
+    }
+
+
 def unknown_variables(environ=os.environ) -> list[str]:
     """A warning for each MNV3_ variable in `environ` that sets nothing, naming the closest setting's: a
-    misspelt flag is refused, a misspelt variable would be ignored without a word."""
+    misspelt flag is refused, a misspelt variable would be ignored without a word. Kubernetes' service links
+    are not warned about: a pod has them whatever its spec says."""
     known = [variable(f.name) for f in fields(ServerConfig) if f.name != "extra_models"] + [API_KEY_ENV]
     warnings = []
+    environ = without_service_links(environ)
     for name in sorted(env for env in environ if env.startswith("MNV3_") and env not in known):
         close = difflib.get_close_matches(name, known, n=1)
         warnings.append(f"{name} sets nothing, ignored" + (f" (did you mean {close[0]}?)" if close else ""))
@@ -319,7 +341,9 @@ def unknown_variables(environ=os.environ) -> list[str]:
 
 
 def parse_args(argv=None, environ=os.environ, prog: str = PROG) -> ServerConfig:
-    """The server's settings from `argv` (flags) and `environ` (MNV3_<FLAG>); `prog` begins its errors."""
+    """The server's settings from `argv` (flags) and `environ` (MNV3_<FLAG>, but for Kubernetes' service links);
+    `prog` begins its errors."""
+    environ = without_service_links(environ)
     parser = OneLineErrors(
         prog=prog,
         description="Serve a MobileNetV3 classifier (ONNX, or an OpenVINO IR) over HTTP.",

@@ -65,6 +65,30 @@ def test_a_variable_that_sets_nothing_is_named_with_the_closest_setting():
     ]
 
 
+# What Kubernetes' service links give a pod for a Service named mnv3 (port 8000, named http) and one named mnv3-api
+SERVICE_LINKS = {
+    "MNV3_SERVICE_HOST": "10.96.0.12",
+    "MNV3_SERVICE_PORT": "8000",
+    "MNV3_SERVICE_PORT_HTTP": "8000",
+    "MNV3_PORT": "tcp://10.96.0.12:8000",
+    "MNV3_PORT_8000_TCP": "tcp://10.96.0.12:8000",
+    "MNV3_PORT_8000_TCP_PROTO": "tcp",
+    "MNV3_PORT_8000_TCP_PORT": "8000",
+    "MNV3_PORT_8000_TCP_ADDR": "10.96.0.12",
+    "MNV3_API_SERVICE_HOST": "10.96.0.13",
+    "MNV3_API_PORT": "tcp://10.96.0.13:80",
+}
+
+
+def test_kubernetes_service_links_are_not_settings():
+    # MNV3_PORT=tcp://... read as --port refused to start the pod: "is not a valid int"
+    config = parse_args([], environ=SERVICE_LINKS | {"MNV3_MODEL": "m.onnx", "MNV3_CACHE_SIZE": "0"})
+    assert (config.port, config.cache_size) == (ServerConfig(model="m.onnx").port, 0)
+    assert unknown_variables(SERVICE_LINKS | {"MNV3_XYZZY": "1"}) == ["MNV3_XYZZY sets nothing, ignored"]
+    # a port of the user's own is one still
+    assert parse_args([], environ=SERVICE_LINKS | {"MNV3_MODEL": "m.onnx", "MNV3_PORT": "9000"}).port == 9000
+
+
 def test_images_per_request_defaults_to_the_batch_size():
     assert ServerConfig(model="a.onnx", max_batch_size=16).images_per_request == 16
     assert ServerConfig(model="a.onnx", max_batch_size=16, max_request_images=4).images_per_request == 4
