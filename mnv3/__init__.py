@@ -16,7 +16,13 @@ variable is already set (a user's own choice either way stands).
 
 import os
 import sys
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+
+try:
+    __version__ = version("mnv3")  # pyproject.toml's, as installed (`pip install -e .` in a checkout)
+except PackageNotFoundError:  # a checkout on sys.path that was never installed
+    __version__ = "0+unknown"
 
 
 def _said_yes_to_openvino_telemetry() -> bool:

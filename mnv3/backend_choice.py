@@ -124,7 +124,11 @@ def resolve_auto(model: Path) -> Choice:
     if model.name not in (entry["for_model"], entry["file"]):
         return fallback(f"stage 2 chose an engine for {entry['for_model']}, not {model.name}")
     if entry["engine"] not in BACKENDS or importlib.util.find_spec(entry["engine"]) is None:
-        return fallback(f"stage 2 chose {entry['variant']}, but {entry['engine']} is not installed here", True)
+        return fallback(
+            f"stage 2 chose {entry['variant']}, but {entry['engine']} is not installed here "
+            f"(pip install {entry['engine']})",
+            True,
+        )
     chosen = model.parent / entry["file"]
     if not chosen.is_file():
         return fallback(f"stage 2 chose {entry['variant']}, but its file {chosen} is missing", True)

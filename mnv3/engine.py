@@ -38,7 +38,11 @@ from mnv3.preprocess import Preprocessing
 from mnv3.runtime import DEFAULT_INTER_OP_THREADS, DEFAULT_INTRA_OP_THREADS, make_session
 
 BACKEND_CHOICES = (AUTO, *BACKENDS)
-OPENVINO_MISSING = "backend openvino needs `pip install -r requirements-openvino.txt`"
+# The server needs openvino alone; the requirements file (a checkout's) adds NNCF, for stage 2's INT8 builds.
+OPENVINO_MISSING = (
+    "backend openvino needs the openvino package: `pip install openvino` "
+    "(in a checkout, `pip install -r requirements-openvino.txt`, with NNCF for stage 2)"
+)
 MODEL_SUFFIXES = (".onnx", OPENVINO_IR_SUFFIX)  # ONNX, and OpenVINO's IR (served by openvino)
 TORCH_CHECKPOINT_SUFFIXES = (".pth", ".pt", ".ckpt")  # what torch.save and training scripts name their files
 log = logging.getLogger(__name__)

@@ -37,6 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from mnv3 import __version__
 from mnv3.api_docs import docs_router, without_validation_errors
 from mnv3.artifacts import UnreadableManifest
 from mnv3.auth import ApiKeyAuth, KeyFileError, Keys, document_keys, exposure_warning, load_key_file, route_path
@@ -377,6 +378,7 @@ def create_app(config: ServerConfig, *engines: Engine) -> FastAPI:
     app = FastAPI(
         title="mnv3",
         summary="MobileNetV3 image classification on CPU",
+        version=__version__,
         lifespan=lifespan,
         docs_url=None,
         redoc_url=None,

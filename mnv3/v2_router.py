@@ -25,6 +25,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from mnv3 import __version__
 from mnv3.auth import route_path
 from mnv3.errors import ERRORS, INTERNAL_DOC, BadUpload, BodyTooLarge, UnknownModel, error_response
 from mnv3.preprocess import InvalidImage
@@ -49,7 +50,6 @@ from mnv3.v2_protocol import (
 )
 
 MODEL_VERSION = "1"  # one version per model: the file it was started with
-SERVER_VERSION = "1"
 
 
 # The mnv3.errors class a V2Error counts as in mnv3_rejections_total, by its status: so its reason is the one
@@ -129,7 +129,7 @@ class ServerMetadata(BaseModel):
 
 @v2_router.get("", response_model=ServerMetadata, summary="Server metadata")
 async def metadata() -> dict:
-    return server_metadata(SERVER_VERSION)
+    return server_metadata(__version__)  # the package's: Triton's clients read it as the server's version
 
 
 @v2_router.get(

@@ -2,6 +2,7 @@
 Inference Protocol, and by /predict: the two paths must give the same answers for the same photos."""
 
 import gzip
+import importlib.metadata
 import json
 import struct
 import subprocess
@@ -107,6 +108,7 @@ def test_health_metadata_and_config(client):
     assert client.is_model_ready("large") and client.is_model_ready("small", "1")
     assert not client.is_model_ready("nope")
     metadata = client.get_server_metadata()
+    assert metadata["version"] == importlib.metadata.version("mnv3")  # the package's, not a constant "1"
     assert {"binary_tensor_data", "classification", "model_configuration"} <= set(metadata["extensions"])
     assert "statistics" not in metadata["extensions"]  # perf_analyzer would poll /stats
 
