@@ -4,8 +4,29 @@ Every session is CPU-only and has explicit intra-/inter-op thread counts, so wha
 results and `/model` record. Serving imports this module, never the benchmark harness.
 """
 
+import os
+from pathlib import Path
+
 DEFAULT_INTRA_OP_THREADS = 2  # the machines this project is measured on have 2 cores
 DEFAULT_INTER_OP_THREADS = 1
+CGROUP_ROOT = Path("/sys/fs/cgroup")  # a container's own cgroup, as its runtime mounts it
+
+
+def available_cpus(cgroup_root: Path = CGROUP_ROOT) -> float:
+    """The CPUs this process may run on: its affinity (`taskset`, a cpuset), or fewer under a CPU quota
+    (a container's CPU limit: cgroup v2's cpu.max, v1's cpu.cfs_quota_us), which may be a fraction."""
+    cpus: float = len(os.sched_getaffinity(0))
+    for quota_file, read in (
+        ("cpu.max", lambda text: text.split()),  # "max 100000", or "150000 100000" for 1.5 CPUs
+        ("cpu/cpu.cfs_quota_us", lambda text: (text, (cgroup_root / "cpu/cpu.cfs_period_us").read_text())),
+    ):
+        try:
+            quota, period = read((cgroup_root / quota_file).read_text())
+            if quota.strip() not in ("max", "-1"):
+                cpus = min(cpus, int(quota) / int(period))
+        except (OSError, ValueError):  # no such cgroup here, or not readable: the affinity stands
+            continue
+    return cpus
 
 
 def make_session(

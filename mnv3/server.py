@@ -42,7 +42,7 @@ from mnv3.api_docs import docs_router, without_validation_errors
 from mnv3.artifacts import UnreadableManifest
 from mnv3.auth import ApiKeyAuth, KeyFileError, Keys, document_keys, exposure_warning, load_key_file, route_path
 from mnv3.batcher import ShuttingDown
-from mnv3.config import PROG, ModelSpec, ServerConfig, parse_args, unknown_variables
+from mnv3.config import PROG, ModelSpec, ServerConfig, parse_args, too_many_threads, unknown_variables
 from mnv3.connections import BoundedHeadProtocol
 from mnv3.engine import Engine, ModelLoadError, Prediction
 from mnv3.errors import (
@@ -56,6 +56,7 @@ from mnv3.errors import (
     internal_error_message,
 )
 from mnv3.page import page_router
+from mnv3.runtime import available_cpus
 from mnv3.serving import ModelName, ServedModel, Serving, served_model, serving, unless_disconnected
 from mnv3.stats import stats_router
 from mnv3.uploads import CloseUnreadBody, read_upload
@@ -621,6 +622,8 @@ def main(argv=None) -> None:
     if not config.api_keys and (warning := exposure_warning(config.host)):
         log.warning(warning)
     for warning in unknown_variables():
+        log.warning(warning)
+    if warning := too_many_threads(config, available_cpus()):
         log.warning(warning)
     raise_open_file_limit()
     settle_garbage_collector()
