@@ -10,8 +10,9 @@ nncf before mnv3 (their import has sent its event by then).
 
 onnxruntime (since 1.29) reports to Microsoft from Linux and macOS too: a process-start event, then session,
 model and error events, with a device id written to ~/.cache/Microsoft/DeveloperTools/.onnxruntime. Its
-documented full opt-out, ORT_DISABLE_TELEMETRY=1 before its environment is created, is set here unless the
-variable is already set (a user's own choice either way stands).
+documented full opt-out, ORT_DISABLE_TELEMETRY=1, is set here unless the variable is already set (a user's own
+choice either way stands). `import onnxruntime` itself records the first event, so a program that imported it
+before mnv3 has sent that by then.
 """
 
 import os

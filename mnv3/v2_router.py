@@ -26,7 +26,7 @@ from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mnv3 import __version__
-from mnv3.auth import route_path
+from mnv3.auth import Scope, required_scope, route_path
 from mnv3.errors import ERRORS, INTERNAL_DOC, BadUpload, BodyTooLarge, UnknownModel, error_response
 from mnv3.preprocess import InvalidImage
 from mnv3.serving import ServedModel, Serving, serving, unless_disconnected
@@ -184,7 +184,11 @@ async def named_model(
     if name not in s.models:
         if unoffered_extension(route_path(request.scope)):  # GET /v2/models/stats: not a model called "stats"
             raise StarletteHTTPException(404)  # answered, and not counted, as any other path the server lacks
-        raise V2Error(404, f"unknown model {name!r}; this server serves {', '.join(s.models)}")
+        # An open path (a model's readiness, which probes ask without a key) does not list the models: /models
+        # needs a key where keys are on.
+        open_path = required_scope(request.method, route_path(request.scope)) is Scope.OPEN
+        served = "" if open_path else f"; this server serves {', '.join(s.models)}"
+        raise V2Error(404, f"unknown model {name!r}{served}")
     return s.models[name]
 
 

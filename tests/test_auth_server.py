@@ -125,6 +125,10 @@ def test_tritonclient_passes_the_key_in_headers(protected):
         assert client.is_server_live()  # a probe: open
         # a model's readiness too, as Triton groups it: the client read the 401 as "not ready", for ever
         assert client.is_model_ready("fp32") and not client.is_model_ready("nope")
+        unknown = requests.get(f"{url}/v2/models/nope/ready", timeout=WAIT_S)  # no key: the models are not listed
+        assert (unknown.status_code, unknown.json()) == (404, {"error": "unknown model 'nope'"})
+        listed = requests.get(f"{url}/v2/models/nope", headers=bearer(INFER_KEY), timeout=WAIT_S)
+        assert listed.json() == {"error": "unknown model 'nope'; this server serves fp32"}  # as /models would
         image = triton.InferInput("IMAGE", [1], "BYTES")
         image.set_data_from_numpy(np.array(load_images(1, seed=4), dtype=object))
         with pytest.raises(InferenceServerException) as refused:

@@ -101,6 +101,8 @@ def test_more_threads_than_cpus_is_a_warning_naming_the_flags():
     assert too_many_threads(ServerConfig(model="m.onnx", preprocess_threads=4), 2.5).startswith(
         "--preprocess-threads 4 on 2.5 CPU(s)"
     )
+    one_each = ServerConfig(model="m.onnx", intra_op_threads=1, preprocess_threads=1)
+    assert too_many_threads(one_each, 0.5) is None  # a pod's `cpu: 500m`: 1 thread is the least there is
 
 
 def test_available_cpus_reads_a_containers_cpu_quota(tmp_path):
@@ -110,6 +112,8 @@ def test_available_cpus_reads_a_containers_cpu_quota(tmp_path):
     assert available_cpus(tmp_path) == affinity
     (tmp_path / "cpu.max").write_text("50000 100000\n")  # a pod's `cpu: 500m`
     assert available_cpus(tmp_path) == 0.5
+    (tmp_path / "cpu.max").write_text("0 0\n")  # not as the kernel writes it: no limit read, no crash
+    assert available_cpus(tmp_path) == affinity
     (tmp_path / "cpu.max").unlink()
     (tmp_path / "cpu").mkdir()  # cgroup v1
     (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
