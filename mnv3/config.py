@@ -63,8 +63,12 @@ class SettingError(ValueError):
         self.setting = setting
 
 
-def _option(default, help: str, minimum=None, maximum=None, choices=None):
-    return field(default=default, metadata={"help": help, "minimum": minimum, "maximum": maximum, "choices": choices})
+def _option(default, help: str, minimum=None, maximum=None, choices=None, read=None):
+    """A setting; `read` turns its flag's or variable's text into its value (else its type does)."""
+    return field(
+        default=default,
+        metadata={"help": help, "minimum": minimum, "maximum": maximum, "choices": choices, "read": read},
+    )
 
 
 @dataclass(frozen=True)
@@ -218,6 +222,7 @@ class ServerConfig:
         "info",
         "logging level; info includes uvicorn's access log, a line a request; debug adds a line a batch",
         choices=LOG_LEVELS,
+        read=str.lower,  # LOG_LEVEL=INFO, as containers are often configured
     )
     api_keys: str = _option(
         "",
@@ -367,7 +372,7 @@ def parse_args(argv=None, environ=os.environ, prog: str = PROG) -> ServerConfig:
         description="Serve a MobileNetV3 classifier (ONNX, or an OpenVINO IR) over HTTP.",
         epilog="Each flag can also be set as MNV3_<FLAG> (e.g. MNV3_CACHE_SIZE=0); the flag wins.",
     )
-    from_environment = {}  # setting -> (its type, its variable's text), read below for settings no flag gives
+    from_environment = {}  # setting -> (what reads it, its variable's text), read below for settings no flag gives
     for f in fields(ServerConfig):
         env = variable(f.name)
         if f.name == "extra_models":
@@ -381,11 +386,12 @@ def parse_args(argv=None, environ=os.environ, prog: str = PROG) -> ServerConfig:
                 help=f"{f.metadata['help']} [{env}: one model]",
             )
             continue
+        read = f.metadata["read"] or cast(type, f.type)  # int, float or str
         if env in environ:
-            from_environment[f.name] = (cast(type, f.type), environ[env])  # int, float or str
+            from_environment[f.name] = (read, environ[env])
         parser.add_argument(
             flag(f.name),
-            type=f.type,
+            type=read,
             default=argparse.SUPPRESS,  # absent from the parsed flags unless given
             choices=f.metadata.get("choices"),
             # argparse formats help with %: a variable's value holding one must not break --help

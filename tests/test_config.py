@@ -123,6 +123,12 @@ def test_available_cpus_reads_a_containers_cpu_quota(tmp_path):
     assert available_cpus(tmp_path) == 1
 
 
+def test_the_log_level_is_read_in_any_case():
+    # LOG_LEVEL=INFO, as containers are often configured, exited 2: "must be one of critical, ..., got 'INFO'"
+    assert parse_args(["--model", "m.onnx", "--log-level", "DEBUG"]).log_level == "debug"
+    assert parse_args([], environ={"MNV3_MODEL": "m.onnx", "MNV3_LOG_LEVEL": "Warning"}).log_level == "warning"
+
+
 def test_images_per_request_defaults_to_the_batch_size():
     assert ServerConfig(model="a.onnx", max_batch_size=16).images_per_request == 16
     assert ServerConfig(model="a.onnx", max_batch_size=16, max_request_images=4).images_per_request == 4
