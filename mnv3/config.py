@@ -248,6 +248,8 @@ class ServerConfig:
     )
 
     def __post_init__(self):
+        if not self.host.strip():  # uvicorn would try to resolve "": "cannot listen on :8000", naming no setting
+            raise SettingError("host", "must be an address or a host name (0.0.0.0: every IPv4 interface), got ''")
         if self.root_path and not ROOT_PATH.fullmatch(self.root_path):
             raise SettingError(
                 "root_path", f"{self.root_path!r} is not a path prefix: write /NAME[/NAME...], e.g. /mnv3"

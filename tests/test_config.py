@@ -129,6 +129,17 @@ def test_the_log_level_is_read_in_any_case():
     assert parse_args([], environ={"MNV3_MODEL": "m.onnx", "MNV3_LOG_LEVEL": "Warning"}).log_level == "warning"
 
 
+def test_an_empty_host_is_refused_naming_its_variable(capsys):
+    with pytest.raises(SystemExit) as exited:
+        parse_args([], environ={"MNV3_MODEL": "m.onnx", "MNV3_HOST": ""})
+    # uvicorn tried to resolve "": "cannot listen on :8000: Name or service not known", naming no setting
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == (
+        "python -m mnv3.server: error: --host must be an address or a host name (0.0.0.0: every IPv4 interface), "
+        "got '' (from MNV3_HOST=)\n"
+    )
+
+
 def test_images_per_request_defaults_to_the_batch_size():
     assert ServerConfig(model="a.onnx", max_batch_size=16).images_per_request == 16
     assert ServerConfig(model="a.onnx", max_batch_size=16, max_request_images=4).images_per_request == 4
