@@ -26,6 +26,7 @@ import sys
 import threading
 from contextlib import asynccontextmanager
 from datetime import datetime
+from pathlib import Path
 
 import uvicorn
 import uvicorn.logging
@@ -538,6 +539,7 @@ def raise_open_file_limit() -> None:
 
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+CONSOLE_SCRIPT = "mnv3-serve"
 
 
 class ZonedTimes(logging.Formatter):
@@ -594,7 +596,9 @@ def is_address(host: str) -> bool:
 
 
 def main(argv=None) -> None:
-    config = parse_args(argv)
+    # as it was started: pyproject.toml's console script, or python -m
+    prog = CONSOLE_SCRIPT if Path(sys.argv[0]).name == CONSOLE_SCRIPT else PROG
+    config = parse_args(argv, prog=prog)
     level = logging.getLevelName(config.log_level.upper())
     # debug is this server's (a line a batch) and uvicorn's: other libraries' debug lines, such as Pillow's line a
     # PNG chunk, stay out
@@ -614,7 +618,7 @@ def main(argv=None) -> None:
             load_key_file(config.api_keys)  # before the models load, which takes seconds
         app = create_app(config, *load_engines(config))
     except (CannotListen, ModelLoadError, KeyFileError, UnreadableManifest) as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     # Here, not in create_app: uvicorn cancels a request only at shutdown, while Ray Serve's replicas, which
     # build the same app, are cancelled when their client leaves, which is no reason to answer 503.

@@ -441,6 +441,12 @@ def test_missing_model_exits_2_with_one_line(tmp_path):
     result = run_server("--model", str(tmp_path / "nonexistent.onnx"), "--port", "0")
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "not found" in result.stderr
+    assert result.stderr.startswith("python -m mnv3.server: error: ")
+    # started as the package's command, its errors say so (they said python -m mnv3.server)
+    command = Path(sys.executable).parent / "mnv3-serve"
+    for args in (["--port", "x"], ["--model", str(tmp_path / "nonexistent.onnx"), "--port", "0"]):
+        result = subprocess.run([command, *args], capture_output=True, text=True, timeout=WAIT_S)
+        assert result.returncode == 2 and result.stderr.startswith("mnv3-serve: error: "), result.stderr
 
 
 @pytest.mark.parametrize(
