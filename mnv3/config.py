@@ -347,24 +347,6 @@ def unknown_variables(environ=os.environ) -> list[str]:
     return warnings
 
 
-def too_many_threads(config: ServerConfig, cpus: float) -> str | None:
-    """A warning when a thread setting asks for more threads than the process has CPUs (`cpus`, from
-    mnv3.runtime.available_cpus): the defaults suit the 2 cores this project is measured on, and a pod's CPU
-    limit is read by nothing else here."""
-    fitting = max(1, math.floor(cpus))  # a thread at least: below 1 CPU, nothing can follow the advice
-    over = [
-        f"{flag(name)} {getattr(config, name)}"
-        for name in ("intra_op_threads", "preprocess_threads")
-        if getattr(config, name) > fitting
-    ]
-    if not over:
-        return None
-    return (
-        f"{' and '.join(over)} on {cpus:g} CPU(s) (this process's affinity and CPU quota): more threads than CPUs "
-        f"take turns on them, each stalling the others; set them to {fitting}"
-    )
-
-
 def parse_args(argv=None, environ=os.environ, prog: str = PROG) -> ServerConfig:
     """The server's settings from `argv` (flags) and `environ` (MNV3_<FLAG>, but for Kubernetes' service links);
     `prog` begins its errors."""

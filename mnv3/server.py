@@ -38,12 +38,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from mnv3 import __version__
+from mnv3 import __version__, container
 from mnv3.api_docs import docs_router, without_validation_errors
 from mnv3.artifacts import UnreadableManifest
 from mnv3.auth import ApiKeyAuth, KeyFileError, Keys, document_keys, exposure_warning, load_key_file, route_path
 from mnv3.batcher import ShuttingDown
-from mnv3.config import PROG, ModelSpec, ServerConfig, parse_args, too_many_threads, unknown_variables
+from mnv3.config import PROG, ModelSpec, ServerConfig, parse_args, unknown_variables
 from mnv3.connections import BoundedHeadProtocol
 from mnv3.engine import Engine, ModelLoadError, Prediction
 from mnv3.errors import (
@@ -57,7 +57,6 @@ from mnv3.errors import (
     internal_error_message,
 )
 from mnv3.page import page_router
-from mnv3.runtime import available_cpus
 from mnv3.serving import ModelName, ServedModel, Serving, served_model, serving, unless_disconnected
 from mnv3.stats import stats_router
 from mnv3.uploads import CloseUnreadBody, read_upload
@@ -627,7 +626,7 @@ def main(argv=None) -> None:
         log.warning(warning)
     for warning in unknown_variables():
         log.warning(warning)
-    if warning := too_many_threads(config, available_cpus()):
+    for warning in container.warnings_for(config):  # settings that ask for more than a container's CPUs or memory
         log.warning(warning)
     raise_open_file_limit()
     settle_garbage_collector()

@@ -1,14 +1,12 @@
 """Server settings: several --model specs (NAME=PATH@BACKEND), their names, and MNV3_MODEL for one model."""
 
-import os
 from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
-from mnv3.config import ModelSpec, ServerConfig, flag, parse_args, too_many_threads, unknown_variables
+from mnv3.config import ModelSpec, ServerConfig, flag, parse_args, unknown_variables
 from mnv3.errors import REJECTION_REASONS
-from mnv3.runtime import available_cpus
 
 README = Path(__file__).parent.parent / "README.md"
 
@@ -89,38 +87,6 @@ def test_kubernetes_service_links_are_not_settings():
     assert unknown_variables(SERVICE_LINKS | {"MNV3_XYZZY": "1"}) == ["MNV3_XYZZY sets nothing, ignored"]
     # a port of the user's own is one still
     assert parse_args([], environ=SERVICE_LINKS | {"MNV3_MODEL": "m.onnx", "MNV3_PORT": "9000"}).port == 9000
-
-
-def test_more_threads_than_cpus_is_a_warning_naming_the_flags():
-    # the defaults (2 intra-op, 2 decoding) suit 2 cores; a 1-CPU pod throttled them without a word
-    config = ServerConfig(model="m.onnx")
-    assert too_many_threads(config, 2) is None and too_many_threads(config, 4) is None
-    warning = too_many_threads(config, 1)
-    assert warning is not None and warning.startswith("--intra-op-threads 2 and --preprocess-threads 2 on 1 CPU(s)")
-    assert warning.endswith("set them to 1")
-    assert too_many_threads(ServerConfig(model="m.onnx", preprocess_threads=4), 2.5).startswith(
-        "--preprocess-threads 4 on 2.5 CPU(s)"
-    )
-    one_each = ServerConfig(model="m.onnx", intra_op_threads=1, preprocess_threads=1)
-    assert too_many_threads(one_each, 0.5) is None  # a pod's `cpu: 500m`: 1 thread is the least there is
-
-
-def test_available_cpus_reads_a_containers_cpu_quota(tmp_path):
-    affinity = len(os.sched_getaffinity(0))
-    assert available_cpus(tmp_path) == affinity  # no cgroup files: the affinity
-    (tmp_path / "cpu.max").write_text("max 100000\n")  # cgroup v2, no limit
-    assert available_cpus(tmp_path) == affinity
-    (tmp_path / "cpu.max").write_text("50000 100000\n")  # a pod's `cpu: 500m`
-    assert available_cpus(tmp_path) == 0.5
-    (tmp_path / "cpu.max").write_text("0 0\n")  # not as the kernel writes it: no limit read, no crash
-    assert available_cpus(tmp_path) == affinity
-    (tmp_path / "cpu.max").unlink()
-    (tmp_path / "cpu").mkdir()  # cgroup v1
-    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
-    (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
-    assert available_cpus(tmp_path) == affinity
-    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("100000\n")
-    assert available_cpus(tmp_path) == 1
 
 
 def test_the_log_level_is_read_in_any_case():
