@@ -8,6 +8,10 @@ computes the same network into the manifest beside the models (key MANIFEST_KEY,
   file is served as given, since nothing measured it;
 - where its engine is installed and its file is present.
 
+A choice measured on another machine (its CPU, ISA or core count, as stage 2 recorded them, differ from this
+one's: an image built on one machine and run on others) is served all the same, since it computes the same
+network, and its reason says that which engine is fastest here was not measured.
+
 Otherwise auto serves the given file with onnxruntime, the engine that installs everywhere (an OpenVINO
 IR, `.xml`, with openvino, the one engine that reads it), and the reason says why. An explicit
 `--backend onnxruntime|openvino` always wins.
@@ -21,6 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from mnv3.artifacts import FILE_PROVENANCE_PREFIX, STAND_IN_PROVENANCE, read_manifest
+from mnv3.report import cpu_info
 
 AUTO = "auto"
 BACKENDS = ("onnxruntime", "openvino")
@@ -35,6 +40,7 @@ SPEED_COLUMNS = ("mean_ms_vs_onnx_fp32", "per_image_ms_vs_onnx_fp32")
 SERVED_KEYS = ("variant", "engine", "file", "precision", "streams", "for_model", "reason")
 # The type each of them, and part_size (absent or null when stage 2 measured none), must have to be served.
 SERVED_TYPES: dict[str, type] = dict.fromkeys(SERVED_KEYS, str) | {"streams": int, "part_size": int}
+MACHINE_KEYS = ("cpu", "isa", "cores")  # where stage 2 measured, as its rows record it (report.cpu_info)
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,7 @@ class Choice:
     streams: int = 1
     unservable: bool = False  # a measured choice applies but cannot be served here: worth a warning
     part_size: int | None = None
+    measured_elsewhere: bool = False  # served, but measured on another machine: worth a warning too
 
     @property
     def variant(self) -> str:
@@ -132,16 +139,35 @@ def resolve_auto(model: Path) -> Choice:
     chosen = model.parent / entry["file"]
     if not chosen.is_file():
         return fallback(f"stage 2 chose {entry['variant']}, but its file {chosen} is missing", True)
+    elsewhere = other_machine(entry)
     return Choice(
         chosen,
         entry["engine"],
         entry["precision"],
         AUTO,
-        entry["reason"],
+        entry["reason"] + (f"; {elsewhere}" if elsewhere else ""),
         False,
         entry,
         entry["streams"],
         part_size=entry.get("part_size"),
+        measured_elsewhere=bool(elsewhere),
+    )
+
+
+def other_machine(entry: dict) -> str | None:
+    """What to say if stage 2 measured `entry` on another machine than this (a CPU, ISA or core count it
+    recorded differs), else None."""
+    here = cpu_info()
+    recorded = {key: entry[key] for key in MACHINE_KEYS if key in entry}
+    if all(here[key] == value for key, value in recorded.items()):
+        return None
+
+    def machine(record: dict) -> str:
+        return f"{record.get('cpu')}, {record.get('cores')} cores, ISA {record.get('isa')}"
+
+    return (
+        f"but measured on another machine ({machine(entry)}), not this one ({machine(here)}): served as chosen, "
+        "it computes the same network; rerun stage 2 (static_quantization.py) here to measure which is fastest here"
     )
 
 

@@ -181,7 +181,7 @@ class Engine:
         _check_input(path, session.get_inputs(), max_batch_size, preprocessing.input_shape)
         if choice.requested == AUTO:  # once the model is known to load: a bad file's error stays one line
             log.log(
-                logging.WARNING if choice.unservable else logging.INFO,
+                logging.WARNING if choice.unservable or choice.measured_elsewhere else logging.INFO,
                 "--backend auto: %s with %s: %s",
                 path.name,
                 backend,

@@ -10,6 +10,7 @@ import pytest
 from conftest import REAL_WEIGHTS, engine_choice_entry
 from mnv3.artifacts import FP32_ONNX, MANIFEST_JSON, STATIC_INT8_ONNX, update_manifest
 from mnv3.backend_choice import MANIFEST_KEY, SERVED_KEYS, Choice, choose, guard_note, resolve_auto
+from mnv3.report import cpu_info
 
 pytestmark = pytest.mark.unit
 
@@ -85,6 +86,18 @@ def test_auto_serves_the_choice_for_its_model_and_falls_back_otherwise(models):
     update_manifest(models, **{MANIFEST_KEY: engine_choice_entry("openvino", "gone.xml")})
     missing = resolve_auto(models / STATIC_INT8_ONNX)
     assert (missing.backend, missing.unservable) == ("onnxruntime", True) and "gone.xml is missing" in missing.reason
+
+
+def test_a_choice_measured_on_another_machine_is_served_and_says_so(models):
+    # an image built where stage 2 ran, served on another CPU: the log said "fastest ... on this machine"
+    here = cpu_info()
+    for elsewhere in ({"cpu": "Another CPU"}, {"isa": "avx2"}, {"cores": here["cores"] * 2}):
+        update_manifest(models, **{MANIFEST_KEY: engine_choice_entry("onnxruntime", STATIC_INT8_ONNX) | elsewhere})
+        choice = resolve_auto(models / STATIC_INT8_ONNX)
+        assert (choice.path, choice.fallback, choice.measured_elsewhere) == (models / STATIC_INT8_ONNX, False, True)
+        assert "but measured on another machine (" in choice.reason and "rerun stage 2" in choice.reason
+    update_manifest(models, **{MANIFEST_KEY: engine_choice_entry("onnxruntime", STATIC_INT8_ONNX)})
+    assert not resolve_auto(models / STATIC_INT8_ONNX).measured_elsewhere  # measured here
 
 
 @pytest.mark.parametrize("lacks", SERVED_KEYS)
