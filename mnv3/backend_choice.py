@@ -1,4 +1,4 @@
-"""Which engine serves a model: the one stage 2 measured fastest on this machine, unless told otherwise.
+"""Which engine serves a model: the one stage 2 measured fastest on the machine it ran on, unless told otherwise.
 
 Stage 2 times every installed engine x precision in turns with ONNX FP32 and writes the fastest that
 computes the same network into the manifest beside the models (key MANIFEST_KEY, `manifest_entry`).
@@ -8,9 +8,9 @@ computes the same network into the manifest beside the models (key MANIFEST_KEY,
   file is served as given, since nothing measured it;
 - where its engine is installed and its file is present.
 
-A choice measured on another machine (its CPU, ISA or core count, as stage 2 recorded them, differ from this
-one's: an image built on one machine and run on others) is served all the same, since it computes the same
-network, and its reason says that which engine is fastest here was not measured.
+A choice measured on another kind of machine (its CPU or ISA, as stage 2 recorded them, differ from this one's:
+an image built on one machine and run on others) is served all the same, since it computes the same network,
+and its reason says that which engine is fastest here was not measured.
 
 Otherwise auto serves the given file with onnxruntime, the engine that installs everywhere (an OpenVINO
 IR, `.xml`, with openvino, the one engine that reads it), and the reason says why. An explicit
@@ -40,7 +40,10 @@ SPEED_COLUMNS = ("mean_ms_vs_onnx_fp32", "per_image_ms_vs_onnx_fp32")
 SERVED_KEYS = ("variant", "engine", "file", "precision", "streams", "for_model", "reason")
 # The type each of them, and part_size (absent or null when stage 2 measured none), must have to be served.
 SERVED_TYPES: dict[str, type] = dict.fromkeys(SERVED_KEYS, str) | {"streams": int, "part_size": int}
-MACHINE_KEYS = ("cpu", "isa", "cores")  # where stage 2 measured, as its rows record it (report.cpu_info)
+# Where stage 2 measured, as its rows record it (report.cpu_info). Not the core count: os.cpu_count() is the
+# host's, whatever share of it a container gets, so it would tell two pods on one kind of machine apart.
+MACHINE_KEYS = ("cpu", "isa")
+UNKNOWN_CPU = "unknown"  # report.cpu_info's name where /proc/cpuinfo has none (aarch64 Linux, macOS)
 
 
 @dataclass(frozen=True)
@@ -155,19 +158,20 @@ def resolve_auto(model: Path) -> Choice:
 
 
 def other_machine(entry: dict) -> str | None:
-    """What to say if stage 2 measured `entry` on another machine than this (a CPU, ISA or core count it
-    recorded differs), else None."""
+    """What to say if stage 2 measured `entry` on another kind of machine than this (the CPU or ISA it recorded
+    differs), else None; also None where either CPU has no name, as nothing then tells them apart."""
     here = cpu_info()
     recorded = {key: entry[key] for key in MACHINE_KEYS if key in entry}
-    if all(here[key] == value for key, value in recorded.items()):
+    if UNKNOWN_CPU in (here["cpu"], recorded.get("cpu")) or all(here[key] == recorded[key] for key in recorded):
         return None
 
     def machine(record: dict) -> str:
-        return f"{record.get('cpu')}, {record.get('cores')} cores, ISA {record.get('isa')}"
+        return f"{record.get('cpu')}, ISA {record.get('isa')}"
 
     return (
-        f"but measured on another machine ({machine(entry)}), not this one ({machine(here)}): served as chosen, "
-        "it computes the same network; rerun stage 2 (static_quantization.py) here to measure which is fastest here"
+        f"stage 2 ran on another kind of machine ({machine(entry)}), not this one ({machine(here)}): served as "
+        "chosen, as it computes the same network, but which engine is fastest on this CPU is unmeasured: rerun "
+        "stage 2 (static_quantization.py) on it"
     )
 
 

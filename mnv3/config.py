@@ -17,6 +17,7 @@ import difflib
 import math
 import os
 import re
+import sys
 from dataclasses import dataclass, field, fields
 from functools import cached_property
 from pathlib import Path
@@ -36,6 +37,14 @@ MAX_BATCH_SIZE = 256
 
 
 PROG = "python -m mnv3.server"  # how its errors begin, from argparse or from loading a model
+
+
+def command_name(module_command: str) -> str:
+    """How the running command was started, for its usage and errors: as one of the package's console scripts
+    (pyproject.toml's mnv3-serve, mnv3-ray-serve), its name; else `module_command` (python -m ...)."""
+    started = Path(sys.argv[0]).name
+    return started if started.startswith("mnv3-") else module_command
+
 
 # A model's name is a URL path segment (/v2/models/NAME) and a query value (?model=NAME): nothing to escape.
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -248,8 +257,11 @@ class ServerConfig:
     )
 
     def __post_init__(self):
+        object.__setattr__(self, "log_level", self.log_level.lower())  # INFO too, from code or a Ray config file
         if not self.host.strip():  # uvicorn would try to resolve "": "cannot listen on :8000", naming no setting
-            raise SettingError("host", "must be an address or a host name (0.0.0.0: every IPv4 interface), got ''")
+            raise SettingError(
+                "host", f"must be an address or a host name (0.0.0.0: every IPv4 interface), got {self.host!r}"
+            )
         if self.root_path and not ROOT_PATH.fullmatch(self.root_path):
             raise SettingError(
                 "root_path", f"{self.root_path!r} is not a path prefix: write /NAME[/NAME...], e.g. /mnv3"
@@ -397,7 +409,10 @@ def parse_args(argv=None, environ=os.environ, prog: str = PROG) -> ServerConfig:
     try:
         return ServerConfig(**settings | args, model=models[0], extra_models=tuple(map(str, models[1:])))
     except SettingError as exc:
-        given_by = f" (from {variable(exc.setting)}={settings[exc.setting]})" if exc.setting in settings else ""
+        # the variable's text as the user wrote it (a setting's `read` may have changed it, as log_level's lowers it)
+        given_by = (
+            f" (from {variable(exc.setting)}={from_environment[exc.setting][1]})" if exc.setting in settings else ""
+        )
         parser.error(f"{exc}{given_by}")
     except ValueError as exc:
         parser.error(str(exc))

@@ -10,9 +10,11 @@ this project is measured on, and nothing else here reads a pod's limits.
 
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from mnv3.config import ServerConfig, flag
+from mnv3.engine import rss_bytes
 from mnv3.preprocess import CROP_SIZE
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")  # a container's own cgroup, as its runtime mounts it
@@ -49,7 +51,8 @@ def _cgroup_v1_quota(cgroup_root: Path) -> tuple[int, int]:
     return quota, period
 
 
-# At or above it, a limit is cgroup v1's "no limit": the largest multiple of the page size below 2**63.
+# At or above it, a limit is cgroup v1's "no limit" (2**63 - 4096 on 4 KiB pages: the largest multiple of the page
+# size below 2**63); no machine has this much memory.
 NO_MEMORY_LIMIT = 2**62
 
 
@@ -67,8 +70,12 @@ def memory_limit(cgroup_root: Path = CGROUP_ROOT) -> int | None:
 
 
 def warnings_for(config: ServerConfig) -> list[str]:
-    """Start-up warnings where `config` asks for more CPUs or memory than this process has."""
-    found = (too_many_threads(config, available_cpus()), too_little_memory(config, memory_limit()))
+    """Start-up warnings where `config` asks for more CPUs or memory than this process has; called once the
+    models are loaded, so the memory they take counts."""
+    found = (
+        too_many_threads(config, available_cpus()),
+        too_little_memory(config, memory_limit(), rss_bytes() or 0),
+    )
     return [warning for warning in found if warning]
 
 
@@ -88,26 +95,47 @@ def too_many_threads(config: ServerConfig, cpus: float) -> str | None:
     )
 
 
-def requests_memory(config: ServerConfig) -> int:
-    """Roughly the bytes requests may hold at once at `config`'s limits, besides the models and the cache (README,
-    "Limits and errors"): every admitted body at its largest, each decode thread on an image of the most pixels
-    (4 bytes a pixel), and a full queue of preprocessed images (at the default crop)."""
-    bodies = config.max_in_flight * config.max_upload_bytes
-    decoding = config.preprocess_threads * config.max_pixels * 4
-    queued = config.queue_limit * 3 * CROP_SIZE * CROP_SIZE * 4
-    return bodies + decoding + queued
+@dataclass(frozen=True)
+class RequestsMemory:
+    """Roughly the bytes requests may hold at once at a config's limits, besides the models and the cache (README,
+    "Limits and errors"): every admitted body at its largest (a /v2 request's parsed tensors in its place), each
+    decode thread on an image of the most pixels (4 bytes a pixel), and every model's queue full of preprocessed
+    images (at the default crop)."""
+
+    bodies: int
+    decoding: int
+    queued: int
+
+    @classmethod
+    def of(cls, config: ServerConfig) -> "RequestsMemory":
+        return cls(
+            bodies=config.max_in_flight * config.max_upload_bytes,
+            decoding=config.preprocess_threads * config.max_pixels * 4,
+            queued=len(config.models) * config.queue_limit * 3 * CROP_SIZE * CROP_SIZE * 4,
+        )
+
+    @property
+    def total(self) -> int:
+        return self.bodies + self.decoding + self.queued
 
 
-def too_little_memory(config: ServerConfig, limit: int | None) -> str | None:
-    """Limits that let requests hold more than the container's memory limit: the kernel would kill the server."""
-    held = requests_memory(config)
-    if limit is None or held <= limit:
+def too_little_memory(config: ServerConfig, limit: int | None, used: int) -> str | None:
+    """Limits that let requests hold more than what the container's memory limit leaves beside the `used` bytes
+    (the models, loaded): the kernel would kill the server. Says which flag values would fit."""
+    held, gib = RequestsMemory.of(config), 2**30
+    if limit is None or used + held.total <= limit:
         return None
-    gib = 2**30
+    said = (
+        f"at these limits requests may hold about {held.total / gib:.1f} GiB ({held.bodies / gib:.1f} of bodies: "
+        f"{flag('max_in_flight')} {config.max_in_flight} x {flag('max_upload_bytes')} {config.max_upload_bytes}; "
+        f"{held.decoding / gib:.1f} decoding; {held.queued / gib:.1f} queued), and the server already uses "
+        f"{used / gib:.1f} GiB, above this container's memory limit of {limit / gib:.1f} GiB, where the kernel "
+        "kills the server"
+    )
+    in_flight = (limit - used - held.decoding - held.queued) // config.max_upload_bytes
+    if in_flight >= 1:
+        return f"{said}: lower {flag('max_in_flight')} to {in_flight} or {flag('max_upload_bytes')}"
     return (
-        f"at {flag('max_in_flight')} {config.max_in_flight} x {flag('max_upload_bytes')} {config.max_upload_bytes} "
-        f"(bodies), {flag('preprocess_threads')} x {flag('max_pixels')} (decoding) and {flag('queue_limit')} "
-        f"(queued images), requests may hold about {held / gib:.1f} GiB besides the models, above this container's "
-        f"memory limit of {limit / gib:.1f} GiB, where the kernel kills the server: lower {flag('max_in_flight')} "
-        f"and {flag('max_upload_bytes')} first"
+        f"{said}: even one body does not fit beside decoding and the queue; lower {flag('max_pixels')} "
+        f"({config.max_pixels}) and {flag('queue_limit')} ({config.queue_limit}) first"
     )

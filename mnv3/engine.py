@@ -10,8 +10,8 @@ Serving code runs a model through `Engine.predict` (NCHW float32 batch -> softma
 session. A backend is a session answering onnxruntime's `run(None, {name: batch})`,
 `get_inputs()`, `get_outputs()` and `get_providers()`: an onnxruntime InferenceSession, or
 `mnv3.openvino_backend.OpenVINOSession` (imported only when that backend is chosen). Backend `auto`
-serves what stage 2 measured fastest on this machine (mnv3/backend_choice.py), which may be another
-file beside the given one; `Engine.choice` says what was asked for, what runs, and why.
+serves what stage 2 measured fastest (mnv3/backend_choice.py; on another kind of machine, it says so), which
+may be another file beside the given one; `Engine.choice` says what was asked for, what runs, and why.
 """
 
 import hashlib

@@ -41,7 +41,7 @@ from starlette.middleware import Middleware
 from mnv3 import cli, loadtest, server
 from mnv3.artifacts import RAY_SERVE_CSV
 from mnv3.auth import KeyFileError, exposure_warning, load_key_file
-from mnv3.config import ServerConfig
+from mnv3.config import ServerConfig, command_name
 from mnv3.config import parse_args as parse_server_args
 from mnv3.engine import Engine, ModelLoadError
 from mnv3.errors import RETRY_AFTER_S
@@ -483,7 +483,7 @@ def bench(model: Path, provenance: str, results_dir: Path, concurrency: int, cou
 
 def get_args_parser():
     parser = argparse.ArgumentParser(
-        prog=PROG,
+        prog=command_name(PROG),
         description="Serve the mnv3 app with Ray Serve (a local cluster on 127.0.0.1, or --address), or --bench it.",
         epilog="Every `python -m mnv3.server` flag is accepted too (--cache-size, --max-batch-size, ...; "
         "`python -m mnv3.server --help` lists them); "
@@ -540,7 +540,7 @@ def parse_args(argv=None):
 def server_config(args) -> ServerConfig:
     """The replicas' ServerConfig from --model (or stage 2's) and the server flags."""
     model, _ = cli.serving_model(args)
-    config = parse_server_args(["--model", str(model), *args.server_flags], prog=PROG)
+    config = parse_server_args(["--model", str(model), *args.server_flags], prog=command_name(PROG))
     if config.shutdown_delay_s:  # the plain server's uvicorn holds its port open meanwhile; Ray's proxy is Ray's
         raise cli.UsageError(
             "--shutdown-delay-s (or MNV3_SHUTDOWN_DELAY_S) is the plain server's (python -m mnv3.server): under "

@@ -26,7 +26,6 @@ import sys
 import threading
 from contextlib import asynccontextmanager
 from datetime import datetime
-from pathlib import Path
 
 import uvicorn
 import uvicorn.logging
@@ -43,7 +42,7 @@ from mnv3.api_docs import docs_router, without_validation_errors
 from mnv3.artifacts import UnreadableManifest
 from mnv3.auth import ApiKeyAuth, KeyFileError, Keys, document_keys, exposure_warning, load_key_file, route_path
 from mnv3.batcher import ShuttingDown
-from mnv3.config import PROG, ModelSpec, ServerConfig, parse_args, unknown_variables
+from mnv3.config import PROG, ModelSpec, ServerConfig, command_name, parse_args, unknown_variables
 from mnv3.connections import BoundedHeadProtocol
 from mnv3.engine import Engine, ModelLoadError, Prediction
 from mnv3.errors import (
@@ -538,7 +537,6 @@ def raise_open_file_limit() -> None:
 
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-CONSOLE_SCRIPT = "mnv3-serve"
 
 
 class ZonedTimes(logging.Formatter):
@@ -595,8 +593,7 @@ def is_address(host: str) -> bool:
 
 
 def main(argv=None) -> None:
-    # as it was started: pyproject.toml's console script, or python -m
-    prog = CONSOLE_SCRIPT if Path(sys.argv[0]).name == CONSOLE_SCRIPT else PROG
+    prog = command_name(PROG)
     config = parse_args(argv, prog=prog)
     level = logging.getLevelName(config.log_level.upper())
     # debug is this server's (a line a batch) and uvicorn's: other libraries' debug lines, such as Pillow's line a

@@ -335,6 +335,7 @@ async def _infer(request: Request, model: ServedModel, s: Serving) -> Response:
             ) from None
         deadline = s.deadline()
         parsed = parse_infer_request(body, request.headers.get(HEADER_LENGTH), described)
+        del body  # the parsed tensors are copies: the body need not be held while the request waits its turn
         probabilities = np.stack(await unless_disconnected(request, _rows(model, parsed, deadline)))
     response = encode_infer_response(parsed, probabilities, described)
     if response.header_length is None:

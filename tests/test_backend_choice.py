@@ -130,6 +130,19 @@ def test_auto_falls_back_to_onnxruntime_with_the_reason(models_dir, monkeypatch,
     assert "openvino is not installed here" in engine.choice.reason
 
 
+def test_a_choice_measured_on_another_machine_is_served_with_a_warning(models_dir, caplog):
+    # an image built where stage 2 ran, served on another CPU: logged at INFO as "fastest ... on this machine"
+    elsewhere = {"cpu": "Another CPU", "isa": "avx2"}
+    update_manifest(models_dir, **{MANIFEST_KEY: engine_choice_entry("onnxruntime", STATIC_INT8_ONNX) | elsewhere})
+    caplog.set_level(logging.INFO, logger="mnv3.engine")
+    engine = Engine.load(models_dir / STATIC_INT8_ONNX, "auto")
+    assert engine.choice.measured_elsewhere and (engine.backend, engine.path.name) == ("onnxruntime", STATIC_INT8_ONNX)
+    assert [(r.levelno, r.getMessage()) for r in caplog.records][-1] == (
+        logging.WARNING,
+        f"--backend auto: {STATIC_INT8_ONNX} with onnxruntime: {engine.choice.reason}",
+    )
+
+
 def test_an_openvino_ir_is_served_by_openvino_or_refused_in_one_line(models_dir, tmp_path):
     ir = tmp_path / "mine.xml"
     ir.write_text("<net/>")

@@ -1,11 +1,12 @@
 """Server settings: several --model specs (NAME=PATH@BACKEND), their names, and MNV3_MODEL for one model."""
 
+import sys
 from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
-from mnv3.config import ModelSpec, ServerConfig, flag, parse_args, unknown_variables
+from mnv3.config import ModelSpec, ServerConfig, command_name, flag, parse_args, unknown_variables
 from mnv3.errors import REJECTION_REASONS
 
 README = Path(__file__).parent.parent / "README.md"
@@ -93,6 +94,13 @@ def test_the_log_level_is_read_in_any_case():
     # LOG_LEVEL=INFO, as containers are often configured, exited 2: "must be one of critical, ..., got 'INFO'"
     assert parse_args(["--model", "m.onnx", "--log-level", "DEBUG"]).log_level == "debug"
     assert parse_args([], environ={"MNV3_MODEL": "m.onnx", "MNV3_LOG_LEVEL": "Warning"}).log_level == "warning"
+    assert ServerConfig(model="m.onnx", log_level="ERROR").log_level == "error"  # from code, or a Ray config file
+
+
+def test_a_refused_variable_is_quoted_as_written(capsys):
+    with pytest.raises(SystemExit):
+        parse_args([], environ={"MNV3_MODEL": "m.onnx", "MNV3_LOG_LEVEL": "Verbose"})
+    assert capsys.readouterr().err.endswith("got 'verbose' (from MNV3_LOG_LEVEL=Verbose)\n")
 
 
 def test_an_empty_host_is_refused_naming_its_variable(capsys):
@@ -104,6 +112,14 @@ def test_an_empty_host_is_refused_naming_its_variable(capsys):
         "python -m mnv3.server: error: --host must be an address or a host name (0.0.0.0: every IPv4 interface), "
         "got '' (from MNV3_HOST=)\n"
     )
+
+
+def test_the_command_name_is_the_console_scripts_when_started_as_one(monkeypatch):
+    # mnv3-ray-serve's errors began "python -m mnv3.ray_serve: error:" (test_server.py runs mnv3-serve itself)
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/mnv3-ray-serve", "--bogus"])
+    assert command_name("python -m mnv3.ray_serve") == "mnv3-ray-serve"
+    monkeypatch.setattr(sys, "argv", ["/checkout/mnv3/ray_serve.py", "--bogus"])  # python -m's argv[0]
+    assert command_name("python -m mnv3.ray_serve") == "python -m mnv3.ray_serve"
 
 
 def test_images_per_request_defaults_to_the_batch_size():

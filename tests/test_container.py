@@ -5,7 +5,7 @@ import os
 import pytest
 
 from mnv3.config import ServerConfig
-from mnv3.container import available_cpus, memory_limit, requests_memory, too_little_memory, too_many_threads
+from mnv3.container import RequestsMemory, available_cpus, memory_limit, too_little_memory, too_many_threads
 
 pytestmark = pytest.mark.unit
 
@@ -58,12 +58,20 @@ def test_memory_limit_reads_a_containers_limit(tmp_path):
 
 def test_limits_that_let_requests_hold_more_than_the_memory_limit_are_a_warning():
     # 100 clients each holding a 9 MiB body took a server to 1.6 GB: under a 1 GiB limit, killed
+    gib, mib = 2**30, 2**20
     defaults = ServerConfig(model="m.onnx")
-    held = requests_memory(defaults)
-    assert held == 512 * 10 * 2**20 + 2 * 40_000_000 * 4 + 512 * 3 * 224 * 224 * 4  # bodies, decoding, queue
-    assert too_little_memory(defaults, None) is None and too_little_memory(defaults, held) is None
-    warning = too_little_memory(defaults, 2**30)
-    assert warning is not None and "about 5.6 GiB besides the models" in warning and "limit of 1.0 GiB" in warning
-    assert warning.endswith("lower --max-in-flight and --max-upload-bytes first")
-    small = ServerConfig(model="m.onnx", max_in_flight=32, max_upload_bytes=4 * 2**20, queue_limit=64)
-    assert too_little_memory(small, 2**30) is None  # 128 MiB of bodies: what the warning asks for
+    held = RequestsMemory.of(defaults)
+    assert round(held.total / gib, 1) == 5.6  # README's "about 5.6 GiB at the defaults"
+    assert held.bodies == 5 * gib  # and "5 GiB at the defaults" of bodies ("Limits and errors")
+    two_models = ServerConfig(model="a.onnx", extra_models=("b.onnx",))
+    assert RequestsMemory.of(two_models).queued == 2 * held.queued  # a queue a model
+    assert too_little_memory(defaults, None, 0) is None and too_little_memory(defaults, held.total + gib, gib) is None
+    warning = too_little_memory(defaults, gib, 400 * mib)
+    assert warning is not None and "requests may hold about 5.6 GiB (5.0 of bodies" in warning
+    assert "already uses 0.4 GiB, above this container's memory limit of 1.0 GiB" in warning
+    # what fits: 1 GiB less 400 MiB in use, 305 MiB decoding and 294 MiB queued leaves 25 MiB, two 10 MiB bodies
+    assert warning.endswith("lower --max-in-flight to 2 or --max-upload-bytes")
+    fitting = ServerConfig(model="m.onnx", max_in_flight=2)
+    assert too_little_memory(fitting, gib, 400 * mib) is None  # what the warning asked for
+    cramped = too_little_memory(defaults, 512 * mib, 200 * mib)  # decoding and the queue alone do not fit
+    assert cramped is not None and cramped.endswith("lower --max-pixels (40000000) and --queue-limit (512) first")
