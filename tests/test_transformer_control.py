@@ -44,7 +44,9 @@ def test_rows_have_stage_1_columns_filled(control):
     stage_1_columns = set(read_csv(ROOT / "results" / "01_baseline.csv")[0])
     fp32, int8 = result.rows
     agreement_columns = {"top1_agreement", "top5_agreement", "sqnr_db"}  # FP32 is the reference
+    stage_1_columns -= {"model_id"}  # which of stage 1's models a row measured: the control is another model
     assert stage_1_columns <= set(int8) and stage_1_columns - agreement_columns <= set(fp32)
+    assert "model_id" not in fp32 and "model_id" not in int8
     for row in result.rows:
         assert row["model"] == SHAPE.name and row["weights"] == "random-init"
         assert row["threads"] == THREADS and row["batch_size"] == QUICK.batch_size
