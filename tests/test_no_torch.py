@@ -48,3 +48,15 @@ def test_serving_sends_no_onnxruntime_telemetry(fp32_model_path, tmp_path):
         chosen = env | {"ORT_DISABLE_TELEMETRY": own}
         result = subprocess.run([sys.executable, "-c", said], capture_output=True, text=True, timeout=60, env=chosen)
         assert result.stdout.strip() == own, result.stderr
+
+
+def test_the_version_of_a_checkout_never_installed():
+    # mnv3.__version__ is the installed package's (GET /v2, /openapi.json); a checkout on sys.path alone has none
+    code = (
+        "import importlib.metadata as metadata\n"
+        "def missing(name): raise metadata.PackageNotFoundError(name)\n"
+        "metadata.version = missing\n"
+        "import mnv3; print(mnv3.__version__)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stdout.strip()) == (0, "0+unknown"), result.stderr
