@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from mnv3.artifacts import FILE_PROVENANCE_PREFIX, STAND_IN_PROVENANCE, read_manifest
-from mnv3.report import cpu_info
+from mnv3.report import UNKNOWN_CPU, cpu_info
 
 AUTO = "auto"
 BACKENDS = ("onnxruntime", "openvino")
@@ -43,7 +43,6 @@ SERVED_TYPES: dict[str, type] = dict.fromkeys(SERVED_KEYS, str) | {"streams": in
 # Where stage 2 measured, as its rows record it (report.cpu_info). Not the core count: os.cpu_count() is the
 # host's, whatever share of it a container gets, so it would tell two pods on one kind of machine apart.
 MACHINE_KEYS = ("cpu", "isa")
-UNKNOWN_CPU = "unknown"  # report.cpu_info's name where /proc/cpuinfo has none (aarch64 Linux, macOS)
 
 
 @dataclass(frozen=True)

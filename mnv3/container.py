@@ -15,7 +15,7 @@ from pathlib import Path
 
 from mnv3.config import ServerConfig, flag
 from mnv3.engine import rss_bytes
-from mnv3.preprocess import CROP_SIZE
+from mnv3.preprocess import DEFAULT_PREPROCESSING
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")  # a container's own cgroup, as its runtime mounts it
 
@@ -111,7 +111,7 @@ class RequestsMemory:
         return cls(
             bodies=config.max_in_flight * config.max_upload_bytes,
             decoding=config.preprocess_threads * config.max_pixels * 4,
-            queued=len(config.models) * config.queue_limit * 3 * CROP_SIZE * CROP_SIZE * 4,
+            queued=len(config.models) * config.queue_limit * 4 * math.prod(DEFAULT_PREPROCESSING.input_shape),
         )
 
     @property

@@ -19,8 +19,11 @@ from mnv3.artifacts import (
 LIBRARIES = ("torch", "torchvision", "onnx", "onnxruntime", "openvino", "numpy", "pillow", "fastapi", "uvicorn")
 
 
+UNKNOWN_CPU = "unknown"  # cpu_info's name for a CPU that neither /proc/cpuinfo nor platform names (aarch64 Linux)
+
+
 def cpu_info() -> dict:
-    model, flags = platform.processor() or "unknown", set()
+    model, flags = platform.processor() or UNKNOWN_CPU, set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
