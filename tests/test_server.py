@@ -20,6 +20,7 @@ import pytest
 import requests
 from PIL import Image
 
+import mnv3.server  # its __version__, patched
 from conftest import WAIT_S, Gate, post, post_file, post_raw, serving_client, wait_until
 from mnv3.artifacts import CLASS_NAMES_JSON
 from mnv3.config import parse_args
@@ -188,6 +189,14 @@ def test_operational_endpoints(client, fp32_model_path):
     assert all("422" not in op["responses"] for ops in document["paths"].values() for op in ops.values())
     assert "499" not in predict_doc["responses"]  # counted, never sent: its client has gone
     assert "HTTPValidationError" not in document["components"]["schemas"]
+
+
+def test_the_api_document_gives_the_package_version(fp32_model_path, monkeypatch):
+    """/openapi.json's version is the installed package's, as GET /v2's is (FastAPI's default is 0.1.0,
+    which pyproject.toml's version happens to equal, hence another version here)."""
+    monkeypatch.setattr(mnv3.server, "__version__", "9.8.7")
+    app = mnv3.server.create_app(parse_args(["--model", str(fp32_model_path)]))
+    assert app.openapi()["info"]["version"] == "9.8.7"
 
 
 def test_a_shutdown_delay_serves_on_with_readyz_503_before_the_port_closes(fp32_model_path, images):
