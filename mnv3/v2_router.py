@@ -288,11 +288,14 @@ def _add_model_routes(path: str, model_dependency) -> None:
         path + "/ready",
         response_class=Response,
         responses={200: {"description": "warmed up"}, **not_found, 503: V2_ERROR_DOCS[503]},
-        summary="Model readiness: 200 once it is warmed up",
+        summary="Model readiness: 200 once it is warmed up, 503 while the server shuts down",
     )
-    async def model_ready(model: ServedModel = Depends(model_dependency)) -> Response:
-        if model.not_ready_reason:
-            raise V2Error(503, f"model {model.name} {model.not_ready_reason}")
+    async def model_ready(model: ServedModel = Depends(model_dependency), s: Serving = Depends(serving)) -> Response:
+        # A draining server is unready for each model too: tritonclient's is_model_ready and KServe's
+        # probes ask this path, not /v2/health/ready.
+        reason = s.unready if s.draining else model.not_ready_reason and f"model {model.name} {model.not_ready_reason}"
+        if reason:
+            raise V2Error(503, reason)
         return Response()
 
     @v2_router.get(

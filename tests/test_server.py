@@ -209,6 +209,9 @@ def test_a_shutdown_delay_serves_on_with_readyz_503_before_the_port_closes(fp32_
         wait_until(lambda: requests.get(url + "/readyz", timeout=WAIT_S).status_code == 503, "/readyz to say 503")
         assert requests.get(url + "/readyz", timeout=WAIT_S).json() == {"status": "shutting down"}
         assert requests.get(url + "/v2/health/ready", timeout=WAIT_S).status_code == 503
+        for model_ready in ("/v2/models/fp32/ready", "/v2/models/fp32/versions/1/ready"):  # tritonclient's probe
+            answer = requests.get(url + model_ready, timeout=WAIT_S)
+            assert answer.status_code == 503 and answer.json() == {"error": "shutting down"}
         assert post(url, images[0]).status_code == 200  # still served, on a new connection
         assert server.process.wait(WAIT_S) == 0 and time.monotonic() - signalled >= 3
     second = ServerProcess(fp32_model_path, shutdown_delay_s=60)
