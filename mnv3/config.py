@@ -34,6 +34,9 @@ from mnv3.runtime import DEFAULT_INTER_OP_THREADS, DEFAULT_INTRA_OP_THREADS
 DEFAULT_PREPROCESS_THREADS = 2
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 MAX_BATCH_SIZE = 256
+# The longest wait a time setting may ask for. Longer is a typo, and past threading's TIMEOUT_MAX (about
+# 292 years) a batch window made every batch fail and a shutdown delay never ended.
+LONGEST_WAIT_S = 24 * 3600
 
 
 PROG = "python -m mnv3.server"  # how its errors begin, from argparse or from loading a model
@@ -142,7 +145,9 @@ class ServerConfig:
         "auto", "inference runtime; auto: what stage 2 measured fastest here, else onnxruntime", choices=BACKEND_CHOICES
     )
     cache_size: int = _option(1024, "result cache entries; 0 disables the cache", minimum=0)
-    batch_window_ms: float = _option(20.0, "how long a batch waits for more requests after its first", minimum=0)
+    batch_window_ms: float = _option(
+        20.0, "how long a batch waits for more requests after its first", minimum=0, maximum=LONGEST_WAIT_S * 1000
+    )
     # Bounded: each place in a batch holds two preprocessed rows (1.2 MB) from start-up on, and on a CPU a batch
     # past a few dozen images adds latency, not throughput.
     max_batch_size: int = _option(
@@ -155,7 +160,10 @@ class ServerConfig:
     )
     queue_limit: int = _option(512, "requests waiting for inference before new ones get 503", minimum=1)
     deadline_ms: float = _option(
-        10_000.0, "per request, from when its body has arrived; past it: 504, and unrun work is dropped", minimum=1
+        10_000.0,
+        "per request, from when its body has arrived; past it: 504, and unrun work is dropped",
+        minimum=1,
+        maximum=LONGEST_WAIT_S * 1000,
     )
     intra_op_threads: int = _option(
         DEFAULT_INTRA_OP_THREADS,
@@ -206,16 +214,23 @@ class ServerConfig:
         choices=(0, 1),
     )
     body_timeout_s: float = _option(
-        30.0, "seconds to receive a whole request body; a slower or stalled upload gets 408", minimum=0.001
+        30.0,
+        "seconds to receive a whole request body; a slower or stalled upload gets 408",
+        minimum=0.001,
+        maximum=LONGEST_WAIT_S,
     )
     shutdown_delay_s: float = _option(
         0.0,
         "on SIGTERM, how long to go on serving with /readyz answering 503 before the port closes, so a load "
         "balancer stops sending first (Kubernetes: a few seconds, a preStop sleep's job)",
         minimum=0,
+        maximum=LONGEST_WAIT_S,
     )
     shutdown_timeout_s: float = _option(
-        30.0, "on SIGTERM, how long in-flight requests may take before they are cancelled", minimum=0
+        30.0,
+        "on SIGTERM, how long in-flight requests may take before they are cancelled",
+        minimum=0,
+        maximum=LONGEST_WAIT_S,
     )
     # uvicorn's own default. A load balancer that keeps connections open longer (AWS ALB: 60 s idle) can send
     # a request down one the server is closing just then, and answers its client 502.
@@ -224,6 +239,7 @@ class ServerConfig:
         "seconds an idle kept-alive connection stays open for the client's next request; behind a load "
         "balancer that reuses connections, set it above the balancer's idle timeout",
         minimum=0.001,
+        maximum=LONGEST_WAIT_S,
     )
     top_k: int = _option(5, "predictions per response", minimum=1)
     max_request_images: int = _option(0, "images in one /v2 infer request (400 above); 0: --max-batch-size", minimum=0)

@@ -153,6 +153,18 @@ def test_a_port_past_65535_is_refused_not_wrapped():
         ServerConfig(model="a.onnx", port=99999)
 
 
+@pytest.mark.parametrize(
+    "setting",
+    ["batch_window_ms", "deadline_ms", "body_timeout_s", "shutdown_delay_s", "shutdown_timeout_s", "keep_alive_s"],
+)
+def test_a_wait_longer_than_a_day_is_refused_before_a_model_loads(setting):
+    # --batch-window-ms 1e13 was accepted, then every batch failed with threading's OverflowError
+    day = 86_400_000 if setting.endswith("_ms") else 86_400
+    assert getattr(ServerConfig(model="a.onnx", **{setting: day}), setting) == day
+    with pytest.raises(ValueError, match=f"--{setting.replace('_', '-')} must be at most {day}, got 10000000000000.0"):
+        ServerConfig(model="a.onnx", **{setting: 1e13})
+
+
 @pytest.mark.parametrize("prefix", ["mnv3", "/mnv3/", "/", "https://x/mnv3", "/a b"])
 def test_a_root_path_that_is_not_a_path_prefix_is_refused(prefix):
     assert ServerConfig(model="a.onnx", root_path="/api/mnv3").root_path == "/api/mnv3"
