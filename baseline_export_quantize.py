@@ -82,8 +82,8 @@ def get_args_parser(add_help=True):
         "--weights",
         default=None,
         help="your --arch weights: a state_dict (.pth), or a training checkpoint with it under "
-        '"model" as torchvision\'s references/classification/train.py saves it (any number '
-        "of classes); default: torchvision's ImageNet weights, else random init",
+        '"model" (as torchvision\'s references/classification/train.py saves it), "model_state_dict" or '
+        '"state_dict" (any number of classes); default: torchvision\'s ImageNet weights, else random init',
     )
     parser.add_argument(
         "--class-names",

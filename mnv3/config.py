@@ -148,8 +148,8 @@ class ServerConfig:
     batch_window_ms: float = _option(
         20.0, "how long a batch waits for more requests after its first", minimum=0, maximum=LONGEST_WAIT_S * 1000
     )
-    # Bounded: each place in a batch holds two preprocessed rows (1.2 MB) from start-up on, and on a CPU a batch
-    # past a few dozen images adds latency, not throughput.
+    # Bounded: each place in a batch holds two preprocessed rows (1.2 MB) from the first request on, and on
+    # a CPU a batch past a few dozen images adds latency, not throughput.
     max_batch_size: int = _option(
         32, "largest batch; 1 runs every request alone, with no window wait", minimum=1, maximum=MAX_BATCH_SIZE
     )

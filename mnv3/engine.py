@@ -127,9 +127,10 @@ class Engine:
 
         `backend` "auto" serves what stage 2 chose for `path` on this machine, as the server does by default.
         `max_batch_size`: the largest batch `predict` is meant for (the server's --max-batch-size); OpenVINO
-        compiles the model at static batch sizes up to it, so a larger batch runs in parts of those sizes, or
-        one image at a time when it is 1. OpenVINO's inference precision is the chosen one under backend auto,
-        else its default.
+        compiles the model at batch 1 and the powers of two up to the smaller of it and the part size (stage
+        2's measured one, else openvino_backend.DEFAULT_PART_SIZE), and a larger batch runs in parts of those
+        sizes, or one image at a time when it is 1. OpenVINO's inference precision is the chosen one under
+        backend auto, else its default.
         `allow_spinning`: onnxruntime's idle threads busy-wait; off, as the server has it (--ort-spinning 0).
         `batch_threads`: OpenVINO's threads for batches of more than one (default `intra_op_threads`, as stage
         2 and the limit time an engine alone); 0, a server's default: what stage 2 measured fastest under load

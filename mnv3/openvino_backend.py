@@ -1,4 +1,4 @@
-"""The optional OpenVINO backend: the same ONNX file, run by OpenVINO's CPU plugin.
+"""The optional OpenVINO backend: an ONNX file or an OpenVINO IR (stage 2's NNCF builds), run by OpenVINO's CPU plugin.
 
 `OpenVINOSession` answers the few calls `Engine` makes of an onnxruntime session (`run`, `get_inputs`,
 `get_outputs`, `get_providers`), so the engine's validation, softmax and error handling are the same for
