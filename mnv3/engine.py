@@ -217,7 +217,8 @@ class Engine:
     def predict(self, batch: np.ndarray) -> np.ndarray:
         """(N, 3, crop, crop) float32 -> (N, classes) softmax probabilities; a ValueError (or TypeError) for an
         array whose images are of another shape (or type) than `mnv3.preprocess` makes them. InferenceError if the
-        runtime fails (a model file whose batch size is fixed refuses other batch sizes so)."""
+        runtime fails (a model file whose batch size is fixed refuses other batch sizes so) or answers out of
+        shape. A row whose logits are not all finite is NaN (the server answers that image 500)."""
         if not isinstance(batch, np.ndarray) or batch.dtype != np.float32:
             raise TypeError(f"predict takes a float32 numpy array, got {getattr(batch, 'dtype', type(batch))}")
         if batch.ndim != 4 or batch.shape[1:] != self.preprocessing.input_shape:
@@ -229,6 +230,13 @@ class Engine:
             logits = self.session.run(None, {self.input_name: batch})[0]
         except Exception as exc:
             raise InferenceError(f"{self.backend} failed on a batch of {len(batch)}: {_one_line(exc)}") from exc
+        # Rows are handed out by position: output of another shape would give an image no row, or another's.
+        width = self.num_classes or getattr(logits, "shape", (0, 0))[-1]
+        if not isinstance(logits, np.ndarray) or logits.shape != (len(batch), width):
+            raise InferenceError(
+                f"{self.backend} answered a batch of {len(batch)} with output of shape "
+                f"{getattr(logits, 'shape', type(logits).__name__)}, not ({len(batch)}, {width})"
+            )
         shifted = np.exp(logits - logits.max(axis=1, keepdims=True))  # max-shift: no overflow
         return shifted / shifted.sum(axis=1, keepdims=True)
 

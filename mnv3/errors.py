@@ -85,7 +85,11 @@ ERRORS: dict[type[Exception], tuple[int, str | None, str]] = {
         "bad_input",
         "content type is neither multipart/form-data, image/* nor application/octet-stream, or a Content-Encoding",
     ),
-    InferenceError: (500, "inference_failed", "inference failed for the batch this request ran in"),
+    InferenceError: (
+        500,
+        "inference_failed",
+        "inference failed for the batch this request ran in, or its output for this image is not finite",
+    ),
     QueueFull: (503, "queue_full", "--queue-limit requests already wait for inference"),
     Busy: (503, "busy", "--max-in-flight requests already admitted (refused before reading the body)"),
     ShuttingDown: (503, "shutting_down", "the server is stopping"),

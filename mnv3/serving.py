@@ -111,6 +111,13 @@ class ServedModel:
         self.preprocess_pool.submit(self._decode, expected, data)
         result = await self.batcher.result(expected)
         self.metrics.queue_wait.observe(result.queue_s)
+        if not np.isfinite(result.row).all():  # an InferenceError: a 500, and never cached (the cache's leader's)
+            log.error(
+                "model %s: its output for an image is not finite (NaN or infinite logits): answered 500", self.name
+            )
+            raise InferenceError(
+                f"{self.engine.backend}'s output for this image is not finite (NaN or infinite logits)"
+            )
         return result, expected.preparing_s
 
     def _decode(self, expected: Expected, data: bytes) -> None:

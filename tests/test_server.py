@@ -24,7 +24,7 @@ import mnv3.server  # its __version__, patched
 from conftest import WAIT_S, Gate, post, post_file, post_raw, serving_client, wait_until
 from mnv3.artifacts import CLASS_NAMES_JSON
 from mnv3.config import parse_args
-from mnv3.engine import Engine, ModelLoadError, top_k_ids
+from mnv3.engine import Engine, InferenceError, ModelLoadError, top_k_ids
 from mnv3.loadtest import ServerProcess, parse_metrics
 from mnv3.photos import load_images
 from mnv3.preprocess import decode_image, preprocess
@@ -387,6 +387,49 @@ def test_an_inference_failure_is_not_handed_to_followers_of_the_same_image(fp32_
         assert 'mnv3_rejections_total{reason="inference_failed"} 1.0' in client.get("/metrics").text
 
 
+class NaNSession:
+    """An onnxruntime session whose output for the last image of a batch of `size` has a NaN logit."""
+
+    def __init__(self, session, size: int):
+        self.session, self.size = session, size
+
+    def run(self, outputs, feeds):
+        logits = self.session.run(outputs, feeds)
+        if len(logits[0]) == self.size:
+            logits[0][-1, 7] = np.nan
+        return logits
+
+    def __getattr__(self, name):
+        return getattr(self.session, name)
+
+
+def test_a_non_finite_output_is_a_500_for_its_image_alone_and_never_cached(fp32_model_path, images, caplog):
+    # A NaN logit was answered 200 with null probabilities, cached, and served so again until evicted.
+    with (
+        serving_client(fp32_model_path, max_batch_size=2, batch_window_ms=100, cache_size=8) as client,
+        ThreadPoolExecutor(3) as pool,
+    ):
+        engine = client.app.state.serving.engine
+        gate = Gate(engine)
+        engine.session = NaNSession(engine.session, size=2)
+        alone = gate.hold(pool, post_file, client, images[0])
+        together = {data: pool.submit(post_file, client, data) for data in images[1:3]}
+        wait_until(lambda: client.app.state.serving.batcher.depth == 2, "a batch of 2 to queue")
+        gate.release.set()
+        assert alone.result().status_code == 200 and gate.batch_sizes == [1, 2]
+        answers = {data: answer.result() for data, answer in together.items()}
+        assert sorted(answer.status_code for answer in answers.values()) == [200, 500]
+        (failed,) = [data for data, answer in answers.items() if answer.status_code == 500]
+        assert "output for this image is not finite" in answers[failed].json()["detail"]
+        again = post_file(client, failed)  # alone now, so finite: computed, not the failure
+        assert again.status_code == 200 and again.json()["cache_hit"] is False
+        assert 'mnv3_rejections_total{reason="inference_failed"} 1.0' in client.get("/metrics").text
+        assert [r.getMessage() for r in caplog.records if "is not finite" in r.getMessage()] == [
+            f"model {client.app.state.serving.model(None).name}: its output for an image is not finite "
+            "(NaN or infinite logits): answered 500"
+        ]
+
+
 def test_debug_logs_a_line_a_batch(fp32_model_path, images, caplog):
     with serving_client(fp32_model_path, cache_size=0) as client:
         name = client.app.state.serving.model(None).name
@@ -582,6 +625,35 @@ def test_engine_predict_refuses_an_array_other_than_a_preprocessed_batch(fp32_mo
     for wrong_type in (good.astype(np.float64), good.astype(np.uint8), good.tolist()):
         with pytest.raises(TypeError, match="float32 numpy array"):
             engine.predict(wrong_type)  # OpenVINO answered a uint8 batch
+
+
+class ReshapingSession:
+    """An onnxruntime session whose output `reshape` turns into another shape."""
+
+    def __init__(self, session, reshape):
+        self.session, self.reshape = session, reshape
+
+    def run(self, outputs, feeds):
+        return [self.reshape(self.session.run(outputs, feeds)[0])]
+
+    def __getattr__(self, name):
+        return getattr(self.session, name)
+
+
+@pytest.mark.parametrize(
+    "reshape, shape",
+    [
+        (lambda out: out[:1], "(1, 1000)"),
+        (lambda out: out[:, :10], "(2, 10)"),
+        (lambda out: out[..., None], "(2, 1000, 1)"),
+    ],
+)
+def test_engine_predict_refuses_output_out_of_shape(fp32_model_path, reshape, shape):
+    # Rows go to requests by position: one row for two images, or 10 classes for 1000, was answered 200.
+    engine = Engine.load(fp32_model_path)
+    engine.session = ReshapingSession(engine.session, reshape)
+    with pytest.raises(InferenceError, match=re.escape(f"with output of shape {shape}, not (2, 1000)")):
+        engine.predict(np.zeros((2, 3, 224, 224), np.float32))
 
 
 def test_a_pytorch_checkpoint_as_the_model_exits_2_saying_to_export_it(tmp_path):
