@@ -231,17 +231,29 @@ ops_router = APIRouter(tags=["operations"])
 @ops_router.get(
     "/healthz",
     response_model=Status,
-    responses={503: {"model": Status, "description": "a model's warm-up failed: unready for good, until a restart"}},
-    summary="Liveness: the process is up and not broken for good",
+    responses={
+        503: {
+            "model": Status,
+            "description": "a model's warm-up failed (unready for good, until a restart), or an inference call has "
+            "run longer than --deadline-ms (a hung runtime)",
+        }
+    },
+    summary="Liveness: the process is up, not broken for good and not stuck in an inference",
 )
 async def healthz(s: Serving = Depends(serving)):
-    return probe_answer(s.broken, "ok")
+    return probe_answer(s.not_live, "ok")
 
 
 @ops_router.get(
     "/readyz",
     response_model=Status,
-    responses={503: {"model": Status, "description": "warming up, or a model's warm-up failed (the status says)"}},
+    responses={
+        503: {
+            "model": Status,
+            "description": "warming up, a model's warm-up failed, an inference call has run longer than "
+            "--deadline-ms, or shutting down (the status says)",
+        }
+    },
     summary="Every model is loaded and warmed up",
 )
 async def readyz(s: Serving = Depends(serving)):

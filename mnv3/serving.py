@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, replace
 from typing import Annotated
 
@@ -39,7 +39,7 @@ from mnv3.engine import Engine, InferenceError, Prediction, model_bytes, rss_byt
 from mnv3.errors import Busy, UnknownModel
 from mnv3.metrics import Metrics
 from mnv3.preprocess import decode_and_preprocess
-from mnv3.thread_cpu import EVENT_LOOP, PREPROCESS_THREADS
+from mnv3.thread_cpu import EVENT_LOOP, INFERENCE_THREADS, PREPROCESS_THREADS
 
 log = logging.getLogger(__name__)
 
@@ -92,12 +92,24 @@ class ServedModel:
         self.metrics = metrics.for_model(self.name, self.cache, self.batcher)
         self.not_ready_reason: str | None = "is warming up"  # None once warmed up
         self.memory = ModelMemory(model_bytes(engine.path), engine.load_rss_bytes, None)
+        self.inference_started: float | None = None  # perf_counter() when the running call into the engine began
+
+    @contextmanager
+    def _inference(self):
+        """The inference lock, held for one call into the engine, whose start `Serving.stuck` reads."""
+        with self.inference_lock:
+            self.inference_started = time.perf_counter()
+            try:
+                yield
+            finally:
+                self.inference_started = None
 
     def warm_up(self) -> None:
         """Run batch 1 and the largest batch once (in a thread), so first requests do not pay for allocations."""
         before = rss_bytes()
-        with self.inference_lock:
-            self.engine.warm_up(sorted({1, self.config.max_batch_size}))
+        for size in sorted({1, self.config.max_batch_size}):
+            with self._inference():  # a call at a time, as `Serving.stuck` times calls
+                self.engine.warm_up([size])
         after = rss_bytes()
         if before is not None and after is not None:
             self.memory = replace(self.memory, warm_up_rss_bytes=after - before)
@@ -157,7 +169,7 @@ class ServedModel:
         return result.row.copy()
 
     def _run_batch(self, batch: np.ndarray) -> np.ndarray:
-        with self.inference_lock:
+        with self._inference():
             started = time.perf_counter()
             try:
                 probabilities = self.engine.predict(batch)
@@ -168,6 +180,10 @@ class ServedModel:
                 raise
             inference_s = time.perf_counter() - started
             self.metrics.inference.observe(inference_s)
+        if inference_s > self.config.deadline_ms / 1000:  # every request in it had passed its deadline
+            log.warning(
+                "model %s: a batch of %d took %.1f s, longer than --deadline-ms", self.name, len(batch), inference_s
+            )
         self.metrics.batch_size.observe(len(batch))
         # --log-level debug: how batching behaves, a line a batch (what /metrics sums up)
         log.debug("model %s: a batch of %d, inference %.1f ms", self.name, len(batch), 1000 * inference_s)
@@ -203,6 +219,7 @@ class Serving:
         # as the server stays unready until a restart; readiness alone would leave it so, never restarted.
         self.broken: str | None = None
         self.draining = False  # drain() was called: not ready, whatever warm-up says (`unready`)
+        self._stuck_since: float | None = None  # the start of the stuck call `stuck` last logged
         # A second Ctrl-C asked to quit now: stop() lets queued and running work no time to finish.
         self.stopped_at_once = False
 
@@ -234,10 +251,37 @@ class Serving:
         self.draining = True
 
     @property
+    def stuck(self) -> str | None:
+        """Why no request can be answered in time, or None: a call into an engine (a batch, or a warm-up) has
+        run longer than --deadline-ms, and every model waits for it (one inference at a time)."""
+        now = time.perf_counter()
+        for served in self.models.values():
+            started = served.inference_started
+            if started is not None and now - started > self.config.deadline_ms / 1000:
+                if started != self._stuck_since:  # once a stuck call, whichever probe asks first
+                    self._stuck_since = started
+                    log.error("model %s: a call into its engine has run longer than --deadline-ms", served.name)
+                return f"model {served.name}'s inference has run {now - started:.0f} s, longer than --deadline-ms"
+        return None
+
+    @property
     def unready(self) -> str | None:
         """Why the server is not ready (what /readyz says with its 503), or None: draining comes first, so a
         warm-up ending meanwhile cannot make it ready again."""
-        return "shutting down" if self.draining else self.not_ready_reason
+        return "shutting down" if self.draining else self.stuck or self.not_ready_reason
+
+    @property
+    def not_live(self) -> str | None:
+        """Why the server wants a restart (what /healthz says with its 503), or None: a model's warm-up
+        failed, or an inference call is stuck (a hung runtime never returns)."""
+        return self.broken or self.stuck
+
+    def model_unready(self, served: ServedModel) -> str | None:
+        """Why `served` is not ready (its /v2 ready route's 503), or None: a draining server, or a stuck
+        inference, holds every model."""
+        if self.draining or self.stuck:
+            return self.unready
+        return served.not_ready_reason and f"model {served.name} {served.not_ready_reason}"
 
     async def warm_up(self) -> None:
         """Warm every model up, one after the other, then start batching. Requests queue meanwhile. A model
@@ -246,7 +290,7 @@ class Serving:
         failures = []
         for served in self.models.values():
             try:
-                await asyncio.to_thread(served.warm_up)
+                await in_daemon_thread(served.warm_up)
             except Exception as exc:  # any: a warm-up task that died silently left /readyz "warming up" for good
                 what = str(exc) if isinstance(exc, InferenceError) else f"{type(exc).__name__}: {exc}"
                 log.error("warm-up of %s failed: %s", served.name, what, exc_info=not isinstance(exc, InferenceError))
@@ -354,3 +398,31 @@ async def _cancel_on_disconnect(request: Request, task: asyncio.Task) -> None:
         # proxy no longer holds is a disconnect already): no answer could reach the client either.
         log.warning("receiving from the client failed; its work is dropped as for a disconnect", exc_info=True)
     task.cancel()
+
+
+async def in_daemon_thread(function) -> None:
+    """`function()` run in a daemon thread and awaited. asyncio.to_thread's executor is joined when the event
+    loop closes, so a call that never returns (a hung runtime) kept a stopped server's process alive."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def settle(error: BaseException | None) -> None:
+        if done.done():  # cancelled meanwhile: the server is stopping
+            return
+        if error is None:
+            done.set_result(None)
+        else:
+            done.set_exception(error)
+
+    def run() -> None:
+        try:
+            function()
+        except BaseException as exc:  # handed to the awaiting task, as to_thread does
+            outcome: BaseException | None = exc
+        else:
+            outcome = None
+        with suppress(RuntimeError):  # the loop has closed: nobody awaits it any more
+            loop.call_soon_threadsafe(settle, outcome)
+
+    threading.Thread(target=run, name=f"{INFERENCE_THREADS}_warm_up", daemon=True).start()
+    await done

@@ -137,13 +137,17 @@ async def metadata() -> dict:
     response_class=Response,
     responses={
         200: {"description": "the process is up"},
-        503: {"model": V2ErrorBody, "description": "a model's warm-up failed: unready for good, until a restart"},
+        503: {
+            "model": V2ErrorBody,
+            "description": "a model's warm-up failed (unready for good, until a restart), or an inference call "
+            "has run longer than --deadline-ms",
+        },
     },
-    summary="Liveness: 200, empty body; 503 once a model's warm-up failed",
+    summary="Liveness: 200, empty body; 503 once a model's warm-up failed, or while an inference is stuck",
 )
 async def live(s: Serving = Depends(serving)) -> Response:
-    if s.broken:
-        raise V2Error(503, s.broken)
+    if reason := s.not_live:
+        raise V2Error(503, reason)
     return Response()
 
 
@@ -288,13 +292,11 @@ def _add_model_routes(path: str, model_dependency) -> None:
         path + "/ready",
         response_class=Response,
         responses={200: {"description": "warmed up"}, **not_found, 503: V2_ERROR_DOCS[503]},
-        summary="Model readiness: 200 once it is warmed up, 503 while the server shuts down",
+        summary="Model readiness: 200 once it is warmed up; 503 while an inference is stuck or the server shuts down",
     )
     async def model_ready(model: ServedModel = Depends(model_dependency), s: Serving = Depends(serving)) -> Response:
-        # A draining server is unready for each model too: tritonclient's is_model_ready and KServe's
-        # probes ask this path, not /v2/health/ready.
-        reason = s.unready if s.draining else model.not_ready_reason and f"model {model.name} {model.not_ready_reason}"
-        if reason:
+        # tritonclient's is_model_ready and KServe's probes ask this path, not /v2/health/ready.
+        if reason := s.model_unready(model):
             raise V2Error(503, reason)
         return Response()
 

@@ -18,12 +18,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import requests
+from fastapi.testclient import TestClient
 from PIL import Image
 
 import mnv3.server  # its __version__, patched
 from conftest import WAIT_S, Gate, post, post_file, post_raw, serving_client, wait_until
 from mnv3.artifacts import CLASS_NAMES_JSON
-from mnv3.config import parse_args
+from mnv3.config import ServerConfig, parse_args
 from mnv3.engine import Engine, InferenceError, ModelLoadError, top_k_ids
 from mnv3.loadtest import ServerProcess, parse_metrics
 from mnv3.photos import load_images
@@ -428,6 +429,35 @@ def test_a_non_finite_output_is_a_500_for_its_image_alone_and_never_cached(fp32_
             f"model {client.app.state.serving.model(None).name}: its output for an image is not finite "
             "(NaN or infinite logits): answered 500"
         ]
+
+
+def test_an_inference_stuck_past_the_deadline_turns_the_probes_503_until_it_returns(fp32_model_path, images, caplog):
+    # A hung runtime left every probe at 200 while both models' requests timed out behind it (one lock).
+    config = ServerConfig(
+        model=f"a={fp32_model_path}",
+        extra_models=(f"b={fp32_model_path}",),
+        deadline_ms=1000,  # well past a warm-up call's time: calls into the engine count from the warm-up on
+        max_batch_size=2,
+        cache_size=0,
+    )
+    with TestClient(mnv3.server.create_app(config)) as client, ThreadPoolExecutor(1) as pool:
+        wait_until(lambda: client.get("/readyz").status_code == 200, "warm-up")
+        gate = Gate(client.app.state.serving.model("a").engine)
+        held = gate.hold(pool, post_file, client, images[0])
+        wait_until(lambda: client.get("/readyz").status_code == 503, "/readyz to say an inference is stuck")
+        stuck = "model a's inference has run "
+        assert client.get("/readyz").json()["status"].startswith(stuck)
+        assert client.get("/healthz").status_code == 503 and client.get("/healthz").json()["status"].startswith(stuck)
+        for path in ("/v2/health/live", "/v2/health/ready", "/v2/models/a/ready", "/v2/models/b/ready"):
+            answer = client.get(path)
+            assert answer.status_code == 503 and answer.json()["error"].startswith(stuck), path
+        assert held.result().status_code == 504  # its deadline passed while the call ran
+        gate.release.set()
+        wait_until(lambda: client.get("/readyz").status_code == 200, "/readyz to be 200 once the call returned")
+        assert client.get("/healthz").status_code == client.get("/v2/models/b/ready").status_code == 200
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if "longer than --deadline-ms" in r.getMessage()]
+    assert said[0] == ("ERROR", "model a: a call into its engine has run longer than --deadline-ms")  # once
+    assert said[1][0] == "WARNING" and said[1][1].startswith("model a: a batch of 1 took ") and len(said) == 2
 
 
 def test_debug_logs_a_line_a_batch(fp32_model_path, images, caplog):

@@ -3,6 +3,8 @@
 import json
 import signal
 import socket
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -103,3 +105,31 @@ def test_a_second_ctrl_c_quits_at_once_without_a_traceback(fp32_model_path):
     assert answer.startswith(b"HTTP/1.1 503 ")
     assert json.loads(answer.partition(b"\r\n\r\n")[2]) == {"detail": FORCED_STOP}  # not the drain's timeout
     assert "Traceback" not in log and "ERROR" not in log, log
+
+
+HUNG_WARM_UP = """
+import sys, threading
+from mnv3.engine import Engine
+Engine.warm_up = lambda engine, batch_sizes: threading.Event().wait()  # a runtime that never returns
+from mnv3.server import main
+main(sys.argv[1:])
+"""
+
+
+def test_sigterm_stops_a_server_whose_warm_up_never_returns(fp32_model_path):
+    # The warm-up ran in asyncio's default executor, which the event loop's close joins: the process said
+    # "Finished server process" and lived on, through a second SIGTERM too.
+    server = subprocess.Popen(
+        [sys.executable, "-c", HUNG_WARM_UP, "--model", str(fp32_model_path), "--port", "0"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        for line in server.stderr:
+            if "Application startup complete" in line:  # the warm-up has begun and hangs
+                break
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(WAIT_S) == 0
+    finally:
+        server.kill()
+        server.communicate()
