@@ -1,9 +1,10 @@
 """One loaded model: a runtime session, its class names, its preprocessing and an id that names the exact file.
 
-The class names (CLASS_NAMES_JSON), the preprocessing and the weights provenance (the manifest's) are read
-from beside the model file, where stage 1 wrote them, so a model is never served with another model's labels
-or input size; a model with no manifest beside it gets torchvision's ImageNet preprocessing, and its weights
-are "unknown". Loading stage 1's random-init stand-in logs a warning: its labels mean nothing.
+The class names (CLASS_NAMES_JSON, or the file an older manifest records), the preprocessing and the weights
+provenance (the manifest's) are read from beside the model file, where stage 1 wrote them, so a model is never
+served with another model's labels or input size; a model with no manifest beside it gets torchvision's
+ImageNet preprocessing, and its weights are "unknown". Loading stage 1's random-init stand-in logs a warning:
+its labels mean nothing.
 
 Serving code runs a model through `Engine.predict` (NCHW float32 batch -> softmax probabilities),
 `Engine.top_k` and `Engine.warm_up`, and reads what it serves from the engine's attributes, never from the
@@ -30,6 +31,7 @@ from mnv3.artifacts import (
     UnreadableManifest,
     model_preprocessing,
     read_class_names,
+    read_manifest,
     remake_hint,
     weights_provenance,
 )
@@ -197,7 +199,7 @@ class Engine:
             )
         return cls(
             session,
-            _class_names(path.parent / CLASS_NAMES_JSON, session.get_outputs()[0].shape[-1]),
+            _class_names(class_names_file(path.parent), session.get_outputs()[0].shape[-1]),
             path,
             sha256,
             backend,
@@ -385,6 +387,17 @@ def _check_input(path, inputs, max_batch_size: int, input_shape: tuple[int, int,
             f"{path} has a fixed batch size of {shape[0]}; export it with a dynamic batch axis "
             "(a batch-1 model can be served with --max-batch-size 1)"
         )
+
+
+def class_names_file(model_dir: Path) -> Path:
+    """CLASS_NAMES_JSON beside the model, or else the file its manifest records: a model built before the
+    file had that name (imagenet_classes.json) keeps its labels, not class_<id>."""
+    path = model_dir / CLASS_NAMES_JSON
+    export = read_manifest(model_dir).get("fp32")
+    recorded = export.get("class_names") if isinstance(export, dict) else None
+    if not path.exists() and isinstance(recorded, str) and Path(recorded).name == recorded:  # a name, no path
+        return model_dir / recorded
+    return path
 
 
 def _class_names(path: Path, num_classes) -> list[str]:

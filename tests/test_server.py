@@ -645,6 +645,20 @@ def test_engine_load_refuses_a_manifest_cut_short_with_its_own_error_under_eithe
         Engine.load(tmp_path / "fp32.onnx", backend)
 
 
+def test_a_model_built_before_class_names_json_keeps_its_labels(fp32_model_dir, tmp_path):
+    # Stage 1 wrote imagenet_classes.json (its manifest names it) before the file was renamed: the new server
+    # served such a model as class_<id>.
+    shutil.copy(fp32_model_dir / "fp32.onnx", tmp_path / "fp32.onnx")
+    manifest = {"fp32": {"path": "fp32.onnx", "class_names": "imagenet_classes.json"}}  # as stage 1 wrote it
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    names = [f"old name {i}" for i in range(1000)]
+    (tmp_path / "imagenet_classes.json").write_text(json.dumps(names))
+    assert Engine.load(tmp_path / "fp32.onnx").class_names == names
+    manifest["fp32"]["class_names"] = "../imagenet_classes.json"  # a name beside the model, never a path
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    assert Engine.load(tmp_path / "fp32.onnx").class_names == []
+
+
 def test_engine_predict_refuses_an_array_other_than_a_preprocessed_batch(fp32_model_path):
     engine = Engine.load(fp32_model_path)
     good = np.zeros((2, 3, 224, 224), np.float32)
