@@ -35,7 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mnv3 import __version__, container
 from mnv3.api_docs import docs_router, without_validation_errors
@@ -405,6 +405,7 @@ def create_app(config: ServerConfig, *engines: Engine) -> FastAPI:
         app.add_exception_handler(exc_type, reject)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(Exception, internal_error)
+    app.add_middleware(CacheControl)
     app.add_middleware(HeadAsGet)
     app.add_middleware(CloseUnreadBody, limit=config.max_upload_bytes)
     if keys is not None:
@@ -460,6 +461,35 @@ class HeadAsGet:
         if scope["type"] == "http" and scope["method"] == "HEAD":
             scope = {**scope, "method": "GET"}
         await self.app(scope, receive, send)
+
+
+class CacheControl:
+    """What a cache may keep of a GET answer whose route said nothing: the page's files (HTML, scripts, styles,
+    images) `no-cache`, kept but checked again by their ETag, so a browser runs an upgraded server's script,
+    not its own heuristic copy; the rest (JSON, /metrics) `no-store`: probes, /model, /stats and /v2's
+    metadata change, and with API keys an answer is a key holder's (X-API-Key is not Authorization, whose
+    answers a shared cache would not store). A POST's answer no cache keeps without explicit freshness: it
+    passes untouched, at the cost of one comparison."""
+
+    PAGE_FILES = (b"text/html", b"text/css", b"text/javascript", b"application/javascript", b"image/")
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("GET", "HEAD"):
+            return await self.app(scope, receive, send)
+
+        async def send_with_cache_control(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = dict(message.get("headers", []))
+                if b"cache-control" not in headers:
+                    page_file = headers.get(b"content-type", b"").startswith(self.PAGE_FILES)
+                    value = b"no-cache" if page_file else b"no-store"
+                    message = {**message, "headers": [*message.get("headers", []), (b"cache-control", value)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_cache_control)
 
 
 FORCED_STOP = "the server was stopped at once (a second Ctrl-C) before this request finished"

@@ -135,6 +135,17 @@ def test_head_answers_as_get_on_every_get_endpoint(client):
     assert client.head("/predict").status_code == 405  # a POST route stays one
 
 
+def test_get_answers_say_what_a_cache_may_keep(client, images):
+    # None said anything: a CDN's default lifetime could serve a key holder's /stats or /metrics to anyone,
+    # and a browser its heuristic copy of an upgraded server's page.js.
+    for path in ("/healthz", "/readyz", "/model", "/models", "/metrics", "/stats", "/v2", "/v2/models/fp32", "/nope"):
+        assert client.get(path).headers["cache-control"] == "no-store", path
+        assert client.head(path).headers["cache-control"] == "no-store", path
+    for path in ("/", "/static/page.js", "/static/page.css", "/static/favicon.svg"):
+        assert client.get(path).headers["cache-control"] == "no-cache", path  # kept, revalidated by ETag
+    assert "cache-control" not in post_file(client, images[0]).headers  # a POST's answer is kept by no cache
+
+
 def test_operational_endpoints(client, fp32_model_path):
     assert client.get("/healthz").json() == {"status": "ok"}
     assert client.get("/readyz").json() == {"status": "ready"}
