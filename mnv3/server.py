@@ -429,8 +429,18 @@ def create_app(config: ServerConfig, *engines: Engine) -> FastAPI:
             CORSMiddleware,
             allow_origins=config.cors_origin_list,
             allow_methods=["GET", "POST"],
-            # /v2's binary tensors and compressed requests, as tritonclient sends them, too
-            allow_headers=["Authorization", "X-API-Key", "Content-Type", "Content-Encoding", HEADER_LENGTH],
+            # /v2's binary tensors and compressed requests, as tritonclient sends them, too; and what tracing
+            # adds to a page's requests (W3C Trace Context, as OpenTelemetry's browser SDK sends it; request ids)
+            allow_headers=[
+                "Authorization",
+                "X-API-Key",
+                "Content-Type",
+                "Content-Encoding",
+                HEADER_LENGTH,
+                "traceparent",
+                "tracestate",
+                "X-Request-ID",
+            ],
             # for a page's own pacing: backing off after a 503 or 429, a rate-limited key's budget; and where a
             # binary /v2 answer's JSON ends
             expose_headers=["Retry-After", "RateLimit", "RateLimit-Policy", HEADER_LENGTH],

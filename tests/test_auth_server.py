@@ -280,6 +280,8 @@ def test_a_listed_origins_page_may_call_a_protected_server_and_no_other(fp32_mod
         binary = preflight(c, path="/v2/models/fp32/infer", headers="inference-header-content-length,content-encoding")
         assert binary.status_code == 200, binary.text
         assert "inference-header-content-length" in exposed
+        traced = preflight(c, headers="traceparent,tracestate,x-request-id")  # OpenTelemetry's browser SDK adds them
+        assert traced.status_code == 200, traced.text
         other = preflight(c, "https://elsewhere.example.com")
         assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
     with serving_client(fp32_model_path) as c:  # the default: no page but the server's own
