@@ -145,6 +145,7 @@ def error_response(exc: Exception, body: Callable[[str], dict] = detail_body) ->
     """The answer to `exc`: its status and headers from the table, its message in `body`'s shape."""
     status, _, _ = error_entry(exc)
     headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else {}
-    if isinstance(exc, (SlowUpload, BodyTooLarge)):
+    if isinstance(exc, SlowUpload):
         headers["Connection"] = "close"  # the rest of the body is unread: do not take it as the next request
+    # (the rest of a body over the limit is dropped as it arrives, or the connection closed: CloseUnreadBody)
     return JSONResponse(body(str(exc) or "client disconnected"), status, headers=headers)
