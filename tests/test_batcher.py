@@ -574,3 +574,155 @@ def test_a_result_is_taken_once():
             await batcher.result(expected)
 
     run(scenario)
+
+
+def test_stop_waits_for_expected_requests_after_the_batcher_has_answered_some():
+    # Pinned (a mutation test's find): were the drain's event set whenever nothing is left unanswered, stopping or
+    # not, stop() on a server that had answered a request would return at once, failing requests still decoding.
+    async def scenario(make):
+        engine = FakeEngine()
+        batcher = make(engine, max_batch_size=4, window_ms=0)
+        assert float((await batcher.submit(item(1))).row[0]) == 10  # nothing is left unanswered now
+        decoding = batcher.expect()
+        stopping = asyncio.create_task(batcher.stop())
+        await asyncio.sleep(0.05)
+        assert not stopping.done()
+        await asyncio.to_thread(batcher.queue, decoding, item(2))
+        assert float((await batcher.result(decoding)).row[0]) == 20
+        await stopping
+        assert engine.computed == [1, 2]
+
+    run(scenario)
+
+
+def test_the_window_runs_from_the_first_request_of_a_batch_however_many_follow():
+    # Counted from the latest request taken, the window would slide with each arrival: a steady trickle, each
+    # request within the window of the one before, would keep the first waiting for as long as the trickle lasts.
+    async def scenario(make):
+        batcher = make(FakeEngine(), max_batch_size=64, window_ms=100)
+        decoding = batcher.expect()  # one more on its way: the window does not close early for want of requests
+        first = asyncio.create_task(batcher.submit(item(0)))
+        later = []
+        for i in range(1, 13):  # one every ~60 ms, for ~0.7 s unless the first's batch runs before
+            await asyncio.sleep(0.06)
+            if first.done():
+                break
+            later.append(asyncio.create_task(batcher.submit(item(i))))
+        assert 0.09 < (await first).queue_s < 0.6  # its 100 ms window, not the trickle's length nor 10 times it
+        await asyncio.to_thread(batcher.queue, decoding, item(99))
+        await asyncio.gather(batcher.result(decoding), *later)
+
+    run(scenario)
+
+
+def test_the_window_closes_on_time_with_no_later_request_to_wake_the_batcher():
+    # The assembler sleeps until the window's end, unless a request wakes it: reckoned from the latest request
+    # taken, that sleep would outlast the first's window, its batch waiting for the later request's window too.
+    async def scenario(make):
+        batcher = make(FakeEngine(), max_batch_size=64, window_ms=400)
+        decoding = batcher.expect()  # one more on its way: the window does not close early for want of requests
+        first = asyncio.create_task(batcher.submit(item(0)))
+        await asyncio.sleep(0.3)
+        second = asyncio.create_task(batcher.submit(item(1)))  # late in the first's window, and the last
+        assert 0.39 < (await first).queue_s < 0.6  # the first's 400 ms window, not the second's (~0.7 s)
+        await asyncio.to_thread(batcher.queue, decoding, item(2))
+        await asyncio.gather(second, batcher.result(decoding))
+
+    run(scenario)
+
+
+def test_a_deadline_that_passes_while_queued_is_answered_when_it_passes():
+    # A request still queued gets its 504 when its deadline passes, not later (after the client's own timeout,
+    # perhaps), holding its place in the queue meanwhile.
+    async def scenario(make):
+        engine = FakeEngine()
+        batcher = make(engine, max_batch_size=1, window_ms=0)
+        first = await held(engine, batcher, 1)
+        loop = asyncio.get_running_loop()
+        submitted = loop.time()
+        with pytest.raises(DeadlineExceeded):
+            await batcher.submit(item(2), deadline=submitted + 0.1)
+        assert 0.09 < loop.time() - submitted < 0.4
+        engine.release.set()
+        await first
+
+    run(scenario)
+
+
+def test_stop_answers_requests_wherever_they_wait_once_the_drain_runs_out(monkeypatch):
+    # Also a batch handed to the runner that the runner has not taken yet (its thread not scheduled, say): were
+    # stop() to fail only what is expected, queued, being gathered and running, that batch's requests would hang.
+    runner_may_start = threading.Event()
+    run_batches = DynamicBatcher._run
+
+    def late_runner(self, loop):
+        runner_may_start.wait(BLOCK_TIMEOUT_S)
+        run_batches(self, loop)
+
+    monkeypatch.setattr(DynamicBatcher, "_run", late_runner)
+
+    async def scenario(make):
+        engine = FakeEngine()
+        batcher = make(engine, max_batch_size=1, window_ms=0)
+        try:
+            decoding = batcher.expect()
+            waiting = [asyncio.create_task(batcher.submit(item(i))) for i in (1, 2, 3)]
+            while batcher.depth != 2:  # 1 is handed over to the runner; 2 and 3 wait, the runner not being free
+                await asyncio.sleep(0.01)
+            waiting.append(asyncio.create_task(batcher.result(decoding)))
+            await batcher.stop(drain_s=0.1)
+            _, unanswered = await asyncio.wait(waiting, timeout=5)
+            assert not unanswered
+            for task in waiting:
+                with pytest.raises(ShuttingDown):
+                    await task
+        finally:
+            runner_may_start.set()
+        for thread in batcher._threads:
+            await asyncio.to_thread(thread.join, BLOCK_TIMEOUT_S)
+        assert engine.computed == []  # the runner skips the batch stop() answered
+
+    run(scenario)
+
+
+def test_an_engine_returning_too_few_rows_fails_its_batch():
+    # Unchecked, the missing row would raise IndexError on the event loop, in the callback answering the batch:
+    # the requests after the first would never be answered.
+    async def scenario(make):
+        batcher = make(lambda batch: batch[:-1], max_batch_size=2, window_ms=60_000)
+        both = [batcher.expect(), batcher.expect()]  # both expected before either is queued: one batch
+        for request_id, expected in enumerate(both):
+            batcher.queue(expected, item(request_id))
+        for expected in both:
+            with pytest.raises(RuntimeError, match="returned 1 rows for a batch of 2"):
+                await batcher.result(expected)
+
+    run(scenario)
+
+
+def test_a_request_failed_for_its_deadline_before_it_was_decoded_counts_as_dropped():
+    # A decode thread that finds the deadline passed fails the request with DeadlineExceeded (ServedModel._decode):
+    # it counts as dropped, not as an answer its input failed with.
+    async def scenario(make):
+        batcher = make(FakeEngine(), max_batch_size=4, window_ms=0)
+        expected = batcher.expect()
+        batcher.fail(expected, DeadlineExceeded("deadline passed while the image waited for a decode thread"))
+        with pytest.raises(DeadlineExceeded, match="decode thread"):
+            await batcher.result(expected)
+        assert batcher.dropped == 1
+
+    run(scenario)
+
+
+def test_queue_time_starts_when_the_input_is_queued_and_preparing_time_ends_there():
+    # queue_s (the queue-wait metric) counted from expect() would include the decode; preparing_s is that decode.
+    async def scenario(make):
+        batcher = make(FakeEngine(), max_batch_size=4, window_ms=0)
+        expected = batcher.expect()
+        await asyncio.sleep(0.2)  # decoding
+        await asyncio.to_thread(batcher.queue, expected, item(1))
+        result = await batcher.result(expected)
+        assert 0 <= result.queue_s < 0.15  # not the 0.2 s decode
+        assert expected.preparing_s >= 0.18
+
+    run(scenario)

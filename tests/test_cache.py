@@ -168,3 +168,80 @@ def test_leader_only_error_is_not_shared_a_follower_computes_under_its_own_budge
         assert cache.misses == 2 and cache.hits == 0
 
     run(scenario())
+
+
+def test_a_cancelled_follower_leaves_the_leader_its_result():
+    # A follower awaiting the leader's future itself, not a shield of it, would cancel that future when its own
+    # request is cancelled: the leader would then fail to set its result (InvalidStateError, a 500).
+    async def scenario():
+        cache = ResultCache(maxsize=8, model_id="m")
+        compute = Computation()
+        compute.release.clear()
+        leader = asyncio.create_task(cache.get_or_compute(b"x", compute))
+        await asyncio.sleep(0)
+        follower = asyncio.create_task(cache.get_or_compute(b"x", compute))
+        await asyncio.sleep(0)
+        follower.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await follower
+        compute.release.set()
+        assert await leader == ("result", False)
+        assert await cache.get_or_compute(b"x", compute) == ("result", True)
+        assert compute.calls == 1
+
+    run(scenario())
+
+
+def test_an_error_raised_by_follow_ends_only_that_follower():
+    # A follower's wait ends when `follow` raises (the server's raises ClientDisconnect when the client leaves),
+    # not when the leader's result comes: it would hold its --max-in-flight place meanwhile.
+    class ClientLeft(Exception):
+        pass
+
+    async def scenario():
+        cache = ResultCache(maxsize=8, model_id="m")
+        compute = Computation()
+        compute.release.clear()
+        client_left = asyncio.Event()
+
+        async def follow(waiting):  # as the server's unless_disconnected: the wait ends when the client leaves
+            await client_left.wait()
+            waiting.cancel()
+            raise ClientLeft("the follower's client left")
+
+        leader = asyncio.create_task(cache.get_or_compute(b"x", compute))
+        await asyncio.sleep(0)
+        follower = asyncio.create_task(cache.get_or_compute(b"x", compute, follow=follow))
+        await asyncio.sleep(0)
+        client_left.set()
+        await asyncio.wait([follower], timeout=5)
+        assert follower.done() and not leader.done()  # it ended while the leader still computes
+        with pytest.raises(ClientLeft):
+            await follower
+        compute.release.set()
+        assert await leader == ("result", False)
+        assert await cache.get_or_compute(b"x", compute) == ("result", True)  # the leader's result was cached
+        assert compute.calls == 1
+
+    run(scenario())
+
+
+def test_a_follower_cancelled_with_its_leader_ends_cancelled_instead_of_computing():
+    # Cancelled in the same tick as its leader, a follower finds the leader's future cancelled; taken for a
+    # hand-over, its own cancellation would be swallowed and it would compute for a request nobody awaits.
+    async def scenario():
+        cache = ResultCache(maxsize=8, model_id="m")
+        compute = Computation()
+        compute.release.clear()
+        leader = asyncio.create_task(cache.get_or_compute(b"x", compute))
+        await asyncio.sleep(0)
+        follower = asyncio.create_task(cache.get_or_compute(b"x", compute))
+        await asyncio.sleep(0)
+        leader.cancel()  # first: its future is cancelled by the time the follower wakes
+        follower.cancel()
+        compute.release.set()
+        outcomes = await asyncio.gather(leader, follower, return_exceptions=True)
+        assert [type(o) for o in outcomes] == [asyncio.CancelledError] * 2
+        assert compute.calls == 1 and len(cache) == 0
+
+    run(scenario())
