@@ -31,6 +31,7 @@ from starlette.requests import Request
 from conftest import WAIT_S, metric, post_file, post_raw, serving_client, wait_until
 from mnv3 import connections
 from mnv3.config import ServerConfig
+from mnv3.errors import BodyTooLarge
 from mnv3.loadtest import ServerProcess
 from mnv3.photos import load_images
 from mnv3.preprocess import (
@@ -45,7 +46,7 @@ from mnv3.preprocess import (
     check_png_chunks,
     decode_image,
 )
-from mnv3.uploads import DROPPED_BODY_TIMES_LIMIT, read_upload
+from mnv3.uploads import DROPPED_BODY_TIMES_LIMIT, read_body, read_upload
 
 pytestmark = pytest.mark.integration
 
@@ -157,6 +158,14 @@ def test_a_jpeg_of_too_many_scans_is_refused_before_decoding():
     assert time.perf_counter() - started < 1.0
 
 
+def test_what_follows_a_jpegs_end_is_not_counted_as_its_scans():
+    # A phone's motion photo appends an MP4 (its first box's size begins 00 00) after the end-of-image marker: the
+    # start-of-scan markers in it would count as this image's scans only if the walk went on past that end.
+    ordinary = encode(Image.new("RGB", (640, 480), "teal"), "JPEG", progressive=True)
+    video = b"\0\0\0\x18ftypmp42" + b"\xff\xda\x00\x02" * (MAX_JPEG_SCANS + 1)
+    assert decode_image(ordinary + video).size == (640, 480)
+
+
 def test_max_pixels_alone_decides_up_to_where_pillow_refuses_every_image():
     """Pillow warns past MAX_IMAGE_PIXELS; a server allowing more must decode such an image (it answered 413
     saying its own limit was higher), and cannot be told to allow what Pillow refuses outright."""
@@ -223,6 +232,22 @@ def test_a_png_or_gif_of_far_more_chunks_than_an_encoder_writes_is_refused_befor
     animated = encode(frames[0], "PNG", save_all=True, append_images=frames[1:])
     assert animated.count(b"fcTL") == 1_500 and decode_image(animated).getpixel((0, 0)) == (0, 0, 0)
     assert decode_image(gif[:first_image] + b"!\xfe\x01X\x00" * 100 + gif[first_image:]).size == (8, 8)
+
+
+def test_a_gifs_blocks_are_counted_from_the_end_of_its_whole_colour_table():
+    # Were half the global colour table skipped, the walk would begin among its colours: a "," there would end it
+    # at once, and the blocks that follow would go uncounted
+    gif = encode(Image.new("P", (8, 8)), "GIF")
+    table = 3 << ((gif[10] & 7) + 1)  # its flags' size: 2 colours, 6 bytes
+    first_image = 13 + table
+    assert gif[10] & 0x80 and gif[first_image] == 0x2C
+
+    def with_colours(colours: bytes, blocks: bytes) -> bytes:
+        return gif[:13] + colours + blocks + gif[first_image:]
+
+    with pytest.raises(InvalidImage, match="^a GIF of more than 10000 blocks before its image"):
+        decode_image(with_colours(b"," * table, b"!\xfe\x01X\x00" * 20_000))
+    assert decode_image(with_colours(b"!" * table, b"!\xfe\x01X\x00" * 100)).getpixel((0, 0)) == (33, 33, 33)
 
 
 def test_what_pillow_reads_slowly_is_refused_before_it_does_a_second_round():
@@ -316,6 +341,14 @@ def test_a_tiff_listing_more_strips_than_its_image_has_is_refused_before_pillow_
         written = io.BytesIO()
         tifffile.imwrite(written, image, planarconfig="separate", photometric="rgb", **options)
         assert np.array_equal(np.asarray(decode_image(written.getvalue())), image.transpose(1, 2, 0)), options
+
+
+def test_a_tiff_repeating_its_strip_list_is_bounded_by_the_first_as_pillow_reads_it():
+    # Were the last of a repeated tag taken, a short StripOffsets after a long one would pass the bound, and Pillow
+    # would build the first's 200,000 strips
+    with pytest.raises(InvalidImage, match=r"^a TIFF whose 8x8 image has 8 but lists 200000 strips or tiles"):
+        decode_image(tiff_listing(8, 8, 200_000, more_entries=[(273, 4, 8, 8)]))
+    assert decode_image(tiff_listing(8, 8, 8, more_entries=[(273, 4, 200_000, 8)])).size == (8, 8)
 
 
 def corrupt_huffman_table(jpeg: bytes) -> bytes:
@@ -622,6 +655,33 @@ def multipart_request(body: bytes, piece_size: int) -> Request:
     return Request({"type": "http", "method": "POST", "headers": headers}, receive)
 
 
+def gzip_request(body: bytes) -> Request:
+    """A request whose gzip'd `body` arrives in one ASGI message."""
+
+    async def receive():
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return Request({"type": "http", "method": "POST", "headers": [(b"content-encoding", b"gzip")]}, receive)
+
+
+def test_a_gzip_body_is_never_inflated_past_its_limit():
+    # A member inflating to exactly the limit must not leave zlib a max_length of 0, which is no limit: the next
+    # member would inflate whole (16 MB here) before the size was compared, though the answer would still be 413
+    limit = 100_000
+    exact = gzip.compress(bytes(limit))
+    assert asyncio.run(read_body(gzip_request(exact), limit, WAIT_S)) == bytes(limit)
+    bomb = exact + gzip.compress(bytes(16_000_000))
+    assert len(bomb) < limit
+    tracemalloc.start()
+    try:
+        with pytest.raises(BodyTooLarge, match="^the gzip body inflates to over the limit of 100000 bytes"):
+            asyncio.run(read_body(gzip_request(bomb), limit, WAIT_S))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 10 * limit, f"{peak} bytes"
+
+
 def sixteen_bit_and_eight_bit(jpeg: bytes) -> tuple[bytes, bytes]:
     """The same grayscale photo as a 16-bit PNG (values x 257, full range) and an 8-bit one."""
     gray = np.asarray(photo(jpeg).convert("L"), dtype=np.uint16)
@@ -694,6 +754,16 @@ def test_32_bit_integer_image_with_negative_values_is_scaled_not_wrapped(jpeg):
     shifted = Image.fromarray(gray.astype(np.int32) - 40_000)
     assert shifted.mode == "I"
     assert np.array_equal(decoded_gray(shifted), gray)  # wrapped around uint8, the mean was twice the photo's
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.int32], ids=["I;16", "I"])
+def test_a_wide_grey_integer_image_is_scaled_from_0_not_stretched_from_its_minimum(dtype):
+    # Integer levels count from 0: 30,000-40,000 is a light picture of little contrast, which stretching its own
+    # range to 0-255 would turn into a full-contrast one
+    values = np.linspace(30_000, 40_000, 64 * 48).reshape(48, 64).astype(dtype)
+    grey = decoded_gray(Image.fromarray(values))
+    assert (grey.min(), grey.max()) == (191, 255)  # 30000 / 40000 * 255 = 191.25: scaled to the peak, from 0
+    assert np.abs(grey.astype(int) - values.astype(int) * 255 // 40_000).max() <= 1
 
 
 def frames(jpeg: bytes) -> list[Image.Image]:

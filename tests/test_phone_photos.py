@@ -23,13 +23,17 @@ from mnv3.photos import (
     source_photos,
 )
 from mnv3.preprocess import (
+    DEFAULT_PREPROCESSING,
+    EXACT_DECODING,
     JPEG_DRAFT_MARGIN,
     RESIZE_SIZE,
+    Decoding,
     ImageTooLarge,
     Preprocessing,
     decode_and_preprocess,
     decode_image,
     jpeg_draft_reduction,
+    open_image,
     preprocess,
 )
 from mnv3.server import create_app
@@ -149,6 +153,44 @@ def test_the_decoding_shortcuts_are_server_settings(name):
     assert getattr(parse_args(["--model", "m.onnx"], environ={variable: "0"}).decoding, name) is False
     with pytest.raises(SystemExit):
         parse_args(["--model", "m.onnx", flag, "2"], environ={})
+
+
+# A model trained with a resize of 512 needs twice the margin of it, 1024 rows: the draft at 256 (half) is too small.
+LARGER_RESIZE = Preprocessing(resize=512, crop=448)
+DRAFTED_AT_256_ONLY = (1500, 1100)
+
+
+@pytest.fixture(scope="module")
+def drafted_at_256_only():
+    """A JPEG just large enough for a half-scale draft at the default resize, and too small for one at 512."""
+    assert jpeg_draft_reduction(*DRAFTED_AT_256_ONLY) == 2
+    assert jpeg_draft_reduction(*DRAFTED_AT_256_ONLY, resize_size=LARGER_RESIZE.resize) == 1
+    return encode(photo_of_size(*DRAFTED_AT_256_ONLY), "JPEG", quality=90)
+
+
+def test_decode_and_preprocess_takes_the_shortcuts_its_decoding_says_at_the_models_resize(drafted_at_256_only):
+    # What each upload goes through, in the fast tier (a slow test checks it through the server): the decoding
+    # settings are passed on (not every decode drafted, or resized the crop only), and the model's resize (not a
+    # draft for 256 given a model that resizes to 512)
+    body = drafted_at_256_only
+    full = decode_image(body, jpeg_draft=False)
+    for preprocessing in (DEFAULT_PREPROCESSING, LARGER_RESIZE):
+        exact = preprocess(full, preprocessing, resize_crop_only=False)
+        actual = decode_and_preprocess(body, decoding=EXACT_DECODING, preprocessing=preprocessing)
+        np.testing.assert_array_equal(actual, exact)
+        drafted = decode_and_preprocess(body, decoding=Decoding(resize_crop_only=False), preprocessing=preprocessing)
+        assert np.array_equal(drafted, exact) is (preprocessing.resize == 512)  # a half-scale draft at 256 only
+        crop_only = decode_and_preprocess(body, decoding=Decoding(jpeg_draft=False), preprocessing=preprocessing)
+        np.testing.assert_array_equal(crop_only, preprocess(full, preprocessing, resize_crop_only=True))
+        assert not np.array_equal(crop_only, exact)
+
+
+def test_a_local_file_is_decoded_as_an_upload_for_its_models_resize(drafted_at_256_only, tmp_path):
+    (tmp_path / "large.jpg").write_bytes(drafted_at_256_only)
+    assert open_image(tmp_path / "large.jpg").size == (750, 550)
+    opened = open_image(tmp_path / "large.jpg", LARGER_RESIZE)
+    assert opened.size == DRAFTED_AT_256_ONLY
+    assert np.array_equal(np.asarray(opened), np.asarray(decode_image(drafted_at_256_only, jpeg_draft=False)))
 
 
 @pytest.mark.slow

@@ -13,8 +13,9 @@ from mnv3.preprocess import DEFAULT_PREPROCESSING, open_image, preprocess, prepr
 pytestmark = pytest.mark.unit
 
 PHOTOS = source_photos(HELD_OUT_SOURCES[:2])
-# (width, height): landscape, portrait, square, tall and thin, smaller than the crop, already 256 short side.
-SIZES = [(640, 480), (375, 500), (300, 300), (1200, 260), (200, 150), (256, 341)]
+# (width, height): landscape, portrait, square, tall and thin, smaller than the crop, already 256 short side, and
+# resized to 343 x 256 and 256 x 343, whose centre crop starts at 59.5 (torchvision rounds it half to even, to 60).
+SIZES = [(640, 480), (375, 500), (300, 300), (1200, 260), (200, 150), (256, 341), (686, 512), (512, 686)]
 
 
 @pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
@@ -65,6 +66,34 @@ def test_preprocessing_a_model_was_trained_with_matches_torchvision_transforms()
             actual = preprocess(image, preprocessing, resize_crop_only=False)
             assert actual.shape == (3, 128, 128)
             assert np.abs(actual - transform(image).numpy()).max() <= 1e-3
+
+
+@pytest.mark.parametrize(
+    "values",
+    [dict(resize=224, crop=224), dict(mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0))],
+    ids=["crop of the whole resize", "mean 0 std 1"],
+)
+def test_preprocessing_at_the_edges_of_what_works_is_accepted_and_matches_torchvision_transforms(values):
+    # Resize(224) + CenterCrop(224), and plain x/255 (Normalize(0, 1)), are what some fine-tunes train with: the
+    # bounds on a preprocessing that cannot work take both in.
+    from torchvision.transforms import v2
+
+    from mnv3.preprocess import Preprocessing
+
+    preprocessing = Preprocessing(**values)
+    transform = v2.Compose(
+        [
+            v2.Resize(preprocessing.resize),
+            v2.CenterCrop(preprocessing.crop),
+            v2.PILToTensor(),
+            v2.ToDtype(torch.float32, scale=True),
+            v2.Normalize(preprocessing.mean, preprocessing.std),
+        ]
+    )
+    for photo in PHOTOS:
+        image = photo.resize(SIZES[0])
+        actual = preprocess(image, preprocessing, resize_crop_only=False)
+        assert np.abs(actual - transform(image).numpy()).max() <= 1e-3
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,7 @@ from mnv3.v2_protocol import (
     V2Error,
     _binary_bytes_elements,
     _flatten,
+    classifications,
     encode_infer_response,
     model_config,
     model_metadata,
@@ -207,6 +208,13 @@ def test_classification_without_class_names_has_no_label():
     assert list(row) == expected_classification(probs[0], 2, [])
 
 
+def test_classification_of_a_class_without_a_name_has_no_label():
+    # Without class names (an empty list), class 0 must not look up a name past the list's end (a 500)
+    probs = np.array([[0.7, 0.2, 0.1], [0.1, 0.3, 0.6]], np.float32)
+    assert classifications(probs, 2, []) == [["0.700000:0", "0.200000:1"], ["0.600000:2", "0.300000:1"]]
+    assert classifications(probs, 1, ["tench", "goldfish"]) == [["0.700000:0:tench"], ["0.600000:2"]]
+
+
 # ---- metadata ----------------------------------------------------------------------------------------
 
 
@@ -383,6 +391,10 @@ BAD_REQUESTS = {
         lambda: binary_images(struct.pack("<I", 1) + b"x", [1], size=50),
         "binary_data_size is 50 but 5 bytes follow",
     ),
+    "binary_data_size short of the body": (
+        lambda: binary_images(struct.pack("<I", 1) + b"x", [1], size=3),
+        "binary_data_size is 3 but 5 bytes follow",
+    ),
     "bytes after the json": (lambda: (json_request(_BASE64_IMAGE)[0] + b"trailing", None), "not JSON"),
     "bytes after the json header": (
         lambda: (json_request(_BASE64_IMAGE)[0] + b"trailing", str(len(json_request(_BASE64_IMAGE)[0]))),
@@ -493,6 +505,12 @@ def test_bad_request_is_a_400_with_its_reason(case):
         parse(*make())
     assert caught.value.status == 400
     assert reason in caught.value.message
+
+
+def test_a_header_length_of_the_whole_body_is_a_request_without_binary_data():
+    # The JSON header may be the whole body, as it is when no tensor goes in binary: not "past the body"
+    body, _ = json_request(_BASE64_IMAGE)
+    assert parse(body, str(len(body))).images == [b"x"]
 
 
 def test_mutated_bodies_give_a_request_or_a_v2_error():
