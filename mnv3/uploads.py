@@ -127,25 +127,26 @@ def declared_length(request: Request) -> int | None:
     return int(declared) if declared.isdigit() else None
 
 
-# A refused body announced at up to this many times the upload limit is received and dropped, so the client
-# reads its answer (a 413 too); a larger one is not worth receiving, and its client may see a reset instead.
+# A 413's body, announced at up to this many times the upload limit, is received and dropped, so its client reads
+# the 413; a larger one is not worth receiving. (Its client is admitted: a refusal before that, an unknown key's,
+# keeps the connection only for a body within the limit.)
 DROPPED_BODY_TIMES_LIMIT = 8
 
 
 def refusal_keeps_connection(request: Request, limit: int) -> bool:
     """Whether an answer sent before the request's body is read may leave the connection open.
 
-    Yes when the request has no body, or its body announces a length of at most DROPPED_BODY_TIMES_LIMIT x
-    `limit`: uvicorn then drops the rest of it as it arrives (nothing is buffered) and reads the connection's
-    next request. Closing the connection with the body still on its way resets it under a client still
-    sending, and clients (aiohttp, requests; http.client and Java's, which send all before they read, for a
-    413 too) report that reset instead of the answer. No for a body of unknown or larger length, which is not
-    worth receiving, or one the client waits to be invited to send (`Expect: 100-continue`): it may never
-    come, and its next request would be read as that body."""
+    Yes when the request has no body, or its body announces a length of at most `limit`: uvicorn then drops
+    the rest of it as it arrives (nothing is buffered) and reads the connection's next request. Closing the
+    connection with the body still on its way resets it under a client still sending, and clients (aiohttp,
+    requests; http.client and Java's, which send all before they read) report that reset instead of the
+    answer. No for a body of unknown or larger length, which is not worth receiving, or one the client waits
+    to be invited to send (`Expect: 100-continue`): it may never come, and its next request would be read as
+    that body."""
     if "transfer-encoding" not in request.headers and "content-length" not in request.headers:
         return True  # no body at all (RFC 9112, 6.3): a refused GET keeps its connection
     declared = declared_length(request)
-    return declared is not None and declared <= DROPPED_BODY_TIMES_LIMIT * limit and "expect" not in request.headers
+    return declared is not None and declared <= limit and "expect" not in request.headers
 
 
 class CloseUnreadBody:
@@ -174,10 +175,12 @@ class CloseUnreadBody:
             return message
 
         async def send_closing(message: Message) -> None:
+            # A 413 says the body is over the limit: a little over, it is dropped too (DROPPED_BODY_TIMES_LIMIT).
+            dropped = self.limit * (DROPPED_BODY_TIMES_LIMIT if message.get("status") == 413 else 1)
             if (
                 message["type"] == "http.response.start"
                 and not body_arrived
-                and not refusal_keeps_connection(Request(scope), self.limit)
+                and not refusal_keeps_connection(Request(scope), dropped)
             ):
                 MutableHeaders(scope=message)["connection"] = "close"
             await send(message)
