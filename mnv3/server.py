@@ -234,8 +234,8 @@ ops_router = APIRouter(tags=["operations"])
     responses={
         503: {
             "model": Status,
-            "description": "a model's warm-up failed (unready for good, until a restart), or an inference call has "
-            "run longer than --deadline-ms (a hung runtime)",
+            "description": "a model's warm-up failed (unready for good, until a restart), or a call into an engine "
+            "has not returned for minutes (a hung runtime)",
         }
     },
     summary="Liveness: the process is up, not broken for good and not stuck in an inference",
@@ -250,8 +250,8 @@ async def healthz(s: Serving = Depends(serving)):
     responses={
         503: {
             "model": Status,
-            "description": "warming up, a model's warm-up failed, an inference call has run longer than "
-            "--deadline-ms, or shutting down (the status says)",
+            "description": "warming up, a model's warm-up failed, a call into an engine has not returned for "
+            "minutes, or shutting down (the status says)",
         }
     },
     summary="Every model is loaded and warmed up",
@@ -491,7 +491,8 @@ class CacheControl:
             return await self.app(scope, receive, send)
 
         async def send_with_cache_control(message: Message) -> None:
-            if message["type"] == "http.response.start":
+            # A 304's headers update the stored copy's (RFC 9111, 4.3.4): left alone, it keeps the 200's no-cache.
+            if message["type"] == "http.response.start" and message["status"] != 304:
                 headers = dict(message.get("headers", []))
                 if b"cache-control" not in headers:
                     page_file = headers.get(b"content-type", b"").startswith(self.PAGE_FILES)

@@ -139,8 +139,8 @@ async def metadata() -> dict:
         200: {"description": "the process is up"},
         503: {
             "model": V2ErrorBody,
-            "description": "a model's warm-up failed (unready for good, until a restart), or an inference call "
-            "has run longer than --deadline-ms",
+            "description": "a model's warm-up failed (unready for good, until a restart), or a call into an "
+            "engine has not returned for minutes (a hung runtime)",
         },
     },
     summary="Liveness: 200, empty body; 503 once a model's warm-up failed, or while an inference is stuck",
