@@ -58,6 +58,11 @@ class InferenceError(RuntimeError):
     """The runtime failed on one batch; the requests in it fail, the server goes on."""
 
 
+class NonFiniteOutput(RuntimeError):
+    """The model's output for one image is not finite (NaN or infinite logits): that image's requests fail,
+    identical ones waiting on it too, and nothing is cached (not an InferenceError, which a follower retries)."""
+
+
 @dataclass(frozen=True)
 class Prediction:
     class_id: int

@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field
 from starlette.requests import ClientDisconnect
 
 from mnv3.batcher import DeadlineExceeded, QueueFull, ShuttingDown
-from mnv3.engine import InferenceError
+from mnv3.engine import InferenceError, NonFiniteOutput
 from mnv3.preprocess import ImageTooLarge, InvalidImage
 from mnv3.v2_protocol import error_body, is_protocol_path
 
@@ -85,11 +85,8 @@ ERRORS: dict[type[Exception], tuple[int, str | None, str]] = {
         "bad_input",
         "content type is neither multipart/form-data, image/* nor application/octet-stream, or a Content-Encoding",
     ),
-    InferenceError: (
-        500,
-        "inference_failed",
-        "inference failed for the batch this request ran in, or its output for this image is not finite",
-    ),
+    InferenceError: (500, "inference_failed", "inference failed for the batch this request ran in"),
+    NonFiniteOutput: (500, "inference_failed", "the model's output for this image is not finite"),
     QueueFull: (503, "queue_full", "--queue-limit requests already wait for inference"),
     Busy: (503, "busy", "--max-in-flight requests already admitted (refused before reading the body)"),
     ShuttingDown: (503, "shutting_down", "the server is stopping"),

@@ -35,7 +35,7 @@ from starlette.requests import ClientDisconnect
 from mnv3.batcher import BatchResult, DeadlineExceeded, DynamicBatcher, Expected, QueueFull
 from mnv3.cache import ResultCache
 from mnv3.config import ModelSpec, ServerConfig
-from mnv3.engine import Engine, InferenceError, Prediction, model_bytes, rss_bytes
+from mnv3.engine import Engine, InferenceError, NonFiniteOutput, Prediction, model_bytes, rss_bytes
 from mnv3.errors import Busy, UnknownModel
 from mnv3.metrics import Metrics
 from mnv3.preprocess import decode_and_preprocess
@@ -128,11 +128,11 @@ class ServedModel:
         self.preprocess_pool.submit(self._decode, expected, data)
         result = await self.batcher.result(expected)
         self.metrics.queue_wait.observe(result.queue_s)
-        if not np.isfinite(result.row).all():  # an InferenceError: a 500, and never cached (the cache's leader's)
+        if not np.isfinite(result.row).all():  # a 500, shared with identical requests waiting, never cached
             log.error(
                 "model %s: its output for an image is not finite (NaN or infinite logits): answered 500", self.name
             )
-            raise InferenceError(
+            raise NonFiniteOutput(
                 f"{self.engine.backend}'s output for this image is not finite (NaN or infinite logits)"
             )
         return result, expected.preparing_s

@@ -403,20 +403,23 @@ def test_an_inference_failure_is_not_handed_to_followers_of_the_same_image(fp32_
         assert 'mnv3_rejections_total{reason="inference_failed"} 1.0' in client.get("/metrics").text
 
 
-class NaNSession:
-    """An onnxruntime session whose output for the last image of a batch of `size` has a NaN logit."""
+class ChangedOutput:
+    """An onnxruntime session whose output (the logits) `change` turns into something else."""
 
-    def __init__(self, session, size: int):
-        self.session, self.size = session, size
+    def __init__(self, session, change):
+        self.session, self.change = session, change
 
     def run(self, outputs, feeds):
-        logits = self.session.run(outputs, feeds)
-        if len(logits[0]) == self.size:
-            logits[0][-1, 7] = np.nan
-        return logits
+        return [self.change(self.session.run(outputs, feeds)[0])]
 
     def __getattr__(self, name):
         return getattr(self.session, name)
+
+
+def nan_in_the_last_of_two(logits):
+    if len(logits) == 2:
+        logits[-1, 7] = np.nan
+    return logits
 
 
 def test_a_non_finite_output_is_a_500_for_its_image_alone_and_never_cached(fp32_model_path, images, caplog):
@@ -427,7 +430,7 @@ def test_a_non_finite_output_is_a_500_for_its_image_alone_and_never_cached(fp32_
     ):
         engine = client.app.state.serving.engine
         gate = Gate(engine)
-        engine.session = NaNSession(engine.session, size=2)
+        engine.session = ChangedOutput(engine.session, nan_in_the_last_of_two)
         alone = gate.hold(pool, post_file, client, images[0])
         together = {data: pool.submit(post_file, client, data) for data in images[1:3]}
         wait_until(lambda: client.app.state.serving.batcher.depth == 2, "a batch of 2 to queue")
@@ -445,6 +448,25 @@ def test_a_non_finite_output_is_a_500_for_its_image_alone_and_never_cached(fp32_
             f"model {client.app.state.serving.model(None).name}: its output for an image is not finite "
             "(NaN or infinite logits): answered 500"
         ]
+
+
+def test_identical_requests_waiting_on_a_non_finite_output_share_its_500(fp32_model_path, images):
+    # Each took over from the one before and ran the image again, one after another, to the same NaN.
+    with (
+        serving_client(fp32_model_path, max_batch_size=1, cache_size=8) as client,
+        ThreadPoolExecutor(3) as pool,
+    ):
+        engine = client.app.state.serving.engine
+        gate = Gate(engine)
+        engine.session = ChangedOutput(engine.session, lambda logits: logits * np.nan)
+        leader = gate.hold(pool, post_file, client, images[0])
+        followers = [pool.submit(post_file, client, images[0]) for _ in range(2)]
+        wait_until(lambda: client.app.state.serving.in_flight == 3, "the followers to wait for the leader")
+        gate.release.set()
+        for answer in (leader, *followers):
+            assert answer.result().status_code == 500 and "not finite" in answer.result().json()["detail"]
+        assert gate.batch_sizes == [1]  # computed once
+        assert post_file(client, images[0]).status_code == 500 and gate.batch_sizes == [1, 1]  # and not cached
 
 
 def test_an_engine_call_that_does_not_return_turns_the_probes_503_until_it_does(
@@ -691,19 +713,6 @@ def test_engine_predict_refuses_an_array_other_than_a_preprocessed_batch(fp32_mo
             engine.predict(wrong_type)  # OpenVINO answered a uint8 batch
 
 
-class ReshapingSession:
-    """An onnxruntime session whose output `reshape` turns into another shape."""
-
-    def __init__(self, session, reshape):
-        self.session, self.reshape = session, reshape
-
-    def run(self, outputs, feeds):
-        return [self.reshape(self.session.run(outputs, feeds)[0])]
-
-    def __getattr__(self, name):
-        return getattr(self.session, name)
-
-
 @pytest.mark.parametrize(
     "reshape, shape",
     [
@@ -715,7 +724,7 @@ class ReshapingSession:
 def test_engine_predict_refuses_output_out_of_shape(fp32_model_path, reshape, shape):
     # Rows go to requests by position: one row for two images, or 10 classes for 1000, was answered 200.
     engine = Engine.load(fp32_model_path)
-    engine.session = ReshapingSession(engine.session, reshape)
+    engine.session = ChangedOutput(engine.session, reshape)
     with pytest.raises(InferenceError, match=re.escape(f"with output of shape {shape}, not (2, 1000)")):
         engine.predict(np.zeros((2, 3, 224, 224), np.float32))
 
