@@ -25,6 +25,14 @@ def in_flight(url: str) -> float:
     return metric(url, "mnv3_in_flight ")
 
 
+def accepts(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=WAIT_S).close()
+    except ConnectionRefusedError:
+        return False
+    return True
+
+
 def test_sigterm_answers_every_accepted_request_then_exits_0(fp32_model_path):
     images = load_images(REQUESTS, seed=7)
     # One core for decoding and one for inference, no batching: the requests take a while to get through.
@@ -96,7 +104,7 @@ def test_a_second_ctrl_c_quits_at_once_without_a_traceback(fp32_model_path):
             stalled.sendall(head.encode() + b"\xff\xd8" * 50)  # a tenth of the body, then nothing
             wait_until(lambda: in_flight(url) == 1, "the upload to be admitted")
             server.process.send_signal(signal.SIGINT)  # waits for the upload, up to --shutdown-timeout-s
-            time.sleep(0.5)
+            wait_until(lambda: not accepts(host, int(port)), "the first Ctrl-C to close the port")
             server.process.send_signal(signal.SIGINT)
             stalled.settimeout(WAIT_S)
             answer = b"".join(iter(lambda: stalled.recv(65536), b""))
