@@ -26,6 +26,18 @@ class Computation:
         return self.result
 
 
+async def leader_and_follower(compute: Computation, follow=None):
+    """A cache and two requests for one image in it: the leader computing, held until `compute.release`, and a
+    follower waiting on it (through `follow`)."""
+    cache = ResultCache(maxsize=8, model_id="m")
+    compute.release.clear()
+    leader = asyncio.create_task(cache.get_or_compute(b"x", compute))
+    await asyncio.sleep(0)
+    follower = asyncio.create_task(cache.get_or_compute(b"x", compute, follow=follow))
+    await asyncio.sleep(0)
+    return cache, leader, follower
+
+
 def run(coroutine):
     return asyncio.run(asyncio.wait_for(coroutine, 10))
 
@@ -131,13 +143,8 @@ def test_a_failed_computation_leaves_no_cycle_holding_the_request(requests):
 
 def test_cancelled_leader_hands_over_to_a_follower():
     async def scenario():
-        cache = ResultCache(maxsize=8, model_id="m")
         compute = Computation()
-        compute.release.clear()
-        leader = asyncio.create_task(cache.get_or_compute(b"x", compute))
-        await asyncio.sleep(0)
-        follower = asyncio.create_task(cache.get_or_compute(b"x", compute))
-        await asyncio.sleep(0)
+        cache, leader, follower = await leader_and_follower(compute)
         leader.cancel()
         await asyncio.sleep(0)
         compute.release.set()
@@ -174,13 +181,8 @@ def test_a_cancelled_follower_leaves_the_leader_its_result():
     # A follower awaiting the leader's future itself, not a shield of it, would cancel that future when its own
     # request is cancelled: the leader would then fail to set its result (InvalidStateError, a 500).
     async def scenario():
-        cache = ResultCache(maxsize=8, model_id="m")
         compute = Computation()
-        compute.release.clear()
-        leader = asyncio.create_task(cache.get_or_compute(b"x", compute))
-        await asyncio.sleep(0)
-        follower = asyncio.create_task(cache.get_or_compute(b"x", compute))
-        await asyncio.sleep(0)
+        cache, leader, follower = await leader_and_follower(compute)
         follower.cancel()
         with pytest.raises(asyncio.CancelledError):
             await follower
@@ -199,9 +201,7 @@ def test_an_error_raised_by_follow_ends_only_that_follower():
         pass
 
     async def scenario():
-        cache = ResultCache(maxsize=8, model_id="m")
         compute = Computation()
-        compute.release.clear()
         client_left = asyncio.Event()
 
         async def follow(waiting):  # as the server's unless_disconnected: the wait ends when the client leaves
@@ -209,10 +209,7 @@ def test_an_error_raised_by_follow_ends_only_that_follower():
             waiting.cancel()
             raise ClientLeft("the follower's client left")
 
-        leader = asyncio.create_task(cache.get_or_compute(b"x", compute))
-        await asyncio.sleep(0)
-        follower = asyncio.create_task(cache.get_or_compute(b"x", compute, follow=follow))
-        await asyncio.sleep(0)
+        cache, leader, follower = await leader_and_follower(compute, follow)
         client_left.set()
         await asyncio.wait([follower], timeout=5)
         assert follower.done() and not leader.done()  # it ended while the leader still computes
@@ -230,13 +227,8 @@ def test_a_follower_cancelled_with_its_leader_ends_cancelled_instead_of_computin
     # Cancelled in the same tick as its leader, a follower finds the leader's future cancelled; taken for a
     # hand-over, its own cancellation would be swallowed and it would compute for a request nobody awaits.
     async def scenario():
-        cache = ResultCache(maxsize=8, model_id="m")
         compute = Computation()
-        compute.release.clear()
-        leader = asyncio.create_task(cache.get_or_compute(b"x", compute))
-        await asyncio.sleep(0)
-        follower = asyncio.create_task(cache.get_or_compute(b"x", compute))
-        await asyncio.sleep(0)
+        cache, leader, follower = await leader_and_follower(compute)
         leader.cancel()  # first: its future is cancelled by the time the follower wakes
         follower.cancel()
         compute.release.set()
