@@ -630,7 +630,8 @@ def _blanked(piece: bytes, keys: Keys) -> bytes | None:
 
 
 def _decoded(text: bytes) -> bytes:
-    return unquote_to_bytes(text.replace(b"+", b" ")) if b"%" in text or b"+" in text else text
+    # Percent-decoding only: a '+' stays one, as a key may hold it, and form encoding's space never is in a key.
+    return unquote_to_bytes(text) if b"%" in text else text
 
 
 def _is_key(text: bytes, keys: Keys) -> bool:

@@ -243,7 +243,8 @@ def test_a_key_in_the_query_string_is_refused_even_a_valid_one(client, query):
     assert client.post("/predict", params={"model": "fp32"}, headers=bearer(INFER_KEY)).status_code == 200
 
 
-ODD_KEYS = ("base64-key-ending-in-padding+/==", "key;with;semicolons0123456789")  # a key may hold these
+# A key may hold these; and need not hold a word such as "key", which a parameter's name is matched against.
+ODD_KEYS = ("base64-key-ending-in-padding+/==", "key;with;semicolons0123456789", "Zq8vN3xTb1Lw0pRm5sYc2")
 
 
 @pytest.mark.parametrize(
@@ -257,6 +258,9 @@ ODD_KEYS = ("base64-key-ending-in-padding+/==", "key;with;semicolons0123456789")
         ("a=1&" * 100 + "model={key}", "a=1&" * 100 + "REDACTED"),  # however many come before
         ("{padded}", "REDACTED"),  # ends in '=': the whole parameter is the key
         ("v={padded}", "REDACTED"),  # a raw '+' in it, as sent
+        ("v={mixed}", "REDACTED"),  # a raw '+' and the rest percent-encoded: '+' is no space in a key
+        ("model={plain}", "REDACTED"),  # long enough to be a key, under a name no key is given
+        ("{plain}", "REDACTED"),
         ("{semicolons}", "REDACTED"),
         ("API_KEY=x&model=fp32", "API_KEY=REDACTED&model=fp32"),  # a name clients give keys
         ("model=fp32&x=1;token=abc", "model=fp32&REDACTED"),
@@ -265,7 +269,12 @@ ODD_KEYS = ("base64-key-ending-in-padding+/==", "key;with;semicolons0123456789")
 )
 def test_a_key_anywhere_in_the_query_string_is_refused_and_blanked(query, logged):
     written = query.format(
-        key=INFER_KEY, quoted=INFER_KEY.replace("-", "%2D"), padded=ODD_KEYS[0], semicolons=ODD_KEYS[1]
+        key=INFER_KEY,
+        quoted=INFER_KEY.replace("-", "%2D"),
+        padded=ODD_KEYS[0],
+        mixed=ODD_KEYS[0].replace("/", "%2F").replace("=", "%3D"),
+        semicolons=ODD_KEYS[1],
+        plain=ODD_KEYS[2],
     )
     keys = parse_keys(KEY_FILE + "".join(f"{key} infer\n" for key in ODD_KEYS))
     scope = {"type": "http", "method": "GET", "path": "/stats", "query_string": written.encode(), "headers": []}
