@@ -202,12 +202,53 @@ def test_refusals_on_v2_paths_use_the_protocols_error_shape(client):
     assert set(client.post("/predict").json()) == {"detail"}
 
 
+def test_behind_a_root_path_the_rules_apply_to_the_path_the_app_routes_on(clock):
+    # Under --root-path /mnv3 the scope's path starts with the root path (uvicorn prepends it, as the test client
+    # does when given one): judged on that path, probes would get a 401 and infer keys a 403.
+    with TestClient(protected_app(clock), root_path="/mnv3") as client:
+        assert client.get("/mnv3/healthz").status_code == 200
+        assert client.get("/mnv3").status_code == 200  # the page's shell, /
+        assert client.post("/mnv3/predict", headers=bearer(INFER_KEY), content=b"x").json() == {"body_bytes": 1}
+        assert client.get("/mnv3/v2/models/fp32/config", headers=bearer(INFER_KEY)).status_code == 200
+        refused = client.get("/mnv3/predict", headers=bearer(INFER_KEY))
+        assert refused.status_code == 403 and reason(refused).endswith("; this key may make POST /predict")
+        assert set(client.post("/mnv3/v2/models/fp32/infer").json()) == {"error"}  # the protocol's error shape
+        # not under the root path: a sibling of the same length, and one the root path is a prefix of
+        for path in ("/mnv4/healthz", "/mnv3x/healthz"):
+            assert client.get(path).status_code == 401, path
+
+
 def test_bearer_and_x_api_key_both_work_and_the_sha256_line_accepts_its_key(client):
     for headers in (bearer(ADMIN_KEY), {"X-API-Key": ADMIN_KEY}, {"authorization": f"bearer  {ADMIN_KEY} "}):
         assert client.get("/metrics", headers=headers).status_code == 200, headers
     # the digest itself is not a key
     digest = hashlib.sha256(ADMIN_KEY.encode()).hexdigest()
     assert client.get("/metrics", headers=bearer(f"sha256:{digest}")).status_code == 401
+
+
+def test_a_key_is_matched_on_its_whole_digest():
+    # A wrong key whose sha256 shares a prefix with a stored key's would be accepted.
+    digest = hashlib.sha256(INFER_KEY.encode()).hexdigest()
+    near = digest[:-1] + ("0" if digest[-1] != "0" else "1")  # all but the last hex digit
+    assert parse_keys(f"sha256:{near} infer\n").match(INFER_KEY) is None
+    keys = parse_keys(KEY_FILE)
+    assert not any(keys.match(f"random-{index}-0123456789abcdef") for index in range(1000))
+
+
+def test_matching_a_key_compares_every_stored_digest(monkeypatch):
+    # Stopping at the matching key would let the time to answer tell how far down the file a key is.
+    compared, compare = [], auth.hmac.compare_digest
+
+    def counting(a, b):
+        compared.append(1)
+        return compare(a, b)
+
+    keys = parse_keys(KEY_FILE)
+    monkeypatch.setattr(auth.hmac, "compare_digest", counting)
+    for presented, name in ((INFER_KEY, "client"), ("wrong-key-0123456789abcdef", None)):  # the first line's key
+        compared.clear()
+        assert getattr(keys.match(presented), "name", None) == name
+        assert len(compared) == len(keys.keys) == 4
 
 
 @pytest.mark.parametrize(
@@ -365,6 +406,23 @@ def test_refused_requests_do_not_spend_tokens(client, clock):
     assert [client.post("/predict", headers=limited).status_code for _ in range(3)] == [200, 200, 429]
 
 
+def test_refusals_for_requests_in_flight_do_not_spend_tokens(clock):
+    # Each 429 key_in_flight would spend a token of the key's rate, so a client retrying it would be rate-limited.
+    keys = parse_keys(f"{LIMITED_KEY} infer rate=30/min burst=2 in_flight=1\n", clock=clock)
+    middleware, (key,) = ApiKeyAuth(None, keys), keys.keys
+
+    def decide():
+        headers = [(b"x-api-key", LIMITED_KEY.encode())]
+        scope = {"type": "http", "method": "POST", "path": "/predict", "headers": headers}
+        refusal = middleware.decide(scope).refusal
+        return refusal and refusal.label
+
+    keys.in_flight[key.digest] = 1  # one request under way, its bound
+    assert [decide() for _ in range(3)] == ["key_in_flight"] * 3
+    keys.in_flight[key.digest] = 0
+    assert [decide() for _ in range(3)] == [None, None, "rate_limited"]  # the whole burst, unspent
+
+
 def test_a_path_cannot_write_a_log_line_of_its_own(client, caplog):
     caplog.set_level(logging.INFO)
     forged = "/model%0d%0a2026-12-05 07:00:00,000 INFO mnv3.auth: key ops granted admin"
@@ -407,6 +465,10 @@ def test_websockets_are_refused(client):
         "//metrics",
         "/docs/../model",
         "/v2/health/live/..",
+        "/static/..",  # each of these four would be open, but for its dot or empty segment
+        "/static/.",
+        "/docs/..",
+        "/static//x",
         "/predict/",
         "/PREDICT",
     ],
@@ -420,6 +482,33 @@ def test_open_paths_are_open_to_reads_only():
     assert required_scope("GET", "/healthz") is Scope.OPEN and required_scope("HEAD", "/") is Scope.OPEN
     assert required_scope("POST", "/healthz") is Scope.ADMIN and required_scope("DELETE", "/static/a.js") is Scope.ADMIN
     assert required_scope("GET", "/predict") is Scope.ADMIN  # only POST /predict is inference
+
+
+@pytest.mark.parametrize(
+    "method, path",
+    [
+        ("GET", "/healthzx"),
+        ("GET", "/healthz/x"),
+        ("GET", "/static"),
+        ("GET", "/staticx"),
+        ("GET", "/docsx"),
+        ("GET", "/openapi.jsonx"),
+        ("GET", "/v2/models/a/b/ready"),
+        ("GET", "/v2/models/a/b"),
+        ("GET", "/models/x"),
+        ("GET", "/statsx"),
+        ("GET", "/metricsx"),
+        ("POST", "/predictx"),
+        ("PUT", "/predict"),
+        ("POST", "/v2/models/a/b/infer"),
+        ("DELETE", "/v2/repository/index"),
+        ("POST", "/metrics"),
+    ],
+)
+def test_paths_next_to_listed_ones_need_admin(method, path):
+    # A rule matching more than its own paths (a prefix, a segment too many, another method) would open or
+    # grant infer or metrics on paths nobody listed, where default-deny asks for admin.
+    assert required_scope(method, path) is Scope.ADMIN
 
 
 @pytest.mark.parametrize(
@@ -498,6 +587,7 @@ def test_the_key_maker_prints_a_line_the_key_file_takes_with_its_options(capsys)
     key_line, file_line = capsys.readouterr().out.splitlines()
     key, line = key_line.rpartition(" ")[2], file_line.removeprefix("line for the key file: ")
     assert line.endswith(" admin rate=50/s burst=100 name=ci") and key not in line
+    assert len(key) >= 43  # 32 random bytes: a shorter key could be guessed
     keys = parse_keys(line)
     (made,) = keys.keys
     assert (made.name, made.scope, made.limit.rate_per_s, made.limit.burst) == ("ci", Scope.ADMIN, 50.0, 100)
@@ -528,6 +618,8 @@ def test_the_key_maker_refuses_options_the_key_file_would(flags, problem, capsys
         ("[::1]", True),
         ("localhost", True),
         ("LOCALHOST", True),
+        ("app.localhost", True),  # *.localhost resolves to loopback (RFC 6761)
+        ("notlocalhost", False),  # a name merely ending in localhost could resolve anywhere
         ("::ffff:127.0.0.1", True),
         ("0.0.0.0", False),
         ("::", False),
@@ -635,6 +727,18 @@ def test_keys_read_again_keep_the_buckets_of_unchanged_rates_and_the_counts_of_r
     keys.replace_with(parse_keys(f"{INFER_KEY} infer\n"))  # the limited key revoked while its request runs
     assert keys.match(LIMITED_KEY) is None and keys.in_flight[limited.digest] == 1
     keys.in_flight[limited.digest] -= 1  # its end, counted down without a KeyError
+
+
+def test_a_key_added_by_reading_the_keys_again_is_spotted_in_the_url():
+    # A key the reload added, sent as a query value under any name, would reach the access log.
+    new_key = "new-key-0123456789abcdef"
+    keys = parse_keys(KEY_FILE)
+    keys.replace_with(parse_keys(KEY_FILE + f"{new_key} infer\n"))
+    query = f"model=fp32&model={new_key}".encode()
+    scope = {"type": "http", "method": "GET", "path": "/stats", "query_string": query, "headers": []}
+    refusal = ApiKeyAuth(None, keys).decide(scope).refusal
+    assert refusal is not None and (refusal.status, refusal.label) == (400, "key_in_url")
+    assert scope["query_string"] == b"model=fp32&REDACTED"
 
 
 def test_keys_read_again_keep_a_bucket_whose_rate_is_only_written_otherwise_and_count_what_a_new_bound_covers():
