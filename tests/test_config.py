@@ -103,6 +103,11 @@ def test_a_refused_variable_is_quoted_as_written(capsys):
     assert capsys.readouterr().err.endswith("got 'verbose' (from MNV3_LOG_LEVEL=Verbose)\n")
 
 
+def test_the_server_listens_on_this_machine_alone_unless_told_otherwise():
+    # 0.0.0.0 by default would put a server without keys on every network the machine is on.
+    assert ServerConfig(model="a.onnx").host == "127.0.0.1"
+
+
 def test_an_empty_host_is_refused_naming_its_variable(capsys):
     with pytest.raises(SystemExit) as exited:
         parse_args([], environ={"MNV3_MODEL": "m.onnx", "MNV3_HOST": ""})

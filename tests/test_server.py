@@ -690,15 +690,19 @@ def test_engine_load_refuses_a_manifest_cut_short_with_its_own_error_under_eithe
 def test_a_model_built_before_class_names_json_keeps_its_labels(fp32_model_dir, tmp_path):
     # Stage 1 wrote imagenet_classes.json (its manifest names it) before the file was renamed: the new server
     # served such a model as class_<id>.
-    shutil.copy(fp32_model_dir / "fp32.onnx", tmp_path / "fp32.onnx")
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    shutil.copy(fp32_model_dir / "fp32.onnx", model_dir / "fp32.onnx")
     manifest = {"fp32": {"path": "fp32.onnx", "class_names": "imagenet_classes.json"}}  # as stage 1 wrote it
-    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    (model_dir / "manifest.json").write_text(json.dumps(manifest))
     names = [f"old name {i}" for i in range(1000)]
+    (model_dir / "imagenet_classes.json").write_text(json.dumps(names))
+    assert Engine.load(model_dir / "fp32.onnx").class_names == names
+    # a name beside the model, never a path: a file outside its folder is not read
     (tmp_path / "imagenet_classes.json").write_text(json.dumps(names))
-    assert Engine.load(tmp_path / "fp32.onnx").class_names == names
-    manifest["fp32"]["class_names"] = "../imagenet_classes.json"  # a name beside the model, never a path
-    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
-    assert Engine.load(tmp_path / "fp32.onnx").class_names == []
+    manifest["fp32"]["class_names"] = "../imagenet_classes.json"
+    (model_dir / "manifest.json").write_text(json.dumps(manifest))
+    assert Engine.load(model_dir / "fp32.onnx").class_names == []
 
 
 def test_engine_predict_refuses_an_array_other_than_a_preprocessed_batch(fp32_model_path):
@@ -727,6 +731,14 @@ def test_engine_predict_refuses_output_out_of_shape(fp32_model_path, reshape, sh
     engine.session = ChangedOutput(engine.session, reshape)
     with pytest.raises(InferenceError, match=re.escape(f"with output of shape {shape}, not (2, 1000)")):
         engine.predict(np.zeros((2, 3, 224, 224), np.float32))
+
+
+def test_engine_predict_gives_finite_probabilities_for_large_logits(fp32_model_path):
+    # The softmax shifts by each row's largest logit: exp(1000) alone overflows, and the image would get a 500.
+    engine = Engine.load(fp32_model_path)
+    engine.session = ChangedOutput(engine.session, lambda logits: logits + 1000)
+    probabilities = engine.predict(np.zeros((2, 3, 224, 224), np.float32))
+    assert np.isfinite(probabilities).all() and np.allclose(probabilities.sum(axis=1), 1)
 
 
 def test_a_pytorch_checkpoint_as_the_model_exits_2_saying_to_export_it(tmp_path):
