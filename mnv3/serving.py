@@ -13,7 +13,8 @@ Guarantees:
   and the lock makes them take turns, because one call already spreads over every core
   (--intra-op-threads) and two at once would only oversubscribe them;
 - a model's batcher starts only after every model has warmed up, so warm-up calls never overlap
-  anything; readiness (`unready` None) means every model is warmed up and the server is not draining;
+  anything; readiness (`unready` None) means every model is warmed up, no call into an engine has run past
+  STUCK_AFTER_S, and the server is not draining;
 - a request's decode, queueing and inference are cancelled when its deadline passes or its client
   leaves (`unless_disconnected`), so abandoned work is dropped, not computed (a decode under way runs to
   its end, and its image is not queued).
