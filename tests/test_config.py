@@ -103,6 +103,44 @@ def test_a_refused_variable_is_quoted_as_written(capsys):
     assert capsys.readouterr().err.endswith("got 'verbose' (from MNV3_LOG_LEVEL=Verbose)\n")
 
 
+# Each setting's least value, below which it is refused at start-up (0 in-flight or queue places, a top-0
+# answer, a 0 ms deadline or body timeout would make every request fail instead).
+MINIMUMS = {
+    "port": 0,
+    "cache_size": 0,
+    "batch_window_ms": 0,
+    "max_batch_size": 1,
+    "max_in_flight": 1,
+    "queue_limit": 1,
+    "deadline_ms": 1,
+    "intra_op_threads": 1,
+    "inter_op_threads": 1,
+    "batch_threads": 0,
+    "preprocess_threads": 1,
+    "max_upload_bytes": 1,
+    "max_pixels": 1,
+    "body_timeout_s": 0.001,
+    "shutdown_delay_s": 0,
+    "shutdown_timeout_s": 0,
+    "keep_alive_s": 0.001,
+    "top_k": 1,
+    "max_request_images": 0,
+}
+
+
+@pytest.mark.parametrize("setting", MINIMUMS)
+def test_a_value_below_a_settings_minimum_is_refused_and_the_minimum_taken(setting):
+    least = MINIMUMS[setting]
+    below = least - 1 if isinstance(least, int) else least / 2
+    assert getattr(ServerConfig(model="a.onnx", **{setting: least}), setting) == least
+    with pytest.raises(ValueError, match=f"--{setting.replace('_', '-')} must be at least {least}, got {below}"):
+        ServerConfig(model="a.onnx", **{setting: below})
+
+
+def test_every_bounded_setting_has_its_minimum_pinned():
+    assert {f.name for f in fields(ServerConfig) if f.metadata.get("minimum") is not None} == set(MINIMUMS)
+
+
 def test_the_server_listens_on_this_machine_alone_unless_told_otherwise():
     # 0.0.0.0 by default would put a server without keys on every network the machine is on.
     assert ServerConfig(model="a.onnx").host == "127.0.0.1"
