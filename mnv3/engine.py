@@ -398,9 +398,11 @@ def class_names_file(model_dir: Path) -> Path:
     """CLASS_NAMES_JSON beside the model, or else the file its manifest records: a model built before the
     file had that name (imagenet_classes.json) keeps its labels, not class_<id>."""
     path = model_dir / CLASS_NAMES_JSON
+    if path.exists():
+        return path
     export = read_manifest(model_dir).get("fp32")
     recorded = export.get("class_names") if isinstance(export, dict) else None
-    if not path.exists() and isinstance(recorded, str) and Path(recorded).name == recorded:  # a name, no path
+    if isinstance(recorded, str) and Path(recorded).name == recorded:  # a name beside the model, no path
         return model_dir / recorded
     return path
 

@@ -24,8 +24,8 @@ import asyncio
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager, suppress
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Annotated
 
@@ -272,7 +272,12 @@ class Serving:
     def unready(self) -> str | None:
         """Why the server is not ready (what /readyz says with its 503), or None: draining comes first, so a
         warm-up ending meanwhile cannot make it ready again."""
-        return "shutting down" if self.draining else self.stuck or self.not_ready_reason
+        return self._every_model_held or self.not_ready_reason
+
+    @property
+    def _every_model_held(self) -> str | None:
+        """Why no model can be ready, whatever its own state: the server drains, or an inference is stuck."""
+        return "shutting down" if self.draining else self.stuck
 
     @property
     def not_live(self) -> str | None:
@@ -283,9 +288,7 @@ class Serving:
     def model_unready(self, served: ServedModel) -> str | None:
         """Why `served` is not ready (its /v2 ready route's 503), or None: a draining server, or a stuck
         inference, holds every model."""
-        if self.draining or self.stuck:
-            return self.unready
-        return served.not_ready_reason and f"model {served.name} {served.not_ready_reason}"
+        return self._every_model_held or (served.not_ready_reason and f"model {served.name} {served.not_ready_reason}")
 
     async def warm_up(self) -> None:
         """Warm every model up, one after the other, then start batching. Requests queue meanwhile. A model
@@ -407,27 +410,16 @@ async def _cancel_on_disconnect(request: Request, task: asyncio.Task) -> None:
 async def in_daemon_thread(function) -> None:
     """`function()` run in a daemon thread and awaited. asyncio.to_thread's executor is joined when the event
     loop closes, so a call that never returns (a hung runtime) kept a stopped server's process alive."""
-    loop = asyncio.get_running_loop()
-    done = loop.create_future()
-
-    def settle(error: BaseException | None) -> None:
-        if done.done():  # cancelled meanwhile: the server is stopping
-            return
-        if error is None:
-            done.set_result(None)
-        else:
-            done.set_exception(error)
+    done: Future = Future()  # a thread's, which asyncio.wrap_future hands to the loop
 
     def run() -> None:
+        if not done.set_running_or_notify_cancel():  # cancelled before it began: the server is stopping
+            return
         try:
-            function()
+            done.set_result(function())
         except BaseException as exc:  # handed to the awaiting task, as to_thread does
-            outcome: BaseException | None = exc
-        else:
-            outcome = None
-        with suppress(RuntimeError):  # the loop has closed: nobody awaits it any more
-            loop.call_soon_threadsafe(settle, outcome)
+            done.set_exception(exc)
 
     # Not named as an inference thread: thread_cpu counts those for the batcher's life, and this one exits.
     threading.Thread(target=run, name="mnv3-warm-up", daemon=True).start()
-    await done
+    await asyncio.wrap_future(done)  # (dropped there if the loop has closed meanwhile)

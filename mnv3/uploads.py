@@ -175,14 +175,11 @@ class CloseUnreadBody:
             return message
 
         async def send_closing(message: Message) -> None:
-            # A 413 says the body is over the limit: a little over, it is dropped too (DROPPED_BODY_TIMES_LIMIT).
-            dropped = self.limit * (DROPPED_BODY_TIMES_LIMIT if message.get("status") == 413 else 1)
-            if (
-                message["type"] == "http.response.start"
-                and not body_arrived
-                and not refusal_keeps_connection(Request(scope), dropped)
-            ):
-                MutableHeaders(scope=message)["connection"] = "close"
+            if message["type"] == "http.response.start" and not body_arrived:
+                # A 413 says the body is over the limit: a little over, it is dropped too (DROPPED_BODY_TIMES_LIMIT).
+                dropped = self.limit * (DROPPED_BODY_TIMES_LIMIT if message["status"] == 413 else 1)
+                if not refusal_keeps_connection(Request(scope), dropped):
+                    MutableHeaders(scope=message)["connection"] = "close"
             await send(message)
 
         await self.app(scope, receive_and_note, send_closing)
